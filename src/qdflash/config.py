@@ -1,0 +1,152 @@
+"""The experiment config (config/config.yaml): validation with clear errors, and the translation of a
+profile into Hydra overrides for each node (one function, so paths and overrides cannot drift)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import jsonschema
+import yaml
+
+from .errors import QdflashError
+from .paths import REPO_ROOT
+
+SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+PRESET_MODELS = ("smollm2-135m", "tiny-llama", "tiny-qwen3.5", "qwen3.5-4b")
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _key(path: Iterable) -> str:
+    return ".".join(str(p) for p in path) or "(top level)"
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    key = _key(error.absolute_path)
+    value = error.instance
+    kind = error.validator
+    if kind == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        unknown = sorted(set(value) - set(allowed))
+        prefix = f"{key}." if error.absolute_path else ""
+        return f"unknown key {', '.join(prefix + u for u in unknown)}; allowed keys here: {', '.join(allowed)}"
+    if kind == "enum":
+        return f"{key} = {value!r} is not allowed; allowed values: {', '.join(map(str, error.validator_value))}"
+    if kind == "const":
+        return f"{key} = {value!r} is not allowed; it must be {error.validator_value!r}"
+    if kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        op = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[kind]
+        return f"{key} = {value!r} is out of range; it must be {op} {error.validator_value}"
+    if kind == "type":
+        return f"{key} = {value!r} has the wrong type; expected {error.validator_value}"
+    if kind == "required":
+        return f"{key}: {error.message}"
+    return f"{key}: {error.message}"
+
+
+def validation_errors(instance: Any, schema: dict) -> list[str]:
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = []
+    for error in validator.iter_errors(instance):
+        # allOf / $ref wrappers: report the innermost, most specific failures
+        leaves = list(error.context) if error.context else [error]
+        errors.extend(_describe(e) for e in leaves)
+    return sorted(set(errors))
+
+
+def model_problem(key: str, model: str) -> str | None:
+    """A model must be a preset, an existing folder / .gguf file, or a Hub id (`org/name`)."""
+    if model in PRESET_MODELS or Path(model).expanduser().exists() or _HUB_ID.match(model):
+        return None
+    return (
+        f"{key} = {model!r} is not a preset ({', '.join(PRESET_MODELS)}), not an existing folder or .gguf "
+        f"file, and not a Hub id of the form org/name"
+    )
+
+
+def validate_config(config: dict, where: str = "config/config.yaml") -> dict:
+    """Validate the whole experiment config; raise one QdflashError listing every problem."""
+    problems = validation_errors(config, load_schema())
+    if not problems:
+        for name, profile in config["profiles"].items():
+            problem = model_problem(f"profiles.{name}.model", profile["model"])
+            if problem and name == config["profile"]:
+                problems.append(problem)
+    if problems:
+        raise QdflashError(f"{where} is invalid:\n  - " + "\n  - ".join(problems))
+    return config
+
+
+def validate_section(section: Any, definition: str, where: str) -> None:
+    """Validate one part of a config (e.g. a node's `data` group) against `$defs/<definition>`."""
+    schema = load_schema()
+    sub = {"$ref": f"#/$defs/{definition}", "$defs": schema["$defs"]}
+    problems = validation_errors(section, sub)
+    if problems:
+        raise QdflashError(f"{where} is invalid:\n  - " + "\n  - ".join(problems))
+
+
+def active_profile(config: dict) -> dict:
+    return config["profiles"][config["profile"]]
+
+
+def experiment_name(config: dict) -> str:
+    return config.get("experiment") or config["profile"]
+
+
+def results_root(config: dict) -> Path:
+    return Path(config["results_dir"]) / experiment_name(config)
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_PLAIN = re.compile(r"^[A-Za-z0-9_./+:-]+$")
+
+
+def _hydra_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value)
+    if _PLAIN.match(text) and text not in ("null", "true", "false"):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        out: list[tuple[str, Any]] = []
+        for key, sub in value.items():
+            out.extend(flatten(f"{prefix}.{key}" if prefix else str(key), sub))
+        return out
+    return [(prefix, value)]
+
+
+def node_overrides(config: dict, node: str, out_dir: str | Path, sections: Iterable[str]) -> list[str]:
+    """Hydra overrides (`key=value`) that run `node` with the active profile's values.
+
+    `sections`: which profile sections the node reads (e.g. ["data"]); model, device and dtype are
+    always passed. A model that is not a preset is passed as `model.name=<path or Hub id>`.
+    """
+    profile = active_profile(config)
+    model = profile["model"]
+    args = [f"model={model}" if model in PRESET_MODELS else f"model.name={_hydra_value(model)}"]
+    args += [
+        f"device={profile['device']}",
+        f"dtype={profile['dtype']}",
+        f"experiment={_hydra_value(experiment_name(config))}",
+        f"out_dir={_hydra_value(str(out_dir))}",
+        f"tracking.wandb.mode={config['wandb']['mode']}",
+        f"tracking.wandb.project={_hydra_value(config['wandb']['project'])}",
+    ]
+    if config["wandb"].get("entity"):
+        args.append(f"tracking.wandb.entity={_hydra_value(config['wandb']['entity'])}")
+    for section in sections:
+        args += [f"{key}={_hydra_value(value)}" for key, value in flatten(section, profile[section])]
+    return args

@@ -1,0 +1,37 @@
+"""JSON-lines reading and atomic writing."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from ..errors import QdflashError
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict]:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as err:
+                raise QdflashError(f"{path}:{line_no}: not a JSON object per line ({err.msg})") from None
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:
+    """Write rows to `path` through a temporary file renamed into place (never half-written)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    count = 0
+    with open(tmp, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+            count += 1
+    os.replace(tmp, path)
+    return count

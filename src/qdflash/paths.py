@@ -1,0 +1,29 @@
+"""Where things live: the repository's config folder, the model cache, the shared data folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# src/qdflash -> src -> repository root (the project is installed editable: `pip install -e .`).
+REPO_ROOT = PACKAGE_DIR.parents[1]
+
+
+def config_dir() -> Path:
+    """The Hydra config root (`config/` of the repository, or $QDFLASH_CONFIG_DIR)."""
+    return Path(os.environ.get("QDFLASH_CONFIG_DIR", REPO_ROOT / "config")).resolve()
+
+
+def cache_dir() -> Path:
+    """Converted models and tokenizers are cached here ($QDFLASH_CACHE_DIR, else ~/.cache/qdflash)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qdflash"
+    path = Path(os.environ.get("QDFLASH_CACHE_DIR", default))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def shared_data_dir() -> Path | None:
+    """`../shared/data` beside the checkout, when it exists (DESIGN.md, "Offline assets")."""
+    candidate = REPO_ROOT.parent / "shared" / "data"
+    return candidate if candidate.is_dir() else None

@@ -1,0 +1,36 @@
+"""The wrapper every node uses: Hydra config from config/node/<name>.yaml, tracking, clean errors."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+import hydra
+from omegaconf import DictConfig
+
+from ..errors import QdflashError
+from ..paths import config_dir
+from ..tracking import NodeRun, node_run
+
+log = logging.getLogger("qdflash")
+
+
+def stage(name: str) -> Callable[[Callable[[DictConfig, NodeRun], None]], Callable[[], None]]:
+    """Turn `body(cfg, run)` into a Hydra app. A QdflashError (bad input) ends the process with exit
+    code 2 and its message only; other exceptions keep their traceback (they are bugs)."""
+
+    def wrap(body: Callable[[DictConfig, NodeRun], None]) -> Callable[[], None]:
+        @hydra.main(config_path=str(config_dir()), config_name=f"node/{name}", version_base="1.3")
+        def main(cfg: DictConfig) -> None:
+            try:
+                with node_run(cfg, name) as run:
+                    body(cfg, run)
+            except QdflashError as err:
+                log.error("%s: %s", name, err)
+                print(f"\nqdflash {name} failed: {err}", file=sys.stderr)
+                sys.exit(2)
+
+        return main
+
+    return wrap

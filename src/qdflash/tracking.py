@@ -1,0 +1,195 @@
+"""What every DAG node does on entry and exit.
+
+- its outputs are written into a staging folder (Hydra's run dir, ``<out_dir>.partial-<time>``) and
+  moved to ``out_dir`` only when the node succeeded, so a failed node never leaves a folder that
+  Snakemake (or a person) would take as complete;
+- the resolved Hydra config is saved as ``config.yaml``;
+- a W&B run (project from config, group = experiment, job_type = node), offline unless
+  ``WANDB_MODE=online`` (or ``tracking.wandb.mode``) says otherwise, lives in ``<out_dir>/wandb/``;
+- ``metrics.json`` (one flat JSON object: numbers, strings, lists of them) is the output of record,
+  written atomically at the end together with the environment (device, versions, git commit).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, OmegaConf
+
+from .errors import QdflashError
+from .paths import REPO_ROOT
+
+log = logging.getLogger(__name__)
+MARKER = ".qdflash-node.json"
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def check_metric_value(key: str, value: Any) -> Any:
+    """metrics.json contract: numbers, strings, or lists of them; no NaN (it is not JSON)."""
+    def ok(v):
+        if isinstance(v, bool) or v is None:
+            return False
+        if isinstance(v, float):
+            return math.isfinite(v)
+        return isinstance(v, (int, str))
+
+    if ok(value) or (isinstance(value, (list, tuple)) and all(ok(v) for v in value)):
+        return list(value) if isinstance(value, tuple) else value
+    raise TypeError(f"metric {key!r} = {value!r}: metrics.json holds numbers, strings or lists of them")
+
+
+def git_commit() -> str:
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment() -> dict[str, str | int]:
+    """Device, versions and commit: recorded with every number a node produces."""
+    import torch
+    import transformers
+
+    from . import __version__
+
+    env: dict[str, str | int] = {
+        "env.python": platform.python_version(),
+        "env.torch": torch.__version__,
+        "env.transformers": transformers.__version__,
+        "env.qdflash": __version__,
+        "env.git_commit": git_commit(),
+        "env.host": platform.node(),
+        "env.cpu_count": os.cpu_count() or 0,
+        "env.torch_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        env["env.device"] = torch.cuda.get_device_name(0)
+        env["env.cuda"] = torch.version.cuda or "unknown"
+        env["env.gpu_count"] = torch.cuda.device_count()
+    else:
+        env["env.device"] = f"cpu ({platform.processor() or platform.machine()})"
+    return env
+
+
+def _made_by_qdflash(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+class NodeRun:
+    """Handle given to a node's body: `dir` to write into, `log()` for metrics during the run,
+    `metrics` for the output of record."""
+
+    def __init__(self, cfg: DictConfig, node: str, staging: Path, out_dir: Path):
+        self.cfg = cfg
+        self.node = node
+        self.dir = staging
+        self.out_dir = out_dir
+        self.metrics: dict[str, Any] = {}
+        self._wandb = None
+        self._start = time.time()
+
+    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+        """Metrics over time (W&B history); use `metrics[...] = ...` for the final record."""
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def _start_wandb(self) -> None:
+        wb = self.cfg.tracking.wandb
+        mode = os.environ.get("WANDB_MODE", wb.mode)
+        if mode == "disabled":
+            return
+        import wandb
+
+        self._wandb = wandb.init(
+            project=wb.project,
+            entity=wb.entity,
+            group=self.cfg.experiment,
+            job_type=self.node,
+            name=f"{self.cfg.experiment}/{self.node}",
+            dir=str(self.dir),
+            mode=mode,
+            config=OmegaConf.to_container(self.cfg, resolve=True),
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        self.metrics["wandb.mode"] = mode
+        self.metrics["wandb.run_id"] = self._wandb.id
+
+    def _finish_wandb(self, exit_code: int) -> None:
+        if self._wandb is not None:
+            if exit_code == 0:
+                self._wandb.summary.update({k: v for k, v in self.metrics.items() if not isinstance(v, list)})
+            self._wandb.finish(exit_code=exit_code)
+            self._wandb = None
+
+
+def _staging_dir(out_dir: Path) -> Path:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:  # not under Hydra (called from Python)
+        run_dir = out_dir.with_name(f"{out_dir.name}.partial-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    if run_dir.resolve() == out_dir.resolve():
+        raise QdflashError("hydra.run.dir must differ from out_dir (it is the staging folder)")
+    return run_dir
+
+
+@contextmanager
+def node_run(cfg: DictConfig, node: str) -> Iterator[NodeRun]:
+    """Wrap a node's body: see the module docstring."""
+    out_dir = Path(cfg.out_dir).resolve()
+    if out_dir.exists():
+        if not cfg.get("overwrite", False):
+            raise QdflashError(
+                f"output folder {out_dir} already exists. Delete it or pass overwrite=true "
+                f"(Snakemake removes a rule's outputs itself before re-running it)."
+            )
+        if not _made_by_qdflash(out_dir):
+            raise QdflashError(f"output folder {out_dir} exists and was not made by qdflash (no {MARKER}); refusing to replace it")
+    staging = _staging_dir(out_dir)
+    staging.mkdir(parents=True, exist_ok=True)
+    run = NodeRun(cfg, node, staging, out_dir)
+    (staging / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    run.metrics.update(environment())
+    run._start_wandb()
+    log.info("%s: writing to %s (moved to %s on success)", node, staging, out_dir)
+    try:
+        yield run
+    except BaseException:
+        run._finish_wandb(exit_code=1)
+        log.error("%s failed: partial outputs left in %s (not taken as done)", node, staging)
+        raise
+    run.metrics["wall_time_s"] = round(time.time() - run._start, 3)
+    metrics = {key: check_metric_value(key, value) for key, value in run.metrics.items()}
+    run._finish_wandb(exit_code=0)
+    write_json_atomic(staging / "metrics.json", metrics)
+    write_json_atomic(staging / MARKER, {"node": node, "experiment": cfg.experiment, "finished": time.time()})
+    if out_dir.exists():  # overwrite=true on a folder qdflash made
+        shutil.rmtree(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(staging, out_dir)
+    for stale in out_dir.parent.glob(f"{out_dir.name}.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # failed attempts superseded by this success
+    log.info("%s: done in %.1f s -> %s", node, metrics["wall_time_s"], out_dir)

@@ -1,0 +1,27 @@
+import os
+
+import pytest
+
+# Never wait on the network in tests: Hub lookups fail at once instead of retrying for ~25 s.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    from qdflash.models import load_target
+
+    return load_target("tiny-llama", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen():
+    from qdflash.models import load_target
+
+    return load_target("tiny-qwen3.5", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_llama):
+    return tiny_llama.tokenizer

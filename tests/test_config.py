@@ -1,0 +1,91 @@
+import copy
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from qdflash.config import node_overrides, validate_config, validate_section
+from qdflash.errors import QdflashError
+from qdflash.paths import REPO_ROOT, config_dir
+
+
+@pytest.fixture
+def config():
+    return yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+
+
+def error_of(config):
+    with pytest.raises(QdflashError) as err:
+        validate_config(config)
+    return str(err.value)
+
+
+def test_shipped_config_is_valid(config):
+    validate_config(config)
+
+
+def test_negative_sample_count_names_the_key(config):
+    config["profiles"]["default"]["data"]["sources"]["gsm8k"]["n_train"] = -3
+    assert "profiles.default.data.sources.gsm8k.n_train = -3 is out of range; it must be >= 0" in error_of(config)
+
+
+def test_unknown_key_lists_allowed_keys(config):
+    config["profiles"]["ci"]["data"]["generation"]["max_new_tokenz"] = 3
+    msg = error_of(config)
+    assert "unknown key profiles.ci.data.generation.max_new_tokenz" in msg and "max_new_tokens" in msg
+
+
+def test_bad_enum_lists_allowed_values(config):
+    config["profile"] = "laptop"
+    assert "allowed values: ci, default, gpu, qwen3.5-4b" in error_of(config)
+
+
+def test_humaneval_never_trains(config):
+    config["profiles"]["ci"]["data"]["sources"]["humaneval"]["n_train"] = 4
+    assert "profiles.ci.data.sources.humaneval.n_train = 4 is not allowed; it must be 0" in error_of(config)
+
+
+def test_unknown_model_of_active_profile(config):
+    config["profiles"]["default"]["model"] = "smollm3-135m"
+    assert "profiles.default.model = 'smollm3-135m' is not a preset" in error_of(config)
+    config["profiles"]["default"]["model"] = "someorg/some-model"  # a Hub id is fine
+    validate_config(config)
+
+
+def test_every_problem_reported_at_once(config):
+    config["profiles"]["ci"]["data"]["heldout_fraction"] = 2
+    config["profiles"]["ci"]["data"]["generation"]["batch_size"] = 0
+    msg = error_of(config)
+    assert "heldout_fraction" in msg and "batch_size" in msg
+
+
+def test_section_validation_for_hydra_apps(config):
+    data = copy.deepcopy(config["profiles"]["ci"]["data"])
+    validate_section(data, "data", "x")
+    data["generation"]["top_p"] = 1.5
+    with pytest.raises(QdflashError, match="top_p"):
+        validate_section(data, "data", "x")
+
+
+@pytest.mark.parametrize("profile", ["ci", "default", "gpu", "qwen3.5-4b"])
+def test_overrides_reach_hydra_unchanged(config, profile, tmp_path):
+    """The Snakemake profile and the Hydra app agree on every value (no drift)."""
+    config["profile"] = profile
+    args = node_overrides(config, "prepare_data", tmp_path / "out dir's", ["data"])
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose(config_name="node/prepare_data", overrides=args)
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.to_container(cfg.data) == config["profiles"][profile]["data"]
+    assert cfg.model.name == config["profiles"][profile]["model"]
+    assert cfg.out_dir == str(tmp_path / "out dir's")
+    assert cfg.experiment == profile
+
+
+def test_model_path_override(config, tmp_path):
+    config["profiles"]["ci"]["model"] = str(tmp_path / "my model")
+    config["profile"] = "ci"
+    args = node_overrides(config, "prepare_data", tmp_path / "o", ["data"])
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose(config_name="node/prepare_data", overrides=args)
+    assert cfg.model.name == str(tmp_path / "my model")

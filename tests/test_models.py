@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from qdflash.errors import QdflashError
+from qdflash.models import load_target
+
+
+def test_tiny_qwen_is_hybrid(tiny_qwen):
+    types = tiny_qwen.model.config.layer_types
+    assert "linear_attention" in types and "full_attention" in types
+    assert type(tiny_qwen.model).__name__ == "Qwen3_5ForCausalLM"
+
+
+def test_tiny_presets_are_seeded_and_tied(tiny_llama):
+    again = load_target("tiny-llama", device="cpu")
+    for (name, a), (_, b) in zip(tiny_llama.model.state_dict().items(), again.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    m = tiny_llama.model
+    assert m.lm_head.weight.data_ptr() == m.get_input_embeddings().weight.data_ptr()
+    assert tiny_llama.tokenizer.chat_template  # a real chat template, so the data stage runs
+    assert tiny_llama.vocab_size == len(tiny_llama.tokenizer)
+
+
+def test_forward_and_hidden_states(tiny_qwen):
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert tiny_qwen.model(input_ids=ids).logits.shape == (1, 5, tiny_qwen.vocab_size)
+    hs = tiny_qwen.hidden_states(ids, [1, 3])
+    assert hs.shape == (1, 5, 2 * tiny_qwen.hidden_size)
+    with pytest.raises(QdflashError, match="out of range"):
+        tiny_qwen.hidden_states(ids, [tiny_qwen.num_layers])
+
+
+def test_unknown_preset_says_where_it_looked():
+    with pytest.raises(QdflashError) as err:
+        load_target("smollm3-135m")
+    msg = str(err.value)
+    assert "smollm3-135m" in msg and "smollm2-135m, tiny-llama, tiny-qwen3.5, qwen3.5-4b" in msg and "local path" in msg
+
+
+def test_hub_id_without_network_is_a_clear_error():
+    with pytest.raises(QdflashError, match="Hugging Face Hub id 'someorg/some-model'"):
+        load_target("someorg/some-model")
+
+
+def test_local_folder_round_trip(tiny_llama, tmp_path):
+    tiny_llama.model.save_pretrained(tmp_path)
+    tiny_llama.tokenizer.save_pretrained(tmp_path)
+    loaded = load_target(str(tmp_path), device="cpu")
+    ids = torch.tensor([[1, 5, 9]])
+    torch.testing.assert_close(loaded.model(input_ids=ids).logits, tiny_llama.model(input_ids=ids).logits)
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(QdflashError, match="no config.json"):
+        load_target(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_smollm2_from_the_packaged_gguf():
+    target = load_target("smollm2-135m", device="cpu")
+    cfg = target.model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    assert cfg.tie_word_embeddings
+    m = target.model
+    assert m.lm_head.weight.data_ptr() == m.get_input_embeddings().weight.data_ptr()
+    prompt = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
+    ids = target.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")
+    out = m.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in target.tokenizer.decode(out[0, ids["input_ids"].shape[1]:])

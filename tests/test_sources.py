@@ -1,0 +1,119 @@
+import gzip
+import json
+
+import pytest
+
+from qdflash.data import sources
+from qdflash.data.sources import iter_json_array, load_source
+from qdflash.errors import QdflashError
+
+
+def write_gsm8k(folder, train_questions, test_questions):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, questions in (("train.jsonl", train_questions), ("test.jsonl", test_questions)):
+        with open(folder / name, "w") as f:
+            for q in questions:
+                f.write(json.dumps({"question": q, "answer": "steps\n#### 7"}) + "\n")
+
+
+@pytest.fixture
+def no_shared(monkeypatch):
+    """A fresh machine: no ../shared/data, no QDFLASH_DATA_DIR, Hub offline."""
+    monkeypatch.setattr(sources, "shared_data_dir", lambda: None)
+    monkeypatch.delenv("QDFLASH_DATA_DIR", raising=False)
+
+
+def test_explicit_path_wins(tmp_path, monkeypatch):
+    write_gsm8k(tmp_path / "explicit", ["explicit q"], ["explicit test"])
+    write_gsm8k(tmp_path / "env" / "gsm8k", ["env q"], ["env test"])
+    monkeypatch.setenv("QDFLASH_DATA_DIR", str(tmp_path / "env"))
+    src = load_source("gsm8k", tmp_path / "explicit")
+    assert [i.prompt for i in src.pool] == ["explicit q"]
+    assert [i.prompt for i in src.eval_items] == ["explicit test"]
+    assert all(i.eval_item for i in src.eval_items) and not any(i.eval_item for i in src.pool)
+    assert src.pool[0].reference == "7"
+
+
+def test_env_dir_before_shared(tmp_path, monkeypatch):
+    write_gsm8k(tmp_path / "env" / "gsm8k", ["env q"], ["env test"])
+    write_gsm8k(tmp_path / "shared" / "gsm8k", ["shared q"], ["shared test"])
+    monkeypatch.setenv("QDFLASH_DATA_DIR", str(tmp_path / "env"))
+    monkeypatch.setattr(sources, "shared_data_dir", lambda: tmp_path / "shared")
+    assert load_source("gsm8k").location == str(tmp_path / "env" / "gsm8k")
+    monkeypatch.delenv("QDFLASH_DATA_DIR")
+    assert load_source("gsm8k").location == str(tmp_path / "shared" / "gsm8k")
+
+
+def test_missing_source_says_where_it_looked(no_shared):
+    with pytest.raises(QdflashError) as err:
+        load_source("gsm8k")
+    message = str(err.value)
+    for place in ("$QDFLASH_DATA_DIR/gsm8k", "../shared/data/gsm8k", "openai/gsm8k", "data.sources.gsm8k.path"):
+        assert place in message
+
+
+def test_explicit_path_that_does_not_exist(tmp_path):
+    with pytest.raises(QdflashError, match="does not exist"):
+        load_source("gsm8k", tmp_path / "nope")
+
+
+def test_malformed_file_is_an_error_not_a_fallthrough(tmp_path):
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "train.jsonl").write_text('{"q": 1}\n')
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("")
+    with pytest.raises(QdflashError, match="lacks 'question'"):
+        load_source("gsm8k", tmp_path / "gsm8k")
+
+
+def test_unknown_source():
+    with pytest.raises(QdflashError, match="known sources"):
+        load_source("nope")
+
+
+def test_truncated_json_array_is_read_as_a_stream():
+    text = '[\n {"a": 1},\n {"a": 2},\n {"a": [3, '
+    assert list(iter_json_array(text)) == [{"a": 1}, {"a": 2}]
+    assert list(iter_json_array('[{"a": 1}, {"a": 2}]')) == [{"a": 1}, {"a": 2}]
+
+
+def test_sharegpt_first_human_turn(tmp_path):
+    data = [
+        {"id": "1", "conversations": [{"from": "human", "value": " Hi there "}, {"from": "gpt", "value": "x"}]},
+        {"id": "2", "conversations": [{"from": "gpt", "value": "starts with gpt"}]},
+        {"id": "3", "conversations": []},
+    ]
+    file = tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    file.write_text(json.dumps(data)[:-1])  # truncated like the shipped file
+    src = load_source("sharegpt", tmp_path)
+    assert [i.prompt for i in src.pool] == ["Hi there"]
+    assert src.pool[0].category == "chat"
+
+
+def test_mmlu_headers_dropped_and_gate_items_reserved(tmp_path):
+    rows = [{"question": "question", "answer_a": "answer_a", "answer_b": "b", "answer_c": "c", "answer_d": "d", "correct_answer": "answer", "topic": "t"}]
+    rows += [
+        {"question": f"What is {i}?", "answer_a": "1", "answer_b": "2", "answer_c": "3", "answer_d": "4", "correct_answer": "B", "topic": "math"}
+        for i in range(200)
+    ]
+    (tmp_path / "mmlu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = load_source("mmlu", tmp_path, mmlu_gate_fraction=0.5)
+    assert len(src.pool) + len(src.eval_items) == 200
+    assert 60 < len(src.eval_items) < 140
+    assert "A. 1\nB. 2" in src.pool[0].prompt and src.pool[0].reference == "B"
+    again = load_source("mmlu", tmp_path, mmlu_gate_fraction=0.5)
+    assert [i.id for i in again.eval_items] == [i.id for i in src.eval_items]
+
+
+def test_humaneval_is_evaluation_only(tmp_path):
+    with gzip.open(tmp_path / "HumanEval.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f(x):\n    "}) + "\n")
+    src = load_source("humaneval", tmp_path)
+    assert src.pool == [] and len(src.eval_items) == 1 and src.eval_items[0].category == "code"
+
+
+def test_shipped_packages_resolve_offline(no_shared):
+    """The default profile's required sources come from PyPI packages (fresh machine, no Hub)."""
+    assert len(load_source("humaneval").eval_items) == 164
+    mmlu = load_source("mmlu")
+    assert len(mmlu.pool) + len(mmlu.eval_items) == 14042
+    assert len(load_source("sharegpt").pool) > 10000

@@ -1,0 +1,72 @@
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from qdflash.errors import QdflashError
+from qdflash.tracking import MARKER, check_metric_value, node_run
+
+
+def make_cfg(out_dir, **extra):
+    return OmegaConf.create(
+        {"out_dir": str(out_dir), "experiment": "test", "overwrite": False,
+         "tracking": {"wandb": {"mode": "offline", "project": "qdflash-tests", "entity": None}}, **extra}
+    )
+
+
+def test_success_writes_record_and_moves_into_place(tmp_path):
+    out = tmp_path / "node"
+    with node_run(make_cfg(out), "demo") as run:
+        assert run.dir != out and not out.exists()  # work happens in a staging folder
+        (run.dir / "result.txt").write_text("ok")
+        run.log({"loss": 1.0}, step=0)
+        run.metrics["answer"] = 42
+        run.metrics["curve"] = [1, 2.5]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["answer"] == 42 and metrics["curve"] == [1, 2.5]
+    assert metrics["env.torch"] and metrics["env.git_commit"] and metrics["env.device"]
+    assert metrics["wandb.mode"] == "offline"
+    assert OmegaConf.load(out / "config.yaml").experiment == "test"
+    assert (out / "result.txt").read_text() == "ok"
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert not list(tmp_path.glob("node.partial-*"))
+
+
+def test_failure_leaves_no_output(tmp_path):
+    out = tmp_path / "node"
+    with pytest.raises(RuntimeError):
+        with node_run(make_cfg(out), "demo") as run:
+            (run.dir / "half.txt").write_text("half")
+            raise RuntimeError("boom")
+    assert not out.exists()  # nothing Snakemake would take as done
+    assert len(list(tmp_path.glob("node.partial-*"))) == 1  # kept for debugging
+
+
+def test_existing_output_is_not_overwritten_silently(tmp_path):
+    out = tmp_path / "node"
+    out.mkdir()
+    (out / "mine.txt").write_text("user data")
+    with pytest.raises(QdflashError, match="already exists"):
+        with node_run(make_cfg(out), "demo"):
+            pass
+    with pytest.raises(QdflashError, match="not made by qdflash"):
+        with node_run(make_cfg(out, overwrite=True), "demo"):
+            pass
+    assert (out / "mine.txt").read_text() == "user data"
+
+
+def test_overwrite_replaces_a_qdflash_output(tmp_path):
+    out = tmp_path / "node"
+    with node_run(make_cfg(out), "demo") as run:
+        run.metrics["v"] = 1
+    assert (out / MARKER).exists()
+    with node_run(make_cfg(out, overwrite=True), "demo") as run:
+        run.metrics["v"] = 2
+    assert json.loads((out / "metrics.json").read_text())["v"] == 2
+
+
+@pytest.mark.parametrize("bad", [float("nan"), None, {"a": 1}, True, [1, None]])
+def test_metric_values_follow_the_contract(bad):
+    with pytest.raises(TypeError):
+        check_metric_value("k", bad)
