@@ -108,10 +108,15 @@ def generate_batched(
     start = time.perf_counter()
     for first in range(0, len(order), batch_size):
         idx = order[first : first + batch_size]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):  # left padding: generation continues at the right edge
+        rows = list(idx)
+        if static_cache_len:
+            # every batch the same size, so the compiled decode step is replayed, never recompiled;
+            # the filler rows (copies of the batch's last prompt) are dropped afterwards
+            rows += [idx[-1]] * (batch_size - len(idx))
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, i in enumerate(rows):  # left padding: generation continues at the right edge
             ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]) :] = 1
         kwargs = dict(extra)
@@ -126,7 +131,7 @@ def generate_batched(
             **kwargs,
         )
         new = out[:, width:].tolist()
-        stats.padded_slots += len(idx) * len(new[0]) if new else 0
+        stats.padded_slots += len(rows) * len(new[0]) if new else 0
         for row, i in enumerate(idx):
             results[i] = cut_at_stop(new[row], eos_set)
             stats.new_tokens += len(results[i].token_ids)
