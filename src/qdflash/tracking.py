@@ -54,6 +54,10 @@ def check_metric_value(key: str, value: Any) -> Any:
 
 
 def git_commit() -> str:
+    """HEAD of the checkout (+ "-dirty"); where there is no git (the GPU machine gets a copy of the
+    tree without it) the caller passes it in $QDFLASH_GIT_COMMIT."""
+    if os.environ.get("QDFLASH_GIT_COMMIT"):
+        return os.environ["QDFLASH_GIT_COMMIT"]
     try:
         commit = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True

@@ -94,6 +94,7 @@ def generate_batched(
     (so the compiled decode step is reused; transformers compiles it for static caches on a GPU).
     """
     device = next(model.parameters()).device
+    batch_size = max(1, min(batch_size, len(prompts)))  # no filler rows when there are fewer prompts
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i])) if sort_by_length else list(range(len(prompts)))
     results: list[Generation | None] = [None] * len(prompts)
     stats = GenerationStats(prompts=len(prompts))
