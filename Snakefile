@@ -13,9 +13,12 @@ configfile: os.path.join(workflow.basedir, "config", "config.yaml")
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
+include: "workflow/rules/target.smk"
 
 
 rule all:
     input:
         DATA_BF16,
+        PTQ_VARIANTS,
+        QAD_VARIANTS,
     default_target: True

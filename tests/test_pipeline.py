@@ -1,11 +1,13 @@
 """End-to-end: the DAG built so far, on the `ci` profile, through Snakemake."""
 
 import json
+import shutil
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 import yaml
 
 from qdflash.data.sources import load_source
@@ -29,6 +31,8 @@ def test_dry_run_lists_the_dag(tmp_path):
     out = snakemake(tmp_path, "-n")
     assert out.returncode == 0, out.stderr
     assert "prepare_data" in out.stdout and "results/default/data/bf16" in out.stdout
+    for job in ("quantize_target", "qad", "ptq_rtn_w4g32", "ptq_gptq_w3g32", "qad_gptq_w3g32"):
+        assert job in out.stdout
 
 
 def test_ci_profile_end_to_end(tmp_path):
@@ -75,6 +79,48 @@ def test_ci_profile_end_to_end(tmp_path):
 
     again = snakemake(tmp_path, "--config", "profile=ci", "experiment=e2e")  # nothing to redo
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+    check_target_stage(tmp_path / "results" / "e2e", data)
+
+
+def check_target_stage(results, data):
+    from safetensors.torch import load_file
+
+    target = results / "target"
+    ptq, qad = target / "ptq_gptq_w4g32", target / "qad_gptq_w4g32"
+    for folder in (target / "ptq_rtn_w4g32", ptq, qad):
+        assert (folder / "metrics.json").is_file() and (folder / "model" / "config.json").is_file()
+        assert (folder / "model" / "dense" / "config.json").is_file()
+        m = json.loads((folder / "metrics.json").read_text())
+        assert m["quant.kl"] > 0 and 0 <= m["quant.top1_agreement"] <= 1 and m["quant.ppl"] > 0
+    qad_metrics = json.loads((qad / "metrics.json").read_text())
+    assert qad_metrics["grid.scales_identical_to_ptq"] == 1
+    assert qad_metrics["qad.step0_kl"] == pytest.approx(json.loads((ptq / "metrics.json").read_text())["quant.kl"], rel=1e-6)
+
+    # the exported grids are bit-identical: every weight_scale tensor of QAD equals the PTQ one
+    before, after = load_file(ptq / "model" / "model.safetensors"), load_file(qad / "model" / "model.safetensors")
+    scales = [k for k in before if k.endswith("weight_scale")]
+    assert scales and all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in scales)
+    # GDN projections stay 16-bit on tiny-qwen3.5
+    assert not any("in_proj_a" in k or "in_proj_b" in k for k in scales)
+    assert any(k.endswith("in_proj_a.weight") for k in after)
+
+    # the step-0 check fires on a tampered scale
+    tampered = results / "tampered_ptq"
+    shutil.copytree(ptq, tampered)
+    tensors = load_file(tampered / "model" / "model.safetensors")
+    tensors[scales[0]] = tensors[scales[0]] * 1.5
+    from safetensors.torch import save_file
+
+    save_file(tensors, tampered / "model" / "model.safetensors", metadata={"format": "pt"})
+    out = subprocess.run(
+        [sys.executable, "-m", "qdflash.stages.qad", "model=tiny-qwen3.5", "device=cpu", "dtype=float32",
+         f"data_dir={data}", f"ptq_dir={tampered}", f"out_dir={results / 'qad_tampered'}",
+         "eval.heldout_samples=" + str(CONFIG["profiles"]["ci"]["eval"]["heldout_samples"]), "tracking.wandb.mode=disabled"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "step-0 check failed" in out.stderr
+    assert not (results / "qad_tampered").exists()
 
 
 def test_failed_node_leaves_no_output(tmp_path):

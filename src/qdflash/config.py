@@ -113,6 +113,8 @@ def _hydra_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
     text = str(value)
     if _PLAIN.match(text) and text not in ("null", "true", "false"):
         return text
@@ -128,11 +130,14 @@ def flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
     return [(prefix, value)]
 
 
-def node_overrides(config: dict, node: str, out_dir: str | Path, sections: Iterable[str]) -> list[str]:
+def node_overrides(
+    config: dict, node: str, out_dir: str | Path, sections: Iterable[str], extra: dict | None = None
+) -> list[str]:
     """Hydra overrides (`key=value`) that run `node` with the active profile's values.
 
     `sections`: which profile sections the node reads (e.g. ["data"]); model, device and dtype are
     always passed. A model that is not a preset is passed as `model.name=<path or Hub id>`.
+    `extra`: overrides that come from the DAG itself (input folders, sweep wildcards).
     """
     profile = active_profile(config)
     model = profile["model"]
@@ -149,4 +154,5 @@ def node_overrides(config: dict, node: str, out_dir: str | Path, sections: Itera
         args.append(f"tracking.wandb.entity={_hydra_value(config['wandb']['entity'])}")
     for section in sections:
         args += [f"{key}={_hydra_value(value)}" for key, value in flatten(section, profile[section])]
+    args += [f"{key}={_hydra_value(value)}" for key, value in (extra or {}).items()]
     return args

@@ -2,7 +2,7 @@
 import shlex
 import sys
 
-from qdflash.config import node_overrides, results_root, validate_config
+from qdflash.config import active_profile, node_overrides, results_root, validate_config
 from qdflash.errors import QdflashError
 
 try:
@@ -11,13 +11,30 @@ except QdflashError as err:
     raise WorkflowError(str(err)) from None
 
 RESULTS = str(results_root(config))
+PROFILE = active_profile(config)
+VARIANTS = PROFILE["variants"]
 PYTHON = shlex.quote(sys.executable)  # the interpreter running Snakemake has qdflash installed
 
+wildcard_constraints:
+    method="rtn|gptq",
+    bits=r"\d+",
+    group=r"\d+|ch",
 
-def hydra_args(node, sections):
-    """Shell-quoted overrides for `node`, writing to the rule's single directory output."""
 
-    def params(wildcards, output):
-        return " ".join(shlex.quote(arg) for arg in node_overrides(config, node, output[0], sections))
+def group_label(group_size):
+    return "ch" if int(group_size) == -1 else str(group_size)
+
+
+def group_size(label):
+    return -1 if label == "ch" else int(label)
+
+
+def hydra_args(node, sections, extra=None):
+    """Shell-quoted overrides for `node`, writing to the rule's single directory output.
+    `extra(wildcards, input)` returns the overrides that come from the DAG (inputs, wildcards)."""
+
+    def params(wildcards, input, output):
+        more = extra(wildcards, input) if extra else {}
+        return " ".join(shlex.quote(arg) for arg in node_overrides(config, node, output[0], sections, more))
 
     return params

@@ -35,3 +35,18 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:
             count += 1
     os.replace(tmp, path)
     return count
+
+
+def load_token_examples(data_dir: str | Path, split: str, limit: int | None = None) -> list[dict]:
+    """The tokenized form written by prepare_data (`<split>.tokens.jsonl`: input_ids, loss_mask)."""
+    path = Path(data_dir) / f"{split}.tokens.jsonl"
+    if not path.is_file():
+        raise QdflashError(f"{path} not found: data_dir must be a prepare_data output folder")
+    rows = []
+    for row in read_jsonl(path):
+        if "input_ids" not in row or "loss_mask" not in row:
+            raise QdflashError(f"{path}: rows need input_ids and loss_mask")
+        rows.append(row)
+        if limit is not None and len(rows) >= limit:
+            break
+    return rows

@@ -1,0 +1,80 @@
+"""Teacher-vs-student math on the logits, computed from final hidden states in vocabulary chunks so
+that full-vocab fp32 logits of a long sequence are never materialised at once (RECIPE.md: a 248K
+vocabulary makes them the largest tensor of QAD)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_kl(h_s, h_t, w_s, w_t, temperature: float):
+    log_p_s = F.log_softmax((h_s.float() @ w_s.float().T) / temperature, dim=-1)
+    log_p_t = F.log_softmax((h_t.float() @ w_t.float().T) / temperature, dim=-1)
+    return (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1)
+
+
+def chunked_kl(
+    h_student: torch.Tensor,
+    h_teacher: torch.Tensor,
+    head_student: torch.Tensor,
+    head_teacher: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
+    """Forward KL(p_teacher || p_student) per token, fp32, over the full vocabulary.
+
+    h_*: [N, H] final hidden states (after the final norm); head_*: [V, H] LM-head weights.
+    Each chunk of `chunk_tokens` rows is recomputed in backward (activation checkpointing), so peak
+    memory is one chunk's [chunk_tokens, V] logits, not N x V.
+    """
+    out = []
+    for start in range(0, h_student.shape[0], chunk_tokens):
+        sl = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled() and h_student.requires_grad:
+            out.append(checkpoint(_chunk_kl, h_student[sl], h_teacher[sl], head_student, head_teacher, temperature, use_reentrant=False))
+        else:
+            out.append(_chunk_kl(h_student[sl], h_teacher[sl], head_student, head_teacher, temperature))
+    return torch.cat(out) if out else h_student.new_zeros(0)
+
+
+def final_hidden(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Hidden states after the final norm (what the LM head reads), without computing the logits."""
+    return model.model(input_ids=input_ids).last_hidden_state
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    return model.get_output_embeddings().weight
+
+
+@torch.no_grad()
+def compare_to_teacher(teacher, student, examples: list[dict], *, chunk_tokens: int = 1024, device=None) -> dict[str, float]:
+    """Held-out agreement of `student` with `teacher` on the response tokens of `examples`
+    (dicts with input_ids and loss_mask): mean forward KL(teacher || student), top-1 agreement of the
+    next-token argmax, and the student's perplexity of the actual response tokens."""
+    device = device or next(student.parameters()).device
+    kl_sum = agree = nll_sum = 0.0
+    count = 0
+    w_t, w_s = lm_head_weight(teacher), lm_head_weight(student)
+    for ex in examples:
+        ids = torch.tensor([ex["input_ids"]], device=device)
+        # position i predicts token i+1: score the positions whose *next* token is a response token
+        predict = torch.tensor(ex["loss_mask"][1:], device=device, dtype=torch.bool)
+        if not predict.any():
+            continue
+        h_t = final_hidden(teacher, ids)[0, :-1][predict]
+        h_s = final_hidden(student, ids)[0, :-1][predict]
+        targets = ids[0, 1:][predict]
+        kl_sum += chunked_kl(h_s, h_t, w_s, w_t, chunk_tokens=chunk_tokens).sum().item()
+        for start in range(0, h_s.shape[0], chunk_tokens):
+            sl = slice(start, start + chunk_tokens)
+            logits_s = h_s[sl].float() @ w_s.float().T
+            logits_t = h_t[sl].float() @ w_t.float().T
+            agree += (logits_s.argmax(-1) == logits_t.argmax(-1)).sum().item()
+            nll_sum += F.cross_entropy(logits_s, targets[sl], reduction="sum").item()
+        count += int(predict.sum())
+    if count == 0:
+        raise ValueError("no response tokens to compare on")
+    return {"kl": kl_sum / count, "top1_agreement": agree / count, "ppl": float(torch.exp(torch.tensor(nll_sum / count))), "tokens": count}

@@ -1,0 +1,98 @@
+"""Quantization-aware distillation: the pieces of the loop (the node is stages/qad.py).
+
+Teacher = the 16-bit target (frozen); student = the target with fake-quant linears on the PTQ
+artifact's grid (scales frozen, latent weights trainable, STE with clipping). Loss = forward
+KL(p_teacher || p_student) per token, fp32, chunked over the vocabulary (qdflash.distill).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from .distill import chunked_kl, final_hidden, lm_head_weight
+from .quant.quantlinear import QuantLinear
+
+
+def pack_sequences(examples: list[dict], seq_len: int, loss_on: str = "all") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Concatenate tokenized conversations into rows of `seq_len` tokens (the last partial row is
+    dropped). The mask marks tokens whose prediction is trained: every token ("all", RECIPE.md) or
+    only assistant tokens ("assistant")."""
+    if loss_on not in ("all", "assistant"):
+        raise ValueError(f"qad.loss_on={loss_on!r}: expected all or assistant")
+    ids: list[int] = []
+    mask: list[int] = []
+    for ex in examples:
+        ids += ex["input_ids"]
+        mask += ex["loss_mask"] if loss_on == "assistant" else [1] * len(ex["input_ids"])
+    rows = len(ids) // seq_len
+    return [
+        (torch.tensor(ids[i * seq_len : (i + 1) * seq_len]), torch.tensor(mask[i * seq_len : (i + 1) * seq_len]))
+        for i in range(rows)
+    ]
+
+
+def kl_loss(teacher, student, ids: torch.Tensor, mask: torch.Tensor, *, temperature: float, chunk_tokens: int) -> torch.Tensor:
+    """Mean per-token KL over positions whose next token is trained (position i predicts token i+1)."""
+    with torch.no_grad():
+        h_t = final_hidden(teacher, ids)[:, :-1]
+    h_s = final_hidden(student, ids)[:, :-1]
+    keep = mask[:, 1:].bool()
+    kl = chunked_kl(h_s[keep], h_t[keep], lm_head_weight(student), lm_head_weight(teacher),
+                    temperature=temperature, chunk_tokens=chunk_tokens)
+    return kl.mean()
+
+
+def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:
+    """Linear warmup to `peak`, then cosine decay to zero at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_student_trainable(student) -> list[torch.nn.Parameter]:
+    """Freeze everything, then give each QuantLinear a trainable latent weight (scales stay frozen)."""
+    for p in student.parameters():
+        p.requires_grad_(False)
+    latents = []
+    for module in student.modules():
+        if isinstance(module, QuantLinear):
+            module.enable_fake_quant(torch.float32)
+            latents.append(module.latent)
+    return latents
+
+
+def save_checkpoint(path: Path, step: int, latents: list[torch.Tensor], optimizer, fingerprint: str) -> None:
+    """Atomic: written to a temporary file, then renamed over the previous checkpoint."""
+    state = {
+        "step": step,
+        "latents": [t.detach().cpu() for t in latents],
+        "optimizer": optimizer.state_dict(),
+        "fingerprint": fingerprint,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, latents: list[torch.Tensor], optimizer, fingerprint: str) -> int:
+    """Resume: returns the step to continue from (0 when there is no usable checkpoint)."""
+    if not path.is_file():
+        return 0
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get("fingerprint") != fingerprint:
+        return 0  # a checkpoint of another configuration: start over
+    with torch.no_grad():
+        for latent, saved in zip(latents, state["latents"]):
+            latent.copy_(saved.to(latent.device))
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    return int(state["step"])

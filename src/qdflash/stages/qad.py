@@ -1,0 +1,144 @@
+"""qad node: quantization-aware distillation that keeps the PTQ artifact's grid.
+
+Before training, the student's step-0 held-out KL must equal the KL the PTQ node recorded (same
+grid, same data): anything else means the student is not the PTQ model (a tampered or mismatched
+artifact) and the run stops. After training the latent weights are rounded back onto the frozen
+grid; the exported `weight_scale` tensors are checked bit-identical to the PTQ artifact's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from ..data.jsonl import load_token_examples
+from ..distill import compare_to_teacher
+from ..errors import QdflashError
+from ..models import load_target, resolve_device, resolve_dtype
+from ..qad import cosine_lr, kl_loss, load_checkpoint, make_student_trainable, pack_sequences, save_checkpoint
+from ..quant.apply import quant_linears
+from ..quant.export import load_quantized, save_quantized
+from ..tracking import NodeRun
+from ._app import stage
+from .quantize_target import record_comparison
+
+log = logging.getLogger("qdflash.qad")
+
+
+def check_step0(kl_now: float, kl_ptq: float, tolerance: float, ptq_dir: Path) -> None:
+    if abs(kl_now - kl_ptq) > tolerance * kl_ptq + 1e-12:
+        raise QdflashError(
+            f"step-0 check failed: the student's held-out KL is {kl_now:.8g} but the PTQ artifact {ptq_dir} "
+            f"recorded {kl_ptq:.8g} (relative tolerance {tolerance}). The student is not the PTQ model: "
+            f"the artifact was modified, or data_dir / eval.heldout_samples differ from the quantize_target run."
+        )
+
+
+def grid_identical(before: dict[str, tuple], after: dict[str, tuple]) -> bool:
+    return before.keys() == after.keys() and all(
+        torch.equal(b[0], a[0]) and b[0].dtype == a[0].dtype and (b[1] is None) == (a[1] is None)
+        and (b[1] is None or torch.equal(b[1], a[1]))
+        for b, a in ((before[k], after[k]) for k in before)
+    )
+
+
+def evaluate(run: NodeRun, teacher, student, heldout, cfg, step: int, prefix: str = "qad") -> dict:
+    was_training = student.training
+    student.eval()
+    result = compare_to_teacher(teacher, student, heldout, chunk_tokens=cfg.eval.chunk_tokens)
+    student.train(was_training)
+    run.log({f"heldout/kl": result["kl"], "heldout/top1": result["top1_agreement"], "heldout/ppl": result["ppl"]}, step=step)
+    log.info("step %d: held-out KL %.5f  top-1 %.4f  ppl %.3f", step, result["kl"], result["top1_agreement"], result["ppl"])
+    return result
+
+
+@stage("qad")
+def main(cfg: DictConfig, run: NodeRun) -> None:
+    qad = cfg.qad
+    ptq_dir = Path(cfg.ptq_dir)
+    ptq_metrics_path = ptq_dir / "metrics.json"
+    if not ptq_metrics_path.is_file():
+        raise QdflashError(f"{ptq_metrics_path} not found: ptq_dir must be a quantize_target output")
+    ptq_metrics = json.loads(ptq_metrics_path.read_text())
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    torch.manual_seed(qad.seed)
+    random.seed(qad.seed)
+
+    teacher = load_target(cfg.model.name, dtype=dtype, device=device).model
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    student, tokenizer, spec = load_quantized(ptq_dir / "model", device=device, dtype=dtype)
+    grid_before = {n: (m.weight_scale.clone(), None if m.weight_zero_point is None else m.weight_zero_point.clone())
+                   for n, m in quant_linears(student).items()}
+
+    heldout = load_token_examples(cfg.data_dir, "heldout", cfg.eval.heldout_samples)
+    rows = pack_sequences(load_token_examples(cfg.data_dir, "train"), qad.seq_len, qad.loss_on)
+    if not rows:
+        raise QdflashError(f"{cfg.data_dir}: not enough training tokens for one packed sequence of {qad.seq_len}")
+    run.metrics.update({"qad.packed_rows": len(rows), "qad.grid": spec.name, "ptq.kl": ptq_metrics["quant.kl"],
+                        "ptq.top1_agreement": ptq_metrics["quant.top1_agreement"], "ptq.ppl": ptq_metrics["quant.ppl"],
+                        "bf16.ppl": ptq_metrics["bf16.ppl"]})
+
+    latents = make_student_trainable(student)
+    step0 = evaluate(run, teacher, student, heldout, cfg, step=0)
+    check_step0(step0["kl"], ptq_metrics["quant.kl"], qad.step0_tolerance, ptq_dir)
+    run.metrics["qad.step0_kl"] = step0["kl"]
+
+    if qad.gradient_checkpointing:
+        student.gradient_checkpointing_enable()
+    optimizer = torch.optim.AdamW(latents, lr=qad.lr, weight_decay=qad.weight_decay)
+    fingerprint = hashlib.sha256(json.dumps(OmegaConf.to_container(cfg.qad, resolve=True), sort_keys=True).encode()
+                                 + str(ptq_dir.resolve()).encode()).hexdigest()
+    ckpt = Path(f"{cfg.out_dir}.ckpt") / "state.pt"
+    start = load_checkpoint(ckpt, latents, optimizer, fingerprint)
+    if start:
+        log.info("resuming from %s at step %d", ckpt, start)
+    warmup = max(1, round(qad.warmup_ratio * qad.steps))
+    student.train()
+    order = random.Random(qad.seed)
+    bar = tqdm(range(start, qad.steps), desc="qad", unit="step", initial=start, total=qad.steps)
+    for step in bar:
+        lr = cosine_lr(step, qad.steps, warmup, qad.lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        picks = [rows[order.randrange(len(rows))] for _ in range(qad.batch_size)]
+        ids = torch.stack([p[0] for p in picks]).to(device)
+        mask = torch.stack([p[1] for p in picks]).to(device)
+        loss = kl_loss(teacher, student, ids, mask, temperature=qad.temperature, chunk_tokens=qad.chunk_tokens)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(latents, qad.grad_clip)
+        optimizer.step()
+        run.log({"train/kl": loss.item(), "train/lr": lr, "train/grad_norm": grad_norm.item()}, step=step + 1)
+        bar.set_postfix(kl=f"{loss.item():.4f}")
+        if (step + 1) % qad.eval_every == 0 and step + 1 < qad.steps:
+            evaluate(run, teacher, student, heldout, cfg, step=step + 1)
+        if (step + 1) % qad.checkpoint_every == 0:
+            save_checkpoint(ckpt, step + 1, latents, optimizer, fingerprint)
+
+    for module in quant_linears(student).values():
+        module.freeze()  # latent weights -> ints on the frozen grid
+    final = evaluate(run, teacher, student, heldout, cfg, step=qad.steps)
+    record_comparison(run, "quant", final)
+    grid_after = {n: (m.weight_scale, m.weight_zero_point) for n, m in quant_linears(student).items()}
+    if not grid_identical(grid_before, grid_after):
+        raise RuntimeError("QAD changed the quantization grid (scales / zero points); this is a bug")
+    run.metrics["grid.scales_identical_to_ptq"] = 1
+    run.metrics["qad.kl_recovered_fraction"] = round(1.0 - final["kl"] / max(ptq_metrics["quant.kl"], 1e-12), 4)
+    save_quantized(student, tokenizer, run.dir / "model", extra={
+        "qdflash": {"node": "qad", "ptq_dir": str(ptq_dir), "grid": spec.name, "source_model": cfg.model.name,
+                    "config": OmegaConf.to_container(qad, resolve=True)}})
+    shutil.rmtree(ckpt.parent, ignore_errors=True)  # finished: the checkpoint is no longer needed
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+# Target: post-training quantization (RTN | GPTQ) and QAD on the same grid.
+
+GROUP = group_label(PROFILE["quant"]["group_size"])
+PTQ = f"{RESULTS}/target/ptq_{{method}}_w{{bits}}g{{group}}"
+QAD = f"{RESULTS}/target/qad_{{method}}_w{{bits}}g{{group}}"
+PTQ_VARIANTS = expand(PTQ, method=VARIANTS["ptq_methods"], bits=VARIANTS["target_bits"], group=GROUP)
+QAD_VARIANTS = expand(QAD, method=VARIANTS["qad_from"], bits=VARIANTS["target_bits"], group=GROUP)
+
+
+rule quantize_target:
+    """W{bits} g{group} weights by RTN or GPTQ (calibrated on the 16-bit target's own responses)."""
+    input:
+        data=DATA_BF16,
+    output:
+        directory(PTQ),
+    params:
+        args=hydra_args(
+            "quantize_target",
+            ["quant", "eval"],
+            lambda wc, input: {"data_dir": input.data, "quant.method": wc.method, "quant.bits": int(wc.bits),
+                               "quant.group_size": group_size(wc.group)},
+        ),
+    threads: workflow.cores
+    shell:
+        "{PYTHON} -m qdflash.stages.quantize_target {params.args}"
+
+
+rule qad:
+    """Quantization-aware distillation from the PTQ artifact, grid kept (scales frozen)."""
+    input:
+        data=DATA_BF16,
+        ptq=PTQ,
+    output:
+        directory(QAD),
+    params:
+        args=hydra_args("qad", ["qad", "eval"], lambda wc, input: {"data_dir": input.data, "ptq_dir": input.ptq}),
+    threads: workflow.cores
+    shell:
+        "{PYTHON} -m qdflash.stages.qad {params.args}"
