@@ -73,3 +73,22 @@ def test_mse_clip_search_never_worse_than_full_range():
     clip = mse_clip_search(w, spec)
     searched = (fake_quantize(w, *compute_scale(w, spec, clip), spec) - w).pow(2).sum()
     assert searched <= full and (clip < 1).any()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_latent_in_cell_rounds_back_to_the_same_ints(symmetric):
+    from qdflash.quant.grid import latent_in_cell
+
+    torch.manual_seed(3)
+    spec = GridSpec(3, 32, symmetric)
+    w = torch.randn(8, 64)
+    scale, zero = compute_scale(w, spec)
+    q = quantize(w, scale, zero, spec)
+    shifted = (q.int() + torch.randint(-1, 2, q.shape)).clamp(spec.qmin, spec.qmax).to(torch.int8)  # GPTQ-like neighbours
+    for ints in (q, shifted):
+        latent = latent_in_cell(ints, scale, zero, spec, reference=w)
+        assert torch.equal(quantize(latent, scale, zero, spec), ints)
+        assert in_range_mask(latent, scale, zero, spec).all()  # never stuck outside (zero STE gradient)
+    # RTN ints + reference: the latent keeps the original weight where it is representable
+    inside = in_range_mask(w, scale, zero, spec)
+    torch.testing.assert_close(latent_in_cell(q, scale, zero, spec, reference=w)[inside], w[inside], atol=1e-3 * scale.max().item(), rtol=0)

@@ -55,14 +55,18 @@ def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_student_trainable(student) -> list[torch.nn.Parameter]:
-    """Freeze everything, then give each QuantLinear a trainable latent weight (scales stay frozen)."""
+def make_student_trainable(student, reference=None) -> list[torch.nn.Parameter]:
+    """Freeze everything, then give each QuantLinear a trainable latent weight (scales stay frozen).
+    `reference`: the 16-bit model the student was quantized from; its weights place each latent
+    inside its rounding cell (see grid.latent_in_cell)."""
     for p in student.parameters():
         p.requires_grad_(False)
+    originals = dict(reference.named_modules()) if reference is not None else {}
     latents = []
-    for module in student.modules():
+    for name, module in student.named_modules():
         if isinstance(module, QuantLinear):
-            module.enable_fake_quant(torch.float32)
+            ref = originals.get(name)
+            module.enable_fake_quant(torch.float32, None if ref is None else ref.weight.detach())
             latents.append(module.latent)
     return latents
 

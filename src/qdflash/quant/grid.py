@@ -131,3 +131,24 @@ def mse_clip_search(
             best_err = torch.where(better, err, best_err)
             best = torch.where(better, torch.full_like(err, ratio), best)
     return best
+
+
+def latent_in_cell(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: GridSpec,
+                   reference: torch.Tensor | None = None, margin: float = 0.999) -> torch.Tensor:
+    """A float weight that rounds back to exactly `q` on this grid (QAD's starting latent).
+
+    Without `reference` it is the grid value itself. With the original 16-bit weights as `reference`,
+    it keeps each weight's fractional position inside its rounding cell (w/s - round(w/s)), moved
+    into the cell of `q` (GPTQ may have picked a neighbouring one) and kept strictly inside it and
+    inside the grid's range. Why: starting every latent at a cell's centre puts it half a step from
+    the nearest rounding boundary, so QAD must move every weight that far before any int changes.
+    """
+    g = _grouped(q.float(), spec)
+    s = scale.float().unsqueeze(-1)
+    z = zero.float().unsqueeze(-1) if zero is not None else 0.0
+    position = g
+    if reference is not None:
+        x = _grouped(reference.float(), spec) / s + z
+        position = g + (x - torch.round(x)) * margin
+    position = position.clamp(spec.qmin, spec.qmax)
+    return ((position - z) * s).reshape(q.shape)

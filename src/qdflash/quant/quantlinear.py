@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .grid import GridSpec, dequantize, quantize, ste_fake_quantize
+from .grid import GridSpec, dequantize, latent_in_cell, quantize, ste_fake_quantize
 
 
 @dataclass
@@ -67,9 +67,13 @@ class QuantLinear(nn.Module):
         return dequantize(self.weight_int, self.weight_scale, self.weight_zero_point, self.spec).to(dtype)
 
     # -- QAD ------------------------------------------------------------------------------------
-    def enable_fake_quant(self, dtype: torch.dtype = torch.float32) -> None:
-        """Start training from the grid values themselves, so step 0 equals the PTQ model exactly."""
-        self.latent = nn.Parameter(self.dequantized_weight(dtype))
+    def enable_fake_quant(self, dtype: torch.dtype = torch.float32, reference: torch.Tensor | None = None) -> None:
+        """Trainable latent weight that rounds to exactly the current ints (so step 0 equals the PTQ
+        model); with the original 16-bit weight as `reference`, it keeps that weight's position
+        inside its rounding cell (grid.latent_in_cell)."""
+        latent = latent_in_cell(self.weight_int, self.weight_scale, self.weight_zero_point, self.spec,
+                                None if reference is None else reference.to(self.weight_int.device))
+        self.latent = nn.Parameter(latent.to(dtype))
         self._dense = None
 
     def freeze(self) -> None:

@@ -88,7 +88,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                         "ptq.top1_agreement": ptq_metrics["quant.top1_agreement"], "ptq.ppl": ptq_metrics["quant.ppl"],
                         "bf16.ppl": ptq_metrics["bf16.ppl"]})
 
-    latents = make_student_trainable(student)
+    latents = make_student_trainable(student, reference=teacher)
     step0 = evaluate(run, teacher, student, heldout, cfg, step=0)
     check_step0(step0["kl"], ptq_metrics["quant.kl"], qad.step0_tolerance, ptq_dir)
     run.metrics["qad.step0_kl"] = step0["kl"]
