@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -19,29 +20,21 @@ from qdflash.quant.export import (
     read_extra,
     save_quantized,
 )
-from qdflash.quant.grid import GridSpec, compute_scale, quantize
-from qdflash.quant.quantlinear import QuantizedWeight, QuantLinear
+from qdflash.quant.apply import quant_linears, quantize_weights, replace_linears, select_linears
+from qdflash.quant.grid import GridSpec
+from qdflash.quant.quantlinear import QuantLinear
 
-KEEP_16BIT = ("lm_head", "in_proj_a", "in_proj_b")
 IDS = torch.tensor([[1, 5, 42, 7, 99, 3, 250, 11]])
 
 
 def quantize_model(model: nn.Module, spec: GridSpec, scale_dtype=torch.bfloat16) -> nn.Module:
-    """A quantized copy: every nn.Linear except KEEP_16BIT becomes a packed QuantLinear on `spec`."""
+    """A quantized copy (RTN): every nn.Linear except lm_head / GDN in_proj_a, in_proj_b becomes a QuantLinear."""
     model = copy.deepcopy(model)
-    for name, m in list(model.named_modules()):
-        if type(m) is nn.Linear and not name.endswith(KEEP_16BIT):
-            w = m.weight.detach()
-            scale, zero = compute_scale(w, spec, scale_dtype=scale_dtype)
-            q = quantize(w, scale, zero, spec)
-            # compute_scale returns the scale rounded to scale_dtype but as float32: store it in scale_dtype
-            qw = QuantizedWeight(q, scale.to(scale_dtype), zero, spec)
-            model.set_submodule(name, QuantLinear.from_quantized(m, qw))
-    return model.eval()
+    weights = quantize_weights(model, select_linears(model), spec, method="rtn", scale_dtype=scale_dtype)
+    return replace_linears(model, weights).eval()
 
 
-def quant_modules(model):
-    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+quant_modules = quant_linears
 
 
 @torch.no_grad()

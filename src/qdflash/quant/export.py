@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import QdflashError
+from .apply import quant_linears as _quant_linears
 from .grid import GridSpec
 from .quantlinear import QuantizedWeight, QuantLinear
 
@@ -98,10 +99,6 @@ def _spec_from_scheme(weights, where: str) -> GridSpec:
 
 # ----------------------------------------------------------------------------------------------
 # save
-
-
-def _quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
 def _shared_spec(qlinears: dict[str, QuantLinear]) -> GridSpec:
