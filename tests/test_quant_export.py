@@ -22,7 +22,6 @@ from qdflash.quant.export import (
 )
 from qdflash.quant.apply import quant_linears, quantize_weights, replace_linears, select_linears
 from qdflash.quant.grid import GridSpec
-from qdflash.quant.quantlinear import QuantLinear
 
 IDS = torch.tensor([[1, 5, 42, 7, 99, 3, 250, 11]])
 
