@@ -66,3 +66,20 @@ def test_a_few_qad_steps_keep_the_grid_and_reduce_kl(tiny_llama):
         assert torch.equal(module.weight_scale, scales[name]) and module.weight_scale.dtype == scales[name].dtype
         assert module.weight_int.min() >= spec.qmin and module.weight_int.max() <= spec.qmax
     assert any(not torch.equal(m.weight_int, ints[n]) for n, m in quant_linears(student).items())
+
+
+def test_checkpoint_resume_round_trip(tmp_path):
+    from qdflash.qad import load_checkpoint, save_checkpoint
+
+    latents = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(2)]
+    opt = torch.optim.AdamW(latents, lr=1e-3)
+    latents[0].sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "state.pt", 7, latents, opt, "fp-a")
+    fresh = [torch.nn.Parameter(torch.zeros(4, 4)) for _ in range(2)]
+    opt2 = torch.optim.AdamW(fresh, lr=1e-3)
+    assert load_checkpoint(tmp_path / "state.pt", fresh, opt2, "fp-a") == 7
+    assert all(torch.equal(a, b) for a, b in zip(latents, fresh))
+    assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+    assert load_checkpoint(tmp_path / "state.pt", fresh, opt2, "another-config") == 0  # never resume a different run
+    assert load_checkpoint(tmp_path / "missing.pt", fresh, opt2, "fp-a") == 0
