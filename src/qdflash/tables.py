@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,10 +25,10 @@ def target_quality_rows(results: Path) -> list[dict]:
         if not rows and "bf16.ppl" in m:
             rows.append({"variant": "bf16", "method": "-", "bits": 16, "group_size": "-", "kl": 0.0,
                          "top1_agreement": 1.0, "ppl": m["bf16.ppl"], "qad_kl_recovered": ""})
-        method = "qad" if folder.name.startswith("qad_") else m.get("quant.method", "?")
+        kind, start, bits, group = re.match(r"(ptq|qad)_(\w+)_w(\d+)g(\d+|ch)$", folder.name).groups()
         rows.append({
-            "variant": folder.name, "method": method, "bits": m.get("quant.bits", m.get("qad.grid", "")),
-            "group_size": m.get("quant.group_size", ""), "kl": m["quant.kl"], "top1_agreement": m["quant.top1_agreement"],
+            "variant": folder.name, "method": f"qad (from {start})" if kind == "qad" else start, "bits": int(bits),
+            "group_size": group, "kl": m["quant.kl"], "top1_agreement": m["quant.top1_agreement"],
             "ppl": m["quant.ppl"], "qad_kl_recovered": m.get("qad.kl_recovered_fraction", ""),
         })
     return rows
