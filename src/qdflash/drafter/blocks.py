@@ -1,0 +1,95 @@
+"""The block-diffusion training layout as pure functions (RECIPE.md "drafter training").
+
+For each anchor position a of a sequence, a block of B tokens is drafted: [x_a, MASK x (B-1)].
+Block position k (1..B-1) predicts token a+k. A block sees the target's features of the context
+strictly before its anchor, and all of its own B tokens (bidirectional); blocks never see each other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+IGNORE = -100
+
+
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Weight of each block position: 0 for the anchor itself, exp(-(k-1)/gamma) for k >= 1 (earlier
+    positions matter more: a rejection there ends the whole block)."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator | None = None,
+                   full_block: int | None = None) -> torch.Tensor:
+    """Up to `n` distinct anchors a >= 1 whose next token a+1 is a trained (assistant) token, sorted.
+    With `full_block=B`, tokens a+1 .. a+B-1 must all exist and be trained (for acceptance estimates)."""
+    mask = loss_mask.bool()
+    if full_block is None:
+        candidates = torch.nonzero(mask[2:], as_tuple=False).flatten() + 1  # a in [1, L-2] with mask[a+1]
+    else:
+        span = full_block - 1
+        if mask.numel() < span + 2:
+            return torch.zeros(0, dtype=torch.long)
+        whole = mask[2:].unfold(0, span, 1).all(dim=1) if span > 0 else mask[2:]
+        candidates = torch.nonzero(whole, as_tuple=False).flatten() + 1
+    if candidates.numel() <= n:
+        return candidates
+    pick = torch.randperm(candidates.numel(), generator=generator)[:n]
+    return candidates[pick].sort().values
+
+
+def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                 mask_token: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block token ids [n, B] (anchor token then `mask_token`), targets [n, B] (token a+k where it exists
+    and is trained, else IGNORE; position 0 is always IGNORE) and absolute positions [n, B]."""
+    length = input_ids.shape[0]
+    offsets = torch.arange(block_size)
+    positions = anchors[:, None] + offsets[None, :]
+    inside = positions < length
+    clipped = positions.clamp(max=length - 1)
+    targets = torch.where(inside & loss_mask[clipped].bool(), input_ids[clipped], torch.full_like(clipped, IGNORE))
+    targets[:, 0] = IGNORE
+    ids = torch.full_like(positions, mask_token)
+    ids[:, 0] = input_ids[anchors]
+    return ids, targets, positions
+
+
+def block_attention_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+    """Boolean [n*B, context_len + n*B]: True where a query may attend.
+
+    Query (i, k) sees context positions j < anchors[i] and the B tokens of block i, nothing else.
+    """
+    n = anchors.shape[0]
+    block_of_query = torch.arange(n).repeat_interleave(block_size)
+    context = torch.arange(context_len)[None, :] < anchors[block_of_query][:, None]
+    same_block = block_of_query[:, None] == block_of_query[None, :]
+    return torch.cat([context, same_block], dim=1)
+
+
+def weighted_block_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per block position, weighted by position, averaged over weighted targets."""
+    n, b, v = logits.shape
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, v).float(), targets.reshape(-1), ignore_index=IGNORE,
+                                           reduction="none").reshape(n, b)
+    w = weights.to(logits.device)[None, :] * (targets != IGNORE)
+    return (ce * w).sum() / w.sum().clamp_min(1e-9)
+
+
+def acceptance_lengths(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Greedy acceptance per block: drafts [N, B-1] vs the target's argmax [N, B-1] at the same
+    positions. Tokens are committed while they match, plus the target's bonus token: 1..B."""
+    matches = (draft == target).long()
+    return 1 + torch.cumprod(matches, dim=1).sum(dim=1)
+
+
+def default_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
+    """Evenly spaced from 1 to L-3 (RECIPE.md: [1, 8, 15, 22, 29] for 32 layers)."""
+    last = max(1, num_target_layers - 3)
+    if count <= 1:
+        return [1]
+    ids = {int(math.floor(1 + i * (last - 1) / (count - 1) + 0.5)) for i in range(count)}
+    return sorted(i for i in ids if 0 <= i < num_target_layers)

@@ -1,0 +1,245 @@
+"""The DFlash block-diffusion drafter (RECIPE.md "drafter").
+
+A few non-causal Qwen3-style layers at the target's hidden size. The target's hidden states of the
+layers `target_layer_ids` are concatenated -> `fc` -> RMSNorm: these *context features* are injected
+as extra keys / values in every drafter layer (queries come only from the block). The drafter has no
+embedding or LM head of its own: it embeds block tokens and reads logits through the target's,
+frozen. Mask positions get a learned vector (`mask_token_id: null`) or the embedding of a reserved
+token id of the target's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import QdflashError
+from .blocks import default_layer_ids
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    vocab_size: int
+    target_num_layers: int
+    num_layers: int = 1
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 1024
+    block_size: int = 16
+    target_layer_ids: list[int] = field(default_factory=list)
+    mask_token_id: int | None = None  # None: a learned mask vector
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.block_size < 2:
+            raise QdflashError(f"drafter block_size={self.block_size}: a block needs the anchor and at least one drafted token (>= 2)")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.target_num_layers]
+        if bad or not self.target_layer_ids:
+            raise QdflashError(
+                f"drafter target_layer_ids {self.target_layer_ids}: each must be in 0..{self.target_num_layers - 1} "
+                f"(the target has {self.target_num_layers} layers)"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise QdflashError(f"drafter num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise QdflashError(f"drafter mask_token_id={self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+
+def config_for_target(target, **overrides) -> DrafterConfig:
+    """Defaults read off the target (hidden size, heads, MLP width, rope), then `overrides`."""
+    tc = target.config
+    heads = getattr(tc, "num_attention_heads", 8)
+    base = dict(
+        hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, target_num_layers=tc.num_hidden_layers,
+        num_heads=heads, num_kv_heads=getattr(tc, "num_key_value_heads", heads),
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        intermediate_size=tc.intermediate_size,
+        rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 1_000_000.0)),
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+    )
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    if not base.get("target_layer_ids"):
+        base["target_layer_ids"] = default_layer_ids(tc.num_hidden_layers)
+    cfg = DrafterConfig(**base)
+    cfg.validate()
+    return cfg
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE; x [..., T, D], positions [..., T] (absolute positions in the sequence)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = positions.float()[..., None] * inv
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(x.dtype), torch.cat([ang.sin()] * 2, -1).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.c = c
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def _heads(self, x, n):
+        return x.view(*x.shape[:-1], n, self.c.head_dim).transpose(-3, -2)  # [B, heads, T, D]
+
+    def forward(self, h, context, q_pos, k_pos, mask):
+        """h [B, Tq, H] block states; context [B, Tc, H] features; mask [B or 1, Tq, Tc + Tq] bool."""
+        c = self.c
+        x = self.input_norm(h)
+        kv_in = torch.cat([context, x], dim=1)  # context features are extra keys / values
+        q = rotary(self.q_norm(self._heads(self.q_proj(x), c.num_heads)), q_pos[:, None], c.rope_theta)
+        k = rotary(self.k_norm(self._heads(self.k_proj(kv_in), c.num_kv_heads)), k_pos[:, None], c.rope_theta)
+        v = self._heads(self.v_proj(kv_in), c.num_kv_heads)
+        rep = c.num_heads // c.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        h = h + self.o_proj(attn.transpose(1, 2).reshape(*h.shape[:-1], -1))
+        x = self.post_norm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Drafter(nn.Module):
+    """DFlash drafter. The target's embedding and LM head are used through `bind(target)` and are
+    never part of the drafter's own parameters (nor of its checkpoint)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        c = config
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.mask_token_id is None else None
+        self._target = None
+
+    def bind(self, target) -> "Drafter":
+        tc = target.config
+        if tc.hidden_size != self.config.hidden_size or tc.vocab_size != self.config.vocab_size:
+            raise QdflashError(
+                f"drafter was built for hidden size {self.config.hidden_size} / vocab {self.config.vocab_size}, "
+                f"but target {getattr(target, 'name', '?')} has {tc.hidden_size} / {tc.vocab_size}"
+            )
+        if tc.num_hidden_layers != self.config.target_num_layers:
+            raise QdflashError(f"drafter expects a target with {self.config.target_num_layers} layers, got {tc.num_hidden_layers}")
+        object.__setattr__(self, "_target", target)  # a plain reference, not a submodule
+        return self
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def context_features(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, len(ids) * H] concatenated target hidden states -> [B, T, H] context features."""
+        return self.context_norm(self.fc(target_hidden))
+
+    def embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
+        embed = self._target.model.get_input_embeddings()
+        c = self.config
+        with torch.no_grad():  # the target's embedding is frozen: never a gradient into it
+            x = embed(block_ids.clamp_min(0))
+        if c.mask_token_id is not None:
+            return x
+        is_mask = block_ids == -1
+        return torch.where(is_mask[..., None], self.mask_embedding.to(x.dtype), x)
+
+    @property
+    def mask_id(self) -> int:
+        """Id written at mask positions of a block (-1 = the learned mask vector)."""
+        return -1 if self.config.mask_token_id is None else self.config.mask_token_id
+
+    def forward(self, block_ids, context, q_pos, k_pos, mask) -> torch.Tensor:
+        """Logits [B, Tq, V] for block tokens `block_ids` [B, Tq] given context features [B, Tc, H]."""
+        h = self.embed_block(block_ids).to(self.fc.weight.dtype)
+        for layer in self.layers:
+            h = layer(h, context, q_pos, k_pos, mask)
+        head = self._target.model.get_output_embeddings().weight.detach()  # frozen target LM head
+        return F.linear(self.norm(h).to(head.dtype), head)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def init_drafter(target, **config_overrides) -> Drafter:
+    """An untrained drafter for `target`, seeded (contract in DESIGN.md)."""
+    cfg = config_for_target(target, **config_overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        drafter = Drafter(cfg)
+        for module in drafter.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+        if drafter.mask_embedding is not None:
+            nn.init.normal_(drafter.mask_embedding, std=0.02)
+    device = next(target.model.parameters()).device
+    return drafter.to(device).bind(target)
+
+
+def save_drafter(drafter: Drafter, path: str | Path) -> None:
+    """config.json + model.safetensors, written into a temporary folder renamed into place."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(asdict(drafter.config), indent=2))
+    save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}, tmp / "model.safetensors")
+    if path.exists():
+        shutil.rmtree(path)
+    os.rename(tmp, path)
+
+
+def load_drafter(path: str | Path, target) -> Drafter:
+    """Load a drafter saved by save_drafter and bind it to `target` (contract in DESIGN.md)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise QdflashError(f"{path} is not a drafter checkpoint (expected config.json and model.safetensors)")
+    cfg = DrafterConfig(**json.loads((path / "config.json").read_text()))
+    drafter = Drafter(cfg)
+    try:
+        state = load_file(path / "model.safetensors")
+    except Exception as err:  # safetensors raises several types on a damaged file
+        raise QdflashError(f"{path / 'model.safetensors'} cannot be read ({err})") from None
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise QdflashError(f"{path}: checkpoint does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    device = next(target.model.parameters()).device
+    return drafter.to(device).bind(target)

@@ -1,0 +1,129 @@
+import pytest
+import torch
+
+from qdflash.drafter import init_drafter, load_drafter, save_drafter
+from qdflash.drafter.blocks import (
+    IGNORE, acceptance_lengths, block_attention_mask, block_inputs, default_layer_ids, loss_weights, sample_anchors,
+)
+from qdflash.drafter.train import block_loss, estimate_acceptance, target_pass
+from qdflash.errors import QdflashError
+
+
+def example(target, length=40, prompt=10):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 1000, (length,), generator=g).tolist()
+    return {"id": "x", "input_ids": ids, "loss_mask": [0] * prompt + [1] * (length - prompt)}
+
+
+def test_mask_blocks_see_only_their_prefix_and_themselves():
+    anchors = torch.tensor([3, 7])
+    mask = block_attention_mask(anchors, block_size=4, context_len=10)
+    assert mask.shape == (8, 18)
+    for i, a in enumerate(anchors.tolist()):
+        for k in range(4):
+            row = mask[i * 4 + k]
+            assert row[:10].tolist() == [j < a for j in range(10)]  # context strictly before the anchor
+            own = row[10:].view(2, 4)
+            assert own[i].all() and not own[1 - i].any()  # bidirectional in-block, never another block
+
+
+def test_block_inputs_and_targets():
+    ids = torch.arange(100, 112)
+    mask = torch.tensor([0] * 4 + [1] * 8)
+    block, targets, positions = block_inputs(ids, mask, torch.tensor([3, 9]), 4, mask_token=-1)
+    assert block.tolist() == [[103, -1, -1, -1], [109, -1, -1, -1]]
+    assert targets.tolist() == [[IGNORE, 104, 105, 106], [IGNORE, 110, 111, IGNORE]]  # past the end: ignored
+    assert positions.tolist() == [[3, 4, 5, 6], [9, 10, 11, 12]]
+
+
+def test_loss_weights_decay():
+    w = loss_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1 and torch.isclose(w[8], torch.exp(torch.tensor(-1.0)))
+    assert all(a > b for a, b in zip(w[1:], w[2:]))
+
+
+def test_anchor_sampling_stays_in_the_response():
+    mask = torch.tensor([0] * 10 + [1] * 20)
+    anchors = sample_anchors(mask, 100, torch.Generator().manual_seed(0))
+    assert anchors.min() >= 9 and anchors.max() <= 28 and len(anchors) == 20
+    full = sample_anchors(mask, 100, torch.Generator().manual_seed(0), full_block=4)
+    assert full.min() >= 9 and full.max() + 3 <= 29
+
+
+def test_acceptance_lengths_oracle_and_random():
+    target = torch.randint(0, 50, (200, 15))
+    assert acceptance_lengths(target, target).tolist() == [16] * 200  # oracle: all accepted + bonus = B
+    random = torch.randint(0, 50, (200, 15))
+    assert acceptance_lengths(random, target).float().mean() < 1.1
+    assert acceptance_lengths(torch.tensor([[1, 2, 9, 4]]), torch.tensor([[1, 2, 3, 4]])).tolist() == [3]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_shapes_for_both_tiny_presets(fixture, request):
+    target = request.getfixturevalue(fixture)
+    drafter = init_drafter(target, block_size=4, num_layers=1)
+    ex = example(target)
+    loss = block_loss(drafter, target, ex, loss_weights(4, 7.0), 6, torch.Generator().manual_seed(0))
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    loss.backward()
+    assert drafter.fc.weight.grad is not None
+    assert not any(p.grad is not None for p in target.model.parameters())  # the target stays frozen
+    assert drafter.config.target_layer_ids == default_layer_ids(target.num_layers)
+
+
+def test_save_load_round_trip(tiny_llama, tmp_path):
+    drafter = init_drafter(tiny_llama, block_size=4)
+    save_drafter(drafter, tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d", tiny_llama)
+    for (k, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), k
+    # the embedding and LM head are the target's, never stored with the drafter
+    assert not any("embed_tokens" in k or "lm_head" in k for k in loaded.state_dict())
+    assert all(tiny_llama.vocab_size not in v.shape for v in loaded.state_dict().values())
+
+
+def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tiny_llama):
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=1)
+    ex, w = example(tiny_llama), loss_weights(4, 7.0)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        loss = block_loss(drafter, tiny_llama, ex, w, 8, torch.Generator().manual_seed(1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # the tiny target's random LM head has rows of norm ~0.16, so logits move slowly: a clear, steady drop
+    assert losses[-1] < losses[0] - 0.5 and sum(losses[-5:]) < sum(losses[:5])
+
+
+def test_oracle_drafter_gets_tau_equal_to_block_size(tiny_llama):
+    """A drafter that outputs the target's own argmax accepts every block fully: tau = B."""
+    b = 4
+    drafter = init_drafter(tiny_llama, block_size=b)
+    ex = example(tiny_llama)
+    _, greedy = target_pass(tiny_llama, torch.tensor([ex["input_ids"]]), drafter.config.target_layer_ids)
+    vocab = tiny_llama.vocab_size
+
+    def oracle(block_ids, context, q_pos, k_pos, mask):
+        logits = torch.zeros(*q_pos.shape, vocab)
+        logits.scatter_(-1, greedy[(q_pos - 1).clamp_min(0)][..., None], 1.0)  # position p predicts argmax at p-1
+        return logits
+
+    drafter.forward = oracle
+    result = estimate_acceptance(drafter, tiny_llama, [ex], anchors_per_seq=8)
+    assert result["tau"] == b and result["accept_rate_by_position"] == [1.0] * (b - 1)
+    drafter.forward = lambda *a: torch.randn(*a[2].shape, vocab)  # random drafter
+    assert estimate_acceptance(drafter, tiny_llama, [ex], anchors_per_seq=8)["tau"] < 1.2
+
+
+def test_bad_drafter_input(tiny_llama, tiny_qwen, tmp_path):
+    with pytest.raises(QdflashError, match="target_layer_ids"):
+        init_drafter(tiny_llama, target_layer_ids=[1, 6])
+    with pytest.raises(QdflashError, match="block_size=1"):
+        init_drafter(tiny_llama, block_size=1)
+    save_drafter(init_drafter(tiny_llama, block_size=4), tmp_path / "d")
+    with pytest.raises(QdflashError, match="layers|hidden size"):
+        load_drafter(tmp_path / "d", tiny_qwen)  # another target
+    with pytest.raises(QdflashError, match="not a drafter checkpoint"):
+        load_drafter(tmp_path, tiny_llama)
