@@ -14,6 +14,7 @@ configfile: os.path.join(workflow.basedir, "config", "config.yaml")
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/target.smk"
+include: "workflow/rules/drafter.smk"
 
 
 rule all:
@@ -21,4 +22,6 @@ rule all:
         DATA_BF16,
         PTQ_VARIANTS,
         QAD_VARIANTS,
+        STAGE1,
+        STAGE2,
     default_target: True

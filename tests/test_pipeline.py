@@ -31,7 +31,8 @@ def test_dry_run_lists_the_dag(tmp_path):
     out = snakemake(tmp_path, "-n")
     assert out.returncode == 0, out.stderr
     assert "prepare_data" in out.stdout and "results/default/data/bf16" in out.stdout
-    for job in ("quantize_target", "qad", "ptq_rtn_w4g32", "ptq_gptq_w3g32", "qad_gptq_w3g32"):
+    for job in ("quantize_target", "qad", "ptq_rtn_w4g32", "ptq_gptq_w3g32", "qad_gptq_w3g32", "regenerate_data",
+                "drafter_stage1", "drafter_stage2"):
         assert job in out.stdout
 
 
@@ -80,6 +81,24 @@ def test_ci_profile_end_to_end(tmp_path):
     again = snakemake(tmp_path, "--config", "profile=ci", "experiment=e2e")  # nothing to redo
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
     check_target_stage(tmp_path / "results" / "e2e", data)
+    check_drafter_stage(tmp_path / "results" / "e2e")
+
+
+def check_drafter_stage(results):
+    from qdflash.drafter import load_drafter
+    from qdflash.models import load_target
+
+    qad_data = json.loads((results / "data" / "qad" / "metrics.json").read_text())
+    assert qad_data["model.source"].endswith("target/qad_gptq_w4g32/model/dense")  # the QAD twin regenerated it
+    block = CONFIG["profiles"]["ci"]["drafter"]["block_size"]
+    for stage in ("stage1", "stage2"):
+        m = json.loads((results / "drafter" / stage / "metrics.json").read_text())
+        assert 1 <= m["final.tau"] <= block and len(m["final.accept_rate_by_position"]) == block - 1
+        assert len(m["train.loss_curve"]) == CONFIG["profiles"]["ci"]["drafter_train"]["steps"]
+        assert list((results / "drafter" / stage / "wandb").glob("offline-run-*"))
+    assert "stage1_on_this_target.tau" in json.loads((results / "drafter" / "stage2" / "metrics.json").read_text())
+    drafter = load_drafter(results / "drafter" / "stage2" / "drafter", load_target("tiny-qwen3.5", device="cpu"))
+    assert drafter.block_size == block
 
 
 def check_target_stage(results, data):

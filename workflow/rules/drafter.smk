@@ -1,0 +1,53 @@
+# Drafter: stage 1 against the 16-bit target; the QAD target regenerates the data; stage 2 adapts.
+
+# Stage 2 adapts to one quantized target: the QAD variant of the first target bit width.
+QAD_MAIN = expand(QAD, method=VARIANTS["qad_from"], bits=VARIANTS["target_bits"][0], group=GROUP)[0]
+DATA_QAD = f"{RESULTS}/data/qad"
+STAGE1 = f"{RESULTS}/drafter/stage1"
+STAGE2 = f"{RESULTS}/drafter/stage2"
+
+
+rule regenerate_data:
+    """The QAD target's own responses (prepare_data on its dense twin): stage 2's data."""
+    input:
+        qad=QAD_MAIN,
+    output:
+        directory(DATA_QAD),
+    params:
+        args=hydra_args("prepare_data", ["data"], lambda wc, input: {"model.name": f"{input.qad}/model/dense", "data_role": "qad"}),
+    threads: workflow.cores
+    shell:
+        "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
+
+
+rule drafter_stage1:
+    """DFlash drafter from scratch against the 16-bit target, on its self-distilled data."""
+    input:
+        data=DATA_BF16,
+    output:
+        directory(STAGE1),
+    params:
+        args=hydra_args("train_drafter", ["drafter", "drafter_train"], lambda wc, input: {"stage": 1, "data_dir": input.data}),
+    threads: workflow.cores
+    shell:
+        "{PYTHON} -m qdflash.stages.train_drafter {params.args}"
+
+
+rule drafter_stage2:
+    """Weights-only warm start from stage 1; target = the QAD twin, data = its regenerated responses."""
+    input:
+        data=DATA_QAD,
+        qad=QAD_MAIN,
+        stage1=STAGE1,
+    output:
+        directory(STAGE2),
+    params:
+        args=hydra_args(
+            "train_drafter",
+            ["drafter", "drafter_train"],
+            lambda wc, input: {"stage": 2, "data_dir": input.data, "model.name": f"{input.qad}/model/dense",
+                               "init_from": f"{input.stage1}/drafter"},
+        ),
+    threads: workflow.cores
+    shell:
+        "{PYTHON} -m qdflash.stages.train_drafter {params.args}"
