@@ -127,3 +127,14 @@ def test_bad_drafter_input(tiny_llama, tiny_qwen, tmp_path):
         load_drafter(tmp_path / "d", tiny_qwen)  # another target
     with pytest.raises(QdflashError, match="not a drafter checkpoint"):
         load_drafter(tmp_path, tiny_llama)
+
+
+def test_round_cost_terms(tiny_llama):
+    from qdflash.drafter.cost import drafter_round_flops, target_token_flops
+
+    c = init_drafter(tiny_llama, block_size=4).config
+    f = drafter_round_flops(c, context_len=100, new_tokens=2)
+    assert f["lm_head"] == 2 * 4 * c.hidden_size * c.vocab_size
+    assert f["total"] == f["fc"] + f["layers"] + f["lm_head"]
+    assert drafter_round_flops(c, context_len=200, new_tokens=2)["layers"] > f["layers"]  # attention grows with context
+    assert target_token_flops(tiny_llama.model) > 2 * c.hidden_size * c.vocab_size  # at least the LM head
