@@ -166,7 +166,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     data, gen = cfg.data, cfg.data.generation
     loaded = load_sources(data, run)  # before the model: a missing source fails fast
     target = load_target(cfg.model.name, dtype=cfg.dtype, device=cfg.device)
-    run.metrics.update({"model.name": target.name, "model.source": target.source, "model.dtype": str(target.dtype), "model.device": str(target.device)})
+    run.metrics.update({"data.role": cfg.data_role, "model.name": target.name, "model.source": target.source, "model.dtype": str(target.dtype), "model.device": str(target.device)})
     template_kwargs = OmegaConf.to_container(cfg.model.chat_template_kwargs, resolve=True)
 
     prompt_ids: dict[str, list[int]] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -29,8 +30,6 @@ log = logging.getLogger("qdflash.train_drafter")
 
 
 def categories(data_dir) -> dict[str, str]:
-    from pathlib import Path
-
     return {row["id"]: row["category"] for row in read_jsonl(Path(data_dir) / "heldout.jsonl")}
 
 
