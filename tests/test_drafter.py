@@ -138,3 +138,20 @@ def test_round_cost_terms(tiny_llama):
     assert f["total"] == f["fc"] + f["layers"] + f["lm_head"]
     assert drafter_round_flops(c, context_len=200, new_tokens=2)["layers"] > f["layers"]  # attention grows with context
     assert target_token_flops(tiny_llama.model) > 2 * c.hidden_size * c.vocab_size  # at least the LM head
+
+
+def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path):
+    from qdflash.drafter.train import FeatureCache
+
+    drafter = init_drafter(tiny_llama, block_size=4)
+    ex = example(tiny_llama)
+    cache = FeatureCache(tmp_path / "features")
+    ids = torch.tensor([ex["input_ids"]])
+    compute = lambda: target_pass(tiny_llama, ids, drafter.config.target_layer_ids)[0]  # noqa: E731
+    first = cache.get("x", compute)
+    again = cache.get("x", lambda: pytest.fail("recomputed despite the cache"))
+    assert torch.equal(first, again) and (cache.hits, cache.misses) == (1, 1)
+    w, g = loss_weights(4, 7.0), torch.Generator
+    cached = block_loss(drafter, tiny_llama, ex, w, 6, g().manual_seed(0), cache)
+    direct = block_loss(drafter, tiny_llama, ex, w, 6, g().manual_seed(0))
+    torch.testing.assert_close(cached, direct)

@@ -8,7 +8,9 @@ CPU; a GPU path through flex_attention is future work).
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -39,15 +41,38 @@ def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tens
     return logits.reshape(len(anchors), b, -1), targets.to(device)
 
 
+class FeatureCache:
+    """Target features of training sequences kept on disk (one file per sequence id, in the target's
+    dtype, so a cached feature equals a recomputed one): repeated epochs skip the target forward."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.hits = self.misses = 0
+
+    def get(self, key: str, compute) -> torch.Tensor:
+        path = self.folder / f"{key}.pt"
+        if path.is_file():
+            self.hits += 1
+            return torch.load(path, map_location="cpu")
+        self.misses += 1
+        value = compute()
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(value.cpu(), tmp)
+        os.replace(tmp, path)
+        return value
+
+
 def block_loss(drafter: Drafter, target, example: dict, weights: torch.Tensor, anchors_per_seq: int,
-               generator: torch.Generator) -> torch.Tensor | None:
+               generator: torch.Generator, cache: FeatureCache | None = None) -> torch.Tensor | None:
     device = next(drafter.parameters()).device
     input_ids = torch.tensor([example["input_ids"]], device=device)
     loss_mask = torch.tensor(example["loss_mask"])
     anchors = sample_anchors(loss_mask, anchors_per_seq, generator)
     if anchors.numel() == 0:
         return None
-    features, _ = target_pass(target, input_ids, drafter.config.target_layer_ids)
+    compute = lambda: target_pass(target, input_ids, drafter.config.target_layer_ids)[0]  # noqa: E731
+    features = cache.get(example["id"], compute).to(device) if cache is not None and "id" in example else compute()
     logits, targets = draft_blocks(drafter, features, input_ids, loss_mask, anchors)
     return weighted_block_loss(logits, targets, weights)
 
@@ -95,4 +120,4 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
     return result
 
 
-__all__ = ["IGNORE", "block_loss", "draft_blocks", "estimate_acceptance", "target_pass"]
+__all__ = ["IGNORE", "FeatureCache", "block_loss", "draft_blocks", "estimate_acceptance", "target_pass"]

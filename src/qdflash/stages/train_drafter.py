@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 from ..data.jsonl import load_token_examples, read_jsonl
 from ..drafter import init_drafter, load_drafter, save_drafter
 from ..drafter.blocks import loss_weights
-from ..drafter.train import block_loss, estimate_acceptance
+from ..drafter.train import FeatureCache, block_loss, estimate_acceptance
 from ..errors import QdflashError
 from ..models import load_target
 from ..qad import cosine_lr
@@ -60,7 +61,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     heldout = load_token_examples(cfg.data_dir, "heldout", train_cfg.heldout_samples)
     cats = categories(cfg.data_dir)
     train = [
-        {"input_ids": ex["input_ids"][: train_cfg.max_length], "loss_mask": ex["loss_mask"][: train_cfg.max_length]}
+        {"id": ex["id"], "input_ids": ex["input_ids"][: train_cfg.max_length], "loss_mask": ex["loss_mask"][: train_cfg.max_length]}
         for ex in load_token_examples(cfg.data_dir, "train")
     ]
     if not train:
@@ -81,6 +82,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     warmup = max(1, round(train_cfg.warmup_ratio * train_cfg.steps))
     order = random.Random(train_cfg.seed)
     generator = torch.Generator().manual_seed(train_cfg.seed)
+    # cached features live beside the output (not inside it) and are removed when the node succeeds
+    cache = FeatureCache(Path(f"{cfg.out_dir}.features")) if train_cfg.cache_features else None
     curve: list[float] = []
     for step in tqdm(range(train_cfg.steps), desc=f"drafter stage {cfg.stage}", unit="step"):
         lr = cosine_lr(step, train_cfg.steps, warmup, train_cfg.lr)
@@ -90,7 +93,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         total, count = 0.0, 0
         for _ in range(train_cfg.batch_size):  # one sequence at a time: variable lengths, no padding
             loss = block_loss(drafter, target, train[order.randrange(len(train))], weights,
-                              train_cfg.anchors_per_seq, generator)
+                              train_cfg.anchors_per_seq, generator, cache)
             if loss is None:
                 continue
             (loss / train_cfg.batch_size).backward()
@@ -104,6 +107,9 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                                          seed=train_cfg.seed, categories=cats)
             run.log({"heldout/tau": result["tau"]}, step=step + 1)
     run.metrics["train.loss_curve"] = curve
+    if cache is not None:
+        run.metrics.update({"train.feature_cache_hits": cache.hits, "train.feature_cache_misses": cache.misses})
+        shutil.rmtree(cache.folder, ignore_errors=True)
     evaluate("final")
     save_drafter(drafter, run.dir / "drafter")
 
