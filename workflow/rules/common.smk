@@ -1,4 +1,6 @@
 # Shared helpers: config validation (clear errors), result paths, Hydra overrides for each node.
+import hashlib
+import json
 import shlex
 import sys
 
@@ -38,3 +40,11 @@ def hydra_args(node, sections, extra=None):
         return " ".join(shlex.quote(arg) for arg in node_overrides(config, node, output[0], sections, more))
 
     return params
+
+
+def fingerprint(sections):
+    """A plain-string param per rule: the profile values the node reads. Snakemake does not record
+    params computed by functions (hydra_args), so without this a changed profile value would not
+    make the rule re-run; with it, the `params` re-run trigger sees the change."""
+    keys = ["model", "device", "dtype", *sections]
+    return hashlib.sha256(json.dumps({k: PROFILE[k] for k in keys}, sort_keys=True).encode()).hexdigest()[:16]

@@ -9,6 +9,7 @@ rule prepare_data:
         directory(DATA_BF16),
     params:
         args=hydra_args("prepare_data", ["data"]),
+        config=fingerprint(["data"]),
     threads: workflow.cores
     resources:
         gpus=lambda wc: 1 if config["profiles"][config["profile"]]["device"] == "cuda" else 0,

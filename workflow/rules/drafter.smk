@@ -15,6 +15,7 @@ rule regenerate_data:
         directory(DATA_QAD),
     params:
         args=hydra_args("prepare_data", ["data"], lambda wc, input: {"model.name": f"{input.qad}/model/dense", "data_role": "qad"}),
+        config=fingerprint(["data"]),
     threads: workflow.cores
     shell:
         "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
@@ -28,6 +29,7 @@ rule drafter_stage1:
         directory(STAGE1),
     params:
         args=hydra_args("train_drafter", ["drafter", "drafter_train"], lambda wc, input: {"stage": 1, "data_dir": input.data}),
+        config=fingerprint(["drafter", "drafter_train"]),
     threads: workflow.cores
     shell:
         "{PYTHON} -m qdflash.stages.train_drafter {params.args}"
@@ -48,6 +50,7 @@ rule drafter_stage2:
             lambda wc, input: {"stage": 2, "data_dir": input.data, "model.name": f"{input.qad}/model/dense",
                                "init_from": f"{input.stage1}/drafter"},
         ),
+        config=fingerprint(["drafter", "drafter_train"]),
     threads: workflow.cores
     shell:
         "{PYTHON} -m qdflash.stages.train_drafter {params.args}"

@@ -20,6 +20,7 @@ rule quantize_target:
             lambda wc, input: {"data_dir": input.data, "quant.method": wc.method, "quant.bits": int(wc.bits),
                                "quant.group_size": group_size(wc.group)},
         ),
+        config=fingerprint(["quant", "eval"]),
     threads: workflow.cores
     shell:
         "{PYTHON} -m qdflash.stages.quantize_target {params.args}"
@@ -34,6 +35,7 @@ rule qad:
         directory(QAD),
     params:
         args=hydra_args("qad", ["qad", "eval"], lambda wc, input: {"data_dir": input.data, "ptq_dir": input.ptq}),
+        config=fingerprint(["qad", "eval"]),
     threads: workflow.cores
     shell:
         "{PYTHON} -m qdflash.stages.qad {params.args}"
