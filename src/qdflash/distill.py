@@ -67,13 +67,13 @@ def compare_to_teacher(teacher, student, examples: list[dict], *, chunk_tokens: 
         h_t = final_hidden(teacher, ids)[0, :-1][predict]
         h_s = final_hidden(student, ids)[0, :-1][predict]
         targets = ids[0, 1:][predict]
-        kl_sum += chunked_kl(h_s, h_t, w_s, w_t, chunk_tokens=chunk_tokens).sum().item()
-        for start in range(0, h_s.shape[0], chunk_tokens):
+        for start in range(0, h_s.shape[0], chunk_tokens):  # one pass: KL, agreement and NLL per chunk
             sl = slice(start, start + chunk_tokens)
-            logits_s = h_s[sl].float() @ w_s.float().T
-            logits_t = h_t[sl].float() @ w_t.float().T
-            agree += (logits_s.argmax(-1) == logits_t.argmax(-1)).sum().item()
-            nll_sum += F.cross_entropy(logits_s, targets[sl], reduction="sum").item()
+            log_p_s = F.log_softmax(h_s[sl].float() @ w_s.float().T, dim=-1)
+            log_p_t = F.log_softmax(h_t[sl].float() @ w_t.float().T, dim=-1)
+            kl_sum += (log_p_t.exp() * (log_p_t - log_p_s)).sum().item()
+            agree += (log_p_s.argmax(-1) == log_p_t.argmax(-1)).sum().item()
+            nll_sum += F.nll_loss(log_p_s, targets[sl], reduction="sum").item()
         count += int(predict.sum())
     if count == 0:
         raise ValueError("no response tokens to compare on")

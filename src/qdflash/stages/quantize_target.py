@@ -6,6 +6,7 @@ metrics.json with held-out KL / top-1 agreement / perplexity against the 16-bit 
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -39,6 +40,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     spec = grid_spec(quant)
     target = load_target(cfg.model.name, dtype=cfg.dtype, device=cfg.device)
     model = target.model
+    teacher = copy.deepcopy(model)  # untouched 16-bit copy (no second load / GGUF check)
     names = select_linears(model, list(quant.include), list(quant.exclude))
     heldout = load_token_examples(cfg.data_dir, "heldout", cfg.eval.heldout_samples)
     calibration = [
@@ -51,7 +53,6 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         act_order=quant.gptq.act_order, clip_search=quant.clip_search,
         scale_dtype=resolve_dtype(quant.scale_dtype, target.device),
     )
-    teacher = load_target(cfg.model.name, dtype=cfg.dtype, device=cfg.device).model  # untouched 16-bit copy
     student = replace_linears(model, weights)
     run.metrics.update({"quant.method": quant.method, "quant.grid": spec.name, "quant.bits": spec.bits,
                         "quant.group_size": spec.group_size, "quant.symmetric": int(spec.symmetric),

@@ -67,11 +67,12 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     if not train:
         raise QdflashError(f"{cfg.data_dir}/train.tokens.jsonl has no examples")
 
-    def evaluate(prefix: str) -> dict:
-        result = estimate_acceptance(drafter, target, heldout, anchors_per_seq=train_cfg.eval_anchors_per_seq,
-                                     seed=train_cfg.seed, categories=cats)
-        record_acceptance(run, prefix, result)
-        return result
+    def acceptance() -> dict:
+        return estimate_acceptance(drafter, target, heldout, anchors_per_seq=train_cfg.eval_anchors_per_seq,
+                                   seed=train_cfg.seed, categories=cats)
+
+    def evaluate(prefix: str) -> None:
+        record_acceptance(run, prefix, acceptance())
 
     if cfg.stage == 2:
         evaluate("stage1_on_this_target")  # the warm start, before adaptation
@@ -103,9 +104,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         curve.append(round(total / max(count, 1), 5))
         run.log({"train/loss": curve[-1], "train/lr": lr, "train/grad_norm": grad_norm.item()}, step=step + 1)
         if (step + 1) % train_cfg.eval_every == 0 and step + 1 < train_cfg.steps:
-            result = estimate_acceptance(drafter, target, heldout, anchors_per_seq=train_cfg.eval_anchors_per_seq,
-                                         seed=train_cfg.seed, categories=cats)
-            run.log({"heldout/tau": result["tau"]}, step=step + 1)
+            run.log({"heldout/tau": acceptance()["tau"]}, step=step + 1)
     run.metrics["train.loss_curve"] = curve
     if cache is not None:
         run.metrics.update({"train.feature_cache_hits": cache.hits, "train.feature_cache_misses": cache.misses})
