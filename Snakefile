@@ -15,6 +15,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/target.smk"
 include: "workflow/rules/drafter.smk"
+include: "workflow/rules/scaling.smk"
 
 
 rule all:

@@ -89,3 +89,12 @@ def test_model_path_override(config, tmp_path):
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose(config_name="node/prepare_data", overrides=args)
     assert cfg.model.name == str(tmp_path / "my model")
+
+
+def test_scaling_sizes_must_fit_its_data(config):
+    scaling = config["profiles"]["gpu"]["scaling"]
+    scaling["sizes"] = [100, 10**6]
+    assert "profiles.gpu.scaling.sizes: the largest size 1000000 exceeds" in error_of(config)
+    scaling["sizes"] = [100]
+    scaling["n_train"]["wikipedia"] = 5
+    assert "profiles.gpu.scaling.n_train: ['wikipedia'] are not sources" in error_of(config)

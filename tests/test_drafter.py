@@ -5,14 +5,14 @@ from qdflash.drafter import init_drafter, load_drafter, save_drafter
 from qdflash.drafter.blocks import (
     IGNORE, acceptance_lengths, block_attention_mask, block_inputs, default_layer_ids, loss_weights, sample_anchors,
 )
-from qdflash.drafter.train import block_loss, estimate_acceptance, target_pass
+from qdflash.drafter.train import batch_loss, draft_blocks, estimate_acceptance, pad_anchors, pad_right, target_pass
 from qdflash.errors import QdflashError
 
 
-def example(target, length=40, prompt=10):
-    g = torch.Generator().manual_seed(0)
+def example(target, length=40, prompt=10, seed=0, id="x"):
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, 1000, (length,), generator=g).tolist()
-    return {"id": "x", "input_ids": ids, "loss_mask": [0] * prompt + [1] * (length - prompt)}
+    return {"id": id, "input_ids": ids, "loss_mask": [0] * prompt + [1] * (length - prompt)}
 
 
 def test_mask_blocks_see_only_their_prefix_and_themselves():
@@ -63,7 +63,7 @@ def test_shapes_for_both_tiny_presets(fixture, request):
     target = request.getfixturevalue(fixture)
     drafter = init_drafter(target, block_size=4, num_layers=1)
     ex = example(target)
-    loss = block_loss(drafter, target, ex, loss_weights(4, 7.0), 6, torch.Generator().manual_seed(0))
+    loss = batch_loss(drafter, target, [ex], loss_weights(4, 7.0), 6, torch.Generator().manual_seed(0))
     assert loss.ndim == 0 and torch.isfinite(loss)
     loss.backward()
     assert drafter.fc.weight.grad is not None
@@ -88,7 +88,7 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tiny_llama):
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     losses = []
     for _ in range(15):
-        loss = block_loss(drafter, tiny_llama, ex, w, 8, torch.Generator().manual_seed(1))
+        loss = batch_loss(drafter, tiny_llama, [ex], w, 8, torch.Generator().manual_seed(1))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -107,7 +107,8 @@ def test_oracle_drafter_gets_tau_equal_to_block_size(tiny_llama):
 
     def oracle(block_ids, context, q_pos, k_pos, mask):
         logits = torch.zeros(*q_pos.shape, vocab)
-        logits.scatter_(-1, greedy[(q_pos - 1).clamp_min(0)][..., None], 1.0)  # position p predicts argmax at p-1
+        want = greedy.gather(1, (q_pos - 1).clamp_min(0))  # position p predicts the target's argmax at p-1
+        logits.scatter_(-1, want[..., None], 1.0)
         return logits
 
     drafter.forward = oracle
@@ -147,11 +148,55 @@ def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path):
     ex = example(tiny_llama)
     cache = FeatureCache(tmp_path / "features")
     ids = torch.tensor([ex["input_ids"]])
-    compute = lambda: target_pass(tiny_llama, ids, drafter.config.target_layer_ids)[0]  # noqa: E731
+    compute = lambda: target_pass(tiny_llama, ids, drafter.config.target_layer_ids)[0][0]  # noqa: E731
     first = cache.get("x", compute)
     again = cache.get("x", lambda: pytest.fail("recomputed despite the cache"))
     assert torch.equal(first, again) and (cache.hits, cache.misses) == (1, 1)
     w, g = loss_weights(4, 7.0), torch.Generator
-    cached = block_loss(drafter, tiny_llama, ex, w, 6, g().manual_seed(0), cache)
-    direct = block_loss(drafter, tiny_llama, ex, w, 6, g().manual_seed(0))
+    cached = batch_loss(drafter, tiny_llama, [ex], w, 6, g().manual_seed(0), cache)
+    direct = batch_loss(drafter, tiny_llama, [ex], w, 6, g().manual_seed(0))
     torch.testing.assert_close(cached, direct)
+
+
+def test_a_padded_batch_drafts_exactly_what_each_sequence_drafts_alone(tiny_qwen):
+    """Right padding, padding anchors and batching change no block's logits (hybrid target too)."""
+    drafter = init_drafter(tiny_qwen, block_size=4, num_layers=2).eval()
+    examples = [example(tiny_qwen, 40, seed=0), example(tiny_qwen, 25, 5, seed=1), example(tiny_qwen, 33, 20, seed=2)]
+    anchor_lists = [sample_anchors(torch.tensor(ex["loss_mask"]), n, torch.Generator().manual_seed(0))
+                    for ex, n in zip(examples, (6, 3, 5))]
+    input_ids = pad_right([torch.tensor(ex["input_ids"]) for ex in examples], 0, 48)
+    masks = pad_right([torch.tensor(ex["loss_mask"]) for ex in examples], 0, 48)
+    features, _ = target_pass(tiny_qwen, input_ids, drafter.config.target_layer_ids)
+    anchors, valid = pad_anchors(anchor_lists, 8)
+    with torch.no_grad():
+        batched, targets = draft_blocks(drafter, features, input_ids, masks, anchors, valid)
+        for i, (ex, a) in enumerate(zip(examples, anchor_lists)):
+            ids = torch.tensor([ex["input_ids"]])
+            alone_features, _ = target_pass(tiny_qwen, ids, drafter.config.target_layer_ids)
+            alone, alone_targets = draft_blocks(drafter, alone_features, ids, torch.tensor([ex["loss_mask"]]), a[None])
+            torch.testing.assert_close(batched[i, : a.numel()], alone[0], atol=1e-4, rtol=1e-4)
+            assert torch.equal(targets[i, : a.numel()], alone_targets[0])
+            assert (targets[i, a.numel():] == IGNORE).all()  # padding anchors carry no loss
+
+
+def test_flex_attention_path_equals_the_sdpa_mask(tiny_llama):
+    """The block-sparse flex_attention mask (the GPU path) computes what the dense SDPA mask does."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=2).eval()
+    examples = [example(tiny_llama, 40, seed=0), example(tiny_llama, 30, 8, seed=3)]
+    input_ids = pad_right([torch.tensor(ex["input_ids"]) for ex in examples], 0)
+    masks = pad_right([torch.tensor(ex["loss_mask"]) for ex in examples], 0)
+    anchors, valid = pad_anchors([sample_anchors(masks[i], 5, torch.Generator().manual_seed(i)) for i in range(2)])
+    features, _ = target_pass(tiny_llama, input_ids, drafter.config.target_layer_ids)
+    with torch.no_grad():
+        dense, _ = draft_blocks(drafter, features, input_ids, masks, anchors, valid, attention="sdpa")
+        flex, _ = draft_blocks(drafter, features, input_ids, masks, anchors, valid, attention="flex")
+    torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
+
+
+def test_acceptance_does_not_depend_on_batching(tiny_llama):
+    drafter = init_drafter(tiny_llama, block_size=4)
+    examples = [example(tiny_llama, 30 + 5 * i, seed=i, id=f"e{i}") for i in range(5)]
+    one = estimate_acceptance(drafter, tiny_llama, examples, anchors_per_seq=6, batch_size=1)
+    three = estimate_acceptance(drafter, tiny_llama, examples, anchors_per_seq=6, batch_size=3, length_multiple=16)
+    assert one["blocks"] == three["blocks"] and one["tau"] == pytest.approx(three["tau"])

@@ -149,3 +149,31 @@ def test_failed_node_leaves_no_output(tmp_path):
     assert out.returncode != 0
     assert "data source gsm8k: the path given in the config" in out.stderr + out.stdout
     assert not (tmp_path / "results" / "ci" / "data" / "bf16").exists()
+
+
+def test_drafter_scaling_study_on_ci(tmp_path):
+    """Sharded data -> merged -> one stage-1 run per (size, depth) -> the table; greedy held-out
+    responses of the sharded run equal the unsharded prepare_data node's, token for token."""
+    scaling = CONFIG["profiles"]["ci"]["scaling"]
+    out = snakemake(tmp_path, "drafter_scaling", "results/sc/data/bf16", "--config", "profile=ci", "experiment=sc")
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = tmp_path / "results" / "sc"
+    merged = results / "scaling" / "data" / "merged"
+    shards = [json.loads((results / "scaling" / "data" / f"shard-{i}" / "metrics.json").read_text()) for i in range(scaling["shards"])]
+    train = read(merged / "train.tokens.jsonl")
+    assert len(train) == sum(m["train.prompts"] for m in shards) and len({r["id"] for r in train}) == len(train)
+    sharded, unsharded = read(merged / "heldout.tokens.jsonl"), read(results / "data" / "bf16" / "heldout.tokens.jsonl")
+    assert [r["id"] for r in sharded] == [r["id"] for r in unsharded]  # the same prompts, in the same order
+    for a, b in zip(sharded, unsharded):  # greedy: the same tokens (the scaling data stops earlier: a prefix)
+        assert a["input_ids"] == b["input_ids"][: len(a["input_ids"])]
+
+    lines = (results / "scaling" / "table.md").read_text().splitlines()
+    assert len(lines) == 2 + len(scaling["sizes"]) * len(scaling["depths"])
+    runs = {}
+    for size in scaling["sizes"]:
+        for depth in scaling["depths"]:
+            m = json.loads((results / "scaling" / "drafter" / f"n{size}-L{depth}" / "metrics.json").read_text())
+            assert m["train.examples"] == size and m["drafter.layers"] == depth and m["train.seconds"] > 0
+            assert m["train.steps"] == -(-size // CONFIG["profiles"]["ci"]["drafter_train"]["batch_size"])  # one epoch
+            runs[size, depth] = m
+    assert runs[scaling["sizes"][0], 1]["drafter.parameters"] < runs[scaling["sizes"][0], 2]["drafter.parameters"]

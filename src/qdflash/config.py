@@ -76,9 +76,24 @@ def validate_config(config: dict, where: str = "config/config.yaml") -> dict:
             problem = model_problem(f"profiles.{name}.model", profile["model"])
             if problem and name == config["profile"]:
                 problems.append(problem)
+            problems += scaling_problems(f"profiles.{name}.scaling", profile)
     if problems:
         raise QdflashError(f"{where} is invalid:\n  - " + "\n  - ".join(problems))
     return config
+
+
+def scaling_problems(where: str, profile: dict) -> list[str]:
+    """What the schema cannot say about `scaling`: its sources exist, its largest size fits the data."""
+    scaling = profile.get("scaling")
+    if not scaling:
+        return []
+    unknown = sorted(set(scaling["n_train"]) - set(profile["data"]["sources"]))
+    if unknown:
+        return [f"{where}.n_train: {unknown} are not sources of this profile's data ({sorted(profile['data']['sources'])})"]
+    total = sum(scaling["n_train"].values())
+    if max(scaling["sizes"]) > total:
+        return [f"{where}.sizes: the largest size {max(scaling['sizes'])} exceeds the {total} training prompts of n_train"]
+    return []
 
 
 def validate_section(section: Any, definition: str, where: str) -> None:

@@ -1,10 +1,12 @@
 """Read node metrics into small tables (the report stage builds on this).
 
-    python -m qdflash.tables target results/default      # markdown table of the target variants
+    python -m qdflash.tables target results/default              # markdown table of the target variants
+    python -m qdflash.tables scaling results/gpu/scaling [--csv F] [--md F]   # the drafter scaling table
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import re
@@ -51,10 +53,43 @@ def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
         writer.writerows(rows)
 
 
+SCALING_COLUMNS = ["examples", "train_tokens", "layers", "parameters", "steps", "epochs", "train_seconds", "first_step_seconds",
+                   "tau", "tau_chat", "tau_code", "tau_knowledge", "tau_math", "accept_pos1", "heldout_blocks"]
+
+
+def scaling_rows(scaling_dir: Path) -> list[dict]:
+    """One row per scaling run (`drafter/n{size}-L{depth}`), sorted by depth then data size."""
+    rows = []
+    for folder in (scaling_dir / "drafter").glob("n*-L*/"):
+        m = json.loads((folder / "metrics.json").read_text())
+        rows.append({
+            "examples": m["train.examples"], "train_tokens": m["train.tokens"], "layers": m["drafter.layers"],
+            "parameters": m["drafter.parameters"], "steps": m["train.steps"],
+            "epochs": round(m["train.steps"] * m.get("train.batch_size", 0) / m["train.examples"], 3) if m.get("train.batch_size") else "",
+            "train_seconds": m["train.seconds"], "first_step_seconds": m.get("train.first_step_seconds", ""), "tau": round(m["final.tau"], 4),
+            **{f"tau_{c}": round(m[f"final.tau.{c}"], 4) for c in ("chat", "code", "knowledge", "math") if f"final.tau.{c}" in m},
+            "accept_pos1": round(m["final.accept_rate_by_position"][0], 4), "heldout_blocks": m["final.blocks"],
+        })
+    return sorted(rows, key=lambda r: (r["layers"], r["examples"]))
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) != 2 or argv[0] != "target":
-        sys.exit("usage: python -m qdflash.tables target RESULTS_DIR")
-    print(markdown(target_quality_rows(Path(argv[1])), TARGET_COLUMNS))
+    parser = argparse.ArgumentParser(prog="python -m qdflash.tables")
+    parser.add_argument("table", choices=["target", "scaling"])
+    parser.add_argument("folder", type=Path, help="results/<experiment> (target) or results/<experiment>/scaling")
+    parser.add_argument("--csv", type=Path, help="also write the rows as CSV")
+    parser.add_argument("--md", type=Path, help="write the markdown table here instead of printing it")
+    args = parser.parse_args(argv)
+    rows, columns = (target_quality_rows(args.folder), TARGET_COLUMNS) if args.table == "target" else (scaling_rows(args.folder), SCALING_COLUMNS)
+    if not rows:
+        sys.exit(f"{args.folder}: no finished runs to tabulate")
+    if args.csv:
+        write_csv(rows, columns, args.csv)
+    text = markdown(rows, columns)
+    if args.md:
+        args.md.write_text(text + "\n")
+    else:
+        print(text)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,24 @@ def block_attention_mask(anchors: torch.Tensor, block_size: int, context_len: in
     return torch.cat([context, same_block], dim=1)
 
 
+def batch_attention_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+    """`block_attention_mask` for a batch: anchors [n, A] -> boolean [n, A*B, context_len + A*B]."""
+    return torch.stack([block_attention_mask(a, block_size, context_len) for a in anchors])
+
+
+def block_mask_mod(anchors: torch.Tensor, block_size: int, context_len: int):
+    """The same rule as `batch_attention_mask` as a flex_attention mask_mod (anchors [n, A] on the
+    device): keys < context_len are context positions, the rest are the concatenated blocks."""
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        block = q_idx // block_size
+        in_context = kv_idx < anchors[batch, block]
+        same_block = (kv_idx - context_len) // block_size == block
+        return torch.where(kv_idx < context_len, in_context, same_block)
+
+    return mask_mod
+
+
 def weighted_block_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Cross-entropy per block position, weighted by position, averaged over weighted targets."""
     n, b, v = logits.shape

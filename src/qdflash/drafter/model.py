@@ -10,6 +10,7 @@ token id of the target's vocabulary.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -97,6 +98,24 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+@functools.cache
+def _flex_attention(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+def attend(q, k, v, mask) -> torch.Tensor:
+    """Attention of q [B, Hq, Tq, D] over k, v [B, Hkv, Tk, D] under `mask`: a boolean tensor
+    [B, Tq, Tk] (SDPA, dense: correct everywhere) or a flex_attention BlockMask (GPU: skips the
+    masked tiles, which are most of them when many blocks share one context)."""
+    if isinstance(mask, torch.Tensor):
+        rep = q.shape[1] // k.shape[1]  # repeated, not enable_gqa: SDPA's fused kernels then accept the mask
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+    return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)
+
+
 class DrafterLayer(nn.Module):
     def __init__(self, c: DrafterConfig):
         super().__init__()
@@ -117,16 +136,15 @@ class DrafterLayer(nn.Module):
         return x.view(*x.shape[:-1], n, self.c.head_dim).transpose(-3, -2)  # [B, heads, T, D]
 
     def forward(self, h, context, q_pos, k_pos, mask):
-        """h [B, Tq, H] block states; context [B, Tc, H] features; mask [B or 1, Tq, Tc + Tq] bool."""
+        """h [B, Tq, H] block states; context [B, Tc, H] features; mask [B, Tq, Tc + Tq] bool or a
+        flex BlockMask over the same shape (see `attend`)."""
         c = self.c
         x = self.input_norm(h)
         kv_in = torch.cat([context, x], dim=1)  # context features are extra keys / values
         q = rotary(self.q_norm(self._heads(self.q_proj(x), c.num_heads)), q_pos[:, None], c.rope_theta)
         k = rotary(self.k_norm(self._heads(self.k_proj(kv_in), c.num_kv_heads)), k_pos[:, None], c.rope_theta)
         v = self._heads(self.v_proj(kv_in), c.num_kv_heads)
-        rep = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        attn = attend(q, k, v, mask)
         h = h + self.o_proj(attn.transpose(1, 2).reshape(*h.shape[:-1], -1))
         x = self.post_norm(h)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -2,8 +2,10 @@
 
 Target hidden states are computed online by a frozen target forward. All blocks of one sequence are
 drafted in one drafter forward: their queries are concatenated and `blocks.block_attention_mask`
-keeps every block on its own context prefix and its own tokens (an SDPA boolean mask: correct on the
-CPU; a GPU path through flex_attention is future work).
+keeps every block on its own context prefix and its own tokens. Sequences of a batch are right-padded
+and run through one target forward and one drafter forward. The mask is a dense SDPA boolean mask
+(CPU) or flex_attention's block-sparse mask (GPU: `attention=flex`); both implement the same rule
+(tested equal).
 """
 
 from __future__ import annotations
@@ -14,31 +16,71 @@ from pathlib import Path
 
 import torch
 
-from .blocks import IGNORE, acceptance_lengths, block_attention_mask, block_inputs, sample_anchors, weighted_block_loss
+from .blocks import (IGNORE, acceptance_lengths, batch_attention_mask, block_inputs, block_mask_mod, sample_anchors,
+                     weighted_block_loss)
 from .model import Drafter
 
 
 @torch.no_grad()
 def target_pass(target, input_ids: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenated hidden states of `layer_ids` [1, L, n*H] and the target's greedy next tokens [L]."""
+    """Concatenated hidden states of `layer_ids` [n, L, k*H] and the target's greedy next tokens [n, L].
+    Right padding needs no attention mask: the target is causal, so real tokens never see it."""
     out = target.model(input_ids=input_ids, output_hidden_states=True)
     features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
-    return features, out.logits[0].argmax(-1)
+    return features, out.logits.argmax(-1)
 
 
-def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                 anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [n, B, V] of every block (one forward for all anchors of the sequence) and targets [n, B]."""
+def pad_right(rows: list[torch.Tensor], value, length: int | None = None) -> torch.Tensor:
+    """Stack 1-d (or [L, ...]) tensors of different lengths, padded at the end with `value` (to
+    `length` when given, else to the longest)."""
+    length = max(length or 0, *(r.shape[0] for r in rows))
+    out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), value)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out
+
+
+def pad_anchors(anchor_lists: list[torch.Tensor], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors [n, A] (short lists padded with anchor 1) and which entries are real [n, A]."""
+    width = max(width or 0, *(a.numel() for a in anchor_lists))
+    anchors = torch.ones(len(anchor_lists), width, dtype=torch.long)
+    valid = torch.zeros(len(anchor_lists), width, dtype=torch.bool)
+    for i, a in enumerate(anchor_lists):
+        anchors[i, : a.numel()], valid[i, : a.numel()] = a, True
+    return anchors, valid
+
+
+def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_masks: torch.Tensor,
+                 anchors: torch.Tensor, valid: torch.Tensor | None = None,
+                 attention: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [n, A, B, V] of every block of a (right-padded) batch in one drafter forward, and the
+    targets [n, A, B] (IGNORE where no trained token is, and for padding anchors: `valid` False).
+
+    input_ids / loss_masks [n, L], features [n, L, k*H], anchors [n, A] (CPU tensors except features).
+    attention: "sdpa" (a dense boolean mask) or "flex" (flex_attention's block-sparse mask).
+    """
     b = drafter.block_size
-    ids, targets, positions = block_inputs(input_ids[0], loss_mask, anchors.cpu(), b, drafter.mask_id)
+    n, length = input_ids.shape
     device = features.device
-    length = input_ids.shape[1]
+    blocks = [block_inputs(input_ids[i], loss_masks[i], anchors[i], b, drafter.mask_id) for i in range(n)]
+    ids, targets, positions = (torch.stack(parts) for parts in zip(*blocks))
+    if valid is not None:
+        targets = torch.where(valid[..., None], targets, torch.full_like(targets, IGNORE))
+    q_pos = positions.reshape(n, -1)
+    k_pos = torch.cat([torch.arange(length).expand(n, length), q_pos], dim=1)
+    if attention == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        queries = q_pos.shape[1]
+        mask = create_block_mask(block_mask_mod(anchors.to(device), b, length), n, None, queries, length + queries,
+                                 device=device)
+    elif attention == "sdpa":
+        mask = batch_attention_mask(anchors, b, length).to(device)
+    else:
+        raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'flex'")
     context = drafter.context_features(features.to(drafter.fc.weight.dtype))
-    q_pos = positions.reshape(1, -1).to(device)
-    k_pos = torch.cat([torch.arange(length), positions.reshape(-1)]).reshape(1, -1).to(device)
-    mask = block_attention_mask(anchors.cpu(), b, length)[None].to(device)
-    logits = drafter(ids.reshape(1, -1).to(device), context, q_pos, k_pos, mask)
-    return logits.reshape(len(anchors), b, -1), targets.to(device)
+    logits = drafter(ids.reshape(n, -1).to(device), context, q_pos.to(device), k_pos.to(device), mask)
+    return logits.reshape(n, anchors.shape[1], b, -1), targets.to(device)
 
 
 class FeatureCache:
@@ -63,30 +105,46 @@ class FeatureCache:
         return value
 
 
-def block_loss(drafter: Drafter, target, example: dict, weights: torch.Tensor, anchors_per_seq: int,
-               generator: torch.Generator, cache: FeatureCache | None = None) -> torch.Tensor | None:
+def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Tensor, anchors_per_seq: int,
+               generator: torch.Generator, cache: FeatureCache | None = None, attention: str = "sdpa",
+               pad_length: int | None = None) -> torch.Tensor | None:
+    """Weighted block loss of a batch of sequences (right-padded, one target and one drafter forward).
+    With `cache`, features come per sequence from disk (computed unpadded on a miss).
+    `pad_length` (and `anchors_per_seq` anchors always) gives every batch one shape, so a compiled
+    flex_attention is compiled once instead of once per batch shape."""
     device = next(drafter.parameters()).device
-    input_ids = torch.tensor([example["input_ids"]], device=device)
-    loss_mask = torch.tensor(example["loss_mask"])
-    anchors = sample_anchors(loss_mask, anchors_per_seq, generator)
-    if anchors.numel() == 0:
+    anchor_lists = [sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator) for ex in examples]
+    keep = [i for i, a in enumerate(anchor_lists) if a.numel()]
+    if not keep:
         return None
-    compute = lambda: target_pass(target, input_ids, drafter.config.target_layer_ids)[0]  # noqa: E731
-    features = cache.get(example["id"], compute).to(device) if cache is not None and "id" in example else compute()
-    logits, targets = draft_blocks(drafter, features, input_ids, loss_mask, anchors)
-    return weighted_block_loss(logits, targets, weights)
+    examples, anchor_lists = [examples[i] for i in keep], [anchor_lists[i] for i in keep]
+    input_ids = pad_right([torch.tensor(ex["input_ids"]) for ex in examples], 0, pad_length)
+    loss_masks = pad_right([torch.tensor(ex["loss_mask"]) for ex in examples], 0, pad_length)
+    layer_ids = drafter.config.target_layer_ids
+    if cache is not None:
+        rows = [cache.get(ex["id"], lambda ex=ex: target_pass(target, torch.tensor([ex["input_ids"]], device=device), layer_ids)[0][0])
+                for ex in examples]
+        features = pad_right([r.to(device) for r in rows], 0, pad_length)
+    else:
+        features = target_pass(target, input_ids.to(device), layer_ids)[0]
+    anchors, valid = pad_anchors(anchor_lists, anchors_per_seq if pad_length else None)
+    logits, targets = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention)
+    return weighted_block_loss(logits.flatten(0, 1), targets.flatten(0, 1), weights)
 
 
 @torch.no_grad()
 def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, anchors_per_seq: int = 32,
-                        seed: int = 0, categories: dict[str, str] | None = None) -> dict:
+                        seed: int = 0, categories: dict[str, str] | None = None, batch_size: int = 1,
+                        attention: str = "sdpa", length_multiple: int | None = None) -> dict:
     """Teacher-forced acceptance on (greedy) held-out responses.
 
     For each anchor whose whole block lies inside the response, the drafter's argmax at block
     positions 1..B-1 is compared with the target's argmax at the same positions (the target's logits
     at a+k-1 predict token a+k). On greedy responses this is exactly what greedy speculative
     decoding would accept at that point. Returns tau (mean acceptance length, bonus token included),
-    the per-position acceptance rate, and tau per category.
+    the per-position acceptance rate, and tau per category. Anchors are drawn per example in order,
+    so the result does not depend on `batch_size`. `length_multiple`: every batch is padded to one
+    length (the longest example, rounded up) and `anchors_per_seq` anchors, i.e. one shape (flex).
     """
     b = drafter.block_size
     generator = torch.Generator().manual_seed(seed)
@@ -95,20 +153,28 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
     by_category: dict[str, list[torch.Tensor]] = defaultdict(list)
     was_training = drafter.training
     drafter.eval()
-    for ex in examples:
-        loss_mask = torch.tensor(ex["loss_mask"])
-        anchors = sample_anchors(loss_mask, anchors_per_seq, generator, full_block=b)
-        if anchors.numel() == 0:
-            continue
-        input_ids = torch.tensor([ex["input_ids"]], device=device)
-        features, greedy = target_pass(target, input_ids, drafter.config.target_layer_ids)
-        logits, _ = draft_blocks(drafter, features, input_ids, loss_mask, anchors)
-        draft = logits[:, 1:].argmax(-1)
-        want = greedy[(anchors[:, None] + torch.arange(b - 1)[None, :]).to(device)]
-        acc = acceptance_lengths(draft, want).cpu()
-        lengths.append(acc)
-        if categories:
-            by_category[categories.get(ex["id"], "unknown")].append(acc)
+    drawn = [(ex, sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator, full_block=b)) for ex in examples]
+    drawn = [(ex, a) for ex, a in drawn if a.numel()]
+    offsets = torch.arange(b - 1)
+    length = width = None
+    if length_multiple and drawn:
+        longest = max(len(ex["input_ids"]) for ex, _ in drawn)
+        length, width = -(-longest // length_multiple) * length_multiple, anchors_per_seq
+    for start in range(0, len(drawn), batch_size):
+        chunk = drawn[start : start + batch_size]
+        input_ids = pad_right([torch.tensor(ex["input_ids"]) for ex, _ in chunk], 0, length)
+        loss_masks = pad_right([torch.tensor(ex["loss_mask"]) for ex, _ in chunk], 0, length)
+        anchors, valid = pad_anchors([a for _, a in chunk], width)
+        features, greedy = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)
+        logits, _ = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention)
+        draft = logits[:, :, 1:].argmax(-1).cpu()  # [n, A, B-1]
+        greedy = greedy.cpu()
+        for i, (ex, a) in enumerate(chunk):
+            want = greedy[i][a[:, None] + offsets[None, :]]
+            acc = acceptance_lengths(draft[i, : a.numel()], want)
+            lengths.append(acc)
+            if categories:
+                by_category[categories.get(ex["id"], "unknown")].append(acc)
     drafter.train(was_training)
     if not lengths:
         raise ValueError("no anchor with a full block inside a response: responses shorter than the block size")
@@ -120,4 +186,5 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
     return result
 
 
-__all__ = ["IGNORE", "FeatureCache", "block_loss", "draft_blocks", "estimate_acceptance", "target_pass"]
+__all__ = ["IGNORE", "FeatureCache", "batch_loss", "draft_blocks", "estimate_acceptance", "pad_anchors", "pad_right",
+           "target_pass"]

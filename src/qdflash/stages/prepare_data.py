@@ -8,7 +8,10 @@ Outputs (in out_dir):
 - ``train.tokens.jsonl`` / ``heldout.tokens.jsonl``: the exact token ids (prompt rendered with the chat
   template + generated ids) and an assistant-only loss mask.
 - ``metrics.json``, ``config.yaml``, ``wandb/`` (see qdflash.tracking).
-The same node regenerates data with a quantized target later (``data_role``).
+The same node regenerates data with a quantized target later (``data_role``). With ``shard.count``
+> 1 it generates every count-th selected prompt (shard ``shard.index``); ``merge_data`` interleaves
+the shards back into the unsharded order. Greedy (held-out) responses do not depend on the sharding;
+sampled ones come from a per-shard seed (``seed + index``), so they are other, equally valid samples.
 """
 
 from __future__ import annotations
@@ -181,6 +184,11 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         return True
 
     train, heldout = choose_prompts(loaded, data, accept, run)
+    if cfg.shard.count > 1:  # this node generates every count-th prompt; merge_data interleaves them back
+        if not 0 <= cfg.shard.index < cfg.shard.count:
+            raise QdflashError(f"shard.index={cfg.shard.index}: expected 0..{cfg.shard.count - 1} (shard.count={cfg.shard.count})")
+        train, heldout = train[cfg.shard.index :: cfg.shard.count], heldout[cfg.shard.index :: cfg.shard.count]
+    run.metrics.update({"shard.index": int(cfg.shard.index), "shard.count": int(cfg.shard.count)})
     if not train and not heldout:
         raise QdflashError("no prompts selected: every source is empty, skipped or has n_train = n_heldout = 0")
     log.info("selected %d training and %d held-out prompts", len(train), len(heldout))
@@ -195,7 +203,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     )
     for split, items, sampling, decoding in splits:
         gens, stats = generate_batched(
-            target.model, [prompt_ids[i.id] for i in items], sampling=sampling, seed=gen.seed, desc=f"{split} ({decoding})", **common
+            target.model, [prompt_ids[i.id] for i in items], sampling=sampling, seed=gen.seed + cfg.shard.index,
+            desc=f"{split} ({decoding})", **common,
         )
         rows, tokenized = records(items, prompt_ids, gens, target, decoding)
         write_jsonl(run.dir / f"{split}.jsonl", rows)

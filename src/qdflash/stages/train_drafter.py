@@ -9,8 +9,10 @@ also records the stage-1 drafter's tau against the same (QAD) target before any 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -20,7 +22,8 @@ from tqdm.auto import tqdm
 from ..data.jsonl import load_token_examples, read_jsonl
 from ..drafter import init_drafter, load_drafter, save_drafter
 from ..drafter.blocks import loss_weights
-from ..drafter.train import FeatureCache, block_loss, estimate_acceptance
+from ..data.split import unit_interval
+from ..drafter.train import FeatureCache, batch_loss, estimate_acceptance
 from ..errors import QdflashError
 from ..models import load_target
 from ..qad import cosine_lr
@@ -28,6 +31,7 @@ from ..tracking import NodeRun
 from ._app import stage
 
 log = logging.getLogger("qdflash.train_drafter")
+FLEX_LENGTH_MULTIPLE = 128  # flex_attention's tile size
 
 
 def categories(data_dir) -> dict[str, str]:
@@ -39,6 +43,53 @@ def record_acceptance(run: NodeRun, prefix: str, result: dict) -> None:
         run.metrics[f"{prefix}.{key}"] = value
     per_cat = ", ".join(f"{k[4:]} {v:.3f}" for k, v in result.items() if k.startswith("tau."))
     log.info("%s: tau %.3f over %d blocks (%s)", prefix, result["tau"], result["blocks"], per_cat)
+
+
+def hash_subset(rows: list[dict], n: int, salt: str) -> list[dict]:
+    """The first `n` rows in a fixed hash order of their ids: every category mixed in, and the subset
+    of a smaller n always inside the subset of a larger one."""
+    return sorted(rows, key=lambda ex: unit_interval(ex["id"], salt))[:n]
+
+
+def training_examples(data_dir, max_length: int, max_examples: int | None) -> list[dict]:
+    """Training sequences cut to `max_length`. With `max_examples`, a subset in a fixed hash order of
+    the ids, so smaller subsets are nested in larger ones and mix every category (scaling runs)."""
+    rows = load_token_examples(data_dir, "train")
+    if not rows:
+        raise QdflashError(f"{data_dir}/train.tokens.jsonl has no examples")
+    if max_examples is not None:
+        if max_examples > len(rows):
+            raise QdflashError(f"drafter_train.max_examples={max_examples} but {data_dir}/train.tokens.jsonl has only {len(rows)} examples")
+        rows = hash_subset(rows, max_examples, "drafter-subset")
+    return [{"id": ex["id"], "input_ids": ex["input_ids"][:max_length], "loss_mask": ex["loss_mask"][:max_length]} for ex in rows]
+
+
+def training_steps(train_cfg: DictConfig, examples: int) -> int:
+    """`steps`, or with `epochs` set: enough steps for that many passes over the examples."""
+    if train_cfg.epochs is None:
+        return int(train_cfg.steps)
+    return max(1, math.ceil(train_cfg.epochs * examples / train_cfg.batch_size))
+
+
+def epoch_batches(count: int, batch_size: int, seed: int):
+    """Index batches without replacement: each epoch a fresh permutation (an endless iterator)."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        if len(order) < batch_size:
+            fresh = list(range(count))
+            rng.shuffle(fresh)
+            order += fresh
+        yield order[:batch_size]
+        del order[:batch_size]
+
+
+def attention_kind(setting: str, device: torch.device) -> str:
+    if setting == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if setting not in ("flex", "sdpa"):
+        raise QdflashError(f"drafter_train.attention={setting!r}: expected auto, flex or sdpa")
+    return setting
 
 
 @stage("train_drafter")
@@ -58,18 +109,21 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     run.metrics.update({"drafter.parameters": drafter.num_parameters(), "drafter.layers": drafter.config.num_layers,
                         "drafter.block_size": drafter.block_size, "drafter.target_layer_ids": drafter.config.target_layer_ids,
                         "target.name": cfg.model.name, "stage": int(cfg.stage)})
-    heldout = load_token_examples(cfg.data_dir, "heldout", train_cfg.heldout_samples)
+    heldout = hash_subset(load_token_examples(cfg.data_dir, "heldout"), train_cfg.heldout_samples, "heldout-subset")
     cats = categories(cfg.data_dir)
-    train = [
-        {"id": ex["id"], "input_ids": ex["input_ids"][: train_cfg.max_length], "loss_mask": ex["loss_mask"][: train_cfg.max_length]}
-        for ex in load_token_examples(cfg.data_dir, "train")
-    ]
-    if not train:
-        raise QdflashError(f"{cfg.data_dir}/train.tokens.jsonl has no examples")
+    train = training_examples(cfg.data_dir, train_cfg.max_length, train_cfg.max_examples)
+    steps = training_steps(train_cfg, len(train))
+    attention = attention_kind(train_cfg.attention, drafter.fc.weight.device)
+    run.metrics.update({"train.examples": len(train), "train.steps": steps, "train.attention": attention,
+                        "train.batch_size": int(train_cfg.batch_size), "train.anchors_per_seq": int(train_cfg.anchors_per_seq),
+                        "train.tokens": sum(len(ex["input_ids"]) for ex in train)})
+    log.info("%d training sequences (%d tokens), %d steps of %d sequences, %s attention", len(train),
+             run.metrics["train.tokens"], steps, train_cfg.batch_size, attention)
 
     def acceptance() -> dict:
         return estimate_acceptance(drafter, target, heldout, anchors_per_seq=train_cfg.eval_anchors_per_seq,
-                                   seed=train_cfg.seed, categories=cats)
+                                   seed=train_cfg.seed, categories=cats, batch_size=train_cfg.batch_size,
+                                   attention=attention, length_multiple=FLEX_LENGTH_MULTIPLE if attention == "flex" else None)
 
     def evaluate(prefix: str) -> None:
         record_acceptance(run, prefix, acceptance())
@@ -80,31 +134,57 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     weights = loss_weights(drafter.block_size, train_cfg.gamma)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)  # fresh in stage 2
-    warmup = max(1, round(train_cfg.warmup_ratio * train_cfg.steps))
-    order = random.Random(train_cfg.seed)
+    warmup = max(1, round(train_cfg.warmup_ratio * steps))
+    # flex: one static batch shape (compiled once); sdpa: pad each batch to its own longest sequence
+    pad_length = -(-train_cfg.max_length // FLEX_LENGTH_MULTIPLE) * FLEX_LENGTH_MULTIPLE if attention == "flex" else None
+    batches = epoch_batches(len(train), train_cfg.batch_size, train_cfg.seed)
     generator = torch.Generator().manual_seed(train_cfg.seed)
     # cached features live beside the output (not inside it) and are removed when the node succeeds
     cache = FeatureCache(Path(f"{cfg.out_dir}.features")) if train_cfg.cache_features else None
     curve: list[float] = []
-    for step in tqdm(range(train_cfg.steps), desc=f"drafter stage {cfg.stage}", unit="step"):
-        lr = cosine_lr(step, train_cfg.steps, warmup, train_cfg.lr)
+    sync = torch.cuda.synchronize if drafter.fc.weight.is_cuda else (lambda: None)
+    sync()
+    started, eval_seconds = time.perf_counter(), 0.0
+    for step in tqdm(range(steps), desc=f"drafter stage {cfg.stage}", unit="step"):
+        lr = cosine_lr(step, steps, warmup, train_cfg.lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        total, count = 0.0, 0
-        for _ in range(train_cfg.batch_size):  # one sequence at a time: variable lengths, no padding
-            loss = block_loss(drafter, target, train[order.randrange(len(train))], weights,
-                              train_cfg.anchors_per_seq, generator, cache)
-            if loss is None:
-                continue
-            (loss / train_cfg.batch_size).backward()
-            total, count = total + loss.item(), count + 1
+        batch = [train[i] for i in next(batches)]
+
+        def forward_backward():
+            loss = batch_loss(drafter, target, batch, weights, train_cfg.anchors_per_seq, generator, cache, attention, pad_length)
+            if loss is not None:
+                loss.backward()
+            return loss
+
+        try:
+            loss = forward_backward()
+        except Exception as err:  # noqa: BLE001 - only the first step of `auto` may fall back, and it says so
+            if not (step == 0 and attention == "flex" and train_cfg.attention == "auto"):
+                raise
+            log.warning("flex_attention failed on this machine (%s: %s); using the SDPA mask instead", type(err).__name__, err)
+            run.metrics["train.flex_error"] = f"{type(err).__name__}: {err}"[:500]
+            attention, pad_length = "sdpa", None
+            run.metrics["train.attention"] = attention
+            optimizer.zero_grad(set_to_none=True)
+            loss = forward_backward()
+        if loss is None:  # no sequence of the batch has a trained token
+            continue
         grad_norm = torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
         optimizer.step()
-        curve.append(round(total / max(count, 1), 5))
+        curve.append(round(loss.item(), 5))
+        if step == 0:  # includes compiling flex_attention: reported apart from the steady steps
+            run.metrics["train.first_step_seconds"] = round(time.perf_counter() - started, 2)
         run.log({"train/loss": curve[-1], "train/lr": lr, "train/grad_norm": grad_norm.item()}, step=step + 1)
-        if (step + 1) % train_cfg.eval_every == 0 and step + 1 < train_cfg.steps:
+        if (step + 1) % train_cfg.eval_every == 0 and step + 1 < steps:
+            eval_started = time.perf_counter()
             run.log({"heldout/tau": acceptance()["tau"]}, step=step + 1)
+            eval_seconds += time.perf_counter() - eval_started
+    sync()
+    # wall time of the training steps alone (target forwards included; periodic evaluations excluded)
+    run.metrics["train.seconds"] = round(time.perf_counter() - started - eval_seconds, 2)
+    run.metrics["train.eval_seconds"] = round(eval_seconds, 2)
     run.metrics["train.loss_curve"] = curve
     if cache is not None:
         run.metrics.update({"train.feature_cache_hits": cache.hits, "train.feature_cache_misses": cache.misses})

@@ -1,0 +1,86 @@
+# Drafter scaling study (optional; `snakemake drafter_scaling --config profile=gpu`): stage-1 tau
+# against the 16-bit target as a function of training data and drafter depth, each with its training
+# time. Its data is generated in shards (each fits in a short job; merge_data joins them) and every
+# training run reads a nested subset of the same merged data, so sizes differ only in data.
+import copy
+
+from qdflash.config import flatten as flat_overrides  # (snakemake has its own `flatten`)
+
+SCALING = PROFILE.get("scaling")
+
+if SCALING:
+    SCALING_DIR = f"{RESULTS}/scaling"
+    SCALING_SHARD = f"{SCALING_DIR}/data/shard-{{index}}"
+    SCALING_SHARDS = expand(SCALING_SHARD, index=range(SCALING["shards"]))
+    SCALING_DATA = f"{SCALING_DIR}/data/merged"
+    SCALING_RUN = f"{SCALING_DIR}/drafter/n{{size}}-L{{depth}}"
+    SCALING_RUNS = expand(SCALING_RUN, size=SCALING["sizes"], depth=SCALING["depths"])
+
+    def scaling_data_section():
+        data = copy.deepcopy(PROFILE["data"])
+        for source, n in SCALING["n_train"].items():
+            data["sources"][source]["n_train"] = n
+        data["generation"]["max_new_tokens"] = SCALING["max_new_tokens"]
+        data["generation"]["measure_speed"]["enabled"] = False
+        return data
+
+    def scaling_train_section():
+        train = {**PROFILE["drafter_train"], **SCALING.get("drafter_train", {})}
+        return {**train, "epochs": SCALING["epochs"]}
+
+    rule scaling_data_shard:
+        """One shard of the scaling data: every n-th selected prompt, answered by the 16-bit target.
+        A third of the cores each: `generate` is CPU-bound at small model sizes, so three shards share
+        one GPU well; short jobs, so a job cut off by a time limit loses little."""
+        output:
+            directory(SCALING_SHARD),
+        params:
+            args=hydra_args(
+                "prepare_data", [],
+                lambda wc, input: {**dict(flat_overrides("data", scaling_data_section())), "shard.index": int(wc.index),
+                                   "shard.count": SCALING["shards"]},
+            ),
+            config=fingerprint(["data", "scaling"]),
+        threads: max(1, workflow.cores // 3)
+        shell:
+            "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
+
+    rule scaling_data:
+        """The shards interleaved back into one data folder (the order of an unsharded run)."""
+        input:
+            SCALING_SHARDS,
+        output:
+            directory(SCALING_DATA),
+        params:
+            args=hydra_args("merge_data", [], lambda wc, input: {"shards": list(input)}),
+        shell:
+            "{PYTHON} -m qdflash.stages.merge_data {params.args}"
+
+    rule scaling_drafter:
+        """Stage 1 on the first {size} examples (a fixed nested subset) with {depth} drafter layers,
+        `epochs` passes. All cores: one training run at a time, so its wall time is its own."""
+        input:
+            data=SCALING_DATA,
+        output:
+            directory(SCALING_RUN),
+        params:
+            args=hydra_args(
+                "train_drafter", ["drafter"],
+                lambda wc, input: {**dict(flat_overrides("drafter_train", scaling_train_section())), "stage": 1,
+                                   "data_dir": input.data, "drafter.num_layers": int(wc.depth),
+                                   "drafter_train.max_examples": int(wc.size)},
+            ),
+            config=fingerprint(["drafter", "drafter_train", "scaling"]),
+        threads: workflow.cores
+        shell:
+            "{PYTHON} -m qdflash.stages.train_drafter {params.args}"
+
+    rule drafter_scaling:
+        """The scaling table: tau (overall and per category), parameters, steps and training time."""
+        input:
+            SCALING_RUNS,
+        output:
+            csv=f"{SCALING_DIR}/table.csv",
+            md=f"{SCALING_DIR}/table.md",
+        shell:
+            "{PYTHON} -m qdflash.tables scaling {SCALING_DIR} --csv {output.csv} --md {output.md}"
