@@ -46,5 +46,10 @@ def fingerprint(sections):
     """A plain-string param per rule: the profile values the node reads. Snakemake does not record
     params computed by functions (hydra_args), so without this a changed profile value would not
     make the rule re-run; with it, the `params` re-run trigger sees the change."""
-    keys = ["model", "device", "dtype", *sections]
-    return hashlib.sha256(json.dumps({k: PROFILE[k] for k in keys}, sort_keys=True).encode()).hexdigest()[:16]
+    return section_fingerprint({k: PROFILE[k] for k in sections})
+
+
+def section_fingerprint(values):
+    """`fingerprint` of any config values a rule reads (plus the model, device and dtype)."""
+    keys = {k: PROFILE[k] for k in ("model", "device", "dtype")}
+    return hashlib.sha256(json.dumps({**keys, **values}, sort_keys=True).encode()).hexdigest()[:16]
