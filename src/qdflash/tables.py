@@ -61,6 +61,8 @@ def scaling_rows(scaling_dir: Path) -> list[dict]:
     """One row per scaling run (`drafter/n{size}-L{depth}`), sorted by depth then data size."""
     rows = []
     for folder in (scaling_dir / "drafter").glob("n*-L*/"):
+        if not re.fullmatch(r"n\d+-L\d+", folder.name):  # e.g. a *.partial-* folder of a run cut off
+            continue
         m = json.loads((folder / "metrics.json").read_text())
         rows.append({
             "examples": m["train.examples"], "train_tokens": m["train.tokens"], "layers": m["drafter.layers"],
