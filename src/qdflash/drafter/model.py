@@ -135,19 +135,36 @@ class DrafterLayer(nn.Module):
     def _heads(self, x, n):
         return x.view(*x.shape[:-1], n, self.c.head_dim).transpose(-3, -2)  # [B, heads, T, D]
 
-    def forward(self, h, context, q_pos, k_pos, mask):
-        """h [B, Tq, H] block states; context [B, Tc, H] features; mask [B, Tq, Tc + Tq] bool or a
-        flex BlockMask over the same shape (see `attend`)."""
+    def _kv(self, x, positions):
+        """Keys (normed, rotated) and values of inputs x [B, T, H] at absolute `positions` [B, T]."""
+        c = self.c
+        k = rotary(self.k_norm(self._heads(self.k_proj(x), c.num_kv_heads)), positions[:, None], c.rope_theta)
+        return k, self._heads(self.v_proj(x), c.num_kv_heads)
+
+    def context_kv(self, context, positions):
+        """K/V of context features [B, Tc, H]: they depend on nothing else, so inference caches them."""
+        return self._kv(context, positions)
+
+    def _attend_block(self, h, q_pos, ctx_k, ctx_v, mask):
         c = self.c
         x = self.input_norm(h)
-        kv_in = torch.cat([context, x], dim=1)  # context features are extra keys / values
         q = rotary(self.q_norm(self._heads(self.q_proj(x), c.num_heads)), q_pos[:, None], c.rope_theta)
-        k = rotary(self.k_norm(self._heads(self.k_proj(kv_in), c.num_kv_heads)), k_pos[:, None], c.rope_theta)
-        v = self._heads(self.v_proj(kv_in), c.num_kv_heads)
-        attn = attend(q, k, v, mask)
+        block_k, block_v = self._kv(x, q_pos)
+        attn = attend(q, torch.cat([ctx_k, block_k], dim=2), torch.cat([ctx_v, block_v], dim=2), mask)
         h = h + self.o_proj(attn.transpose(1, 2).reshape(*h.shape[:-1], -1))
         x = self.post_norm(h)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward(self, h, context, q_pos, k_pos, mask):
+        """h [B, Tq, H] block states; context [B, Tc, H] features (extra keys / values); k_pos [B, Tc + Tq]
+        (the context's positions, then the block's); mask [B, Tq, Tc + Tq] bool or a flex BlockMask
+        over the same shape (see `attend`)."""
+        ctx_k, ctx_v = self._kv(context, k_pos[:, : context.shape[1]])
+        return self._attend_block(h, q_pos, ctx_k, ctx_v, mask)
+
+    def forward_cached(self, h, q_pos, ctx_k, ctx_v, mask):
+        """The same layer for one block at inference, over cached context K/V (`context_kv`)."""
+        return self._attend_block(h, q_pos, ctx_k, ctx_v, mask)
 
 
 class Drafter(nn.Module):
@@ -207,6 +224,20 @@ class Drafter(nn.Module):
         for layer in self.layers:
             h = layer(h, context, q_pos, k_pos, mask)
         head = self._target.model.get_output_embeddings().weight.detach()  # frozen target LM head
+        return F.linear(self.norm(h).to(head.dtype), head)
+
+    def forward_block(self, block_ids, q_pos, ctx_keys, ctx_values, ctx_pos, window: int | None = None) -> torch.Tensor:
+        """Inference: logits [1, B, V] of one block over the cached context K/V of every layer.
+        With `window`, a query at position q sees context positions k with q - k < window
+        (symmetric |q - k| < window, which for context before the block is q - k < window)."""
+        h = self.embed_block(block_ids).to(self.fc.weight.dtype)
+        b = block_ids.shape[1]
+        mask = torch.ones(1, b, ctx_pos.shape[1] + b, dtype=torch.bool, device=h.device)
+        if window is not None:
+            mask[..., : ctx_pos.shape[1]] = (q_pos[:, :, None] - ctx_pos[:, None, :]) < window
+        for layer, k, v in zip(self.layers, ctx_keys, ctx_values):
+            h = layer.forward_cached(h, q_pos, k, v, mask)
+        head = self._target.model.get_output_embeddings().weight
         return F.linear(self.norm(h).to(head.dtype), head)
 
     def num_parameters(self) -> int:

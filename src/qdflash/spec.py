@@ -1,0 +1,255 @@
+"""Autoregressive and DFlash speculative generation, batch 1 (DESIGN.md contract).
+
+    autoregressive_generate(target, input_ids, max_new_tokens, temperature=0.0, seed=None)
+    speculative_generate(target, drafter, input_ids, max_new_tokens, temperature=0.0, seed=None)
+
+One speculative round, with p the position of the last committed token x_p (not yet fed to the
+target; the target's cache holds positions < p):
+1. the drafter fills the block [x_p, MASK x (B-1)] at positions p..p+B-1 in one forward, reading the
+   target's features of the context (positions < p) from its own incremental K/V cache;
+2. the target verifies [x_p, d_1..d_{B-1}] in one forward: its logits at p+k-1 give the token at p+k;
+3. greedy: d_k is accepted while it equals the target's argmax; sampling: while it equals the token
+   the target samples there. The first target token that differs (or the one after the last draft)
+   is the bonus, so every committed token is the target's own choice: the output equals
+   autoregressive decoding (greedy) or follows the target's distribution exactly (sampling);
+4. rollback of what was rejected: attention KV is cropped; Gated DeltaNet recurrent and conv states
+   cannot be cropped (transformers' `crop` does not restore the recurrent state), so they are
+   restored from a snapshot taken before the verify and the accepted tokens are fed again.
+
+This module runs plain transformers models (any device); the fast GPU engine builds on the same loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafter.model import Drafter
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]                       # new tokens only (the stop token included, if one was hit)
+    acceptance_lengths: list[int] = field(default_factory=list)  # per verify round, bonus included
+    stop_reason: str = "length"             # "length" | "eos" | "stop_string"
+    prefill_seconds: float = 0.0            # time to the first new token
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length (tokens committed per target forward after the prefill)."""
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Tokens [..] from logits [.., V]: argmax (temperature 0) or a sample at `temperature`."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat.cpu(), 1, generator=generator).reshape(probs.shape[:-1]).to(logits.device)
+
+
+def accepted_prefix(draft: torch.Tensor, target_tokens: torch.Tensor) -> int:
+    """How many leading draft tokens equal the target's tokens at the same positions."""
+    matches = (draft == target_tokens).long()
+    return int(torch.cumprod(matches, dim=0).sum().item())
+
+
+def is_linear_attention_layer(layer) -> bool:
+    return hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
+
+
+class TargetSession:
+    """The target with its cache: feed tokens, read logits (and drafter features), snapshot/rollback."""
+
+    def __init__(self, target, layer_ids: list[int] | None = None):
+        self.model = target.model
+        self.layer_ids = layer_ids
+        self.cache = None
+        self.length = 0  # positions held in the cache
+
+    @torch.no_grad()
+    def feed(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run `ids` at positions length.. ; returns logits [n, V] and features [n, k*H] (or None)."""
+        device = next(self.model.parameters()).device
+        out = self.model(input_ids=torch.tensor([ids], device=device), cache=self.cache, use_cache=True,
+                         output_hidden_states=self.layer_ids is not None)
+        self.cache = getattr(out, "cache", None) or out.past_key_values
+        self.length += len(ids)
+        features = None
+        if self.layer_ids is not None:
+            features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)[0]
+        return out.logits[0], features
+
+    def has_recurrent_state(self) -> bool:
+        return any(is_linear_attention_layer(layer) for layer in getattr(self.cache, "layers", []))
+
+    def snapshot(self) -> list:
+        """Copies of every recurrent / conv state (attention KV is cropped instead)."""
+        saved = []
+        for layer in getattr(self.cache, "layers", []):
+            if is_linear_attention_layer(layer):
+                saved.append(({k: None if v is None else v.clone() for k, v in layer.conv_states.items()},
+                              {k: None if v is None else v.clone() for k, v in layer.recurrent_states.items()}))
+            else:
+                saved.append(None)
+        return saved
+
+    def rollback(self, keep: int, snapshot: list | None) -> None:
+        """Back to `keep` positions: crop attention KV; restore recurrent layers from `snapshot`
+        (which must have been taken at exactly `keep` positions)."""
+        for layer, saved in zip(getattr(self.cache, "layers", []), snapshot or [None] * len(self.cache.layers)):
+            if is_linear_attention_layer(layer):
+                if saved is None:
+                    raise RuntimeError("a recurrent layer cannot be rolled back without a snapshot")
+                for states, copies in zip((layer.conv_states, layer.recurrent_states), saved):
+                    for key, value in copies.items():
+                        if value is not None:
+                            states[key].copy_(value)
+            elif layer.get_seq_length() > keep:
+                layer.crop(keep - layer.get_seq_length())  # a negative count: tokens to remove
+        self.length = keep
+
+
+class DrafterSession:
+    """The drafter's incremental context: per layer, the K/V of every committed position's target
+    features (grows as tokens are accepted), and the block forward over it."""
+
+    def __init__(self, drafter: Drafter, window: int | None = None):
+        self.drafter = drafter
+        self.window = window
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.positions = torch.zeros(0, dtype=torch.long)
+
+    @torch.no_grad()
+    def append(self, features: torch.Tensor, start: int) -> None:
+        """Target features [n, k*H] of positions start..start+n-1 become context K/V in every layer."""
+        positions = torch.arange(start, start + features.shape[0], device=features.device)
+        context = self.drafter.context_features(features[None].to(self.drafter.fc.weight.dtype))
+        new = [layer.context_kv(context, positions[None]) for layer in self.drafter.layers]
+        if not self.keys:
+            self.keys, self.values = [k for k, _ in new], [v for _, v in new]
+        else:
+            self.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(self.keys, new)]
+            self.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(self.values, new)]
+        self.positions = torch.cat([self.positions.to(positions.device), positions])
+        if self.window is not None and self.positions.numel() > self.window:  # older ones can never be seen
+            keep = self.window
+            self.keys = [k[:, :, -keep:] for k in self.keys]
+            self.values = [v[:, :, -keep:] for v in self.values]
+            self.positions = self.positions[-keep:]
+
+    @torch.no_grad()
+    def draft(self, last_token: int, position: int) -> torch.Tensor:
+        """Greedy drafts [B-1] for positions position+1.. given the committed token at `position`."""
+        d = self.drafter
+        b = d.block_size
+        device = d.fc.weight.device
+        ids = torch.full((1, b), d.mask_id, device=device)
+        ids[0, 0] = last_token
+        q_pos = torch.arange(position, position + b, device=device)
+        logits = d.forward_block(ids, q_pos[None], self.keys, self.values, self.positions[None], self.window)
+        return logits[0, 1:].argmax(-1)
+
+
+def _stop(tokens: list[int], eos: set[int], stop_strings, tokenizer, max_new_tokens: int) -> tuple[list[int], str | None]:
+    """Cut `tokens` at the first stop (EOS kept) and say why; None when generation goes on."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1], "eos"
+        if i + 1 >= max_new_tokens:
+            return tokens[: i + 1], "length"
+    if stop_strings and tokenizer is not None:
+        text = tokenizer.decode(tokens)
+        if any(s in text for s in stop_strings):
+            return tokens, "stop_string"
+    return tokens, None
+
+
+def prompt_ids(input_ids) -> list[int]:
+    """A batch-1 prompt as a list: LongTensor [1, L] or [L], list[int] or [[...]]."""
+    if torch.is_tensor(input_ids):
+        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            raise ValueError(f"batch 1 only: input_ids has shape {tuple(input_ids.shape)}")
+        return input_ids.reshape(-1).tolist()
+    ids = list(input_ids)
+    return list(ids[0]) if ids and isinstance(ids[0], (list, tuple)) else ids
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(0 if seed is None else seed)
+    return g
+
+
+def _sync(model) -> None:
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+
+
+def autoregressive_generate(target, input_ids, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
+                            stop_strings: list[str] | None = None) -> GenerationResult:
+    """One token per target forward, with the KV / recurrent cache (the reference for speculative)."""
+    ids = prompt_ids(input_ids)
+    generator, eos = _generator(seed), set(target.eos_token_ids)
+    session = TargetSession(target)
+    started = time.perf_counter()
+    logits, _ = session.feed(ids)
+    tokens = [int(choose(logits[-1], temperature, generator))]
+    _sync(target.model)
+    prefill = time.perf_counter() - started
+    tokens, reason = _stop(tokens, eos, stop_strings, target.tokenizer, max_new_tokens)
+    while reason is None:
+        logits, _ = session.feed(tokens[-1:])
+        tokens, reason = _stop(tokens + [int(choose(logits[-1], temperature, generator))], eos, stop_strings,
+                               target.tokenizer, max_new_tokens)
+    _sync(target.model)
+    return GenerationResult(tokens, stop_reason=reason, prefill_seconds=prefill, seconds=time.perf_counter() - started)
+
+
+def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: int, temperature: float = 0.0,
+                         seed: int | None = None, stop_strings: list[str] | None = None,
+                         window: int | None = None) -> GenerationResult:
+    """DFlash speculative decoding (module docstring); `window`: the drafter's sliding window."""
+    ids = prompt_ids(input_ids)
+    generator, eos = _generator(seed), set(target.eos_token_ids)
+    b = drafter.block_size
+    session = TargetSession(target, drafter.config.target_layer_ids)
+    context = DrafterSession(drafter, window)
+    started = time.perf_counter()
+    logits, features = session.feed(ids)
+    context.append(features, 0)
+    tokens = [int(choose(logits[-1], temperature, generator))]
+    _sync(target.model)
+    prefill = time.perf_counter() - started
+    tokens, reason = _stop(tokens, eos, stop_strings, target.tokenizer, max_new_tokens)
+    lengths: list[int] = []
+    recurrent = session.has_recurrent_state()
+    while reason is None:
+        p = session.length  # position of tokens[-1], the committed token not yet fed
+        draft = context.draft(tokens[-1], p)
+        snapshot = session.snapshot() if recurrent else None
+        block = [tokens[-1], *draft.tolist()]
+        logits, features = session.feed(block)
+        chosen = choose(logits, temperature, generator)  # the target's token after each block position
+        n = accepted_prefix(draft, chosen[: b - 1])
+        if n < b - 1:  # roll back what the target fed past the accepted drafts
+            if recurrent:
+                session.rollback(p, snapshot)
+                _, features = session.feed(block[: n + 1])  # the recurrence over the accepted tokens only
+            else:
+                session.rollback(p + n + 1, None)
+                features = features[: n + 1]
+        context.append(features[: n + 1], p)
+        new = [*draft[:n].tolist(), int(chosen[n])]
+        lengths.append(len(new))
+        tokens, reason = _stop(tokens + new, eos, stop_strings, target.tokenizer, max_new_tokens)
+    _sync(target.model)
+    return GenerationResult(tokens, lengths, reason, prefill, time.perf_counter() - started)
+
+
+__all__ = ["GenerationResult", "accepted_prefix", "autoregressive_generate", "choose", "speculative_generate"]

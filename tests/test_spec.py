@@ -1,0 +1,195 @@
+"""Lossless speculative decoding: greedy output == autoregressive output, token for token, on a
+llama-style and a hybrid (Gated DeltaNet) target; rollback of recurrent state; sampling exactness."""
+
+import random
+
+import pytest
+import torch
+
+from qdflash.drafter import init_drafter
+from qdflash.spec import (TargetSession, accepted_prefix, autoregressive_generate, choose, speculative_generate)
+import qdflash.spec as spec
+
+
+def prompt(seed, length):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 2000, (1, length), generator=g)
+
+
+def oracle(monkeypatch, reference, prompt_len, wrong_rate=0.0, seed=0):
+    """Drafts that are the reference continuation, each wrong with probability `wrong_rate`."""
+    rng = random.Random(seed)
+
+    def draft(self, last_token, position):
+        b = self.drafter.block_size
+        out = []
+        for pos in range(position + 1, position + b):
+            i = pos - prompt_len
+            token = reference[i] if 0 <= i < len(reference) else 7
+            out.append(token + 1 if rng.random() < wrong_rate else token)
+        return torch.tensor(out)
+
+    monkeypatch.setattr(spec.DrafterSession, "draft", draft)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+@pytest.mark.parametrize("block", [2, 4, 8])
+def test_greedy_speculative_equals_autoregressive(fixture, block, request, monkeypatch):
+    target = request.getfixturevalue(fixture)
+    for seed in range(3):
+        ids = prompt(seed, 5 + 7 * seed)
+        reference = autoregressive_generate(target, ids, 24).tokens
+        drafter = init_drafter(target, block_size=block, seed=seed)
+        random_drafts = speculative_generate(target, drafter, ids, 24)  # an untrained drafter: ~no acceptance
+        assert random_drafts.tokens == reference
+        assert sum(random_drafts.acceptance_lengths) >= len(reference) - 1
+        with monkeypatch.context() as m:
+            oracle(m, reference, ids.shape[1])
+            full = speculative_generate(target, drafter, ids, 24)
+        assert full.tokens == reference
+        assert all(n == block for n in full.acceptance_lengths[:-1])  # every draft accepted (but the cut last)
+        with monkeypatch.context() as m:
+            oracle(m, reference, ids.shape[1], wrong_rate=0.3, seed=seed)
+            partly = speculative_generate(target, drafter, ids, 24)
+        assert partly.tokens == reference
+        assert 1 < partly.tau < block or block == 2
+
+
+def test_window_and_stop_strings_keep_the_output(tiny_qwen):
+    ids = prompt(5, 40)
+    reference = autoregressive_generate(tiny_qwen, ids, 30).tokens
+    drafter = init_drafter(tiny_qwen, block_size=4)
+    assert speculative_generate(tiny_qwen, drafter, ids, 30, window=8).tokens == reference
+    text = tiny_qwen.tokenizer.decode(reference[:10])
+    stop = text[-3:] if text.strip() else None
+    if stop:
+        cut = speculative_generate(tiny_qwen, drafter, ids, 30, stop_strings=[stop])
+        assert cut.stop_reason == "stop_string" and cut.tokens == reference[: len(cut.tokens)]
+
+
+def test_eos_stops_both_the_same_way(tiny_llama, monkeypatch):
+    ids = prompt(1, 12)
+    reference = autoregressive_generate(tiny_llama, ids, 20).tokens
+    eos = reference[6]
+    monkeypatch.setattr(type(tiny_llama), "eos_token_ids", property(lambda self: [eos]))
+    ar = autoregressive_generate(tiny_llama, ids, 20)
+    sp = speculative_generate(tiny_llama, init_drafter(tiny_llama, block_size=4), ids, 20)
+    assert ar.stop_reason == sp.stop_reason == "eos"
+    assert ar.tokens == sp.tokens == reference[: reference.index(eos) + 1]
+
+
+def test_recurrent_rollback_equals_a_fresh_forward(tiny_qwen):
+    """Feed a block, roll back to the accepted prefix: the cache then predicts exactly what a fresh
+    forward over prompt + accepted tokens predicts (GDN recurrent + conv state, attention KV)."""
+    ids = prompt(3, 20)[0].tolist()
+    extra = [101, 202, 303, 404, 505, 606]
+    session = TargetSession(tiny_qwen)
+    session.feed(ids)
+    snap = session.snapshot()
+    session.feed(extra)  # the whole block, as in a verify
+    keep = 2
+    session.rollback(len(ids), snap)
+    session.feed(extra[:keep])
+    after, _ = session.feed([777])
+    fresh = TargetSession(tiny_qwen)
+    expected, _ = fresh.feed(ids + extra[:keep] + [777])
+    torch.testing.assert_close(after[-1], expected[-1], atol=1e-4, rtol=1e-4)
+    # without the snapshot the recurrent state would still hold the rejected tokens
+    broken = TargetSession(tiny_qwen)
+    broken.feed(ids)
+    broken.feed(extra)
+    for layer in broken.cache.layers:
+        if not spec.is_linear_attention_layer(layer):
+            layer.crop(len(ids) + keep - layer.get_seq_length())
+    wrong, _ = broken.feed([777])
+    assert not torch.allclose(wrong[-1], expected[-1], atol=1e-4)
+
+
+def test_accepted_prefix_and_choose():
+    assert accepted_prefix(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3])) == 3
+    assert accepted_prefix(torch.tensor([1, 9, 3]), torch.tensor([1, 2, 3])) == 1
+    assert accepted_prefix(torch.tensor([9, 2, 3]), torch.tensor([1, 2, 3])) == 0
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    assert choose(logits, 0.0, None).tolist() == [1]
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([choose(logits, 1.0, g) for _ in range(4000)]).flatten()
+    p = torch.softmax(logits[0], -1)
+    freq = torch.bincount(draws, minlength=3).float() / draws.numel()
+    assert (freq - p).abs().max() < 0.03
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_target():
+    """A llama-style target over 4 tokens: distributions small enough to enumerate exactly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qdflash.models import Target
+
+    config = LlamaConfig(vocab_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2)  # distributions neither flat nor one-hot
+
+    class NoTokenizer:
+        eos_token_id = None
+
+    model.generation_config.eos_token_id = None
+    return Target("tiny-vocab", model, NoTokenizer(), "test")
+
+
+def test_sampling_keeps_the_target_distribution(tiny_vocab_target, monkeypatch):
+    """Chi-square of 3-token continuations sampled speculatively against the exact target
+    probabilities (enumerated: 64 outcomes). Drafts are uniform random tokens, so about a quarter
+    are accepted and the rest end in a bonus: both paths of the rule are exercised."""
+    target = tiny_vocab_target
+    rng = random.Random(0)
+    monkeypatch.setattr(spec.DrafterSession, "draft",
+                        lambda self, last, position: torch.tensor([rng.randrange(4) for _ in range(self.drafter.block_size - 1)]))
+    ids = [0, 1, 2, 3, 1]
+    exact = {}
+    with torch.no_grad():
+        for a in range(4):
+            for b in range(4):
+                for c in range(4):
+                    logits = target.model(torch.tensor([ids + [a, b, c]])).logits[0].float()
+                    p = torch.softmax(logits, -1)
+                    n = len(ids)
+                    exact[a, b, c] = (p[n - 1, a] * p[n, b] * p[n + 1, c]).item()
+    drafter = init_drafter(target, block_size=3, num_layers=1)
+    counts = {k: 0 for k in exact}
+    trials = 800
+    accepted = 0
+    for s in range(trials):
+        out = speculative_generate(target, drafter, [ids], 3, temperature=1.0, seed=s)
+        counts[tuple(out.tokens)] += 1
+        accepted += sum(out.acceptance_lengths) - len(out.acceptance_lengths)
+    assert accepted > 50  # drafts were accepted often: the test exercises acceptance, not only bonuses
+    chi2 = sum((counts[k] - trials * p) ** 2 / (trials * p) for k, p in exact.items() if trials * p >= 5)
+    cells = sum(1 for p in exact.values() if trials * p >= 5)
+    assert chi2 < cells + 4 * (2 * cells) ** 0.5, (chi2, cells)  # mean + 4 sd of chi-square(cells)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_inference_drafts_what_training_drafts(fixture, request):
+    """The incremental drafter (cached context K/V, one block) gives the same logits as the training
+    forward (all context features at once, block mask) for the same anchor: what is trained is what runs."""
+    from qdflash.drafter.train import draft_blocks, target_pass
+
+    target = request.getfixturevalue(fixture)
+    drafter = init_drafter(target, block_size=4, num_layers=2, seed=3).eval()
+    ids = prompt(9, 30)
+    features, _ = target_pass(target, ids, drafter.config.target_layer_ids)
+    anchor = 17
+    logits, _ = draft_blocks(drafter, features, ids, torch.ones_like(ids), torch.tensor([[anchor]]))
+    session = spec.DrafterSession(drafter)
+    session.append(features[0, :10], 0)  # context arrives in pieces, as accepted tokens do
+    session.append(features[0, 10:anchor], 10)
+    block = torch.full((1, 4), drafter.mask_id)
+    block[0, 0] = ids[0, anchor]
+    q_pos = torch.arange(anchor, anchor + 4)[None]
+    with torch.no_grad():
+        cached = drafter.forward_block(block, q_pos, session.keys, session.values, session.positions[None])
+    torch.testing.assert_close(cached[0], logits[0, 0], atol=1e-4, rtol=1e-4)
+    assert session.draft(int(ids[0, anchor]), anchor).tolist() == logits[0, 0, 1:].argmax(-1).tolist()
