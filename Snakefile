@@ -16,6 +16,7 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/target.smk"
 include: "workflow/rules/drafter.smk"
 include: "workflow/rules/scaling.smk"
+include: "workflow/rules/bench.smk"
 
 
 rule all:
@@ -25,4 +26,5 @@ rule all:
         QAD_VARIANTS,
         STAGE1,
         STAGE2,
+        BENCH,
     default_target: True

@@ -31,7 +31,7 @@ def test_dry_run_lists_the_dag(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "prepare_data" in out.stdout and "results/default/data/bf16" in out.stdout
     for job in ("quantize_target", "qad", "ptq_rtn_w4g32", "ptq_gptq_w3g32", "qad_gptq_w3g32", "regenerate_data",
-                "drafter_stage1", "drafter_stage2"):
+                "drafter_stage1", "drafter_stage2", "bench_speedup"):
         assert job in out.stdout
 
 
@@ -80,6 +80,23 @@ def test_ci_profile_end_to_end(tmp_path):
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
     check_target_stage(tmp_path / "results" / "e2e", data)
     check_drafter_stage(tmp_path / "results" / "e2e")
+    check_bench(tmp_path / "results" / "e2e")
+
+
+def check_bench(results):
+    import csv
+
+    folder = results / "bench" / "speedup"
+    rows = list(csv.DictReader(open(folder / "speed.csv")))
+    methods = {r["method"] for r in rows}
+    assert methods == {"plain16", "ar16", "spec16_stage1", "ar_qad", "spec_qad_stage1", "spec_qad_stage2"}
+    labels = {r["prompts"] for r in rows}
+    assert {"all", "chat", "knowledge", "code", "filler"} <= labels and any(l.startswith("p") for l in labels)
+    m = json.loads((folder / "metrics.json").read_text())
+    # float32 on the CPU: speculative greedy output must equal autoregressive output exactly
+    for name in ("spec16_stage1", "spec_qad_stage1", "spec_qad_stage2"):
+        assert m[f"all.{name}.mismatches"] == 0, m[f"all.{name}.divergence_margins"]
+        assert 1 <= m[f"all.{name}.tau"] <= CONFIG["profiles"]["ci"]["drafter"]["block_size"]
 
 
 def check_drafter_stage(results):

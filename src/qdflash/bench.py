@@ -1,0 +1,178 @@
+"""Speed of speculative decoding against autoregressive baselines, batch 1, measured side by side.
+
+Every method runs on the same prompts in the same process, one after the other, after a warm-up.
+Greedy outputs of every speculative run are compared with this module's autoregressive output of the
+same target (same dtype): a mismatch in float32 is a bug; in bfloat16 the relative top-2 margin of
+the reference at the first divergence says whether it was a near-tie (kernels for 1 and B rows may
+round differently) or a bug (margin above `MARGIN_BUG`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .data.chat import render_prompt_ids
+from .data.jsonl import read_jsonl
+from .spec import GenerationResult, autoregressive_generate, speculative_generate
+
+MARGIN_BUG = 1e-2  # relative top-2 logit margin above which a bf16 divergence is a bug
+FILLER = "the cat sat on the mat. "  # the repetitive prompt: drafters look best on it, so it is its own row
+
+
+@dataclass
+class PromptCase:
+    label: str          # category (chat / math / code / knowledge) or bucket (p64, p2048, ..., filler)
+    ids: list[int]
+    max_new_tokens: int
+
+
+@dataclass
+class MethodResult:
+    """Per-case results of one method, in case order."""
+
+    runs: list[GenerationResult] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        return [r.tokens for r in self.runs]
+
+    def subset(self, keep: list[bool]) -> "MethodResult":
+        return MethodResult([r for r, k in zip(self.runs, keep) if k])
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.runs)
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for r in self.runs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    @property
+    def acceptance(self) -> list[int]:
+        return [n for r in self.runs for n in r.acceptance_lengths]
+
+
+def category_cases(data_dir, tokenizer, per_category: int, max_new_tokens: int) -> list[PromptCase]:
+    """The first held-out prompts of each category (held-out: never trained on)."""
+    cases, seen = [], {}
+    for row in read_jsonl(f"{data_dir}/heldout.jsonl"):
+        if seen.get(row["category"], 0) >= per_category:
+            continue
+        seen[row["category"]] = seen.get(row["category"], 0) + 1
+        cases.append(PromptCase(row["category"], render_prompt_ids(tokenizer, row["messages"][0]["content"]), max_new_tokens))
+    return cases
+
+
+def long_text(data_dir, tokenizer, n_tokens: int) -> str:
+    """Real text of at least `n_tokens` tokens: training prompts and responses, concatenated."""
+    parts, total = [], 0
+    for row in read_jsonl(f"{data_dir}/train.jsonl"):
+        for text in (row["messages"][0]["content"], row["response"]):
+            parts.append(text)
+            total += len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if total >= n_tokens:
+            break
+    return "\n\n".join(parts)
+
+
+def bucket_cases(data_dir, tokenizer, buckets: list[list[int]], context_len: int, filler: bool) -> list[PromptCase]:
+    """Prompts of about N tokens (a summarization request over real text), capped so that prompt +
+    new tokens fit the model's context; plus the repetitive filler prompt at the largest length."""
+    cases = []
+    for prompt_tokens, new_tokens in buckets:
+        n = min(prompt_tokens, context_len - new_tokens - 64)
+        text_ids = tokenizer(long_text(data_dir, tokenizer, n), add_special_tokens=False)["input_ids"]
+        body = tokenizer.decode(text_ids[: max(n - 40, 8)])
+        ids = render_prompt_ids(tokenizer, f"Summarize this text in a few sentences.\n\n{body}")
+        cases.append(PromptCase(f"p{prompt_tokens}" + ("" if n == prompt_tokens else f"(capped {n})"), ids, new_tokens))
+    if filler and buckets:
+        prompt_tokens, new_tokens = buckets[-1]
+        n = min(prompt_tokens, context_len - new_tokens - 64)
+        unit = len(tokenizer(FILLER, add_special_tokens=False)["input_ids"])
+        ids = render_prompt_ids(tokenizer, "Continue: " + FILLER * max(1, (n - 20) // unit))
+        cases.append(PromptCase("filler", ids, new_tokens))
+    return cases
+
+
+def top2_margin(target, prefix: list[int]) -> float:
+    """(top1 - top2) / |top1| of the target's next-token logits after `prefix`."""
+    device = next(target.model.parameters()).device
+    with torch.no_grad():
+        logits = target.model(input_ids=torch.tensor([prefix], device=device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return ((top[0] - top[1]) / top[0].abs().clamp_min(1e-9)).item()
+
+
+def compare(target, cases: list[PromptCase], reference: MethodResult, candidate: MethodResult, fp32: bool) -> dict:
+    """Mismatches of `candidate` against the autoregressive `reference`, with margins at divergence."""
+    mismatches, margins, bugs = 0, [], 0
+    for case, ref, got in zip(cases, reference.outputs, candidate.outputs):
+        if ref == got:
+            continue
+        mismatches += 1
+        first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+        margin = top2_margin(target, case.ids + ref[:first])
+        margins.append(round(margin, 6))
+        bugs += 1 if fp32 or margin > MARGIN_BUG else 0
+    return {"mismatches": mismatches, "divergence_margins": margins, "mismatch_bugs": bugs}
+
+
+def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1) -> dict[str, MethodResult]:
+    """Every method on every prompt, the methods taking turns prompt by prompt, so that a change of
+    machine load in the middle of the benchmark hits all methods alike (ratios stay fair)."""
+    from tqdm.auto import tqdm
+
+    for fn in methods.values():
+        for case in cases[:warmup]:  # compile / allocate / fill caches outside the measurement
+            fn(case.ids, min(case.max_new_tokens, 8))
+    results = {name: MethodResult() for name in methods}
+    for case in tqdm(cases, desc="benchmark", unit="prompt"):
+        for name, fn in methods.items():
+            results[name].runs.append(fn(case.ids, case.max_new_tokens))
+    return results
+
+
+def plain_generate(target, ids: list[int], max_new_tokens: int, static: bool = False) -> GenerationResult:
+    """transformers' own `generate` (greedy): dynamic cache = the unoptimized baseline (a); `static`:
+    its static cache, which it compiles on a GPU (a')."""
+    device = next(target.model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    out = target.model.generate(input_ids=torch.tensor([ids], device=device), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+                                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=target.eos_token_ids,
+                                pad_token_id=target.tokenizer.pad_token_id,
+                                **({"cache_implementation": "static"} if static else {}))
+    sync()
+    return GenerationResult(out[0, len(ids):].tolist(), seconds=time.perf_counter() - started)
+
+
+def ar(target):
+    return lambda ids, n: autoregressive_generate(target, [ids], n)
+
+
+def spec(target, drafter, window=None):
+    return lambda ids, n: speculative_generate(target, drafter, [ids], n, window=window)
+
+
+def summary(name: str, result: MethodResult, block: int | None = None) -> dict:
+    row = {f"{name}.tokens": result.tokens, f"{name}.seconds": round(result.seconds, 4),
+           f"{name}.tokens_per_s": round(result.tokens_per_s, 3),
+           f"{name}.ttft_median_s": round(statistics.median(r.prefill_seconds for r in result.runs), 5) if result.runs else 0.0}
+    if result.acceptance:
+        row[f"{name}.tau"] = round(sum(result.acceptance) / len(result.acceptance), 4)
+        if block:
+            row[f"{name}.tau_histogram"] = [result.acceptance.count(k) for k in range(1, block + 1)]
+    return row
+
+
+__all__ = ["PromptCase", "MethodResult", "ar", "bucket_cases", "category_cases", "compare", "plain_generate",
+           "run_interleaved", "spec", "summary", "top2_margin"]

@@ -1,0 +1,91 @@
+"""bench_speedup node: batch-1 decoding speed of the speculative variants against the baselines.
+
+Methods, on the same prompts, side by side in this process (qdflash.bench):
+- `plain16`: transformers' `generate` on the 16-bit target (the unoptimized baseline, (a));
+- `static16`: `generate` with its static cache (compiled) where the device is a GPU ((a'));
+- `ar16` / `ar_qad`: this project's autoregressive loop on the 16-bit / QAD target ((b), (c));
+- `spec16_stage1`: the stage-1 drafter on the 16-bit target;
+- `spec_qad_stage1` / `spec_qad_stage2`: the stage-1 / stage-2 drafter on the QAD target.
+Prompts: held-out prompts per category, and length buckets (real text; the filler prompt apart).
+Every speculative greedy output is compared with the autoregressive output of its target.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .. import bench
+from ..drafter import load_drafter
+from ..models import load_target
+from ..tracking import NodeRun
+from ._app import stage
+
+log = logging.getLogger("qdflash.bench_speedup")
+
+
+@stage("bench_speedup")
+def main(cfg: DictConfig, run: NodeRun) -> None:
+    b = cfg.bench
+    target16 = load_target(cfg.model.name, dtype=cfg.dtype, device=cfg.device)
+    qad = load_target(cfg.qad_model, dtype=cfg.dtype, device=cfg.device)
+    stage1_16, stage1_qad = load_drafter(cfg.stage1, target16), load_drafter(cfg.stage1, qad)
+    stage2_qad = load_drafter(cfg.stage2, qad)
+    tok = target16.tokenizer
+    context_len = getattr(target16.config, "max_position_embeddings", 4096)
+    buckets = OmegaConf.to_container(b.buckets, resolve=True)
+    cases = bench.category_cases(cfg.data_dir, tok, b.prompts_per_category, b.max_new_tokens)
+    cases += bench.bucket_cases(cfg.data_dir, tok, buckets, context_len, b.filler)
+    log.info("%d prompts: %s", len(cases), ", ".join(f"{c.label} ({len(c.ids)} tokens)" for c in cases))
+    window = b.window
+    methods = {
+        "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
+        "ar16": bench.ar(target16),
+        "spec16_stage1": bench.spec(target16, stage1_16, window),
+        "ar_qad": bench.ar(qad),
+        "spec_qad_stage1": bench.spec(qad, stage1_qad, window),
+        "spec_qad_stage2": bench.spec(qad, stage2_qad, window),
+    }
+    if target16.device.type == "cuda":
+        methods["static16"] = lambda ids, n: bench.plain_generate(target16, ids, n, static=True)
+    results = bench.run_interleaved(methods, cases, warmup=b.warmup)
+    for name, r in results.items():
+        log.info("%s: %.1f tokens/s", name, r.tokens_per_s)
+    fp32 = target16.dtype == torch.float32
+    checks = {"spec16_stage1": ("ar16", target16), "spec_qad_stage1": ("ar_qad", qad), "spec_qad_stage2": ("ar_qad", qad)}
+    rows = []
+    for label in ["all", *dict.fromkeys(c.label for c in cases)]:
+        keep = [label == "all" or c.label == label for c in cases]
+        part = {name: r.subset(keep) for name, r in results.items()}
+        for name, r in part.items():
+            summary = bench.summary(name, r, stage1_16.block_size)
+            run.metrics.update({f"{label}.{k}": v for k, v in summary.items()})
+            row = {"prompts": label, "method": name, "tokens": r.tokens, "seconds": round(r.seconds, 4),
+                   "tokens_per_s": round(r.tokens_per_s, 3), "tau": summary.get(f"{name}.tau", "")}
+            for base in ("plain16", "ar16", "ar_qad"):
+                row[f"speedup_vs_{base}"] = round(r.tokens_per_s / max(part[base].tokens_per_s, 1e-9), 4)
+                run.metrics[f"{label}.{name}.speedup_vs_{base}"] = row[f"speedup_vs_{base}"]
+            if name in checks:
+                reference, model = checks[name]
+                subset_cases = [c for c, k in zip(cases, keep) if k]
+                check = bench.compare(model, subset_cases, part[reference], r, fp32)
+                row.update({"mismatches": check["mismatches"], "mismatch_bugs": check["mismatch_bugs"]})
+                run.metrics.update({f"{label}.{name}.{k}": v for k, v in check.items()})
+            rows.append(row)
+    columns = ["prompts", "method", "tokens", "seconds", "tokens_per_s", "tau", "speedup_vs_plain16", "speedup_vs_ar16",
+               "speedup_vs_ar_qad", "mismatches", "mismatch_bugs"]
+    with open(run.dir / "speed.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    run.metrics.update({"prompts": len(cases), "dtype": str(target16.dtype), "window": -1 if window is None else int(window),
+                        "block_size": stage1_16.block_size})
+    bugs = sum(v for k, v in run.metrics.items() if k.startswith("all.") and k.endswith(".mismatch_bugs"))
+    log.info("speculative vs autoregressive: %d mismatch bugs (%s)", bugs, "float32: any mismatch" if fp32 else f"margin > {bench.MARGIN_BUG}")
+
+
+if __name__ == "__main__":
+    main()
