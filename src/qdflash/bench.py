@@ -165,8 +165,9 @@ def spec(target, drafter, window=None):
 
 def summary(name: str, result: MethodResult, block: int | None = None) -> dict:
     row = {f"{name}.tokens": result.tokens, f"{name}.seconds": round(result.seconds, 4),
-           f"{name}.tokens_per_s": round(result.tokens_per_s, 3),
-           f"{name}.ttft_median_s": round(statistics.median(r.prefill_seconds for r in result.runs), 5) if result.runs else 0.0}
+           f"{name}.tokens_per_s": round(result.tokens_per_s, 3)}
+    if any(r.prefill_seconds for r in result.runs):  # transformers' generate does not report it
+        row[f"{name}.ttft_median_s"] = round(statistics.median(r.prefill_seconds for r in result.runs), 5)
     if result.acceptance:
         row[f"{name}.tau"] = round(sum(result.acceptance) / len(result.acceptance), 4)
         if block:

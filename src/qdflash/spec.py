@@ -16,7 +16,8 @@ target; the target's cache holds positions < p):
    cannot be cropped (transformers' `crop` does not restore the recurrent state), so they are
    restored from a snapshot taken before the verify and the accepted tokens are fed again.
 
-This module runs plain transformers models (any device); the fast GPU engine builds on the same loop.
+The loop runs the target's lean engine (`target.engine`, qdflash.engine: a static KV cache, where a
+rollback is a new length) where one is built, else transformers' forward (any model, any device).
 """
 
 from __future__ import annotations
@@ -114,6 +115,37 @@ class TargetSession:
         self.length = keep
 
 
+class EngineSession:
+    """The same interface over a lean engine (qdflash.engine): a static KV cache, so a rollback is
+    only a new length (positions past it are masked and later overwritten)."""
+
+    def __init__(self, engine, layer_ids: list[int] | None = None):
+        self.engine = engine
+        self.layer_ids = layer_ids
+        self.length = 0
+
+    def feed(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        device = self.engine.embed.device
+        logits, features = self.engine.forward(torch.tensor(ids, device=device), self.length, self.layer_ids)
+        self.length += len(ids)
+        return logits, features
+
+    def has_recurrent_state(self) -> bool:
+        return False
+
+    def snapshot(self) -> None:
+        return None
+
+    def rollback(self, keep: int, snapshot=None) -> None:
+        self.length = keep
+
+
+def target_session(target, layer_ids: list[int] | None = None):
+    """The target's lean engine where one is built (`target.engine`), else transformers' forward."""
+    engine = getattr(target, "engine", None)
+    return EngineSession(engine, layer_ids) if engine is not None else TargetSession(target, layer_ids)
+
+
 class DrafterSession:
     """The drafter's incremental context: per layer, the K/V of every committed position's target
     features (grows as tokens are accepted), and the block forward over it."""
@@ -196,7 +228,7 @@ def autoregressive_generate(target, input_ids, max_new_tokens: int, temperature:
     """One token per target forward, with the KV / recurrent cache (the reference for speculative)."""
     ids = prompt_ids(input_ids)
     generator, eos = _generator(seed), set(target.eos_token_ids)
-    session = TargetSession(target)
+    session = target_session(target)
     started = time.perf_counter()
     logits, _ = session.feed(ids)
     tokens = [int(choose(logits[-1], temperature, generator))]
@@ -218,7 +250,7 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     ids = prompt_ids(input_ids)
     generator, eos = _generator(seed), set(target.eos_token_ids)
     b = drafter.block_size
-    session = TargetSession(target, drafter.config.target_layer_ids)
+    session = target_session(target, drafter.config.target_layer_ids)
     context = DrafterSession(drafter, window)
     started = time.perf_counter()
     logits, features = session.feed(ids)

@@ -3,7 +3,8 @@
 Methods, on the same prompts, side by side in this process (qdflash.bench):
 - `plain16`: transformers' `generate` on the 16-bit target (the unoptimized baseline, (a));
 - `static16`: `generate` with its static cache (compiled) where the device is a GPU ((a'));
-- `ar16` / `ar_qad`: this project's autoregressive loop on the 16-bit / QAD target ((b), (c));
+- `ar16` / `ar_qad`: this project's autoregressive loop on the 16-bit / QAD target ((b), (c)), on
+  the lean engine (qdflash.engine) where the family has one (recorded as `engine.*` in metrics.json);
 - `spec16_stage1`: the stage-1 drafter on the 16-bit target;
 - `spec_qad_stage1` / `spec_qad_stage2`: the stage-1 / stage-2 drafter on the QAD target.
 Prompts: held-out prompts per category, and length buckets (real text; the filler prompt apart).
@@ -20,6 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from .. import bench
 from ..drafter import load_drafter
+from ..engine import build_engine
+from ..errors import QdflashError
 from ..models import load_target
 from ..tracking import NodeRun
 from ._app import stage
@@ -40,6 +43,15 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     cases = bench.category_cases(cfg.data_dir, tok, b.prompts_per_category, b.max_new_tokens)
     cases += bench.bucket_cases(cfg.data_dir, tok, buckets, context_len, b.filler)
     log.info("%d prompts: %s", len(cases), ", ".join(f"{c.label} ({len(c.ids)} tokens)" for c in cases))
+    # this project's loops run on the lean engine where the family has one (transformers' forward otherwise)
+    longest = max(len(c.ids) + c.max_new_tokens for c in cases) + stage1_16.block_size + 1
+    for key, target in (("target16", target16), ("qad", qad)):
+        try:
+            target.engine = build_engine(target, max_len=longest)
+            run.metrics[f"engine.{key}"] = "lean"
+        except QdflashError as err:
+            log.info("%s runs on transformers' forward: %s", key, err)
+            run.metrics[f"engine.{key}"] = "transformers"
     window = b.window
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),

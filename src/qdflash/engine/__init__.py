@@ -1,0 +1,15 @@
+"""Lean inference models of our own (gpt-fast style) that run the target's weights with static caches.
+
+    engine = build_engine(target, max_len=4096)     # llama-style targets today
+    logits, features = engine.forward(ids, start)    # ids [T] at positions start..start+T-1
+
+The model code is a few hundred lines with nothing between the math and the tensors: fused q/k/v and
+gate/up projections, one static KV cache written in place (a rollback is a change of length: no copy),
+so that the decode step and the verify block can later be captured as CUDA graphs. Qwen3.5 hybrid
+(Gated DeltaNet) targets are not built yet: `build_engine` says so, and `qdflash.spec` then runs
+transformers' forward.
+"""
+
+from .llama import LeanLlama, build_engine
+
+__all__ = ["LeanLlama", "build_engine"]
