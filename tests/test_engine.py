@@ -23,7 +23,7 @@ def smollm2():
     return load_target("smollm2-135m", device="cpu")
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "smollm2"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "smollm2", "tiny_qwen"])
 def test_logits_and_features_match_transformers(fixture, request):
     target = request.getfixturevalue(fixture)
     engine = build_engine(target, max_len=128)
@@ -50,17 +50,53 @@ def test_pieces_and_rollback_by_length(tiny_llama):
         engine.forward(x, 100)
 
 
+def test_hybrid_rollback_restores_the_kept_recurrent_state(tiny_qwen):
+    """Feed a verify block, roll back into it: Gated DeltaNet state, conv inputs and KV then predict
+    what a fresh forward over the accepted tokens predicts (no token fed twice)."""
+    engine = build_engine(tiny_qwen, max_len=128)
+    x = ids(2, 30).tolist()
+    block = [101, 202, 303, 404, 505]
+    engine.forward(torch.tensor(x), 0)
+    engine.forward(torch.tensor(block), 30)
+    engine.rollback(32)  # two block tokens accepted
+    after, _ = engine.forward(torch.tensor([777]), 32)
+    fresh = build_engine(tiny_qwen, max_len=128)
+    expected, _ = fresh.forward(torch.tensor(x + block[:2] + [777]), 0)
+    torch.testing.assert_close(after[-1], expected[-1], atol=1e-4, rtol=1e-4)
+    with pytest.raises(QdflashError, match="only positions"):
+        engine.rollback(10)  # older than the last block: that state is not kept
+    with pytest.raises(QdflashError, match="feed from there"):
+        engine.forward(torch.tensor([1]), 40)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
 @pytest.mark.parametrize("block", [2, 5])
-def test_speculative_on_the_engine_equals_autoregressive(tiny_llama, block):
-    fast = dataclasses.replace(tiny_llama, engine=build_engine(tiny_llama, max_len=256))
+def test_speculative_on_the_engine_equals_autoregressive(fixture, block, request, monkeypatch):
+    import qdflash.spec as spec
+
+    target = request.getfixturevalue(fixture)
     for seed in range(3):
         prompt = ids(seed, 8 + 5 * seed)[None]
-        reference = autoregressive_generate(tiny_llama, prompt, 30).tokens  # transformers' forward
+        reference = autoregressive_generate(target, prompt, 30).tokens  # transformers' forward
+        fast = dataclasses.replace(target, engine=build_engine(target, max_len=256))  # one engine, reused
         assert autoregressive_generate(fast, prompt, 30).tokens == reference
-        drafter = init_drafter(tiny_llama, block_size=block, seed=seed)
+        drafter = init_drafter(target, block_size=block, seed=seed)
         assert speculative_generate(fast, drafter, prompt, 30).tokens == reference
+        # drafts right 70% of the time: rollbacks into the middle of blocks
+        rng = __import__("random").Random(seed)
+
+        def draft(self, last, position, reference=reference, n=prompt.shape[1]):
+            out = [reference[p - n] if 0 <= p - n < len(reference) else 7 for p in range(position + 1, position + block)]
+            return torch.tensor([t + 1 if rng.random() < 0.3 else t for t in out])
+
+        with monkeypatch.context() as m:
+            m.setattr(spec.DrafterSession, "draft", draft)
+            partly = speculative_generate(fast, drafter, prompt, 30)
+        assert partly.tokens == reference and (block == 2 or partly.tau > 1.2)
 
 
-def test_unsupported_families_say_so(tiny_qwen):
-    with pytest.raises(QdflashError, match="no lean engine for model type"):
-        build_engine(tiny_qwen)
+def test_unsupported_families_and_packed_weights_say_so(tiny_llama):
+    from types import SimpleNamespace
+
+    with pytest.raises(QdflashError, match="no lean engine for model type 'mamba'"):
+        build_engine(SimpleNamespace(config=SimpleNamespace(model_type="mamba")))

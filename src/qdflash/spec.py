@@ -116,11 +116,13 @@ class TargetSession:
 
 
 class EngineSession:
-    """The same interface over a lean engine (qdflash.engine): a static KV cache, so a rollback is
-    only a new length (positions past it are masked and later overwritten)."""
+    """The same interface over a lean engine (qdflash.engine): static caches, so a rollback is a new
+    length (attention positions past it are masked and later overwritten; Gated DeltaNet layers
+    restore the state they kept for that position)."""
 
     def __init__(self, engine, layer_ids: list[int] | None = None):
         self.engine = engine
+        self.engine.reset()  # one engine serves one generation at a time
         self.layer_ids = layer_ids
         self.length = 0
 
@@ -137,6 +139,7 @@ class EngineSession:
         return None
 
     def rollback(self, keep: int, snapshot=None) -> None:
+        self.engine.rollback(keep)  # hybrid engines restore the per-position recurrent state
         self.length = keep
 
 

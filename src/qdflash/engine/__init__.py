@@ -5,11 +5,13 @@
 
 The model code is a few hundred lines with nothing between the math and the tensors: fused q/k/v and
 gate/up projections, one static KV cache written in place (a rollback is a change of length: no copy),
-so that the decode step and the verify block can later be captured as CUDA graphs. Qwen3.5 hybrid
-(Gated DeltaNet) targets are not built yet: `build_engine` says so, and `qdflash.spec` then runs
-transformers' forward.
+so that the decode step and the verify block can later be captured as CUDA graphs. Families: llama
+(`llama.py`) and the Qwen3.5 hybrid (`qwen3_5.py`: Gated DeltaNet with per-position recurrent states
+kept during a verify, so a rollback restores the exact state without feeding tokens again). Others
+get a clear error, and `qdflash.spec` then runs transformers' forward.
 """
 
 from .llama import LeanLlama, build_engine
+from .qwen3_5 import LeanQwen35
 
-__all__ = ["LeanLlama", "build_engine"]
+__all__ = ["LeanLlama", "LeanQwen35", "build_engine"]

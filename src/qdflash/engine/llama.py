@@ -7,9 +7,6 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError
 
-SUPPORTED = ("llama",)
-
-
 def rope_tables(head_dim: int, max_len: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv)
@@ -62,6 +59,12 @@ class LeanLlama:
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
 
+    def reset(self) -> None:
+        """A new generation: nothing to clear (the cache is written before it is read)."""
+
+    def rollback(self, keep: int) -> None:
+        """Nothing to undo: positions at or past `keep` are masked until they are written again."""
+
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, start: int, layer_ids: list[int] | None = None):
         """Logits [T, V] for tokens `ids` [T] at positions start..start+T-1 (the cache holds the
@@ -99,12 +102,16 @@ class LeanLlama:
         return logits, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)
 
 
-def build_engine(target, max_len: int | None = None) -> LeanLlama:
-    """The lean model for `target` (sharing its embedding, norms and LM head; fused copies of the
-    projections). Raises QdflashError for families not built yet."""
+def build_engine(target, max_len: int | None = None):
+    """The lean model for `target` (sharing its weights; llama: fused copies of the projections).
+    Raises QdflashError for families not built yet and for packed (QuantLinear) weights."""
+    from .qwen3_5 import LeanQwen35
+
     model_type = getattr(target.config, "model_type", "?")
-    if model_type not in SUPPORTED:
-        raise QdflashError(f"no lean engine for model type {model_type!r} yet (built: {', '.join(SUPPORTED)})")
-    if any(type(getattr(layer.self_attn, "q_proj", None)) is not torch.nn.Linear for layer in target.model.model.layers):
+    builders = {"llama": LeanLlama, "qwen3_5_text": LeanQwen35}
+    if model_type not in builders:
+        raise QdflashError(f"no lean engine for model type {model_type!r} yet (built: {', '.join(builders)})")
+    linears = [m for m in target.model.model.layers.modules() if "Linear" in type(m).__name__]
+    if any(type(m) is not torch.nn.Linear for m in linears):
         raise QdflashError("the lean engine runs dense 16-bit projections; load the quantized target's dense twin")
-    return LeanLlama(target.model, max_len or getattr(target.config, "max_position_embeddings", 4096))
+    return builders[model_type](target.model, max_len or getattr(target.config, "max_position_embeddings", 4096))
