@@ -17,6 +17,7 @@ import torch
 
 from .data.chat import render_prompt_ids
 from .data.jsonl import read_jsonl
+from .models import synchronize
 from .spec import GenerationResult, autoregressive_generate, speculative_generate
 
 MARGIN_BUG = 1e-2  # relative top-2 logit margin above which a bf16 divergence is a bug
@@ -144,14 +145,13 @@ def plain_generate(target, ids: list[int], max_new_tokens: int, static: bool = F
     """transformers' own `generate` (greedy): dynamic cache = the unoptimized baseline (a); `static`:
     its static cache, which it compiles on a GPU (a')."""
     device = next(target.model.parameters()).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
+    synchronize(device)
     started = time.perf_counter()
     out = target.model.generate(input_ids=torch.tensor([ids], device=device), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                                 max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=target.eos_token_ids,
                                 pad_token_id=target.tokenizer.pad_token_id,
                                 **({"cache_implementation": "static"} if static else {}))
-    sync()
+    synchronize(device)
     return GenerationResult(out[0, len(ids):].tolist(), seconds=time.perf_counter() - started)
 
 

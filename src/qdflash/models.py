@@ -110,6 +110,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so that a wall-clock reading covers it (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """`auto` is bfloat16 on a GPU (the 16-bit target) and float32 on the CPU (speed and exactness)."""
     if isinstance(dtype, torch.dtype):

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .drafter.blocks import acceptance_lengths
 from .drafter.model import Drafter
+from .models import synchronize
 
 
 @dataclass
@@ -54,9 +56,9 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
 
 
 def accepted_prefix(draft: torch.Tensor, target_tokens: torch.Tensor) -> int:
-    """How many leading draft tokens equal the target's tokens at the same positions."""
-    matches = (draft == target_tokens).long()
-    return int(torch.cumprod(matches, dim=0).sum().item())
+    """How many leading draft tokens equal the target's tokens at the same positions (the rule the
+    teacher-forced estimate uses: its acceptance length minus the bonus token)."""
+    return int(acceptance_lengths(draft[None], target_tokens[None])[0]) - 1
 
 
 def is_linear_attention_layer(layer) -> bool:
@@ -191,9 +193,12 @@ class DrafterSession:
         return logits[0, 1:].argmax(-1)
 
 
-def _stop(tokens: list[int], eos: set[int], stop_strings, tokenizer, max_new_tokens: int) -> tuple[list[int], str | None]:
-    """Cut `tokens` at the first stop (EOS kept) and say why; None when generation goes on."""
-    for i, token in enumerate(tokens):
+def _stop(tokens: list[int], eos: set[int], stop_strings, tokenizer, max_new_tokens: int,
+          checked: int = 0) -> tuple[list[int], str | None]:
+    """Cut `tokens` at the first stop (EOS kept) and say why; None when generation goes on.
+    tokens[:checked] were checked by an earlier call (no stop there), so only the rest is scanned."""
+    for i in range(checked, len(tokens)):
+        token = tokens[i]
         if token in eos:
             return tokens[: i + 1], "eos"
         if i + 1 >= max_new_tokens:
@@ -221,11 +226,6 @@ def _generator(seed: int | None) -> torch.Generator:
     return g
 
 
-def _sync(model) -> None:
-    if next(model.parameters()).is_cuda:
-        torch.cuda.synchronize()
-
-
 def autoregressive_generate(target, input_ids, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
                             stop_strings: list[str] | None = None) -> GenerationResult:
     """One token per target forward, with the KV / recurrent cache (the reference for speculative)."""
@@ -235,14 +235,14 @@ def autoregressive_generate(target, input_ids, max_new_tokens: int, temperature:
     started = time.perf_counter()
     logits, _ = session.feed(ids)
     tokens = [int(choose(logits[-1], temperature, generator))]
-    _sync(target.model)
+    synchronize(target.device)
     prefill = time.perf_counter() - started
     tokens, reason = _stop(tokens, eos, stop_strings, target.tokenizer, max_new_tokens)
     while reason is None:
         logits, _ = session.feed(tokens[-1:])
         tokens, reason = _stop(tokens + [int(choose(logits[-1], temperature, generator))], eos, stop_strings,
-                               target.tokenizer, max_new_tokens)
-    _sync(target.model)
+                               target.tokenizer, max_new_tokens, checked=len(tokens))
+    synchronize(target.device)
     return GenerationResult(tokens, stop_reason=reason, prefill_seconds=prefill, seconds=time.perf_counter() - started)
 
 
@@ -259,7 +259,7 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     logits, features = session.feed(ids)
     context.append(features, 0)
     tokens = [int(choose(logits[-1], temperature, generator))]
-    _sync(target.model)
+    synchronize(target.device)
     prefill = time.perf_counter() - started
     tokens, reason = _stop(tokens, eos, stop_strings, target.tokenizer, max_new_tokens)
     lengths: list[int] = []
@@ -282,8 +282,8 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
         context.append(features[: n + 1], p)
         new = [*draft[:n].tolist(), int(chosen[n])]
         lengths.append(len(new))
-        tokens, reason = _stop(tokens + new, eos, stop_strings, target.tokenizer, max_new_tokens)
-    _sync(target.model)
+        tokens, reason = _stop(tokens + new, eos, stop_strings, target.tokenizer, max_new_tokens, checked=len(tokens))
+    synchronize(target.device)
     return GenerationResult(tokens, lengths, reason, prefill, time.perf_counter() - started)
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..models import synchronize
+
 log = logging.getLogger(__name__)
 
 
@@ -67,11 +69,6 @@ def _sampling_kwargs(sampling: Sampling) -> dict:
     }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def generate_batched(
     model,
@@ -110,7 +107,7 @@ def generate_batched(
         extra["cache_implementation"] = "static"
 
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress)
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     for first in range(0, len(order), batch_size):
         idx = order[first : first + batch_size]
@@ -143,7 +140,7 @@ def generate_batched(
             stats.new_tokens += len(results[i].token_ids)
         bar.update(len(idx))
         bar.set_postfix(tok_s=f"{stats.new_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
-    _sync(device)
+    synchronize(device)
     stats.seconds = time.perf_counter() - start
     bar.close()
     log.info(

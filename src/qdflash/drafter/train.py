@@ -50,6 +50,19 @@ def pad_anchors(anchor_lists: list[torch.Tensor], width: int | None = None) -> t
     return anchors, valid
 
 
+def padded_batch(examples: list[dict], anchor_lists: list[torch.Tensor], length: int | None = None,
+                 width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input_ids and loss masks [n, L] (L >= `length`) and padded anchors with their
+    validity [n, A] (A >= `width`): the inputs of one `draft_blocks` call."""
+    input_ids = pad_right([torch.tensor(ex["input_ids"]) for ex in examples], 0, length)
+    loss_masks = pad_right([torch.tensor(ex["loss_mask"]) for ex in examples], 0, length)
+    return (input_ids, loss_masks, *pad_anchors(anchor_lists, width))
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_masks: torch.Tensor,
                  anchors: torch.Tensor, valid: torch.Tensor | None = None,
                  attention: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,8 +131,8 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
     if not keep:
         return None
     examples, anchor_lists = [examples[i] for i in keep], [anchor_lists[i] for i in keep]
-    input_ids = pad_right([torch.tensor(ex["input_ids"]) for ex in examples], 0, pad_length)
-    loss_masks = pad_right([torch.tensor(ex["loss_mask"]) for ex in examples], 0, pad_length)
+    input_ids, loss_masks, anchors, valid = padded_batch(examples, anchor_lists, pad_length,
+                                                         anchors_per_seq if pad_length else None)
     layer_ids = drafter.config.target_layer_ids
     if cache is not None:
         rows = [cache.get(ex["id"], lambda ex=ex: target_pass(target, torch.tensor([ex["input_ids"]], device=device), layer_ids)[0][0])
@@ -127,7 +140,6 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
         features = pad_right([r.to(device) for r in rows], 0, pad_length)
     else:
         features = target_pass(target, input_ids.to(device), layer_ids)[0]
-    anchors, valid = pad_anchors(anchor_lists, anchors_per_seq if pad_length else None)
     logits, targets = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention)
     return weighted_block_loss(logits.flatten(0, 1), targets.flatten(0, 1), weights)
 
@@ -159,12 +171,10 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
     length = width = None
     if length_multiple and drawn:
         longest = max(len(ex["input_ids"]) for ex, _ in drawn)
-        length, width = -(-longest // length_multiple) * length_multiple, anchors_per_seq
+        length, width = round_up(longest, length_multiple), anchors_per_seq
     for start in range(0, len(drawn), batch_size):
         chunk = drawn[start : start + batch_size]
-        input_ids = pad_right([torch.tensor(ex["input_ids"]) for ex, _ in chunk], 0, length)
-        loss_masks = pad_right([torch.tensor(ex["loss_mask"]) for ex, _ in chunk], 0, length)
-        anchors, valid = pad_anchors([a for _, a in chunk], width)
+        input_ids, loss_masks, anchors, valid = padded_batch([ex for ex, _ in chunk], [a for _, a in chunk], length, width)
         features, greedy = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)
         logits, _ = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention)
         draft = logits[:, :, 1:].argmax(-1).cpu()  # [n, A, B-1]

@@ -26,6 +26,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def cached_attention(q, k, v, k_cache, v_cache, start: int, end: int) -> torch.Tensor:
+    """Write k, v [kv_heads, T, D] at positions start..end-1 of a static cache [kv_heads, max_len, D]
+    and attend q [heads, T, D] over positions 0..end-1: the block is causal inside itself and sees
+    every cached position before it. Returns [T, heads * D]."""
+    t = q.shape[1]
+    k_cache[:, start:end], v_cache[:, start:end] = k, v
+    rep = q.shape[0] // k.shape[0]
+    mask = None
+    if t > 1:
+        mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+    out = F.scaled_dot_product_attention(q[None], k_cache[:, :end].repeat_interleave(rep, 0)[None],
+                                         v_cache[:, :end].repeat_interleave(rep, 0)[None], attn_mask=mask)
+    return out[0].transpose(0, 1).reshape(t, -1)
+
+
 class LeanLlama:
     """Holds fused copies of the projection weights and references to the rest (embedding, norms,
     LM head are the target's own tensors). Batch 1."""
@@ -75,9 +90,6 @@ class LeanLlama:
         if end > self.max_len:
             raise QdflashError(f"engine cache holds {self.max_len} positions; asked for {end} (build_engine(max_len=...))")
         cos, sin = self.cos[start:end], self.sin[start:end]
-        mask = None
-        if t > 1:  # the block is causal inside itself and sees every cached position
-            mask = torch.arange(end, device=ids.device)[None, :] <= torch.arange(start, end, device=ids.device)[:, None]
         h = F.embedding(ids, self.embed)
         features = {}
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -86,13 +98,8 @@ class LeanLlama:
             q, k, v = F.linear(x, w["wqkv"]).split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rope(q.view(t, self.heads, self.head_dim).transpose(0, 1), cos, sin)
             k = apply_rope(k.view(t, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
-            self.k_cache[i, :, start:end] = k
-            self.v_cache[i, :, start:end] = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-            keys, values = self.k_cache[i, :, :end], self.v_cache[i, :, :end]
-            rep = self.heads // self.kv_heads
-            attn = F.scaled_dot_product_attention(q[None], keys.repeat_interleave(rep, 0)[None],
-                                                  values.repeat_interleave(rep, 0)[None], attn_mask=mask)
-            h = h + F.linear(attn[0].transpose(0, 1).reshape(t, q_size), w["wo"])
+            v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+            h = h + F.linear(cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], start, end), w["wo"])
             x = rms_norm(h, w["norm2"], self.eps)
             gate, up = F.linear(x, w["w13"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, w["w2"])

@@ -12,11 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
-
-
-def zero_centered_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
+from .llama import apply_rope, cached_attention, rope_tables
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -26,19 +22,17 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class LeanQwen35:
     def __init__(self, model, max_len: int):
         c = model.config
-        self.c, self.max_len, self.eps = c, max_len, c.rms_norm_eps
+        self.c, self.max_len = c, max_len
         p = next(model.parameters())
         device, dtype = p.device, p.dtype
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         rope = c.rope_parameters
-        rot = int(self.head_dim * rope.get("partial_rotary_factor", 1.0))
-        inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
-        ang = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv)
-        self.cos, self.sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
-        self.rot = rot
+        # partial rotary: the first `rot` dims of a head rotate (text positions: mrope reduces to plain rope)
+        self.rot = int(self.head_dim * rope.get("partial_rotary_factor", 1.0))
+        self.cos, self.sin = rope_tables(self.rot, max_len, rope["rope_theta"], device, dtype)
         self.embed = model.model.embed_tokens.weight
-        self.final_norm = model.model.norm.weight
+        self.final_norm = model.model.norm  # the model's own (zero-centered) norm modules are used as they are
         self.lm_head = model.get_output_embeddings().weight
         self.layers = list(model.model.layers)
         self.types = list(c.layer_types)
@@ -74,29 +68,18 @@ class LeanQwen35:
         self.length = keep
 
     def _rope(self, x, start, end):
-        cos, sin = self.cos[start:end], self.sin[start:end]
-        r, rest = x[..., : self.rot], x[..., self.rot :]
-        half = self.rot // 2
-        rotated = torch.cat([-r[..., half:], r[..., :half]], dim=-1)
-        return torch.cat([r * cos + rotated * sin, rest], dim=-1)
+        rotated = apply_rope(x[..., : self.rot], self.cos[start:end], self.sin[start:end])
+        return torch.cat([rotated, x[..., self.rot :]], dim=-1)
 
     def _attention(self, i, x, start, end):
         a, t = self.layers[i].self_attn, x.shape[0]
         q, gate = a.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(t, -1)
-        q = self._rope(zero_centered_norm(q, a.q_norm.weight, self.eps).transpose(0, 1), start, end)
-        k = self._rope(zero_centered_norm(a.k_proj(x).view(t, self.kv_heads, self.head_dim), a.k_norm.weight, self.eps)
-                       .transpose(0, 1), start, end)
-        self.k_cache[i][:, start:end] = k
-        self.v_cache[i][:, start:end] = a.v_proj(x).view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-        rep = self.heads // self.kv_heads
-        keys = self.k_cache[i][:, :end].repeat_interleave(rep, 0)
-        values = self.v_cache[i][:, :end].repeat_interleave(rep, 0)
-        mask = None
-        if t > 1:
-            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
-        return a.o_proj(out.transpose(0, 1).reshape(t, -1) * torch.sigmoid(gate))
+        q = self._rope(a.q_norm(q).transpose(0, 1), start, end)
+        k = self._rope(a.k_norm(a.k_proj(x).view(t, self.kv_heads, self.head_dim)).transpose(0, 1), start, end)
+        v = a.v_proj(x).view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+        out = cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], start, end)
+        return a.o_proj(out * torch.sigmoid(gate))
 
     def _delta_net(self, i, x, start, end):
         la, t = self.layers[i].linear_attn, x.shape[0]
@@ -126,10 +109,7 @@ class LeanQwen35:
         self.state[i] = state
         self.block_states[i] = states
         z = la.in_proj_z(x).reshape(t, la.num_v_heads, la.head_v_dim)
-        o = out.to(x.dtype).float()
-        o = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + la.norm.variance_epsilon)).to(x.dtype)
-        o = (la.norm.weight * o) * F.silu(z.float())
-        return la.out_proj(o.to(x.dtype).reshape(t, -1))
+        return la.out_proj(la.norm(out.to(x.dtype), z).reshape(t, -1))  # gated RMSNorm: norm(out) * silu(z)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, start: int, layer_ids: list[int] | None = None):
@@ -143,12 +123,12 @@ class LeanQwen35:
         h = F.embedding(ids, self.embed)
         features = {}
         for i, layer in enumerate(self.layers):
-            x = zero_centered_norm(h, layer.input_layernorm.weight, self.eps)
+            x = layer.input_layernorm(h)
             h = h + (self._delta_net(i, x, start, end) if self.types[i] == "linear_attention" else self._attention(i, x, start, end))
-            x = zero_centered_norm(h, layer.post_attention_layernorm.weight, self.eps)
+            x = layer.post_attention_layernorm(h)
             h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x))
             if layer_ids is not None and i in layer_ids:
                 features[i] = h
         self.block_start, self.length = start, end
-        logits = F.linear(zero_centered_norm(h, self.final_norm, self.eps), self.lm_head)
+        logits = F.linear(self.final_norm(h), self.lm_head)
         return logits, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)

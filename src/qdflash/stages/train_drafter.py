@@ -23,9 +23,9 @@ from ..data.jsonl import load_token_examples, read_jsonl
 from ..drafter import init_drafter, load_drafter, save_drafter
 from ..drafter.blocks import loss_weights
 from ..data.split import unit_interval
-from ..drafter.train import FeatureCache, batch_loss, estimate_acceptance
+from ..drafter.train import FeatureCache, batch_loss, estimate_acceptance, round_up
 from ..errors import QdflashError
-from ..models import load_target
+from ..models import load_target, synchronize
 from ..qad import cosine_lr
 from ..tracking import NodeRun
 from ._app import stage
@@ -140,14 +140,13 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)  # fresh in stage 2
     warmup = max(1, round(train_cfg.warmup_ratio * steps))
     # flex: one static batch shape (compiled once); sdpa: pad each batch to its own longest sequence
-    pad_length = -(-train_cfg.max_length // FLEX_LENGTH_MULTIPLE) * FLEX_LENGTH_MULTIPLE if attention == "flex" else None
+    pad_length = round_up(train_cfg.max_length, FLEX_LENGTH_MULTIPLE) if attention == "flex" else None
     batches = epoch_batches(len(train), train_cfg.batch_size, train_cfg.seed)
     generator = torch.Generator().manual_seed(train_cfg.seed)
     # cached features live beside the output (not inside it) and are removed when the node succeeds
     cache = FeatureCache(Path(f"{cfg.out_dir}.features")) if train_cfg.cache_features else None
     curve: list[float] = []
-    sync = torch.cuda.synchronize if drafter.fc.weight.is_cuda else (lambda: None)
-    sync()
+    synchronize(drafter.fc.weight.device)
     started, eval_seconds = time.perf_counter(), 0.0
     for step in tqdm(range(steps), desc=f"drafter stage {cfg.stage}", unit="step"):
         lr = cosine_lr(step, steps, warmup, train_cfg.lr)
@@ -185,7 +184,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             eval_started = time.perf_counter()
             run.log({"heldout/tau": acceptance()["tau"]}, step=step + 1)
             eval_seconds += time.perf_counter() - eval_started
-    sync()
+    synchronize(drafter.fc.weight.device)
     # wall time of the training steps alone (target forwards included; periodic evaluations excluded)
     run.metrics["train.seconds"] = round(time.perf_counter() - started - eval_seconds, 2)
     run.metrics["train.eval_seconds"] = round(eval_seconds, 2)
