@@ -26,3 +26,10 @@ def test_shards_out_of_order_or_missing_are_refused(tmp_path):
         check_shards([folders[0], folders[2]][::-1])
     with pytest.raises(QdflashError, match="not a prepare_data output"):
         check_shards([tmp_path])
+
+
+def test_a_shard_without_its_files_names_the_file(tmp_path):
+    from qdflash.data.jsonl import read_jsonl
+
+    with pytest.raises(QdflashError, match=r"train\.jsonl not found"):
+        list(read_jsonl(tmp_path / "train.jsonl"))

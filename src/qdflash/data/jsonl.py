@@ -13,6 +13,8 @@ from ..errors import QdflashError
 
 def read_jsonl(path: str | Path) -> Iterator[dict]:
     path = Path(path)
+    if not path.is_file():  # every reader (bench, merge, drafter) gets the same clear message
+        raise QdflashError(f"{path} not found: expected a JSON-lines file written by a qdflash node (prepare_data / merge_data)")
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, 1):
