@@ -6,6 +6,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_MODE", "offline")
+# Triton kernels run on the CPU through Triton's interpreter (read when triton is first imported).
+# Engines only use them when asked (kernels=True) or on CUDA, so this changes nothing else here.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

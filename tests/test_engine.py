@@ -100,3 +100,72 @@ def test_unsupported_families_and_packed_weights_say_so(tiny_llama):
 
     with pytest.raises(QdflashError, match="no lean engine for model type 'mamba'"):
         build_engine(SimpleNamespace(config=SimpleNamespace(model_type="mamba")))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_static_shape_step_is_the_eager_step(fixture, request):
+    """The step a CUDA graph captures (whole-cache attention masked by position, positions from a
+    static buffer) gives the eager step's logits and features, and speculative decoding through it
+    emits the autoregressive tokens (on a GPU, `capture()` records exactly this step)."""
+    target = request.getfixturevalue(fixture)
+    drafter = init_drafter(target, block_size=4, seed=0)
+    eager = build_engine(target, max_len=96)
+    static = build_engine(target, max_len=96)
+    static.capture([1, 4], drafter.config.target_layer_ids, cuda_graphs=False)
+    static.capture([1], None, cuda_graphs=False)  # autoregressive decoding asks for no features
+    assert len(static.graphs) == 3
+    x = ids(3, 20)
+    eager.forward(x, 0, drafter.config.target_layer_ids)
+    static.forward(x, 0, drafter.config.target_layer_ids)  # a prefill of 20: no graph for that size, eager
+    for start, piece in ((20, [11, 12, 13, 14]), (24, [15])):
+        a = eager.forward(torch.tensor(piece), start, drafter.config.target_layer_ids)
+        b = static.forward(torch.tensor(piece), start, drafter.config.target_layer_ids)
+        torch.testing.assert_close(b[0], a[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b[1], a[1], atol=1e-5, rtol=1e-5)
+    prompt = ids(4, 12)[None]
+    reference = autoregressive_generate(target, prompt, 24).tokens
+    fast = dataclasses.replace(target, engine=static)
+    assert speculative_generate(fast, drafter, prompt, 24).tokens == reference
+    assert autoregressive_generate(fast, prompt, 24).tokens == reference
+
+
+def small_model(family):
+    """A random model whose projections are multiples of 128 wide (the W4A16 kernel's K tile)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig
+
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=256, tie_word_embeddings=True)
+    if family == "llama":
+        config = LlamaConfig(num_hidden_layers=2, **common)
+    else:
+        config = Qwen3_5TextConfig(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                                   linear_value_head_dim=32, linear_conv_kernel_dim=4, **common)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_engine_runs_packed_w4_weights(family):
+    """QuantLinear (W4, g32) layers run through the W4A16 kernel (Triton's interpreter here): the same
+    logits as transformers' forward of the quantized model, and lossless speculative decoding."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from qdflash.quant.apply import quant_linears, quantize_weights, replace_linears, select_linears
+    from qdflash.quant.grid import GridSpec
+
+    model = small_model(family)
+    replace_linears(model, quantize_weights(model, select_linears(model), GridSpec(4, 32, True), method="rtn"))
+    assert len(quant_linears(model)) >= 7
+    target = SimpleNamespace(model=model, config=model.config)
+    engine = build_engine(target, max_len=64, kernels=True)
+    assert engine.layers[0]["w13"].fast and engine.layers[0]["w13"].words is not None
+    x = ids(5, 24) % 512
+    ref = model(input_ids=x[None]).logits[0]
+    prefill, _ = engine.forward(x[:20], 0)  # 20 rows: the dequantized matmul
+    block, _ = engine.forward(x[20:24], 20)  # 4 rows: the kernel
+    torch.testing.assert_close(torch.cat([prefill, block]), ref, atol=1e-4, rtol=1e-4)
+    engine.reset()
+    step, _ = engine.forward(x[:1], 0)  # 1 row: the kernel
+    torch.testing.assert_close(step[0], model(input_ids=x[None, :1]).logits[0, 0], atol=1e-4, rtol=1e-4)

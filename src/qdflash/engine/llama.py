@@ -1,4 +1,5 @@
-"""A llama-style decoder (Llama, SmolLM2, Qwen2/3-style dense attention) with a static KV cache."""
+"""A llama-style decoder (Llama, SmolLM2, Qwen2/3-style dense attention) with a static KV cache, and
+what every engine shares (`EngineBase`): rope tables, the feed/rollback bookkeeping, CUDA graphs."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
+from ..kernels import kernels_usable
+from .linear import Projection
+
 
 def rope_tables(head_dim: int, max_len: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
@@ -26,99 +30,151 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def cached_attention(q, k, v, k_cache, v_cache, start: int, end: int) -> torch.Tensor:
-    """Write k, v [kv_heads, T, D] at positions start..end-1 of a static cache [kv_heads, max_len, D]
-    and attend q [heads, T, D] over positions 0..end-1: the block is causal inside itself and sees
-    every cached position before it. Returns [T, heads * D]."""
+def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int | None) -> torch.Tensor:
+    """Write k, v [kv_heads, T, D] at `positions` [T] of a static cache [kv_heads, max_len, D] and
+    attend q [heads, T, D] over every cached position up to its own (causal inside the block).
+    `attend_len`: how much of the cache to read (eager: the current length); None reads all of it
+    (a captured graph has one shape for every length; later positions are masked). Returns [T, heads*D]."""
     t = q.shape[1]
-    k_cache[:, start:end], v_cache[:, start:end] = k, v
+    k_cache.index_copy_(1, positions, k)
+    v_cache.index_copy_(1, positions, v)
+    n = attend_len or k_cache.shape[1]
     rep = q.shape[0] // k.shape[0]
+    keys, values = k_cache[:, :n], v_cache[:, :n]
     mask = None
-    if t > 1:
-        mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
-    out = F.scaled_dot_product_attention(q[None], k_cache[:, :end].repeat_interleave(rep, 0)[None],
-                                         v_cache[:, :end].repeat_interleave(rep, 0)[None], attn_mask=mask)
+    if t > 1 or attend_len is None:
+        mask = torch.arange(n, device=q.device)[None, :] <= positions[:, None]
+    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=rep > 1)
     return out[0].transpose(0, 1).reshape(t, -1)
 
 
-class LeanLlama:
-    """Holds fused copies of the projection weights and references to the rest (embedding, norms,
-    LM head are the target's own tensors). Batch 1."""
+class EngineBase:
+    """Batch 1. Subclasses build their weights and implement `_step(ids, positions, attend_len,
+    layer_ids) -> (logits, features)` with tensor positions and in-place cache updates only, so that a
+    step can be captured as a CUDA graph (`capture`)."""
 
-    def __init__(self, model, max_len: int):
+    def __init__(self, model, max_len: int, kernels: bool | str = "auto"):
         c = model.config
+        self.config, self.max_len = c, max_len
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.eps = c.rms_norm_eps
-        self.max_len = max_len
-        params = next(model.parameters())
-        device, dtype = params.device, params.dtype
-        theta = float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0)))
-        self.cos, self.sin = rope_tables(self.head_dim, max_len, theta, device, dtype)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.kernels = kernels_usable(self.device, kernels)  # Triton W4A16 matmul and GDN recurrence
         self.embed = model.model.embed_tokens.weight
-        self.final_norm = model.model.norm.weight
         self.lm_head = model.get_output_embeddings().weight
-        self.layers = []
-        with torch.no_grad():
-            for layer in model.model.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                self.layers.append({
-                    "wqkv": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                    "wo": attn.o_proj.weight,
-                    "w13": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                    "w2": mlp.down_proj.weight,
-                    "norm1": layer.input_layernorm.weight,
-                    "norm2": layer.post_attention_layernorm.weight,
-                })
-        shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
-        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.graphs = {}  # (tokens per step, layer ids) -> CapturedStep
+
+    def _rope_tables(self, dims: int, theta: float) -> None:
+        self.cos, self.sin = rope_tables(dims, self.max_len, theta, self.device, self.dtype)
+
+    def _check_feed(self, start: int, t: int) -> None:
+        """Raise if `t` tokens cannot be fed from `start`."""
+
+    def _after_feed(self, start: int, end: int) -> None:
+        """Bookkeeping after tokens start..end-1 were fed."""
 
     def reset(self) -> None:
-        """A new generation: nothing to clear (the cache is written before it is read)."""
+        """A new generation."""
 
     def rollback(self, keep: int) -> None:
-        """Nothing to undo: positions at or past `keep` are masked until they are written again."""
+        """Forget positions from `keep` on."""
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, start: int, layer_ids: list[int] | None = None):
-        """Logits [T, V] for tokens `ids` [T] at positions start..start+T-1 (the cache holds the
-        positions before `start`; whatever it holds beyond is ignored and overwritten), and the hidden
-        states after `layer_ids` concatenated [T, k*H] (None without layer_ids)."""
+        """Logits [T, V] for tokens `ids` [T] at positions start..start+T-1, and the hidden states after
+        `layer_ids` concatenated [T, k*H] (None without layer_ids). A captured graph runs the step where
+        one exists for T tokens and these layer ids."""
         t = ids.shape[0]
         end = start + t
         if end > self.max_len:
             raise QdflashError(f"engine cache holds {self.max_len} positions; asked for {end} (build_engine(max_len=...))")
-        cos, sin = self.cos[start:end], self.sin[start:end]
+        self._check_feed(start, t)
+        graph = self.graphs.get((t, _key(layer_ids)))
+        if graph is not None:
+            out = graph(ids, start)
+        else:
+            positions = torch.arange(start, end, device=ids.device)
+            out = self._step(ids, positions, end, layer_ids)
+        self._after_feed(start, end)
+        return out
+
+    def capture(self, token_counts: list[int], layer_ids: list[int] | None = None, cuda_graphs: bool = True) -> None:
+        """Capture one CUDA graph per number of tokens (e.g. [1, block size]) for steps that return
+        the features of `layer_ids`; the cache contents are not disturbed. cuda_graphs=False runs the
+        same static-shape step eagerly (the CPU; a check of the graph path)."""
+        from .graphs import CapturedStep, StaticStep
+
+        make = CapturedStep if cuda_graphs else StaticStep
+        for t in token_counts:
+            self.graphs[(t, _key(layer_ids))] = make(self, t, layer_ids)
+
+
+def _key(layer_ids: list[int] | None) -> tuple[int, ...] | None:
+    return None if layer_ids is None else tuple(layer_ids)
+
+
+class LeanLlama(EngineBase):
+    """Fused q/k/v and gate/up projections; embedding, norms and LM head are the target's own tensors."""
+
+    def __init__(self, model, max_len: int, kernels: bool | str = "auto"):
+        super().__init__(model, max_len, kernels)
+        c = self.config
+        self.eps = c.rms_norm_eps
+        theta = float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+        self._rope_tables(self.head_dim, theta)
+        self.final_norm = model.model.norm.weight
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append({
+                "wqkv": Projection.of([attn.q_proj, attn.k_proj, attn.v_proj], self.dtype, self.kernels),
+                "wo": Projection.of([attn.o_proj], self.dtype, self.kernels),
+                "w13": Projection.of([mlp.gate_proj, mlp.up_proj], self.dtype, self.kernels),
+                "w2": Projection.of([mlp.down_proj], self.dtype, self.kernels),
+                "norm1": layer.input_layernorm.weight,
+                "norm2": layer.post_attention_layernorm.weight,
+            })
+        shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    # reset / rollback: nothing to do. The cache is written before it is read, and positions at or
+    # past the current one are masked until they are written again (a rollback is a new length).
+
+    def _step(self, ids, positions, attend_len, layer_ids):
+        t = ids.shape[0]
+        cos, sin = self.cos[positions], self.sin[positions]
         h = F.embedding(ids, self.embed)
         features = {}
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w["norm1"], self.eps)
-            q, k, v = F.linear(x, w["wqkv"]).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = w["wqkv"](x).split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rope(q.view(t, self.heads, self.head_dim).transpose(0, 1), cos, sin)
             k = apply_rope(k.view(t, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
             v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-            h = h + F.linear(cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], start, end), w["wo"])
+            h = h + w["wo"](cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len))
             x = rms_norm(h, w["norm2"], self.eps)
-            gate, up = F.linear(x, w["w13"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w["w2"])
+            gate, up = w["w13"](x).chunk(2, dim=-1)
+            h = h + w["w2"](F.silu(gate) * up)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h
         logits = F.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head)
         return logits, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)
 
 
-def build_engine(target, max_len: int | None = None):
-    """The lean model for `target` (sharing its weights; llama: fused copies of the projections).
-    Raises QdflashError for families not built yet and for packed (QuantLinear) weights."""
+def build_engine(target, max_len: int | None = None, kernels: bool | str = "auto"):
+    """The lean model for `target` (sharing its embedding, norms and LM head; fused copies of the
+    projections, packed 4-bit where the target's layers are QuantLinear on the symmetric 4-bit grid).
+    `kernels`: the Triton kernels ("auto": on CUDA). Raises QdflashError for families not built yet."""
     from .qwen3_5 import LeanQwen35
 
     model_type = getattr(target.config, "model_type", "?")
     builders = {"llama": LeanLlama, "qwen3_5_text": LeanQwen35}
     if model_type not in builders:
         raise QdflashError(f"no lean engine for model type {model_type!r} yet (built: {', '.join(builders)})")
-    linears = [m for m in target.model.model.layers.modules() if "Linear" in type(m).__name__]
-    if any(type(m) is not torch.nn.Linear for m in linears):
-        raise QdflashError("the lean engine runs dense 16-bit projections; load the quantized target's dense twin")
-    return builders[model_type](target.model, max_len or getattr(target.config, "max_position_embeddings", 4096))
+    try:
+        return builders[model_type](target.model, max_len or getattr(target.config, "max_position_embeddings", 4096), kernels)
+    except TypeError as err:  # a projection the engine cannot run (Projection.of says which)
+        raise QdflashError(f"lean engine: {err}") from err

@@ -1,9 +1,13 @@
 """Qwen3.5 hybrid decoder (Gated DeltaNet + gated attention) with static caches and exact rollback.
 
 Gated DeltaNet layers run the recurrent form token by token and keep the recurrent state after every
-position of the last block fed, so a rollback to any accepted prefix restores the exact state without
-feeding anything again (RECIPE.md: "keep per-position states during verify"). Their causal-conv
-inputs live in a per-position buffer like a KV cache, so a rollback there is a change of length too.
+position of the last block fed (up to `max_block` tokens), so a rollback to any accepted prefix
+restores the exact state without feeding anything again (RECIPE.md: "keep per-position states during
+verify"). Their causal-conv inputs live in a per-position buffer like a KV cache, so a rollback there
+is a change of length too. Every cache is a fixed buffer updated in place and positions are a tensor,
+so a decode step and a verify block can be captured as CUDA graphs (`qdflash.engine.graphs`).
+On a GPU the recurrence is one Triton kernel per layer (`qdflash.kernels.gated_delta`); on the CPU the
+same lines run in torch.
 """
 
 from __future__ import annotations
@@ -12,49 +16,75 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
-from .llama import apply_rope, cached_attention, rope_tables
+from .linear import Projection
+from .llama import EngineBase, cached_attention
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-class LeanQwen35:
-    def __init__(self, model, max_len: int):
+def recurrence_torch(q, k, v, g, beta, state, states=None):
+    """The Gated DeltaNet recurrence in torch (the CPU path; the Triton kernel's reference).
+    Updates `state` in place and fills states[0..T] when given."""
+    s = state
+    if states is not None:
+        states[0].copy_(s)
+    out = torch.empty(*v.shape, device=v.device, dtype=torch.float32)
+    for t in range(k.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        delta = (v[t] - (s * k[t][..., None]).sum(-2)) * beta[t][:, None]
+        s = s + k[t][..., None] * delta[:, None, :]
+        out[t] = (s * q[t][..., None]).sum(-2)
+        if states is not None:
+            states[t + 1].copy_(s)
+    state.copy_(s)
+    return out
+
+
+class LeanQwen35(EngineBase):
+    def __init__(self, model, max_len: int, kernels: bool | str = "auto", max_block: int = 16):
         c = model.config
-        self.c, self.max_len = c, max_len
-        p = next(model.parameters())
-        device, dtype = p.device, p.dtype
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        super().__init__(model, max_len, kernels)
+        self.max_block = max_block
+        dtype, device = self.dtype, self.device
         rope = c.rope_parameters
         # partial rotary: the first `rot` dims of a head rotate (text positions: mrope reduces to plain rope)
         self.rot = int(self.head_dim * rope.get("partial_rotary_factor", 1.0))
-        self.cos, self.sin = rope_tables(self.rot, max_len, rope["rope_theta"], device, dtype)
-        self.embed = model.model.embed_tokens.weight
+        self._rope_tables(self.rot, rope["rope_theta"])
         self.final_norm = model.model.norm  # the model's own (zero-centered) norm modules are used as they are
-        self.lm_head = model.get_output_embeddings().weight
-        self.layers = list(model.model.layers)
         self.types = list(c.layer_types)
         kv = (self.kv_heads, max_len, self.head_dim)
-        self.k_cache = {i: torch.zeros(kv, device=device, dtype=dtype) for i, t in enumerate(self.types) if t == "full_attention"}
-        self.v_cache = {i: torch.zeros(kv, device=device, dtype=dtype) for i in self.k_cache}
-        self.conv_in = {}   # per-position causal-conv inputs [max_len, conv_dim]
-        self.state = {}     # recurrent state now [v_heads, dk, dv] fp32
-        self.block_states = {}  # states after each position of the last block fed, and before it
-        for i, t in enumerate(self.types):
-            if t == "linear_attention":
-                la = self.layers[i].linear_attn
+        self.layers, self.k_cache, self.v_cache = [], {}, {}
+        self.conv_in, self.state, self.block_states = {}, {}, {}
+        for i, layer in enumerate(model.model.layers):
+            w = {"norm1": layer.input_layernorm, "norm2": layer.post_attention_layernorm,
+                 "w13": Projection.of([layer.mlp.gate_proj, layer.mlp.up_proj], dtype, self.kernels),
+                 "w2": Projection.of([layer.mlp.down_proj], dtype, self.kernels)}
+            if self.types[i] == "full_attention":
+                a = layer.self_attn
+                w.update(qkv=Projection.of([a.q_proj, a.k_proj, a.v_proj], dtype, self.kernels), o=Projection.of([a.o_proj], dtype, self.kernels),
+                         q_norm=a.q_norm, k_norm=a.k_norm)
+                self.k_cache[i] = torch.zeros(kv, device=device, dtype=dtype)
+                self.v_cache[i] = torch.zeros(kv, device=device, dtype=dtype)
+            else:
+                la = layer.linear_attn
+                w.update(la=la, qkvz=Projection.of([la.in_proj_qkv, la.in_proj_z], dtype, self.kernels),
+                         ba=Projection.of([la.in_proj_b, la.in_proj_a], dtype, self.kernels), out=Projection.of([la.out_proj], dtype, self.kernels),
+                         conv=la.conv1d.weight.detach(), decay=-la.A_log.detach().float().exp(), dt_bias=la.dt_bias.detach())
                 self.conv_in[i] = torch.zeros(max_len, la.conv_dim, device=device, dtype=dtype)
                 self.state[i] = torch.zeros(la.num_v_heads, la.head_k_dim, la.head_v_dim, device=device)
+                self.block_states[i] = torch.zeros(max_block + 1, *self.state[i].shape, device=device)
+            self.layers.append(w)
+        kernel = max((w["la"].conv_kernel_size for w in self.layers if "la" in w), default=1)
+        self.conv_offsets = torch.arange(-(kernel - 1), max_len, device=device)
         self.length = 0
-        self.block_start = 0
+        self.block_start = 0  # the last block fed: states of positions block_start..length are kept
 
     def reset(self) -> None:
         """An empty sequence (a new generation): zero recurrent states, length 0."""
         for state in self.state.values():
             state.zero_()
-        self.block_states = {}
         self.length = self.block_start = 0
 
     def rollback(self, keep: int) -> None:
@@ -64,71 +94,73 @@ class LeanQwen35:
         if not self.block_start <= keep < self.length:
             raise QdflashError(f"engine rollback to {keep}: only positions {self.block_start}..{self.length} are kept")
         for i, states in self.block_states.items():
-            self.state[i] = states[keep - self.block_start].clone()
+            self.state[i].copy_(states[keep - self.block_start])  # in place: a captured graph reads this buffer
         self.length = keep
 
-    def _rope(self, x, start, end):
-        rotated = apply_rope(x[..., : self.rot], self.cos[start:end], self.sin[start:end])
-        return torch.cat([rotated, x[..., self.rot :]], dim=-1)
+    def _check_feed(self, start: int, t: int) -> None:
+        if start != self.length:
+            raise QdflashError(f"engine holds {self.length} positions; feed from there (or roll back) instead of {start}")
 
-    def _attention(self, i, x, start, end):
-        a, t = self.layers[i].self_attn, x.shape[0]
-        q, gate = a.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        gate = gate.reshape(t, -1)
-        q = self._rope(a.q_norm(q).transpose(0, 1), start, end)
-        k = self._rope(a.k_norm(a.k_proj(x).view(t, self.kv_heads, self.head_dim)).transpose(0, 1), start, end)
-        v = a.v_proj(x).view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-        out = cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], start, end)
-        return a.o_proj(out * torch.sigmoid(gate))
+    def _after_feed(self, start: int, end: int) -> None:
+        kept = end - start <= self.max_block
+        self.block_start, self.length = (start if kept else end), end
 
-    def _delta_net(self, i, x, start, end):
-        la, t = self.layers[i].linear_attn, x.shape[0]
-        self.conv_in[i][start:end] = la.in_proj_qkv(x)
+    def _rope(self, x, cos, sin):
+        from .llama import apply_rope
+
+        return torch.cat([apply_rope(x[..., : self.rot], cos, sin), x[..., self.rot :]], dim=-1)
+
+    def _attention(self, i, w, x, positions, cos, sin, attend_len):
+        t = x.shape[0]
+        q_size, kv_size = self.heads * 2 * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = w["qkv"](x).split([q_size, kv_size, kv_size], dim=-1)
+        q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self._rope(w["q_norm"](q).transpose(0, 1), cos, sin)
+        k = self._rope(w["k_norm"](k.view(t, self.kv_heads, self.head_dim)).transpose(0, 1), cos, sin)
+        v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+        out = cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len)
+        return w["o"](out * torch.sigmoid(gate.reshape(t, -1)))
+
+    def _delta_net(self, i, w, x, positions):
+        la, t = w["la"], x.shape[0]
+        mixed_in, z = w["qkvz"](x).split([la.conv_dim, la.value_dim], dim=-1)
+        self.conv_in[i].index_copy_(0, positions, mixed_in)
         kernel = la.conv_kernel_size
-        first = start - (kernel - 1)
-        window = self.conv_in[i][max(first, 0) : end]
-        if first < 0:  # zero history before the sequence start, as transformers pads
-            window = torch.cat([window.new_zeros(-first, window.shape[1]), window])
-        mixed = F.silu(F.conv1d(window.T[None].to(la.conv1d.weight.dtype), la.conv1d.weight, groups=la.conv_dim)[0].T)
+        rows = positions[0] + self.conv_offsets[: t + kernel - 1]  # the block and the kernel-1 inputs before it
+        window = self.conv_in[i][rows.clamp(min=0)] * (rows >= 0)[:, None]  # zero history before the sequence start
+        mixed = F.silu(F.conv1d(window.T[None], w["conv"], groups=la.conv_dim)[0].T)
         q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
         rep = la.num_v_heads // la.num_k_heads
         q = l2norm(q.reshape(t, la.num_k_heads, la.head_k_dim).float()).repeat_interleave(rep, 1) / la.head_k_dim ** 0.5
         k = l2norm(k.reshape(t, la.num_k_heads, la.head_k_dim).float()).repeat_interleave(rep, 1)
         v = v.reshape(t, la.num_v_heads, la.head_v_dim).float()
-        beta = torch.sigmoid(la.in_proj_b(x)).float()
-        g = -la.A_log.float().exp() * F.softplus(la.in_proj_a(x).float() + la.dt_bias)
-        state = self.state[i]
-        states = [state]
-        out = torch.empty(t, la.num_v_heads, la.head_v_dim, device=x.device)
-        for s in range(t):
-            state = state * g[s].exp()[:, None, None]
-            delta = (v[s] - (state * k[s][..., None]).sum(-2)) * beta[s][:, None]
-            state = state + k[s][..., None] * delta[:, None, :]
-            out[s] = (state * q[s][..., None]).sum(-2)
-            states.append(state)
-        self.state[i] = state
-        self.block_states[i] = states
-        z = la.in_proj_z(x).reshape(t, la.num_v_heads, la.head_v_dim)
-        return la.out_proj(la.norm(out.to(x.dtype), z).reshape(t, -1))  # gated RMSNorm: norm(out) * silu(z)
+        b, a = w["ba"](x).float().split([la.num_v_heads, la.num_v_heads], dim=-1)
+        beta = torch.sigmoid(b)
+        g = w["decay"] * F.softplus(a + w["dt_bias"])
+        states = self.block_states[i] if t <= self.max_block else None
+        if self.kernels:
+            from ..kernels.gated_delta import gated_delta_recurrence
 
-    @torch.no_grad()
-    def forward(self, ids: torch.Tensor, start: int, layer_ids: list[int] | None = None):
-        """Logits [T, V] for `ids` [T] at positions start.. (start must be the current length: roll
-        back first), and hidden states after `layer_ids` concatenated [T, k*H] (or None)."""
-        t, end = ids.shape[0], start + ids.shape[0]
-        if start != self.length:
-            raise QdflashError(f"engine holds {self.length} positions; feed from there (or roll back) instead of {start}")
-        if end > self.max_len:
-            raise QdflashError(f"engine cache holds {self.max_len} positions; asked for {end} (build_engine(max_len=...))")
+            out = gated_delta_recurrence(q, k, v, g, beta, self.state[i], states)
+        else:
+            out = recurrence_torch(q, k, v, g, beta, self.state[i], states)
+        z = z.reshape(t, la.num_v_heads, la.head_v_dim)
+        return w["out"](la.norm(out.to(x.dtype), z).reshape(t, -1))  # gated RMSNorm: norm(out) * silu(z)
+
+    def _step(self, ids, positions, attend_len, layer_ids):
+        cos, sin = self.cos[positions], self.sin[positions]
         h = F.embedding(ids, self.embed)
         features = {}
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
-            h = h + (self._delta_net(i, x, start, end) if self.types[i] == "linear_attention" else self._attention(i, x, start, end))
-            x = layer.post_attention_layernorm(h)
-            h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x))
+        for i, w in enumerate(self.layers):
+            x = w["norm1"](h)
+            if self.types[i] == "linear_attention":
+                h = h + self._delta_net(i, w, x, positions)
+            else:
+                h = h + self._attention(i, w, x, positions, cos, sin, attend_len)
+            x = w["norm2"](h)
+            gate, up = w["w13"](x).chunk(2, dim=-1)
+            h = h + w["w2"](F.silu(gate) * up)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h
-        self.block_start, self.length = start, end
         logits = F.linear(self.final_norm(h), self.lm_head)
         return logits, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)

@@ -1,0 +1,67 @@
+"""One engine step (a fixed number of tokens) captured as a CUDA graph.
+
+A decode step of a 4B model is ~1,000 kernels; launched one by one from Python they cost more than the
+weights take to read. Captured once, the whole step is one launch. What makes an engine step
+capturable: fixed shapes (T tokens; attention reads the whole static cache, masked by position),
+positions as a tensor, and caches updated in place, so replaying the graph reads and writes the same
+buffers the eager code would. Inputs are copied into static buffers before each replay; the outputs
+are the graph's own buffers (valid until the next replay of this graph).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticStep:
+    """The captured step's computation without the capture: the same static buffers, full-cache
+    attention and tensor positions, run eagerly. On the CPU this is how the graph path is tested."""
+
+    def __init__(self, engine, tokens: int, layer_ids: list[int] | None):
+        self.engine, self.layer_ids = engine, layer_ids
+        self.ids = torch.zeros(tokens, dtype=torch.long, device=engine.device)
+        self.offsets = torch.arange(tokens, device=engine.device)
+        self.positions = self.offsets.clone()
+
+    def __call__(self, ids: torch.Tensor, start: int):
+        self.ids.copy_(ids)
+        torch.add(self.offsets, start, out=self.positions)
+        return self.engine._step(self.ids, self.positions, None, self.layer_ids)
+
+
+class CapturedStep:
+    def __init__(self, engine, tokens: int, layer_ids: list[int] | None, warmup: int = 2):
+        self.engine = engine
+        device = engine.device
+        self.ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.offsets = torch.arange(tokens, device=device)
+        # warmup and capture run the step for real: at the last positions of the cache, which are
+        # written before they are ever read, and with the recurrent states restored afterwards
+        self.positions = self.offsets + engine.max_len - tokens
+        saved = _snapshot(engine)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(warmup):  # compile Triton kernels, pick cuBLAS algorithms: nothing may allocate lazily while capturing
+                engine._step(self.ids, self.positions, None, layer_ids)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.out = engine._step(self.ids, self.positions, None, layer_ids)
+        _restore(engine, saved)
+
+    def __call__(self, ids: torch.Tensor, start: int):
+        self.ids.copy_(ids)
+        torch.add(self.offsets, start, out=self.positions)
+        self.graph.replay()
+        return self.out
+
+
+def _snapshot(engine) -> dict:
+    """Copies of the recurrent states: the only caches a step reads before writing."""
+    return {i: s.clone() for i, s in getattr(engine, "state", {}).items()}
+
+
+def _restore(engine, saved: dict) -> None:
+    for i, s in saved.items():
+        engine.state[i].copy_(s)

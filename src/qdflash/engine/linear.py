@@ -1,0 +1,86 @@
+"""The engine's projections: one object per (possibly fused) matmul, 16-bit or packed 4-bit.
+
+`Projection.of([q_proj, k_proj, v_proj])` concatenates the output rows of several layers so that one
+matmul reads them all (a decode step is bound by launches and bytes, not FLOPs). Dense `nn.Linear`
+weights are concatenated; `QuantLinear`s on the symmetric 4-bit grid become packed int4 words + scales
+run by the W4A16 Triton kernel (`qdflash.kernels.w4a16`) for up to 16 rows wherever it can run, and
+by a dequantized matmul otherwise (the CPU, a long prefill). Other grids (8-bit, asymmetric) run as
+their dequantized 16-bit weight: exact, not fast. Layers of different kinds are not fused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.w4a16 import MAX_ROWS, pack_int4, unpack_int4, w4a16_matmul
+from ..quant.grid import GridSpec, dequantize
+from ..quant.quantlinear import QuantLinear
+
+
+def _packable(m: nn.Module) -> bool:
+    return (isinstance(m, QuantLinear) and m.latent is None and m.spec.bits == 4 and m.spec.symmetric
+            and m.spec.group_size > 0 and m.in_features % 128 == 0)
+
+
+class Projection:
+    def __init__(self, weight: torch.Tensor | None = None, words: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None, group: int = 0, dtype: torch.dtype | None = None, kernels: bool = False):
+        self.weight, self.words, self.scale, self.group = weight, words, scale, group
+        self.dtype = dtype or (weight.dtype if weight is not None else scale.dtype)
+        self.out_features = (weight if weight is not None else words).shape[0]
+        self.fast = words is not None and kernels
+        if words is not None:
+            self.in_features = words.shape[1] * 8
+        else:
+            self.in_features = weight.shape[1]
+
+    @classmethod
+    def of(cls, modules: list[nn.Module], dtype: torch.dtype, kernels: bool = False) -> "Projection | Concat":
+        """`kernels`: run packed 4-bit weights through the Triton kernel (else a dequantized matmul)."""
+        if all(_packable(m) for m in modules) and len({m.spec.group_size for m in modules}) == 1:
+            words = torch.cat([pack_int4(m.weight_int) for m in modules])
+            scale = torch.cat([m.weight_scale for m in modules])
+            return cls(words=words, scale=scale, group=modules[0].spec.group_size, dtype=dtype, kernels=kernels)
+        if all(type(m) is nn.Linear and m.bias is None for m in modules):
+            return cls(weight=torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach())
+        if len(modules) > 1:
+            return Concat([cls.of([m], dtype, kernels) for m in modules])
+        m = modules[0]
+        if isinstance(m, QuantLinear) and m.latent is None and m.bias is None:  # another grid: its exact dense weight
+            return cls(weight=dequantize(m.weight_int, m.weight_scale, m.weight_zero_point, m.spec).to(dtype))
+        raise TypeError(f"the engine cannot run a {type(m).__name__} projection (bias or fake-quant mode)")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a matmul reads from this projection's weights (the bandwidth bound's numerator)."""
+        if self.weight is not None:
+            return self.weight.numel() * self.weight.element_size()
+        return self.words.numel() * 4 + self.scale.numel() * self.scale.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.linear(x, self.weight)
+        rows = x.reshape(-1, x.shape[-1])
+        if self.fast and rows.shape[0] <= MAX_ROWS:
+            return w4a16_matmul(rows, self.words, self.scale, self.group).view(*x.shape[:-1], -1)
+        return F.linear(x, self.dequantized())
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(unpack_int4(self.words), self.scale, None, GridSpec(4, self.group, True)).to(self.dtype)
+
+
+class Concat:
+    """Several projections of different kinds applied to one input, outputs concatenated."""
+
+    def __init__(self, parts: list[Projection]):
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)

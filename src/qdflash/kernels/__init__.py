@@ -1,0 +1,37 @@
+"""GPU kernels (Triton) for the batch-1 fast path: a W4A16 matmul that stays memory-bound from 1 to
+16 rows (`w4a16`) and the Gated DeltaNet recurrence that keeps the state after every position of a
+verify block (`gated_delta`).
+
+Both run wherever Triton does: on a CUDA device, and on the CPU under Triton's interpreter
+(`TRITON_INTERPRET=1`, set before triton is first imported), which is how the tests check them
+against the plain-torch reference on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import QdflashError
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernels_usable(device: torch.device | str, kernels: bool | str = "auto") -> bool:
+    """Whether to run the Triton kernels for tensors on `device`. "auto": on CUDA where triton is
+    installed. True: also on the CPU, which needs Triton's interpreter (`TRITON_INTERPRET=1` before
+    triton is imported; the tests do this). False: never."""
+    if kernels == "auto":
+        return triton_available() and torch.device(device).type == "cuda"
+    if kernels and not triton_available():
+        raise QdflashError("kernels=True but triton is not installed")
+    if kernels and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise QdflashError("kernels=True on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
+    return bool(kernels)

@@ -1,0 +1,181 @@
+"""W4A16 matmul for 1..16 rows: y = x @ dequant(W).T with 4-bit weights dequantized in registers.
+
+Why a kernel of our own: at batch 1 a decode step reads every weight once, so time = bytes / bandwidth
+and 4-bit weights should be ~3.5x cheaper than bf16. torch's built-in int4 op (tinygemm) is fast at
+M = 1 but 3x slower than bf16 at M = 16, the size of a speculative verify block (DESIGN.md). Here the
+weight tile is loaded and unpacked once and multiplied with all (<= 16) rows by one `tl.dot`, so 16
+rows cost about what 1 row costs: the kernel stays bound by the weight bytes.
+
+Layout (`pack_int4`): the symmetric ints q in [-8, 7] of W [N, K] are stored as q + 8 in nibbles of
+int32 words [N, K/8]; nibble j of word i holds column 8*i + j. Scales [N, K/group] in their storage
+dtype. A weight element is (q * scale) computed in fp32 and rounded to the activation dtype, which is
+exactly what `qdflash.quant.grid.dequantize(...).to(dtype)` gives, so the kernel's product equals
+F.linear with the dequantized weight up to the order of the fp32 accumulation.
+
+Wide layers are split along K (`split_k` programs per column block, partial sums reduced in fp32 by
+torch: deterministic, unlike atomics); the tile sizes are chosen per shape by timing on the device
+(`tune`), with enough weight copies to defeat the L2 cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import QdflashError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install: kernels are optional, the dense path remains
+    triton = tl = None
+
+MAX_ROWS = 16  # one tl.dot tile of rows: a verify block of 16 tokens
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Symmetric 4-bit ints [N, K] (int8 in [-8, 7]) -> int32 words [N, K/8] (nibble j = column 8i+j)."""
+    n, k = q.shape
+    if k % 8:
+        raise QdflashError(f"pack_int4: in_features={k} is not a multiple of 8")
+    if q.min() < -8 or q.max() > 7:
+        raise QdflashError("pack_int4: values outside the symmetric 4-bit range [-8, 7]")
+    u = (q.to(torch.int32) + 8).view(n, k // 8, 8)
+    words = torch.zeros(n, k // 8, dtype=torch.int32, device=q.device)
+    for j in range(8):  # OR the nibbles in; nibble 7 lands in the sign bit, which unpacking masks off
+        words |= u[..., j] << (4 * j)
+    return words
+
+
+def unpack_int4(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: int32 [N, K/8] -> int8 [N, K] in [-8, 7]."""
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    nibbles = (words[..., None] >> shifts) & 0xF
+    return (nibbles - 8).to(torch.int8).reshape(words.shape[0], -1)
+
+
+@dataclass(frozen=True)
+class Config:
+    block_n: int = 64
+    block_k8: int = 16  # words per K step (x8 columns)
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+if triton is not None:
+
+    @triton.jit
+    def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr,
+                      K_PER_SPLIT: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        ri = tl.arange(0, BLOCK_K8)
+        n_ok = rn[:, None] < N
+        m_ok = rm[:, None] < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(0, K_PER_SPLIT, 8 * BLOCK_K8):
+            col0 = pid_k * K_PER_SPLIT + step  # first column of this tile
+            words = col0 // 8 + ri  # [BK8]
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + words[None, :], mask=n_ok, other=0)
+            s = tl.load(s_ptr + rn[:, None] * stride_sn + (words[None, :] * 8) // GROUP, mask=n_ok, other=0).to(tl.float32)
+            for j in tl.static_range(8):
+                q = ((w >> (4 * j)) & 0xF) - 8
+                wj = (q.to(tl.float32) * s).to(x_ptr.dtype.element_ty)  # [BN, BK8]
+                xj = tl.load(x_ptr + rm[:, None] * stride_xm + (words[None, :] * 8 + j), mask=m_ok, other=0)
+                acc += tl.dot(xj, tl.trans(wj))
+        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc,
+                 mask=m_ok & (rn[None, :] < N))
+
+
+def _check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int) -> tuple[int, int, int]:
+    m, k = x.shape
+    n = words.shape[0]
+    if m > MAX_ROWS:
+        raise QdflashError(f"w4a16_matmul: {m} rows; the kernel takes at most {MAX_ROWS} (use the dense path for prefill)")
+    if words.shape[1] * 8 != k or scale.shape != (n, k // group):
+        raise QdflashError(f"w4a16_matmul: x {tuple(x.shape)}, words {tuple(words.shape)}, scale {tuple(scale.shape)} "
+                           f"do not fit a [{n}, {k}] weight in groups of {group}")
+    return m, n, k
+
+
+def fits(config: Config, k: int, group: int) -> bool:
+    """A config is valid for K when its K tiles cover each split exactly and a tile never straddles a
+    scale group boundary inside a word (groups are multiples of 8 columns)."""
+    tile = 8 * config.block_k8
+    return group % 8 == 0 and k % (config.split_k * tile) == 0
+
+
+def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int,
+                 config: Config | None = None) -> torch.Tensor:
+    """x [M <= 16, K] (bf16/fp16/fp32) @ dequant(words, scale).T -> [M, N] in x's dtype."""
+    if triton is None:
+        raise QdflashError("w4a16_matmul needs triton (installed with torch on CUDA machines)")
+    x = x.contiguous()
+    m, n, k = _check(x, words, scale, group)
+    config = config or default_config(n, k, group)
+    if not fits(config, k, group):
+        raise QdflashError(f"w4a16_matmul: {config} does not tile K={k} (group {group})")
+    partial = torch.empty(config.split_k, m, n, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, config.block_n), config.split_k)
+    _w4a16_kernel[grid](x, words, scale, partial, m, n, k, x.stride(0), words.stride(0), scale.stride(0),
+                        partial.stride(0), partial.stride(1), GROUP=group, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
+                        BLOCK_K8=config.block_k8, K_PER_SPLIT=k // config.split_k,
+                        num_warps=config.num_warps, num_stages=config.num_stages)
+    out = partial[0] if config.split_k == 1 else partial.sum(0)
+    return out.to(x.dtype)
+
+
+def candidate_configs(k: int, group: int) -> list[Config]:
+    out = []
+    for block_n in (32, 64, 128):
+        for block_k8 in (16, 32, 64):
+            for split_k in (1, 2, 4, 8):
+                for num_stages in (2, 4):
+                    c = Config(block_n, block_k8, split_k, 4, num_stages)
+                    if fits(c, k, group):
+                        out.append(c)
+    return out
+
+
+def default_config(n: int, k: int, group: int) -> Config:
+    """The tuned config where `tune` ran for this shape, else the first that fits."""
+    tuned = _TUNED.get((n, k, group))
+    if tuned is not None:
+        return tuned
+    fitting = [c for c in candidate_configs(k, group) if c.block_k8 == 16 and c.split_k == 1] or candidate_configs(k, group)
+    if not fitting:
+        raise QdflashError(f"w4a16_matmul: no tile config divides K={k} (group {group}); K must be a multiple of 128")
+    return fitting[0]
+
+
+_TUNED: dict[tuple[int, int, int], Config] = {}
+
+
+def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
+         l2_bytes: int = 64 << 20) -> tuple[Config, float]:
+    """Time every candidate on [rows, K] x [N, K] with enough weight copies to exceed the L2 cache and
+    remember the fastest for this shape (used by later calls). Returns (config, median ms)."""
+    from triton.testing import do_bench
+
+    copies = max(2, -(-4 * l2_bytes // (n * k // 2)))
+    ws = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32) for _ in range(copies)]
+    ss = [torch.rand(n, k // group, device=device, dtype=dtype) / 64 for _ in range(copies)]
+    x = torch.randn(rows, k, device=device, dtype=dtype)
+    best = (None, float("inf"))
+    for config in candidate_configs(k, group):
+        state = {"i": 0}
+
+        def call():
+            i = state["i"] = (state["i"] + 1) % copies
+            w4a16_matmul(x, ws[i], ss[i], group, config)
+
+        ms = do_bench(call, warmup=5, rep=20, return_mode="median")
+        if ms < best[1]:
+            best = (config, ms)
+    _TUNED[(n, k, group)] = best[0]
+    return best

@@ -1,0 +1,79 @@
+"""The Triton kernels against their torch references (on the CPU through Triton's interpreter; on a
+GPU for real): the W4A16 matmul equals F.linear with the dequantized weight, and the Gated DeltaNet
+recurrence kernel equals the engine's torch loop, per-position states included."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from qdflash.engine.qwen3_5 import recurrence_torch  # noqa: E402
+from qdflash.errors import QdflashError  # noqa: E402
+from qdflash.kernels.gated_delta import gated_delta_recurrence  # noqa: E402
+from qdflash.kernels.w4a16 import Config, candidate_configs, pack_int4, unpack_int4, w4a16_matmul  # noqa: E402
+from qdflash.quant.grid import GridSpec, compute_scale, dequantize, quantize  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def quantized(n, k, group, seed=0):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    spec = GridSpec(4, group, True)
+    scale, zero = compute_scale(w, spec, scale_dtype=torch.bfloat16)
+    q = quantize(w, scale, zero, spec)
+    return q, scale, dequantize(q, scale, zero, spec)
+
+
+def test_pack_round_trip_and_range():
+    q, _, _ = quantized(8, 64, 32)
+    q[0, :8] = torch.tensor([-8, 7, 0, -1, 1, 3, -5, 6])  # both ends of the grid, nibble 7 in the sign bit
+    words = pack_int4(q)
+    assert words.shape == (8, 8) and words.dtype == torch.int32
+    assert torch.equal(unpack_int4(words), q.to(torch.int8))
+    with pytest.raises(QdflashError, match="outside the symmetric 4-bit range"):
+        pack_int4(torch.full((2, 8), 9, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter's bf16 dot is broken; bf16 runs on the GPU bench
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_w4a16_matmul_equals_dequantized_linear(dtype, rows):
+    n, k, group = 96, 512, 32
+    q, scale, deq = quantized(n, k, group)
+    words, scale = pack_int4(q).to(DEVICE), scale.to(DEVICE)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
+    ref = x.float() @ deq.to(dtype).float().T.to(DEVICE)
+    configs = [c for c in candidate_configs(k, group) if c.block_n == 32 and c.num_stages == 2][:4]
+    assert {c.split_k for c in configs} >= {1, 2}, "split-K must be among the configs checked"
+    for config in configs:
+        y = w4a16_matmul(x, words, scale, group, config)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
+
+
+def test_w4a16_matmul_refuses_what_it_cannot_do():
+    q, scale, _ = quantized(32, 128, 32)
+    words = pack_int4(q)
+    with pytest.raises(QdflashError, match="at most 16"):
+        w4a16_matmul(torch.randn(17, 128), words, scale, 32)
+    with pytest.raises(QdflashError, match="do not fit"):
+        w4a16_matmul(torch.randn(1, 256), words, scale, 32)
+    with pytest.raises(QdflashError, match="does not tile"):
+        w4a16_matmul(torch.randn(1, 128), words, scale, 32, Config(32, 16, split_k=2))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37])  # 37: more than one launch of 16, states carried across
+def test_gated_delta_kernel_equals_torch_loop(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    h, dk, dv = 4, 16, 64
+    q, k = torch.randn(tokens, h, dk, generator=g), torch.nn.functional.normalize(torch.randn(tokens, h, dk, generator=g), dim=-1)
+    v = torch.randn(tokens, h, dv, generator=g)
+    decay, beta = -torch.rand(tokens, h, generator=g), torch.rand(tokens, h, generator=g)
+    start = torch.randn(h, dk, dv, generator=g)
+    ref_state, ref_states = start.clone(), torch.zeros(tokens + 1, h, dk, dv)
+    ref = recurrence_torch(q, k, v, decay, beta, ref_state, ref_states)
+    state, states = start.clone().to(DEVICE), torch.zeros(tokens + 1, h, dk, dv, device=DEVICE)
+    out = gated_delta_recurrence(*(x.to(DEVICE) for x in (q, k, v, decay, beta)), state, states)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states.cpu(), ref_states, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.cpu(), ref_state, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(states[0], states[-1]), "the state moved (the test can fail)"
