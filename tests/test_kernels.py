@@ -42,7 +42,7 @@ def test_w4a16_matmul_equals_dequantized_linear(dtype, rows):
     words, scale = pack_int4(q).to(DEVICE), scale.to(DEVICE)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
     ref = x.float() @ deq.to(dtype).float().T.to(DEVICE)
-    configs = [c for c in candidate_configs(k, group) if c.block_n == 32 and c.num_stages == 2][:4]
+    configs = [c for c in candidate_configs(k, group) if c.block_n == 32][:4]
     assert {c.split_k for c in configs} >= {1, 2}, "split-K must be among the configs checked"
     for config in configs:
         y = w4a16_matmul(x, words, scale, group, config)

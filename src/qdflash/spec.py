@@ -166,7 +166,7 @@ class DrafterSession:
     def append(self, features: torch.Tensor, start: int) -> None:
         """Target features [n, k*H] of positions start..start+n-1 become context K/V in every layer."""
         positions = torch.arange(start, start + features.shape[0], device=features.device)
-        context = self.drafter.context_features(features[None].to(self.drafter.fc.weight.dtype))
+        context = self.drafter.context_features(features[None].to(self.drafter.norm.weight.dtype))
         new = [layer.context_kv(context, positions[None]) for layer in self.drafter.layers]
         if not self.keys:
             self.keys, self.values = [k for k, _ in new], [v for _, v in new]
@@ -185,7 +185,7 @@ class DrafterSession:
         """Greedy drafts [B-1] for positions position+1.. given the committed token at `position`."""
         d = self.drafter
         b = d.block_size
-        device = d.fc.weight.device
+        device = d.norm.weight.device
         ids = torch.full((1, b), d.mask_id, device=device)
         ids[0, 0] = last_token
         q_pos = torch.arange(position, position + b, device=device)

@@ -220,7 +220,7 @@ class Drafter(nn.Module):
 
     def forward(self, block_ids, context, q_pos, k_pos, mask) -> torch.Tensor:
         """Logits [B, Tq, V] for block tokens `block_ids` [B, Tq] given context features [B, Tc, H]."""
-        h = self.embed_block(block_ids).to(self.fc.weight.dtype)
+        h = self.embed_block(block_ids).to(self.norm.weight.dtype)
         for layer in self.layers:
             h = layer(h, context, q_pos, k_pos, mask)
         head = self._target.model.get_output_embeddings().weight.detach()  # frozen target LM head
@@ -230,7 +230,7 @@ class Drafter(nn.Module):
         """Inference: logits [1, B, V] of one block over the cached context K/V of every layer.
         With `window`, a query at position q sees context positions k with q - k < window
         (symmetric |q - k| < window, which for context before the block is q - k < window)."""
-        h = self.embed_block(block_ids).to(self.fc.weight.dtype)
+        h = self.embed_block(block_ids).to(self.norm.weight.dtype)
         b = block_ids.shape[1]
         mask = torch.ones(1, b, ctx_pos.shape[1] + b, dtype=torch.bool, device=h.device)
         if window is not None:

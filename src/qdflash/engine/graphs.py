@@ -38,7 +38,7 @@ class CapturedStep:
         # warmup and capture run the step for real: at the last positions of the cache, which are
         # written before they are ever read, and with the recurrent states restored afterwards
         self.positions = self.offsets + engine.max_len - tokens
-        saved = _snapshot(engine)
+        saved = snapshot(engine)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.no_grad():
@@ -48,7 +48,7 @@ class CapturedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
             self.out = engine._step(self.ids, self.positions, None, layer_ids)
-        _restore(engine, saved)
+        restore(engine, saved)
 
     def __call__(self, ids: torch.Tensor, start: int):
         self.ids.copy_(ids)
@@ -57,11 +57,11 @@ class CapturedStep:
         return self.out
 
 
-def _snapshot(engine) -> dict:
+def snapshot(engine) -> dict:
     """Copies of the recurrent states: the only caches a step reads before writing."""
     return {i: s.clone() for i, s in getattr(engine, "state", {}).items()}
 
 
-def _restore(engine, saved: dict) -> None:
+def restore(engine, saved: dict) -> None:
     for i, s in saved.items():
         engine.state[i].copy_(s)

@@ -117,7 +117,7 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
         raise QdflashError("w4a16_matmul needs triton (installed with torch on CUDA machines)")
     x = x.contiguous()
     m, n, k = _check(x, words, scale, group)
-    config = config or default_config(n, k, group)
+    config = config or default_config(n, k, group, m)
     if not fits(config, k, group):
         raise QdflashError(f"w4a16_matmul: {config} does not tile K={k} (group {group})")
     partial = torch.empty(config.split_k, m, n, device=x.device, dtype=torch.float32)
@@ -130,36 +130,42 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
     return out.to(x.dtype)
 
 
-def candidate_configs(k: int, group: int) -> list[Config]:
+def candidate_configs(k: int, group: int, n: int | None = None) -> list[Config]:
+    """Tile configs that fit K; with `n`, only those launching 64..4096 programs (enough to fill a
+    GPU's SMs, few enough that split-K partial sums stay small): the set `tune` times."""
     out = []
     for block_n in (32, 64, 128):
-        for block_k8 in (16, 32, 64):
-            for split_k in (1, 2, 4, 8):
-                for num_stages in (2, 4):
-                    c = Config(block_n, block_k8, split_k, 4, num_stages)
-                    if fits(c, k, group):
-                        out.append(c)
+        for block_k8 in (16, 32):
+            for split_k in (1, 2, 4, 8, 16):
+                c = Config(block_n, block_k8, split_k, 4, 3)
+                programs = -(-n // block_n) * split_k if n else 64
+                if fits(c, k, group) and 64 <= programs <= 4096:
+                    out.append(c)
     return out
 
 
-def default_config(n: int, k: int, group: int) -> Config:
-    """The tuned config where `tune` ran for this shape, else the first that fits."""
-    tuned = _TUNED.get((n, k, group))
+def _bucket(rows: int) -> int:
+    return 1 if rows == 1 else MAX_ROWS
+
+
+def default_config(n: int, k: int, group: int, rows: int = 1) -> Config:
+    """The tuned config where `tune` ran for this shape (1 row, or 2-16 rows), else the first that fits."""
+    tuned = _TUNED.get((n, k, group, _bucket(rows)))
     if tuned is not None:
         return tuned
-    fitting = [c for c in candidate_configs(k, group) if c.block_k8 == 16 and c.split_k == 1] or candidate_configs(k, group)
+    fitting = candidate_configs(k, group, n) or candidate_configs(k, group)
     if not fitting:
         raise QdflashError(f"w4a16_matmul: no tile config divides K={k} (group {group}); K must be a multiple of 128")
     return fitting[0]
 
 
-_TUNED: dict[tuple[int, int, int], Config] = {}
+_TUNED: dict[tuple[int, int, int, int], Config] = {}
 
 
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
          l2_bytes: int = 64 << 20) -> tuple[Config, float]:
     """Time every candidate on [rows, K] x [N, K] with enough weight copies to exceed the L2 cache and
-    remember the fastest for this shape (used by later calls). Returns (config, median ms)."""
+    remember the fastest for this shape and row bucket (used by later calls). Returns (config, median ms)."""
     from triton.testing import do_bench
 
     copies = max(2, -(-4 * l2_bytes // (n * k // 2)))
@@ -167,7 +173,7 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     ss = [torch.rand(n, k // group, device=device, dtype=dtype) / 64 for _ in range(copies)]
     x = torch.randn(rows, k, device=device, dtype=dtype)
     best = (None, float("inf"))
-    for config in candidate_configs(k, group):
+    for config in candidate_configs(k, group, n) or candidate_configs(k, group):
         state = {"i": 0}
 
         def call():
@@ -177,5 +183,5 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
         ms = do_bench(call, warmup=5, rep=20, return_mode="median")
         if ms < best[1]:
             best = (config, ms)
-    _TUNED[(n, k, group)] = best[0]
+    _TUNED[(n, k, group, _bucket(rows))] = best[0]
     return best

@@ -1,0 +1,307 @@
+"""What one speculative round costs at the Qwen3.5-4B shape, part by part, against the bandwidth bound.
+
+    python scripts/gpu/bench_components.py --out $OUT/components.json          # the H200
+    python scripts/gpu/bench_components.py --shape tiny --reps 3                # the CPU: the code path only
+
+Speed does not depend on weight values, so the target is built from RECIPE.md's text config with
+random weights, on the GPU (no download). Measured, each a CUDA graph replayed at a fixed position
+after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
+- the target's decode step (1 token) and verify block (`--block` tokens), 16-bit and W4A16 (RTN, the
+  recipe's layers: symmetric, group 32; GDN in_proj_a/b, embeddings and the LM head stay 16-bit);
+- the drafter's step (5 layers, the recipe's shape, 16-bit and W4 group 128): the context features of
+  `--block` newly accepted positions (fc + their K/V in every layer) + the block forward over the cached
+  context + the target's LM head on the block + argmax;
+- the matmuls alone (every projection and the LM head at 1 row, in one graph): what the rest of a decode
+  step (norms, rotary, conv, recurrence, attention) costs on top of reading the weights.
+Each time is set against its bound: bytes it must read (weights, recurrent states read and written,
+KV up to the context) / the device-to-device copy bandwidth measured in the same process. The speedup
+these costs imply at acceptance length tau: tau * decode step / (verify block + drafter step).
+Checks (bf16, reported): graph vs eager logits of a step; the W4A16 kernel vs the dequantized matmul.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from qdflash.drafter import init_drafter
+from qdflash.engine import build_engine
+from qdflash.engine.graphs import restore, snapshot
+from qdflash.engine.linear import Concat, Projection, pack_linears
+from qdflash.kernels.w4a16 import MAX_ROWS, tune, w4a16_matmul
+from qdflash.quant.apply import replace_linears, select_linears
+from qdflash.quant.gptq import rtn_quantize
+from qdflash.quant.grid import GridSpec
+from qdflash.tracking import environment
+
+SHAPES = {
+    # RECIPE.md: the Qwen3.5-4B text config (4.21 B parameters with the tied head)
+    "qwen3.5-4b": dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
+                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                       linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                       vocab_size=248320, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                 linear_value_head_dim=32, linear_conv_kernel_dim=4, vocab_size=1024, tie_word_embeddings=True),
+}
+DRAFTERS = {"qwen3.5-4b": dict(num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=9728),
+            "tiny": dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256)}
+
+
+def build_target(shape: str, device: str, dtype: torch.dtype):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(**SHAPES[shape], max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return SimpleNamespace(model=model, config=model.config)
+
+
+def quantize_in_place(model, group: int, names=None) -> int:
+    """RTN on the device, symmetric 4-bit (RecIPE's target grid); returns the number of layers."""
+    names = names or select_linears(model)
+    modules = dict(model.named_modules())
+    spec = GridSpec(4, group, True)
+    replace_linears(model, {n: rtn_quantize(modules[n].weight.detach(), spec) for n in names})
+    return len(names)
+
+
+def timer(device: str):
+    """A function that times `fn` `reps` times and returns the median in ms."""
+    def run(fn, reps: int, warmup: int = 3) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    return run
+
+
+def copy_bandwidth(device: str, reps: int) -> float:
+    """Bytes/s of a device-to-device copy (read + write), the bandwidth a memory-bound step can use."""
+    n = (1 << 30) if device == "cuda" else (1 << 24)
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    ms = timer(device)(lambda: dst.copy_(src), reps)
+    return 2 * n / (ms / 1e3)
+
+
+def projections(engine):
+    for w in engine.layers:
+        for p in w.values():
+            if isinstance(p, Concat):
+                yield from p.parts
+            elif isinstance(p, Projection):
+                yield p
+
+
+def step_bytes(engine, context: int) -> dict[str, int]:
+    """What a step must read: weights (projections, conv, norms, the LM head), recurrent states (read
+    and written), KV of `context` positions."""
+    weights = sum(p.nbytes for p in projections(engine)) + engine.lm_head.numel() * engine.lm_head.element_size()
+    weights += sum(w["conv"].numel() * w["conv"].element_size() for w in engine.layers if "conv" in w)
+    states = 2 * sum(s.numel() * 4 for s in engine.state.values())
+    kv = 2 * sum(k.shape[0] * context * k.shape[2] * k.element_size() for k in engine.k_cache.values())
+    return {"weights": weights, "states": states, "kv": kv, "total": weights + states + kv}
+
+
+def tune_kernels(packed: list[Projection], device: str) -> dict:
+    """Time the W4A16 tile configs for every packed shape (1 row and 16 rows) before capture."""
+    tuned = {}
+    if device != "cuda":
+        return tuned
+    shapes = {(p.out_features, p.in_features, p.group) for p in packed if p.words is not None}
+    for n, k, group in sorted(shapes):
+        for rows in (1, MAX_ROWS):
+            config, ms = tune(n, k, group, rows=rows)
+            tuned[f"{n}x{k}g{group}@{rows}"] = {"config": config.__dict__, "ms": round(ms, 4)}
+    return tuned
+
+
+def matmul_only(engine, device: str):
+    """One graph (on CUDA) of every projection and the LM head at 1 row: the weight-reading floor."""
+    inputs = {id(p): torch.randn(1, p.in_features, device=device, dtype=engine.dtype) for p in projections(engine)}
+    x_head = torch.randn(1, engine.lm_head.shape[1], device=device, dtype=engine.dtype)
+
+    def run():
+        for p in projections(engine):
+            p(inputs[id(p)])
+        F.linear(x_head, engine.lm_head)
+    return graphed(run, device)
+
+
+def graphed(fn, device: str):
+    if device != "cuda":
+        return fn
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
+    run = timer(device)
+    prompt = torch.randint(0, engine.lm_head.shape[0], (args.context,), device=device)
+    engine.reset()
+    with torch.no_grad():
+        engine.forward(prompt, 0)  # prefill (eager, chunked): the caches hold `context` positions
+    cuda = device == "cuda"
+    engine.capture([1], None, cuda_graphs=cuda)
+    engine.capture([args.block], layer_ids, cuda_graphs=cuda)
+    one = torch.randint(0, 1000, (1,), device=device)
+    block = torch.randint(0, 1000, (args.block,), device=device)
+    decode_graph, verify_graph = engine.graphs[(1, None)], engine.graphs[(args.block, tuple(layer_ids))]
+    # the graph's step and the eager step give the same logits (both at position `context`)
+    saved = snapshot(engine)  # a step advances the recurrent states: both start from the same ones
+    with torch.no_grad():
+        graph_logits = decode_graph(one, args.context)[0].float().clone()
+        restore(engine, saved)
+        eager_logits = engine._step(one, torch.tensor([args.context], device=device), None, None)[0].float()
+    decode_ms = run(lambda: decode_graph(one, args.context), args.reps)
+    verify_ms = run(lambda: verify_graph(block, args.context), args.reps)
+    floor_ms = run(matmul_only(engine, device), args.reps)
+    need = step_bytes(engine, args.context)
+    bound_ms = need["total"] / bandwidth * 1e3
+    return {
+        f"{label}.decode_ms": round(decode_ms, 4), f"{label}.verify_ms": round(verify_ms, 4),
+        f"{label}.matmuls_only_ms": round(floor_ms, 4), f"{label}.bound_ms": round(bound_ms, 4),
+        f"{label}.decode_of_bound": round(bound_ms / decode_ms, 4),
+        f"{label}.verify_over_decode": round(verify_ms / decode_ms, 4),
+        f"{label}.achieved_GBps": round(need["total"] / (decode_ms / 1e3) / 1e9, 1),
+        f"{label}.bytes": need, f"{label}.tokens_per_s": round(1e3 / decode_ms, 1),
+        f"{label}.graph_vs_eager_max_abs": float((graph_logits - eager_logits).abs().max()),
+        f"{label}.logit_scale": float(eager_logits.abs().max()),
+    }
+
+
+def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int | None) -> dict:
+    run = timer(device)
+    drafter = init_drafter(target, block_size=args.block, **DRAFTERS[args.shape]).to(dtype)
+    if w4_group:
+        names = [n for n, m in drafter.named_modules() if isinstance(m, torch.nn.Linear)]
+        quantize_in_place(drafter, w4_group, names)
+        pack_linears(drafter, dtype, kernels=device == "cuda")
+        tuned = tune_kernels([m.projection for m in drafter.modules() if hasattr(m, "projection")], device)
+    c = drafter.config
+    feats = torch.randn(1, args.context, len(c.target_layer_ids) * c.hidden_size, device=device, dtype=dtype)
+    pos = torch.arange(args.context, device=device)[None]
+    with torch.no_grad():
+        ctx = drafter.context_features(feats)
+        kv = [layer.context_kv(ctx, pos) for layer in drafter.layers]
+    keys, values = [k for k, _ in kv], [v for _, v in kv]
+    new_feats, new_pos = feats[:, : args.block].clone(), pos[:, : args.block].clone()
+    ids = torch.full((1, args.block), drafter.mask_id, device=device)
+    q_pos = torch.arange(args.context, args.context + args.block, device=device)[None]
+
+    def step():
+        with torch.no_grad():
+            new_ctx = drafter.context_features(new_feats)
+            for layer in drafter.layers:
+                layer.context_kv(new_ctx, new_pos)
+            return drafter.forward_block(ids, q_pos, keys, values, pos)[0, 1:].argmax(-1)
+
+    ms = run(graphed(step, device), args.reps)
+    own = sum(p.numel() * p.element_size() for p in drafter.parameters()) + sum(
+        b.numel() * b.element_size() for b in drafter.buffers())
+    own += sum(m.projection.nbytes for m in drafter.modules() if hasattr(m, "projection"))
+    head = target.model.get_output_embeddings().weight
+    kv_bytes = sum(k.numel() * k.element_size() * 2 for k in keys)
+    need = own + head.numel() * head.element_size() + kv_bytes
+    return {f"{label}.step_ms": round(ms, 4), f"{label}.bound_ms": round(need / bandwidth * 1e3, 4),
+            f"{label}.of_bound": round(need / bandwidth * 1e3 / ms, 4),
+            f"{label}.bytes": {"drafter": own, "lm_head": head.numel() * head.element_size(), "context_kv": kv_bytes},
+            f"{label}.layers": c.num_layers, **({f"{label}.tuned": tuned} if w4_group else {})}
+
+
+def kernel_check(engine, device) -> dict:
+    """The W4A16 kernel against the dequantized matmul on one packed projection (bf16)."""
+    p = next(p for p in projections(engine) if p.words is not None)
+    out = {}
+    for rows in (1, MAX_ROWS):
+        x = torch.randn(rows, p.in_features, device=device, dtype=engine.dtype)
+        ref = F.linear(x.float(), p.dequantized().float())
+        got = w4a16_matmul(x, p.words, p.scale, p.group).float() if device == "cuda" else p(x).float()
+        out[f"w4a16_rel_err@{rows}"] = float((got - ref).abs().max() / ref.abs().max())
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-4b")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--block", type=int, default=16)
+    parser.add_argument("--group", type=int, default=32, help="the target's W4 group size (RECIPE: 32)")
+    parser.add_argument("--drafter-group", type=int, default=128, help="the drafter's W4 group size (RECIPE: 128)")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    result = {"config": vars(args) | {"device": device, "dtype": str(dtype)}, **environment()}
+    if device == "cuda":
+        result["env.gpu"] = torch.cuda.get_device_name(0)
+    result["env.platform"] = platform.platform()
+    bandwidth = copy_bandwidth(device, args.reps)
+    result["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+
+    target = build_target(args.shape, device, dtype)
+    result["target.parameters"] = sum(p.numel() for p in target.model.parameters())
+    max_len = args.context + 4 * args.block
+    layer_ids = init_drafter(target, block_size=args.block, **DRAFTERS[args.shape]).config.target_layer_ids
+    engine16 = build_engine(target, max_len=max_len)
+    result.update(measure_target(engine16, args, device, layer_ids, bandwidth, "target16"))
+    print({k: v for k, v in result.items() if k.startswith("target16") and not isinstance(v, dict)}, flush=True)
+    result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter16", None))
+    result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter_w4", args.drafter_group))
+    print({k: v for k, v in result.items() if k.startswith("drafter") and not isinstance(v, dict)}, flush=True)
+    del engine16
+    result["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
+    engine4 = build_engine(target, max_len=max_len)
+    result["w4a16.tuned"] = tune_kernels(list(projections(engine4)), device)
+    result.update(kernel_check(engine4, device))
+    result.update(measure_target(engine4, args, device, layer_ids, bandwidth, "target_w4"))
+    print({k: v for k, v in result.items() if k.startswith("target_w4") and not isinstance(v, dict)}, flush=True)
+
+    result["w4_decode_speedup_over_16bit"] = round(result["target16.decode_ms"] / result["target_w4.decode_ms"], 3)
+    for tau in (3.0, 5.0, 6.5):
+        for target_label, drafter_label in (("target16", "drafter16"), ("target_w4", "drafter_w4")):
+            round_ms = result[f"{target_label}.verify_ms"] + result[f"{drafter_label}.step_ms"]
+            result[f"implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_ar16"] = round(
+                tau * result["target16.decode_ms"] / round_ms, 3)
+            result[f"implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_same_target_ar"] = round(
+                tau * result[f"{target_label}.decode_ms"] / round_ms, 3)
+    text = json.dumps(result, indent=1, default=str)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
