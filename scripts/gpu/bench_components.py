@@ -185,6 +185,19 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
     decode_ms = run(lambda: decode_graph(one, args.context), args.reps)
     verify_ms = run(lambda: verify_graph(block, args.context), args.reps)
     floor_ms = run(matmul_only(engine, device), args.reps)
+    compiled = {}
+    if args.compile:  # the same decode step through torch.compile (fused elementwise work), then captured
+        try:
+            engine.graphs.clear()
+            t0 = time.perf_counter()
+            engine.capture([1], None, cuda_graphs=cuda, compile=True)
+            restore(engine, saved)
+            got = engine.graphs[(1, None)](one, args.context)[0].float()
+            compiled[f"{label}.compiled_vs_eager_max_abs"] = float((got - eager_logits).abs().max())
+            compiled[f"{label}.decode_compiled_ms"] = round(run(lambda: engine.graphs[(1, None)](one, args.context), args.reps), 4)
+            compiled[f"{label}.compile_s"] = round(time.perf_counter() - t0, 1)
+        except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
+            compiled[f"{label}.compile_error"] = f"{type(err).__name__}: {str(err)[:300]}"
     need = step_bytes(engine, args.context)
     bound_ms = need["total"] / bandwidth * 1e3
     return {
@@ -195,7 +208,7 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
         f"{label}.achieved_GBps": round(need["total"] / (decode_ms / 1e3) / 1e9, 1),
         f"{label}.bytes": need, f"{label}.tokens_per_s": round(1e3 / decode_ms, 1),
         f"{label}.graph_vs_eager_max_abs": float((graph_logits - eager_logits).abs().max()),
-        f"{label}.logit_scale": float(eager_logits.abs().max()),
+        f"{label}.logit_scale": float(eager_logits.abs().max()), **compiled,
     }
 
 
@@ -258,6 +271,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=32, help="the target's W4 group size (RECIPE: 32)")
     parser.add_argument("--drafter-group", type=int, default=128, help="the drafter's W4 group size (RECIPE: 128)")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--compile", action="store_true", help="also time the decode step compiled by torch.compile")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -42,7 +42,7 @@ def check_family(name: str, blocks=(4, 16), prompts=3, new_tokens=48) -> dict:
 
             def draft(self, last, position, reference=reference, n=prompt.shape[1], block=block):
                 want = [reference[p - n] if 0 <= p - n < len(reference) else 7 for p in range(position + 1, position + block)]
-                return torch.tensor([t + 1 if rng.random() < 0.3 else t for t in want])
+                return torch.tensor([t + 1 if rng.random() < 0.3 else t for t in want], device="cuda")
 
             original = spec.DrafterSession.draft
             spec.DrafterSession.draft = draft

@@ -17,8 +17,8 @@ class StaticStep:
     """The captured step's computation without the capture: the same static buffers, full-cache
     attention and tensor positions, run eagerly. On the CPU this is how the graph path is tested."""
 
-    def __init__(self, engine, tokens: int, layer_ids: list[int] | None):
-        self.engine, self.layer_ids = engine, layer_ids
+    def __init__(self, engine, tokens: int, layer_ids: list[int] | None, step=None):
+        self.engine, self.layer_ids, self.step = engine, layer_ids, step or engine._step
         self.ids = torch.zeros(tokens, dtype=torch.long, device=engine.device)
         self.offsets = torch.arange(tokens, device=engine.device)
         self.positions = self.offsets.clone()
@@ -26,12 +26,14 @@ class StaticStep:
     def __call__(self, ids: torch.Tensor, start: int):
         self.ids.copy_(ids)
         torch.add(self.offsets, start, out=self.positions)
-        return self.engine._step(self.ids, self.positions, None, self.layer_ids)
+        with torch.no_grad():
+            return self.step(self.ids, self.positions, None, self.layer_ids)
 
 
 class CapturedStep:
-    def __init__(self, engine, tokens: int, layer_ids: list[int] | None, warmup: int = 2):
+    def __init__(self, engine, tokens: int, layer_ids: list[int] | None, warmup: int = 2, step=None):
         self.engine = engine
+        step = step or engine._step
         device = engine.device
         self.ids = torch.zeros(tokens, dtype=torch.long, device=device)
         self.offsets = torch.arange(tokens, device=device)
@@ -43,11 +45,11 @@ class CapturedStep:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.no_grad():
             for _ in range(warmup):  # compile Triton kernels, pick cuBLAS algorithms: nothing may allocate lazily while capturing
-                engine._step(self.ids, self.positions, None, layer_ids)
+                step(self.ids, self.positions, None, layer_ids)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
-            self.out = engine._step(self.ids, self.positions, None, layer_ids)
+            self.out = step(self.ids, self.positions, None, layer_ids)
         restore(engine, saved)
 
     def __call__(self, ids: torch.Tensor, start: int):

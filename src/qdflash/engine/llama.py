@@ -99,15 +99,18 @@ class EngineBase:
         self._after_feed(start, end)
         return out
 
-    def capture(self, token_counts: list[int], layer_ids: list[int] | None = None, cuda_graphs: bool = True) -> None:
+    def capture(self, token_counts: list[int], layer_ids: list[int] | None = None, cuda_graphs: bool = True,
+                compile: bool = False) -> None:
         """Capture one CUDA graph per number of tokens (e.g. [1, block size]) for steps that return
         the features of `layer_ids`; the cache contents are not disturbed. cuda_graphs=False runs the
-        same static-shape step eagerly (the CPU; a check of the graph path)."""
+        same static-shape step eagerly (the CPU; a check of the graph path). compile=True captures the
+        step as compiled by torch.compile (fused elementwise work) instead of the eager step."""
         from .graphs import CapturedStep, StaticStep
 
-        make = CapturedStep if cuda_graphs else StaticStep
+        step = torch.compile(self._step, dynamic=False) if compile else self._step
         for t in token_counts:
-            self.graphs[(t, _key(layer_ids))] = make(self, t, layer_ids)
+            self.graphs[(t, _key(layer_ids))] = (CapturedStep(self, t, layer_ids, step=step) if cuda_graphs
+                                                 else StaticStep(self, t, layer_ids, step=step))
 
 
 def _key(layer_ids: list[int] | None) -> tuple[int, ...] | None:

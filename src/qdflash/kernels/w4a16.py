@@ -67,29 +67,40 @@ class Config:
 if triton is not None:
 
     @triton.jit
-    def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+    def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr,
                       K_PER_SPLIT: tl.constexpr):
+        BLOCK_K: tl.constexpr = 8 * BLOCK_K8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        ri = tl.arange(0, BLOCK_K8)
+        rk = tl.arange(0, BLOCK_K)
         n_ok = rn[:, None] < N
-        m_ok = rm[:, None] < M
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in range(0, K_PER_SPLIT, 8 * BLOCK_K8):
+        shifts = tl.arange(0, 8) * 4
+        if BLOCK_M == 1:  # one row: FMAs on a [BN, BK] accumulator, reduced once at the end
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        else:  # up to 16 rows: one tensor-core dot per tile
+            rm = tl.arange(0, BLOCK_M)
+            m_ok = rm[:, None] < M
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(0, K_PER_SPLIT, BLOCK_K):
             col0 = pid_k * K_PER_SPLIT + step  # first column of this tile
-            words = col0 // 8 + ri  # [BK8]
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + words[None, :], mask=n_ok, other=0)
-            s = tl.load(s_ptr + rn[:, None] * stride_sn + (words[None, :] * 8) // GROUP, mask=n_ok, other=0).to(tl.float32)
-            for j in tl.static_range(8):
-                q = ((w >> (4 * j)) & 0xF) - 8
-                wj = (q.to(tl.float32) * s).to(x_ptr.dtype.element_ty)  # [BN, BK8]
-                xj = tl.load(x_ptr + rm[:, None] * stride_xm + (words[None, :] * 8 + j), mask=m_ok, other=0)
-                acc += tl.dot(xj, tl.trans(wj))
-        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc,
-                 mask=m_ok & (rn[None, :] < N))
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + (col0 // 8 + tl.arange(0, BLOCK_K8))[None, :], mask=n_ok, other=0)
+            q = ((w[:, :, None] >> shifts[None, None, :]) & 0xF) - 8  # [BN, BK8, 8]: column 8i + j
+            s = tl.load(s_ptr + rn[:, None] * stride_sn + (col0 // GROUP + tl.arange(0, BLOCK_K // GROUP))[None, :],
+                        mask=n_ok, other=0).to(tl.float32)  # [BN, BK / GROUP]
+            wt = tl.reshape(tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+            wt = wt.to(x_ptr.dtype.element_ty)  # q * scale in fp32, rounded to the activation dtype (= dequantize().to(dtype))
+            if BLOCK_M == 1:
+                x = tl.load(x_ptr + col0 + rk).to(tl.float32)
+                acc += wt.to(tl.float32) * x[None, :]
+            else:
+                x = tl.load(x_ptr + rm[:, None] * stride_xm + (col0 + rk)[None, :], mask=m_ok, other=0)
+                acc += tl.dot(x, tl.trans(wt))
+        if BLOCK_M == 1:
+            tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
+        else:
+            tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
 
 
 def _check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int) -> tuple[int, int, int]:
@@ -104,10 +115,9 @@ def _check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int
 
 
 def fits(config: Config, k: int, group: int) -> bool:
-    """A config is valid for K when its K tiles cover each split exactly and a tile never straddles a
-    scale group boundary inside a word (groups are multiples of 8 columns)."""
+    """A config is valid for K when its K tiles cover each split exactly and hold whole scale groups."""
     tile = 8 * config.block_k8
-    return group % 8 == 0 and k % (config.split_k * tile) == 0
+    return tile % group == 0 and k % (config.split_k * tile) == 0
 
 
 def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int,
@@ -122,8 +132,8 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
         raise QdflashError(f"w4a16_matmul: {config} does not tile K={k} (group {group})")
     partial = torch.empty(config.split_k, m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
-    _w4a16_kernel[grid](x, words, scale, partial, m, n, k, x.stride(0), words.stride(0), scale.stride(0),
-                        partial.stride(0), partial.stride(1), GROUP=group, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
+    _w4a16_kernel[grid](x, words, scale, partial, m, n, x.stride(0), words.stride(0), scale.stride(0),
+                        partial.stride(0), partial.stride(1), GROUP=group, BLOCK_M=1 if m == 1 else MAX_ROWS, BLOCK_N=config.block_n,
                         BLOCK_K8=config.block_k8, K_PER_SPLIT=k // config.split_k,
                         num_warps=config.num_warps, num_stages=config.num_stages)
     out = partial[0] if config.split_k == 1 else partial.sum(0)
