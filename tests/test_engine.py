@@ -104,20 +104,21 @@ def test_unsupported_families_and_packed_weights_say_so(tiny_llama):
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
 def test_static_shape_step_is_the_eager_step(fixture, request):
-    """The step a CUDA graph captures (whole-cache attention masked by position, positions from a
-    static buffer) gives the eager step's logits and features, and speculative decoding through it
-    emits the autoregressive tokens (on a GPU, `capture()` records exactly this step)."""
+    """The step a CUDA graph captures (attention over a fixed length of the cache, masked by position;
+    positions from a static buffer) gives the eager step's logits and features, and speculative
+    decoding through it emits the autoregressive tokens (on a GPU, `capture()` records this step)."""
     target = request.getfixturevalue(fixture)
     drafter = init_drafter(target, block_size=4, seed=0)
     eager = build_engine(target, max_len=96)
     static = build_engine(target, max_len=96)
-    static.capture([1, 4], drafter.config.target_layer_ids, cuda_graphs=False)
-    static.capture([1], None, cuda_graphs=False)  # autoregressive decoding asks for no features
-    assert len(static.graphs) == 3
-    x = ids(3, 20)
+    static.capture([1, 4], drafter.config.target_layer_ids, cuda_graphs=False, lengths=[32, 96])
+    static.capture([1], None, cuda_graphs=False, lengths=[32, 96])  # autoregressive decoding asks for no features
+    assert len(static.graphs) == 6
+    x = ids(3, 28)
     eager.forward(x, 0, drafter.config.target_layer_ids)
-    static.forward(x, 0, drafter.config.target_layer_ids)  # a prefill of 20: no graph for that size, eager
-    for start, piece in ((20, [11, 12, 13, 14]), (24, [15])):
+    static.forward(x, 0, drafter.config.target_layer_ids)  # a prefill of 28: no graph for that size, eager
+    # steps ending at or before 32 read 32 cache positions, later ones 96; the mask hides the rest
+    for start, piece in ((28, [11, 12, 13, 14]), (32, [15]), (33, [16, 17, 18, 19])):
         a = eager.forward(torch.tensor(piece), start, drafter.config.target_layer_ids)
         b = static.forward(torch.tensor(piece), start, drafter.config.target_layer_ids)
         torch.testing.assert_close(b[0], a[0], atol=1e-5, rtol=1e-5)
@@ -169,3 +170,19 @@ def test_engine_runs_packed_w4_weights(family):
     engine.reset()
     step, _ = engine.forward(x[:1], 0)  # 1 row: the kernel
     torch.testing.assert_close(step[0], model(input_ids=x[None, :1]).logits[0, 0], atol=1e-4, rtol=1e-4)
+
+
+def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen):
+    """kernels=True: the Gated DeltaNet recurrence runs in the Triton kernel (its interpreter here),
+    keeps per-position states, and a rollback into a block still predicts what a fresh forward does."""
+    pytest.importorskip("triton")
+    engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+    assert engine.kernels
+    x = ids(6, 20)
+    logits, _ = engine.forward(x, 0)
+    torch.testing.assert_close(logits, tiny_qwen.model(input_ids=x[None]).logits[0], atol=1e-4, rtol=1e-4)
+    engine.forward(torch.tensor([101, 202, 303, 404]), 20)
+    engine.rollback(21)
+    after, _ = engine.forward(torch.tensor([777]), 21)
+    expected = tiny_qwen.model(input_ids=torch.cat([x, torch.tensor([101, 777])])[None]).logits[0, -1]
+    torch.testing.assert_close(after[-1], expected, atol=1e-4, rtol=1e-4)

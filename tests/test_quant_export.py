@@ -325,3 +325,18 @@ def test_error_fake_quant_mode(tiny_llama, tmp_path):
     model.model.layers[0].mlp.up_proj.enable_fake_quant()
     with pytest.raises(QdflashError, match="freeze"):
         save_quantized(model, None, tmp_path / "fq")
+
+
+def test_load_target_reads_a_packed_export_as_quantlinear(llama_w4):
+    """load_target on an export folder gives the packed model (QuantLinear, exact ints), so the
+    engine and the benchmark run the quantized weights themselves, not a 16-bit twin."""
+    from qdflash.engine import build_engine
+    from qdflash.models import load_target
+
+    model, path = llama_w4
+    target = load_target(str(path), device="cpu", dtype=torch.float32)
+    assert_same_quant(model, target.model)
+    assert "packed" in target.source
+    torch.testing.assert_close(logits(target.model), logits(model))
+    engine = build_engine(target, max_len=32)  # on the CPU: the exact dequantized weights
+    torch.testing.assert_close(engine.forward(IDS[0], 0)[0], logits(model)[0], atol=1e-5, rtol=1e-5)

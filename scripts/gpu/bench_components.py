@@ -171,11 +171,11 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
     with torch.no_grad():
         engine.forward(prompt, 0)  # prefill (eager, chunked): the caches hold `context` positions
     cuda = device == "cuda"
-    engine.capture([1], None, cuda_graphs=cuda)
-    engine.capture([args.block], layer_ids, cuda_graphs=cuda)
+    engine.capture([1], None, cuda_graphs=cuda, lengths=[engine.max_len])
+    engine.capture([args.block], layer_ids, cuda_graphs=cuda, lengths=[engine.max_len])
     one = torch.randint(0, 1000, (1,), device=device)
     block = torch.randint(0, 1000, (args.block,), device=device)
-    decode_graph, verify_graph = engine.graphs[(1, None)], engine.graphs[(args.block, tuple(layer_ids))]
+    decode_graph, verify_graph = engine.graph_for(1, None, args.context + 1), engine.graph_for(args.block, layer_ids, args.context + args.block)
     # the graph's step and the eager step give the same logits (both at position `context`)
     saved = snapshot(engine)  # a step advances the recurrent states: both start from the same ones
     with torch.no_grad():
@@ -188,13 +188,13 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
     compiled = {}
     if args.compile:  # the same decode step through torch.compile (fused elementwise work), then captured
         try:
-            engine.graphs.clear()
             t0 = time.perf_counter()
-            engine.capture([1], None, cuda_graphs=cuda, compile=True)
+            engine.capture([1], None, cuda_graphs=cuda, compile=True, lengths=[engine.max_len])  # replaces the eager one
             restore(engine, saved)
-            got = engine.graphs[(1, None)](one, args.context)[0].float()
+            got = engine.graph_for(1, None, args.context + 1)(one, args.context)[0].float()
             compiled[f"{label}.compiled_vs_eager_max_abs"] = float((got - eager_logits).abs().max())
-            compiled[f"{label}.decode_compiled_ms"] = round(run(lambda: engine.graphs[(1, None)](one, args.context), args.reps), 4)
+            compiled_graph = engine.graph_for(1, None, args.context + 1)
+            compiled[f"{label}.decode_compiled_ms"] = round(run(lambda: compiled_graph(one, args.context), args.reps), 4)
             compiled[f"{label}.compile_s"] = round(time.perf_counter() - t0, 1)
         except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
             compiled[f"{label}.compile_error"] = f"{type(err).__name__}: {str(err)[:300]}"

@@ -277,6 +277,22 @@ def _load_pretrained_dir(path: str | Path, dtype: torch.dtype, what: str):
     return model, tokenizer, what
 
 
+def _is_quantized_export(path: Path) -> bool:
+    try:
+        return "quantization_config" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise QdflashError(f"{path / 'config.json'} is not readable JSON: {err}") from err
+
+
+def _load_quantized_dir(path: Path, dtype: torch.dtype):
+    """A qdflash W-int export (quant.export.save_quantized): QuantLinear layers with the exact ints
+    and scales, so the engine runs the packed weights (the W4A16 kernel on a GPU)."""
+    from .quant.export import load_quantized
+
+    model, tokenizer, spec = load_quantized(path, dtype=dtype)
+    return model, tokenizer, f"{path.resolve()} ({spec.name}, packed)"
+
+
 def _load_gguf(gguf: Path, dtype: torch.dtype):
     folder = _cached_conversion("models", gguf, lambda out: _convert_gguf_model(gguf, out))
     return _load_pretrained_dir(folder, dtype, f"{gguf} (converted, cached at {folder})")
@@ -315,7 +331,7 @@ def load_target(name_or_path: str, *, dtype=None, device=None) -> Target:
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise QdflashError(f"model folder {path} has no config.json: expected a transformers model folder (save_pretrained)")
-        loaded = _load_pretrained_dir(path, dtype, str(path.resolve()))
+        loaded = _load_quantized_dir(path, dtype) if _is_quantized_export(path) else _load_pretrained_dir(path, dtype, str(path.resolve()))
     elif path.suffix == ".gguf":
         if not path.is_file():
             raise QdflashError(f"model file {path} does not exist")

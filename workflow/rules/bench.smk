@@ -16,7 +16,7 @@ rule bench_speedup:
     params:
         args=hydra_args(
             "bench_speedup", ["bench"],
-            lambda wc, input: {"data_dir": input.data, "qad_model": f"{input.qad}/model/dense",
+            lambda wc, input: {"data_dir": input.data, "qad_model": f"{input.qad}/model",
                                "stage1": f"{input.stage1}/drafter", "stage2": f"{input.stage2}/drafter"},
         ),
         config=fingerprint(["bench"]),

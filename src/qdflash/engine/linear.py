@@ -3,9 +3,10 @@
 `Projection.of([q_proj, k_proj, v_proj])` concatenates the output rows of several layers so that one
 matmul reads them all (a decode step is bound by launches and bytes, not FLOPs). Dense `nn.Linear`
 weights are concatenated; `QuantLinear`s on the symmetric 4-bit grid become packed int4 words + scales
-run by the W4A16 Triton kernel (`qdflash.kernels.w4a16`) for up to 16 rows wherever it can run, and
-by a dequantized matmul otherwise (the CPU, a long prefill). Other grids (8-bit, asymmetric) run as
-their dequantized 16-bit weight: exact, not fast. Layers of different kinds are not fused.
+run by the W4A16 Triton kernel (`qdflash.kernels.w4a16`) for up to 16 rows where the kernels run
+(a GPU), and by a dequantized matmul for longer inputs (a prefill). Without kernels (the CPU) and for
+other grids (8-bit, asymmetric), quantized layers run as their exact dequantized weight, computed
+once: the same numbers, not the speed. Layers of different kinds are not fused.
 """
 
 from __future__ import annotations
@@ -38,19 +39,20 @@ class Projection:
 
     @classmethod
     def of(cls, modules: list[nn.Module], dtype: torch.dtype, kernels: bool = False) -> "Projection | Concat":
-        """`kernels`: run packed 4-bit weights through the Triton kernel (else a dequantized matmul)."""
-        if all(_packable(m) for m in modules) and len({m.spec.group_size for m in modules}) == 1:
+        """`kernels`: run packed 4-bit weights through the Triton kernel (else their dequantized weight)."""
+        if kernels and all(_packable(m) for m in modules) and len({m.spec.group_size for m in modules}) == 1:
             words = torch.cat([pack_int4(m.weight_int) for m in modules])
             scale = torch.cat([m.weight_scale for m in modules])
             return cls(words=words, scale=scale, group=modules[0].spec.group_size, dtype=dtype, kernels=kernels)
         if all(type(m) is nn.Linear and m.bias is None for m in modules):
             return cls(weight=torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach())
+        if all(isinstance(m, QuantLinear) and m.latent is None and m.bias is None for m in modules):
+            # no kernel (the CPU) or another grid: the exact dequantized weights, computed once
+            return cls(weight=torch.cat([dequantize(m.weight_int, m.weight_scale, m.weight_zero_point, m.spec).to(dtype)
+                                         for m in modules]))
         if len(modules) > 1:
             return Concat([cls.of([m], dtype, kernels) for m in modules])
-        m = modules[0]
-        if isinstance(m, QuantLinear) and m.latent is None and m.bias is None:  # another grid: its exact dense weight
-            return cls(weight=dequantize(m.weight_int, m.weight_scale, m.weight_zero_point, m.spec).to(dtype))
-        raise TypeError(f"the engine cannot run a {type(m).__name__} projection (bias or fake-quant mode)")
+        raise TypeError(f"the engine cannot run a {type(modules[0]).__name__} projection (bias or fake-quant mode)")
 
     @property
     def nbytes(self) -> int:

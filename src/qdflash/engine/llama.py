@@ -30,11 +30,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int | None) -> torch.Tensor:
+def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int | None,
+                     exact: bool = False) -> torch.Tensor:
     """Write k, v [kv_heads, T, D] at `positions` [T] of a static cache [kv_heads, max_len, D] and
     attend q [heads, T, D] over every cached position up to its own (causal inside the block).
-    `attend_len`: how much of the cache to read (eager: the current length); None reads all of it
-    (a captured graph has one shape for every length; later positions are masked). Returns [T, heads*D]."""
+    `attend_len`: how much of the cache to read (None: all of it); `exact`: it ends at the last
+    position fed (the eager path: no mask needed for one token). A captured graph reads a fixed length
+    for many positions, so everything past each query's position is masked. Returns [T, heads*D]."""
     t = q.shape[1]
     k_cache.index_copy_(1, positions, k)
     v_cache.index_copy_(1, positions, v)
@@ -42,7 +44,7 @@ def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_
     rep = q.shape[0] // k.shape[0]
     keys, values = k_cache[:, :n], v_cache[:, :n]
     mask = None
-    if t > 1 or attend_len is None:
+    if t > 1 or not exact:
         mask = torch.arange(n, device=q.device)[None, :] <= positions[:, None]
     out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=rep > 1)
     return out[0].transpose(0, 1).reshape(t, -1)
@@ -50,7 +52,7 @@ def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_
 
 class EngineBase:
     """Batch 1. Subclasses build their weights and implement `_step(ids, positions, attend_len,
-    layer_ids) -> (logits, features)` with tensor positions and in-place cache updates only, so that a
+    layer_ids, exact=False) -> (logits, features)` with tensor positions and in-place cache updates only, so that a
     step can be captured as a CUDA graph (`capture`)."""
 
     def __init__(self, model, max_len: int, kernels: bool | str = "auto"):
@@ -63,7 +65,8 @@ class EngineBase:
         self.kernels = kernels_usable(self.device, kernels)  # Triton W4A16 matmul and GDN recurrence
         self.embed = model.model.embed_tokens.weight
         self.lm_head = model.get_output_embeddings().weight
-        self.graphs = {}  # (tokens per step, layer ids) -> CapturedStep
+        self.graphs = {}  # (tokens per step, layer ids, cache length read) -> CapturedStep
+        self._graph_lengths = {}  # (tokens per step, layer ids) -> the cache lengths captured
 
     def _rope_tables(self, dims: int, theta: float) -> None:
         self.cos, self.sin = rope_tables(dims, self.max_len, theta, self.device, self.dtype)
@@ -84,33 +87,53 @@ class EngineBase:
     def forward(self, ids: torch.Tensor, start: int, layer_ids: list[int] | None = None):
         """Logits [T, V] for tokens `ids` [T] at positions start..start+T-1, and the hidden states after
         `layer_ids` concatenated [T, k*H] (None without layer_ids). A captured graph runs the step where
-        one exists for T tokens and these layer ids."""
+        one exists for T tokens and these layer ids (the one reading the shortest cache that holds them)."""
         t = ids.shape[0]
         end = start + t
         if end > self.max_len:
             raise QdflashError(f"engine cache holds {self.max_len} positions; asked for {end} (build_engine(max_len=...))")
         self._check_feed(start, t)
-        graph = self.graphs.get((t, _key(layer_ids)))
+        graph = self.graph_for(t, layer_ids, end)
         if graph is not None:
             out = graph(ids, start)
         else:
             positions = torch.arange(start, end, device=ids.device)
-            out = self._step(ids, positions, end, layer_ids)
+            out = self._step(ids, positions, end, layer_ids, exact=True)
         self._after_feed(start, end)
         return out
 
+    def graph_for(self, t: int, layer_ids, end: int):
+        lengths = self._graph_lengths.get((t, _key(layer_ids)), ())
+        fit = [n for n in lengths if n >= end]
+        return self.graphs[(t, _key(layer_ids), min(fit))] if fit else None
+
     def capture(self, token_counts: list[int], layer_ids: list[int] | None = None, cuda_graphs: bool = True,
-                compile: bool = False) -> None:
-        """Capture one CUDA graph per number of tokens (e.g. [1, block size]) for steps that return
-        the features of `layer_ids`; the cache contents are not disturbed. cuda_graphs=False runs the
-        same static-shape step eagerly (the CPU; a check of the graph path). compile=True captures the
-        step as compiled by torch.compile (fused elementwise work) instead of the eager step."""
+                compile: bool = False, lengths: list[int] | None = None) -> None:
+        """Capture one CUDA graph per number of tokens (e.g. [1, block size]) and cache length for
+        steps that return the features of `layer_ids`; the cache contents are not disturbed.
+        `lengths`: how much of the cache each graph's attention reads (default: cache_buckets(), powers
+        of two up to max_len: a step reads at most twice the KV it needs, not the whole cache).
+        cuda_graphs=False runs the same static-shape step eagerly (the CPU; a check of the graph path).
+        compile=True captures the step as compiled by torch.compile (fused elementwise work)."""
         from .graphs import CapturedStep, StaticStep
 
         step = torch.compile(self._step, dynamic=False) if compile else self._step
+        lengths = sorted(lengths or cache_buckets(self.max_len))
         for t in token_counts:
-            self.graphs[(t, _key(layer_ids))] = (CapturedStep(self, t, layer_ids, step=step) if cuda_graphs
-                                                 else StaticStep(self, t, layer_ids, step=step))
+            for n in lengths:
+                self.graphs[(t, _key(layer_ids), n)] = (CapturedStep(self, t, layer_ids, n, step=step) if cuda_graphs
+                                                        else StaticStep(self, t, layer_ids, n, step=step))
+            known = set(self._graph_lengths.get((t, _key(layer_ids)), ()))
+            self._graph_lengths[(t, _key(layer_ids))] = sorted(known | set(lengths))
+
+
+def cache_buckets(max_len: int, smallest: int = 256) -> list[int]:
+    """Powers of two from `smallest`, then max_len itself."""
+    out, n = [], smallest
+    while n < max_len:
+        out.append(n)
+        n *= 2
+    return out + [max_len]
 
 
 def _key(layer_ids: list[int] | None) -> tuple[int, ...] | None:
@@ -145,7 +168,7 @@ class LeanLlama(EngineBase):
     # reset / rollback: nothing to do. The cache is written before it is read, and positions at or
     # past the current one are masked until they are written again (a rollback is a new length).
 
-    def _step(self, ids, positions, attend_len, layer_ids):
+    def _step(self, ids, positions, attend_len, layer_ids, exact=False):
         t = ids.shape[0]
         cos, sin = self.cos[positions], self.sin[positions]
         h = F.embedding(ids, self.embed)
@@ -157,7 +180,7 @@ class LeanLlama(EngineBase):
             q = apply_rope(q.view(t, self.heads, self.head_dim).transpose(0, 1), cos, sin)
             k = apply_rope(k.view(t, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
             v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-            h = h + w["wo"](cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len))
+            h = h + w["wo"](cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact))
             x = rms_norm(h, w["norm2"], self.eps)
             gate, up = w["w13"](x).chunk(2, dim=-1)
             h = h + w["w2"](F.silu(gate) * up)

@@ -110,7 +110,7 @@ class LeanQwen35(EngineBase):
 
         return torch.cat([apply_rope(x[..., : self.rot], cos, sin), x[..., self.rot :]], dim=-1)
 
-    def _attention(self, i, w, x, positions, cos, sin, attend_len):
+    def _attention(self, i, w, x, positions, cos, sin, attend_len, exact):
         t = x.shape[0]
         q_size, kv_size = self.heads * 2 * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = w["qkv"](x).split([q_size, kv_size, kv_size], dim=-1)
@@ -118,7 +118,7 @@ class LeanQwen35(EngineBase):
         q = self._rope(w["q_norm"](q).transpose(0, 1), cos, sin)
         k = self._rope(w["k_norm"](k.view(t, self.kv_heads, self.head_dim)).transpose(0, 1), cos, sin)
         v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-        out = cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len)
+        out = cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact)
         return w["o"](out * torch.sigmoid(gate.reshape(t, -1)))
 
     def _delta_net(self, i, w, x, positions):
@@ -147,7 +147,7 @@ class LeanQwen35(EngineBase):
         z = z.reshape(t, la.num_v_heads, la.head_v_dim)
         return w["out"](la.norm(out.to(x.dtype), z).reshape(t, -1))  # gated RMSNorm: norm(out) * silu(z)
 
-    def _step(self, ids, positions, attend_len, layer_ids):
+    def _step(self, ids, positions, attend_len, layer_ids, exact=False):
         cos, sin = self.cos[positions], self.sin[positions]
         h = F.embedding(ids, self.embed)
         features = {}
@@ -156,7 +156,7 @@ class LeanQwen35(EngineBase):
             if self.types[i] == "linear_attention":
                 h = h + self._delta_net(i, w, x, positions)
             else:
-                h = h + self._attention(i, w, x, positions, cos, sin, attend_len)
+                h = h + self._attention(i, w, x, positions, cos, sin, attend_len, exact)
             x = w["norm2"](h)
             gate, up = w["w13"](x).chunk(2, dim=-1)
             h = h + w["w2"](F.silu(gate) * up)

@@ -72,8 +72,9 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
         if x.dtype != torch.float32 or not x.is_contiguous():
             raise QdflashError(f"gated_delta_recurrence: {name} must be contiguous fp32 (got {x.dtype})")
-    if dv % block_v or dk & (dk - 1):
-        raise QdflashError(f"gated_delta_recurrence: dk={dk} must be a power of two and dv={dv} a multiple of {block_v}")
+    block_v = min(block_v, dv)
+    if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
+        raise QdflashError(f"gated_delta_recurrence: dk={dk} and the value block {block_v} must be powers of two dividing dv={dv}")
     if states is not None and (states.shape[0] < t + 1 or not states.is_contiguous()):
         raise QdflashError(f"gated_delta_recurrence: states must be contiguous with >= {t + 1} entries")
     out = torch.empty(t, h, dv, device=q.device, dtype=torch.float32)

@@ -114,10 +114,11 @@ def _check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int
     return m, n, k
 
 
-def fits(config: Config, k: int, group: int) -> bool:
-    """A config is valid for K when its K tiles cover each split exactly and hold whole scale groups."""
+def fits(config: Config, k: int, group: int, rows: int = MAX_ROWS) -> bool:
+    """A config is valid for K when its K tiles cover each split exactly and hold whole scale groups
+    (and, for the tensor-core path of 2-16 rows, its column block is at least 16 wide)."""
     tile = 8 * config.block_k8
-    return tile % group == 0 and k % (config.split_k * tile) == 0
+    return tile % group == 0 and k % (config.split_k * tile) == 0 and (rows == 1 or config.block_n >= 16)
 
 
 def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int,
@@ -128,28 +129,33 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
     x = x.contiguous()
     m, n, k = _check(x, words, scale, group)
     config = config or default_config(n, k, group, m)
-    if not fits(config, k, group):
-        raise QdflashError(f"w4a16_matmul: {config} does not tile K={k} (group {group})")
-    partial = torch.empty(config.split_k, m, n, device=x.device, dtype=torch.float32)
+    if not fits(config, k, group, m):
+        raise QdflashError(f"w4a16_matmul: {config} does not tile K={k} (group {group}) for {m} rows")
+    # one split: the kernel writes the result in x's dtype; several: fp32 partial sums, reduced here
+    out = torch.empty(config.split_k, m, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
-    _w4a16_kernel[grid](x, words, scale, partial, m, n, x.stride(0), words.stride(0), scale.stride(0),
-                        partial.stride(0), partial.stride(1), GROUP=group, BLOCK_M=1 if m == 1 else MAX_ROWS, BLOCK_N=config.block_n,
+    _w4a16_kernel[grid](x, words, scale, out, m, n, x.stride(0), words.stride(0), scale.stride(0),
+                        out.stride(0), out.stride(1), GROUP=group, BLOCK_M=1 if m == 1 else MAX_ROWS, BLOCK_N=config.block_n,
                         BLOCK_K8=config.block_k8, K_PER_SPLIT=k // config.split_k,
                         num_warps=config.num_warps, num_stages=config.num_stages)
-    out = partial[0] if config.split_k == 1 else partial.sum(0)
-    return out.to(x.dtype)
+    return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
 
 
-def candidate_configs(k: int, group: int, n: int | None = None) -> list[Config]:
+def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_ROWS) -> list[Config]:
     """Tile configs that fit K; with `n`, only those launching 64..4096 programs (enough to fill a
-    GPU's SMs, few enough that split-K partial sums stay small): the set `tune` times."""
+    GPU's SMs, few enough that split-K partial sums stay small): the set `tune` times. One row
+    (a decode step) takes narrow, long tiles: each row of the weight is then read in long contiguous
+    runs, and the [BN, BK] fp32 accumulator is capped at 8K values (registers)."""
     out = []
-    for block_n in (32, 64, 128):
-        for block_k8 in (16, 32):
+    one = rows == 1
+    for block_n in ((8, 16, 32, 64) if one else (32, 64, 128)):
+        for block_k8 in ((16, 32, 64, 128) if one else (16, 32)):
+            if one and block_n * block_k8 * 8 > 8192:
+                continue
             for split_k in (1, 2, 4, 8, 16):
                 c = Config(block_n, block_k8, split_k, 4, 3)
                 programs = -(-n // block_n) * split_k if n else 64
-                if fits(c, k, group) and 64 <= programs <= 4096:
+                if fits(c, k, group, rows) and 64 <= programs <= 4096:
                     out.append(c)
     return out
 
@@ -159,14 +165,16 @@ def _bucket(rows: int) -> int:
 
 
 def default_config(n: int, k: int, group: int, rows: int = 1) -> Config:
-    """The tuned config where `tune` ran for this shape (1 row, or 2-16 rows), else the first that fits."""
+    """The tuned config where `tune` ran for this shape (1 row, or 2-16 rows), else a heuristic: the
+    longest K tile, then the fewest splits that still launch >= 256 programs."""
     tuned = _TUNED.get((n, k, group, _bucket(rows)))
     if tuned is not None:
         return tuned
-    fitting = candidate_configs(k, group, n) or candidate_configs(k, group)
+    fitting = candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows)
     if not fitting:
         raise QdflashError(f"w4a16_matmul: no tile config divides K={k} (group {group}); K must be a multiple of 128")
-    return fitting[0]
+    enough = [c for c in fitting if -(-n // c.block_n) * c.split_k >= 256] or fitting
+    return max(enough, key=lambda c: (c.block_k8, -c.split_k, c.block_n if rows > 1 else -c.block_n))
 
 
 _TUNED: dict[tuple[int, int, int, int], Config] = {}
@@ -174,24 +182,39 @@ _TUNED: dict[tuple[int, int, int, int], Config] = {}
 
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
          l2_bytes: int = 64 << 20) -> tuple[Config, float]:
-    """Time every candidate on [rows, K] x [N, K] with enough weight copies to exceed the L2 cache and
-    remember the fastest for this shape and row bucket (used by later calls). Returns (config, median ms)."""
-    from triton.testing import do_bench
-
+    """Time every candidate for [rows, K] x [N, K] and remember the fastest for this shape and row
+    bucket (later calls use it). Each candidate runs once on each of several weight copies (together
+    > 4x the L2 cache, so weights come from HBM) inside one CUDA graph, as in a captured decode step:
+    launch overhead is not what is measured. Returns (config, median ms per call)."""
     copies = max(2, -(-4 * l2_bytes // (n * k // 2)))
     ws = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32) for _ in range(copies)]
     ss = [torch.rand(n, k // group, device=device, dtype=dtype) / 64 for _ in range(copies)]
     x = torch.randn(rows, k, device=device, dtype=dtype)
     best = (None, float("inf"))
-    for config in candidate_configs(k, group, n) or candidate_configs(k, group):
-        state = {"i": 0}
-
-        def call():
-            i = state["i"] = (state["i"] + 1) % copies
-            w4a16_matmul(x, ws[i], ss[i], group, config)
-
-        ms = do_bench(call, warmup=5, rep=20, return_mode="median")
+    for config in candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows):
+        ms = _graph_ms(lambda: [w4a16_matmul(x, w, s, group, config) for w, s in zip(ws, ss)]) / copies
         if ms < best[1]:
             best = (config, ms)
     _TUNED[(n, k, group, _bucket(rows))] = best[0]
     return best
+
+
+def _graph_ms(fn, replays: int = 10) -> float:
+    """Median ms of one replay of `fn` captured as a CUDA graph (after a warm-up that compiles)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

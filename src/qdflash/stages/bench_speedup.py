@@ -49,6 +49,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         try:
             target.engine = build_engine(target, max_len=longest)
             run.metrics[f"engine.{key}"] = "lean"
+            if target.device.type == "cuda":  # decode steps and verify blocks replay CUDA graphs
+                target.engine.capture([1], None)
+                target.engine.capture([1, stage1_16.block_size], stage1_16.config.target_layer_ids)
+                run.metrics[f"engine.{key}.graphs"] = len(target.engine.graphs)
         except QdflashError as err:
             log.info("%s runs on transformers' forward: %s", key, err)
             run.metrics[f"engine.{key}"] = "transformers"
