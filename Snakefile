@@ -26,5 +26,6 @@ rule all:
         QAD_VARIANTS,
         STAGE1,
         STAGE2,
+        DRAFTER_VARIANTS,
         BENCH,
     default_target: True

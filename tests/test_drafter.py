@@ -200,3 +200,73 @@ def test_acceptance_does_not_depend_on_batching(tiny_llama):
     one = estimate_acceptance(drafter, tiny_llama, examples, anchors_per_seq=6, batch_size=1)
     three = estimate_acceptance(drafter, tiny_llama, examples, anchors_per_seq=6, batch_size=3, length_multiple=16)
     assert one["blocks"] == three["blocks"] and one["tau"] == pytest.approx(three["tau"])
+
+
+# -- compression ------------------------------------------------------------------------------------
+def test_calibration_captures_every_drafter_linear(tiny_llama):
+    from qdflash.drafter.compress import calibration_hessians, drafter_linears
+
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=2, seed=0)
+    examples = [{"id": str(i), "input_ids": list(range(10 + i, 40 + i)), "loss_mask": [0] * 10 + [1] * 20} for i in range(3)]
+    names = drafter_linears(drafter)
+    assert names[0] == "fc" and len(names) == 1 + 7 * 2
+    hessians, blocks = calibration_hessians(drafter, tiny_llama, examples, anchors_per_seq=5)
+    assert blocks == 15 and set(hessians) == set(names)
+    h = tiny_llama.hidden_size
+    assert hessians["fc"].shape == (len(drafter.config.target_layer_ids) * h,) * 2
+    for name, hess in hessians.items():
+        eig = torch.linalg.eigvalsh(hess)
+        assert torch.allclose(hess, hess.T) and eig.min() > -1e-6 * eig.max(), name  # PSD up to fp32 rounding
+        assert hess.diagonal().sum() > 0, f"{name} saw no input"
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_compressed_drafter_saves_loads_and_drafts_the_same(tiny_llama, tmp_path, method):
+    from qdflash.drafter import load_drafter, save_drafter
+    from qdflash.drafter.compress import calibration_hessians, compress_drafter, weight_bytes
+    from qdflash.quant.grid import GridSpec
+    from qdflash.quant.quantlinear import QuantLinear
+
+    drafter = init_drafter(tiny_llama, block_size=4, seed=1)
+    dense_bytes = weight_bytes(drafter)
+    examples = [{"id": "a", "input_ids": list(range(20, 60)), "loss_mask": [0] * 10 + [1] * 30}]
+    hessians = calibration_hessians(drafter, tiny_llama, examples, 8)[0] if method == "gptq" else None
+    compress_drafter(drafter, GridSpec(4, 32, True), method, hessians)
+    assert all(isinstance(drafter.get_submodule(n), QuantLinear) for n in ["fc", "layers.0.q_proj", "layers.0.down_proj"])
+    assert weight_bytes(drafter) < dense_bytes / 3
+    save_drafter(drafter, tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d", tiny_llama)
+    for name, m in drafter.named_modules():
+        if isinstance(m, QuantLinear):
+            other = loaded.get_submodule(name)
+            assert torch.equal(m.weight_int, other.weight_int) and torch.equal(m.weight_scale, other.weight_scale), name
+    ids, feats = torch.tensor([[5, drafter.mask_id, drafter.mask_id, drafter.mask_id]]), torch.randn(1, 6, drafter.fc.in_features)
+    pos = torch.arange(6)[None]
+    q_pos = torch.arange(6, 10)[None]
+
+    def block_logits(d):
+        ctx = d.context_features(feats)
+        kv = [layer.context_kv(ctx, pos) for layer in d.layers]
+        return d.forward_block(ids, q_pos, [k for k, _ in kv], [v for _, v in kv], pos)
+
+    with torch.no_grad():
+        torch.testing.assert_close(block_logits(loaded), block_logits(drafter))
+
+
+def test_compressed_checkpoint_that_does_not_match_says_so(tiny_llama, tmp_path):
+    import json
+
+    from qdflash.drafter import load_drafter, save_drafter
+    from qdflash.drafter.compress import compress_drafter
+    from qdflash.errors import QdflashError
+    from qdflash.quant.grid import GridSpec
+
+    drafter = compress_drafter(init_drafter(tiny_llama, block_size=4), GridSpec(4, 32, True), "rtn")
+    save_drafter(drafter, tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["quantization"]["layers"].append("layers.0.not_a_layer")
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QdflashError, match="not_a_layer"):
+        load_drafter(tmp_path / "d", tiny_llama)
+    with pytest.raises(QdflashError, match="group_size=128 does not divide"):
+        compress_drafter(init_drafter(tiny_llama, block_size=4), GridSpec(4, 128, True), "rtn")

@@ -115,6 +115,19 @@ def check_drafter_stage(results):
     assert "stage1_on_this_target.tau" in json.loads((results / "drafter" / "stage2" / "metrics.json").read_text())
     drafter = load_drafter(results / "drafter" / "stage2" / "drafter", load_target("tiny-qwen3.5", device="cpu"))
     assert drafter.block_size == block
+    # compress_drafter: one job per compressed grid of variants.drafter_bits (16 = stage 2 itself)
+    compress = CONFIG["profiles"]["ci"]["compress"]
+    bits = [b for b in CONFIG["profiles"]["ci"]["variants"]["drafter_bits"] if b != 16]
+    folders = sorted(p.name for p in (results / "drafter").glob("*_w*g*"))
+    assert folders == sorted(f"{compress['method']}_w{b}g{compress['group_size']}" for b in bits)
+    for name in folders:
+        m = json.loads((results / "drafter" / name / "metrics.json").read_text())
+        # the profile evaluates on stage 2's own held-out blocks: before compression, the same tau-hat
+        assert m["uncompressed.tau"] == pytest.approx(json.loads((results / "drafter" / "stage2" / "metrics.json").read_text())["final.tau"])
+        assert 1 <= m["compressed.tau"] <= block and m["calibration.blocks"] > 0
+        assert m["drafter.weight_bytes"] < m["drafter.weight_bytes_16bit"]
+        compressed = load_drafter(results / "drafter" / name / "drafter", load_target("tiny-qwen3.5", device="cpu"))
+        assert type(compressed.fc).__name__ == "QuantLinear"
 
 
 def check_target_stage(results, data):
@@ -156,6 +169,24 @@ def check_target_stage(results, data):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "step-0 check failed" in out.stderr
     assert not (results / "qad_tampered").exists()
+
+
+def test_adding_a_drafter_bit_width_adds_exactly_its_job(tmp_path):
+    """The sweep axis expands through Snakemake: one more value in variants.drafter_bits is one more
+    compress_drafter job in a dry run, and 16 (the uncompressed drafter) is none."""
+    def planned(bits):
+        config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+        config["profiles"]["ci"]["variants"]["drafter_bits"] = bits
+        path = tmp_path / f"config-{len(bits)}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        out = snakemake(tmp_path, "-n", "--configfile", str(path), "--config", "profile=ci")
+        assert out.returncode == 0, out.stderr[-2000:]
+        return sorted(line.split("drafter/")[-1] for line in out.stdout.splitlines()
+                      if "output:" in line and "/drafter/gptq_w" in line)
+
+    assert planned([16]) == []
+    assert planned([16, 4]) == ["gptq_w4g32"]
+    assert planned([16, 8, 4]) == ["gptq_w4g32", "gptq_w8g32"]
 
 
 def test_failed_node_leaves_no_output(tmp_path):

@@ -5,6 +5,11 @@ QAD_MAIN = expand(QAD, method=VARIANTS["qad_from"], bits=VARIANTS["target_bits"]
 DATA_QAD = f"{RESULTS}/data/qad"
 STAGE1 = f"{RESULTS}/drafter/stage1"
 STAGE2 = f"{RESULTS}/drafter/stage2"
+COMPRESS = PROFILE["compress"]
+DRAFTER_COMPRESSED = f"{RESULTS}/drafter/{{dmethod}}_w{{dbits}}g{{dgroup}}"
+# one compress_drafter job per compressed grid of the sweep (16 bits = the uncompressed stage-2 drafter)
+DRAFTER_VARIANTS = expand(DRAFTER_COMPRESSED, dmethod=COMPRESS["method"], dgroup=group_label(COMPRESS["group_size"]),
+                          dbits=[b for b in VARIANTS["drafter_bits"] if b != 16])
 
 
 rule regenerate_data:
@@ -54,3 +59,30 @@ rule drafter_stage2:
     threads: workflow.cores
     shell:
         "{PYTHON} -m qdflash.stages.train_drafter {params.args}"
+
+
+rule compress_drafter:
+    """The stage-2 drafter on a W-bit grid (every linear, fc included); GPTQ calibrated on
+    teacher-forced anchor blocks of the QAD target's data; tau-hat before and after."""
+    input:
+        data=DATA_QAD,
+        qad=QAD_MAIN,
+        drafter=STAGE2,
+    output:
+        directory(DRAFTER_COMPRESSED),
+    wildcard_constraints:
+        dmethod="rtn|gptq",
+        dbits=r"\d+",
+        dgroup=r"\d+|ch",
+    params:
+        args=hydra_args(
+            "compress_drafter",
+            ["compress"],
+            lambda wc, input: {"data_dir": input.data, "model.name": f"{input.qad}/model/dense",
+                               "drafter_dir": f"{input.drafter}/drafter", "compress.method": wc.dmethod,
+                               "compress.bits": int(wc.dbits), "compress.group_size": group_size(wc.dgroup)},
+        ),
+        config=fingerprint(["compress"]),
+    threads: workflow.cores
+    shell:
+        "{PYTHON} -m qdflash.stages.compress_drafter {params.args}"

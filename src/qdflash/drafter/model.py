@@ -244,6 +244,23 @@ class Drafter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+QUANT_KEY = "quantization"  # config.json of a compressed drafter: its grid and quantized layers
+
+
+def _quantized_layers(drafter: Drafter, quant: dict, state: dict, path: Path) -> None:
+    """Empty QuantLinear layers where a compressed checkpoint has ints and scales (filled by load_state_dict)."""
+    from ..quant.grid import GridSpec
+    from ..quant.quantlinear import QuantLinear
+
+    spec = GridSpec(int(quant["bits"]), int(quant["group_size"]), bool(quant["symmetric"]))
+    for name in quant["layers"]:
+        linear = drafter.get_submodule(name) if name in dict(drafter.named_modules()) else None
+        if not isinstance(linear, nn.Linear) or f"{name}.weight_scale" not in state:
+            raise QdflashError(f"{path}: quantized layer {name!r} is not a linear of this drafter or has no scales in the checkpoint")
+        drafter.set_submodule(name, QuantLinear(linear.in_features, linear.out_features, False, spec,
+                                                state[f"{name}.weight_scale"].dtype))
+
+
 def init_drafter(target, **config_overrides) -> Drafter:
     """An untrained drafter for `target`, seeded (contract in DESIGN.md)."""
     cfg = config_for_target(target, **config_overrides)
@@ -260,14 +277,27 @@ def init_drafter(target, **config_overrides) -> Drafter:
 
 
 def save_drafter(drafter: Drafter, path: str | Path) -> None:
-    """config.json + model.safetensors, written into a temporary folder renamed into place."""
+    """config.json + model.safetensors, written into a temporary folder renamed into place. A
+    compressed drafter (QuantLinear layers) stores their ints and scales, and its grid under the
+    config's "quantization" key, so load_drafter rebuilds the same layers."""
     from safetensors.torch import save_file
+
+    from ..quant.quantlinear import QuantLinear
 
     path = Path(path)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(asdict(drafter.config), indent=2))
+    config = asdict(drafter.config)
+    quantized = {name: m for name, m in drafter.named_modules() if isinstance(m, QuantLinear)}
+    if quantized:
+        specs = {m.spec for m in quantized.values()}
+        if len(specs) > 1:
+            raise QdflashError(f"save_drafter: one grid per drafter, found {sorted(s.name for s in specs)}")
+        spec = specs.pop()
+        config[QUANT_KEY] = {"bits": spec.bits, "group_size": spec.group_size, "symmetric": spec.symmetric,
+                             "layers": sorted(quantized)}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}, tmp / "model.safetensors")
     if path.exists():
         shutil.rmtree(path)
@@ -281,12 +311,16 @@ def load_drafter(path: str | Path, target) -> Drafter:
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise QdflashError(f"{path} is not a drafter checkpoint (expected config.json and model.safetensors)")
-    cfg = DrafterConfig(**json.loads((path / "config.json").read_text()))
+    config = json.loads((path / "config.json").read_text())
+    quant = config.pop(QUANT_KEY, None)
+    cfg = DrafterConfig(**config)
     drafter = Drafter(cfg)
     try:
         state = load_file(path / "model.safetensors")
     except Exception as err:  # safetensors raises several types on a damaged file
         raise QdflashError(f"{path / 'model.safetensors'} cannot be read ({err})") from None
+    if quant is not None:
+        _quantized_layers(drafter, quant, state, path)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise QdflashError(f"{path}: checkpoint does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")

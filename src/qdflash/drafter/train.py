@@ -91,7 +91,7 @@ def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tens
         mask = batch_attention_mask(anchors, b, length).to(device)
     else:
         raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'flex'")
-    context = drafter.context_features(features.to(drafter.fc.weight.dtype))
+    context = drafter.context_features(features.to(drafter.norm.weight.dtype))
     logits = drafter(ids.reshape(n, -1).to(device), context, q_pos.to(device), k_pos.to(device), mask)
     return logits.reshape(n, anchors.shape[1], b, -1), targets.to(device)
 

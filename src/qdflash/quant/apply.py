@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from contextlib import contextmanager
 from typing import Iterable
 
 import torch
@@ -43,20 +44,29 @@ def select_linears(model: nn.Module, include: Iterable[str] = ("*",), exclude: I
     return chosen
 
 
-@torch.no_grad()
-def collect_hessians(model: nn.Module, names: list[str], batches: list[torch.Tensor], desc="calibration") -> dict[str, torch.Tensor]:
-    """One forward pass over the calibration batches with a hook on every chosen linear (the 16-bit
-    model's activations: "one-shot" GPTQ, which fits small models; see quant.gptq for the per-layer math)."""
+@contextmanager
+def capture_hessians(model: nn.Module, names: list[str]):
+    """Within the block, every forward through the named linears adds its inputs to their Hessian
+    accumulators (yielded: name -> HessianAccumulator). Whatever runs the model decides the inputs:
+    token batches for a target, teacher-forced anchor blocks for a drafter."""
     modules = dict(model.named_modules())
     acc = {name: HessianAccumulator(modules[name].in_features) for name in names}
     hooks = [modules[name].register_forward_pre_hook(lambda _m, args, n=name: acc[n].add(args[0])) for name in names]
     try:
-        device = next(model.parameters()).device
-        for ids in tqdm(batches, desc=desc, unit="batch"):
-            model(input_ids=ids.to(device))
+        yield acc
     finally:
         for hook in hooks:
             hook.remove()
+
+
+@torch.no_grad()
+def collect_hessians(model: nn.Module, names: list[str], batches: list[torch.Tensor], desc="calibration") -> dict[str, torch.Tensor]:
+    """One forward pass over the calibration batches with a hook on every chosen linear (the 16-bit
+    model's activations: "one-shot" GPTQ, which fits small models; see quant.gptq for the per-layer math)."""
+    device = next(model.parameters()).device
+    with capture_hessians(model, names) as acc:
+        for ids in tqdm(batches, desc=desc, unit="batch"):
+            model(input_ids=ids.to(device))
     return {name: a.hessian() for name, a in acc.items()}
 
 
@@ -67,6 +77,7 @@ def quantize_weights(
     *,
     method: str,
     calibration: list[torch.Tensor] | None = None,
+    hessians: dict[str, torch.Tensor] | None = None,
     damp: float = 0.01,
     act_order: bool = False,
     clip_search: bool = False,
@@ -77,11 +88,11 @@ def quantize_weights(
         spec.groups(modules[name].in_features, where=name)  # fail before any work on a bad group size
     if method not in ("rtn", "gptq"):
         raise QdflashError(f"quant.method={method!r} is not one of rtn, gptq")
-    hessians = None
-    if method == "gptq":
+    if method == "gptq" and hessians is None:
         if not calibration:
             raise QdflashError("GPTQ needs calibration batches (quant.calibration.samples > 0)")
         hessians = collect_hessians(model, names, calibration)
+    hessians = dict(hessians or {})
     out = {}
     for name in tqdm(names, desc=f"{method} {spec.name}", unit="linear"):
         w = modules[name].weight.detach().float().cpu()

@@ -117,7 +117,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     cats = categories(cfg.data_dir)
     train = training_examples(cfg.data_dir, train_cfg.max_length, train_cfg.max_examples)
     steps = training_steps(train_cfg, len(train))
-    attention = attention_kind(train_cfg.attention, drafter.fc.weight.device)
+    attention = attention_kind(train_cfg.attention, drafter.norm.weight.device)
     run.metrics.update({"train.examples": len(train), "train.steps": steps, "train.attention": attention,
                         "train.batch_size": int(train_cfg.batch_size), "train.anchors_per_seq": int(train_cfg.anchors_per_seq),
                         "train.tokens": sum(len(ex["input_ids"]) for ex in train)})
@@ -146,7 +146,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     # cached features live beside the output (not inside it) and are removed when the node succeeds
     cache = FeatureCache(Path(f"{cfg.out_dir}.features")) if train_cfg.cache_features else None
     curve: list[float] = []
-    synchronize(drafter.fc.weight.device)
+    synchronize(drafter.norm.weight.device)
     started, eval_seconds = time.perf_counter(), 0.0
     for step in tqdm(range(steps), desc=f"drafter stage {cfg.stage}", unit="step"):
         lr = cosine_lr(step, steps, warmup, train_cfg.lr)
@@ -184,7 +184,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             eval_started = time.perf_counter()
             run.log({"heldout/tau": acceptance()["tau"]}, step=step + 1)
             eval_seconds += time.perf_counter() - eval_started
-    synchronize(drafter.fc.weight.device)
+    synchronize(drafter.norm.weight.device)
     # wall time of the training steps alone (target forwards included; periodic evaluations excluded)
     run.metrics["train.seconds"] = round(time.perf_counter() - started - eval_seconds, 2)
     run.metrics["train.eval_seconds"] = round(eval_seconds, 2)

@@ -1,0 +1,84 @@
+"""Drafter compression: every linear of a trained drafter (`fc` included) onto a W-bit integer grid,
+by RTN or GPTQ (RECIPE.md "drafter compression").
+
+GPTQ needs the inputs each layer sees at inference. A drafter's inputs are not token ids but the
+target's hidden states (through `fc`) and blocks of [anchor token, mask x (B-1)], so calibration runs
+the drafter the way training and teacher-forced acceptance do: per calibration sequence, the target's
+features and anchor blocks drawn in the assistant region, every linear's inputs accumulated into its
+Hessian. `fc` and the context keys/values see every context position's features; the rest see the
+block positions, exactly as in speculative decoding.
+
+The result keeps the drafter's shape with `QuantLinear` layers (exact ints + scales), so it saves and
+loads like any drafter (`save_drafter` / `load_drafter` record the grid) and runs packed on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..quant.apply import capture_hessians, quantize_weights, replace_linears
+from ..quant.grid import GridSpec
+from .blocks import sample_anchors
+from .model import Drafter
+from .train import draft_blocks, padded_batch, target_pass
+
+
+def drafter_linears(drafter: Drafter) -> list[str]:
+    """Every nn.Linear of the drafter: `fc` and each layer's projections (its LM head is the target's)."""
+    return [name for name, m in drafter.named_modules() if type(m) is nn.Linear]
+
+
+@torch.no_grad()
+def calibration_hessians(drafter: Drafter, target, examples: list[dict], anchors_per_seq: int, seed: int = 0,
+                         names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """Hessians (2 X^T X / n) of each linear's inputs over teacher-forced anchor blocks of `examples`
+    (token examples with input_ids / loss_mask). Returns (hessians, number of blocks)."""
+    names = names or drafter_linears(drafter)
+    generator = torch.Generator().manual_seed(seed)
+    device = drafter.norm.weight.device
+    blocks = 0
+    was_training = drafter.training
+    drafter.eval()
+    with capture_hessians(drafter, names) as acc:
+        for ex in tqdm(examples, desc="drafter calibration", unit="seq"):
+            anchors = sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator)
+            if not anchors.numel():
+                continue
+            input_ids, loss_masks, anchor_rows, valid = padded_batch([ex], [anchors])
+            features = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)[0]
+            draft_blocks(drafter, features, input_ids, loss_masks, anchor_rows, valid)
+            blocks += int(anchors.numel())
+    drafter.train(was_training)
+    return {name: a.hessian() for name, a in acc.items()}, blocks
+
+
+def compress_drafter(drafter: Drafter, spec: GridSpec, method: str, hessians: dict[str, torch.Tensor] | None = None,
+                     damp: float = 0.01, act_order: bool = False, scale_dtype: torch.dtype = torch.bfloat16) -> Drafter:
+    """Replace every linear of `drafter` (in place) by its quantized QuantLinear; returns it."""
+    names = drafter_linears(drafter)
+    weights = quantize_weights(drafter, names, spec, method=method, hessians=hessians, damp=damp,
+                               act_order=act_order, scale_dtype=scale_dtype)
+    replace_linears(drafter, weights)
+    return drafter
+
+
+def weight_bytes(drafter: Drafter) -> int:
+    """Bytes of the drafter's own weights as stored for inference: 16-bit for dense parameters, packed
+    ints plus scales for quantized linears (what a GPU reads per drafting step, LM head excluded)."""
+    from ..quant.quantlinear import QuantLinear
+
+    total = 0
+    for module in drafter.modules():
+        if isinstance(module, QuantLinear):
+            total += module.weight_int.numel() * module.spec.bits // 8
+            total += module.weight_scale.numel() * module.weight_scale.element_size()
+            if module.weight_zero_point is not None:
+                total += module.weight_zero_point.numel()
+        else:
+            total += sum(p.numel() * 2 for p in module.parameters(recurse=False))
+    return total
+
+
+__all__ = ["calibration_hessians", "compress_drafter", "drafter_linears", "weight_bytes"]
