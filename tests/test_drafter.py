@@ -253,6 +253,19 @@ def test_compressed_drafter_saves_loads_and_drafts_the_same(tiny_llama, tmp_path
         torch.testing.assert_close(block_logits(loaded), block_logits(drafter))
 
 
+def test_draft_agreement_sees_what_compression_changes(tiny_llama):
+    import copy
+
+    from qdflash.drafter.compress import compress_drafter, draft_agreement
+    from qdflash.quant.grid import GridSpec
+
+    drafter = init_drafter(tiny_llama, block_size=4, seed=2)
+    examples = [{"id": "a", "input_ids": list(range(30, 80)), "loss_mask": [0] * 10 + [1] * 40}]
+    assert draft_agreement(drafter, copy.deepcopy(drafter), tiny_llama, examples, 8) == 1.0
+    two_bit = compress_drafter(copy.deepcopy(drafter), GridSpec(2, 32, True), "rtn")
+    assert draft_agreement(drafter, two_bit, tiny_llama, examples, 8) < 1.0
+
+
 def test_compressed_checkpoint_that_does_not_match_says_so(tiny_llama, tmp_path):
     import json
 

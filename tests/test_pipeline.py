@@ -86,17 +86,30 @@ def test_ci_profile_end_to_end(tmp_path):
 def check_bench(results):
     import csv
 
-    folder = results / "bench" / "speedup"
-    rows = list(csv.DictReader(open(folder / "speed.csv")))
-    methods = {r["method"] for r in rows}
-    assert methods == {"plain16", "ar16", "spec16_stage1", "ar_qad", "spec_qad_stage1", "spec_qad_stage2"}
-    labels = {r["prompts"] for r in rows}
-    assert {"all", "chat", "knowledge", "code", "filler"} <= labels and any(l.startswith("p") for l in labels)
-    m = json.loads((folder / "metrics.json").read_text())
-    # float32 on the CPU: speculative greedy output must equal autoregressive output exactly
-    for name in ("spec16_stage1", "spec_qad_stage1", "spec_qad_stage2"):
-        assert m[f"all.{name}.mismatches"] == 0, m[f"all.{name}.divergence_margins"]
-        assert 1 <= m[f"all.{name}.tau"] <= CONFIG["profiles"]["ci"]["drafter"]["block_size"]
+    ci = CONFIG["profiles"]["ci"]
+    compressed = {f"spec_qad_{ci['compress']['method']}_w{b}g{ci['compress']['group_size']}"
+                  for b in ci["variants"]["drafter_bits"] if b != 16}
+    baselines = {"plain16", "ar16", "ar_qad"}
+    folders = sorted(p.name for p in (results / "bench").iterdir() if not p.name.endswith(".partial"))
+    assert folders == sorted(f"speedup_win{'none' if w is None else w}" for w in ci["variants"]["drafter_windows"])
+    for window in ci["variants"]["drafter_windows"]:
+        folder = results / "bench" / f"speedup_win{'none' if window is None else window}"
+        rows = list(csv.DictReader(open(folder / "speed.csv")))
+        methods = {r["method"] for r in rows}
+        m = json.loads((folder / "metrics.json").read_text())
+        assert m["window"] == (-1 if window is None else window)
+        if window is None:
+            assert methods == baselines | {"spec16_stage1", "spec_qad_stage1", "spec_qad_stage2"} | compressed
+            labels = {r["prompts"] for r in rows}
+            assert {"all", "chat", "knowledge", "code", "filler"} <= labels and any(l.startswith("p") for l in labels)
+        else:  # only prompts longer than the window, where it engages; the stage-2 drafters
+            assert methods == baselines | {"spec_qad_stage2"} | compressed
+            labels = {r["prompts"] for r in rows}
+            assert m["prompts"] >= 1 and any(l.startswith("p") for l in labels)
+        # float32 on the CPU: speculative greedy output must equal autoregressive output exactly
+        for name in methods - baselines:
+            assert m[f"all.{name}.mismatches"] == 0, m[f"all.{name}.divergence_margins"]
+            assert 1 <= m[f"all.{name}.tau"] <= ci["drafter"]["block_size"]
 
 
 def check_drafter_stage(results):

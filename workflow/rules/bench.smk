@@ -1,6 +1,14 @@
 # Speed: batch-1 speculative decoding against the baselines (qdflash.bench).
 
-BENCH = f"{RESULTS}/bench/speedup"
+BENCH_ONE = f"{RESULTS}/bench/speedup_win{{window}}"
+
+
+def window_label(window):
+    return "none" if window is None else str(window)
+
+
+# one benchmark job per drafter window of the sweep; each runs every drafter variant and the baselines
+BENCH = expand(BENCH_ONE, window=[window_label(w) for w in VARIANTS["drafter_windows"]])
 
 
 rule bench_speedup:
@@ -11,13 +19,18 @@ rule bench_speedup:
         qad=QAD_MAIN,
         stage1=STAGE1,
         stage2=STAGE2,
+        compressed=DRAFTER_VARIANTS,
     output:
-        directory(BENCH),
+        directory(BENCH_ONE),
+    wildcard_constraints:
+        window=r"none|\d+",
     params:
         args=hydra_args(
             "bench_speedup", ["bench"],
             lambda wc, input: {"data_dir": input.data, "qad_model": f"{input.qad}/model",
-                               "stage1": f"{input.stage1}/drafter", "stage2": f"{input.stage2}/drafter"},
+                               "stage1": f"{input.stage1}/drafter", "stage2": f"{input.stage2}/drafter",
+                               "compressed": [f"{d}/drafter" for d in input.compressed],
+                               "bench.window": None if wc.window == "none" else int(wc.window)},
         ),
         config=fingerprint(["bench"]),
     threads: workflow.cores

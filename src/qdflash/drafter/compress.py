@@ -54,6 +54,27 @@ def calibration_hessians(drafter: Drafter, target, examples: list[dict], anchors
     return {name: a.hessian() for name, a in acc.items()}, blocks
 
 
+@torch.no_grad()
+def draft_agreement(reference: Drafter, other: Drafter, target, examples: list[dict], anchors_per_seq: int,
+                    seed: int = 0) -> float:
+    """Fraction of drafted positions (1..B-1 of teacher-forced anchor blocks) where two drafters pick
+    the same token: more sensitive than tau-hat, which only sees positions where the draft is right."""
+    generator = torch.Generator().manual_seed(seed)
+    device = reference.norm.weight.device
+    same = total = 0
+    for ex in examples:
+        anchors = sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator)
+        if not anchors.numel():
+            continue
+        input_ids, loss_masks, anchor_rows, valid = padded_batch([ex], [anchors])
+        features = target_pass(target, input_ids.to(device), reference.config.target_layer_ids)[0]
+        a = draft_blocks(reference, features, input_ids, loss_masks, anchor_rows, valid)[0][:, :, 1:].argmax(-1)
+        b = draft_blocks(other, features, input_ids, loss_masks, anchor_rows, valid)[0][:, :, 1:].argmax(-1)
+        same += int((a == b).sum())
+        total += a.numel()
+    return same / max(total, 1)
+
+
 def compress_drafter(drafter: Drafter, spec: GridSpec, method: str, hessians: dict[str, torch.Tensor] | None = None,
                      damp: float = 0.01, act_order: bool = False, scale_dtype: torch.dtype = torch.bfloat16) -> Drafter:
     """Replace every linear of `drafter` (in place) by its quantized QuantLinear; returns it."""
@@ -81,4 +102,4 @@ def weight_bytes(drafter: Drafter) -> int:
     return total
 
 
-__all__ = ["calibration_hessians", "compress_drafter", "drafter_linears", "weight_bytes"]
+__all__ = ["calibration_hessians", "compress_drafter", "draft_agreement", "drafter_linears", "weight_bytes"]

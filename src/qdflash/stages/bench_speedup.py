@@ -6,7 +6,11 @@ Methods, on the same prompts, side by side in this process (qdflash.bench):
 - `ar16` / `ar_qad`: this project's autoregressive loop on the 16-bit / QAD target ((b), (c)), on
   the lean engine (qdflash.engine) where the family has one (recorded as `engine.*` in metrics.json);
 - `spec16_stage1`: the stage-1 drafter on the 16-bit target;
-- `spec_qad_stage1` / `spec_qad_stage2`: the stage-1 / stage-2 drafter on the QAD target.
+- `spec_qad_stage1` / `spec_qad_stage2`: the stage-1 / stage-2 drafter on the QAD target;
+- `spec_qad_<method>_w<bits>g<group>`: each compressed stage-2 drafter (`compressed=[...]`) on it.
+The drafter window (`bench.window`) is one per job: the sweep runs one job per window. A job with a
+window measures only prompts longer than it (where it can engage), with the baselines and the
+stage-2 drafters (uncompressed and compressed).
 Prompts: held-out prompts per category, and length buckets (real text; the filler prompt apart).
 Every speculative greedy output is compared with the autoregressive output of its target.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import logging
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -37,11 +42,18 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     qad = load_target(cfg.qad_model, dtype=cfg.dtype, device=cfg.device)
     stage1_16, stage1_qad = load_drafter(cfg.stage1, target16), load_drafter(cfg.stage1, qad)
     stage2_qad = load_drafter(cfg.stage2, qad)
+    # compressed stage-2 drafters: one method each, named after their folder (e.g. gptq_w4g64)
+    compressed = {f"spec_qad_{Path(path).parent.name}": load_drafter(path, qad) for path in cfg.compressed}
     tok = target16.tokenizer
     context_len = getattr(target16.config, "max_position_embeddings", 4096)
     buckets = OmegaConf.to_container(b.buckets, resolve=True)
     cases = bench.category_cases(cfg.data_dir, tok, b.prompts_per_category, b.max_new_tokens)
     cases += bench.bucket_cases(cfg.data_dir, tok, buckets, context_len, b.filler)
+    window = b.window
+    if window is not None:  # a window can only engage on a context longer than itself: measure those
+        cases = [c for c in cases if len(c.ids) > window]
+        if not cases:
+            raise QdflashError(f"bench.window={window}: no benchmark prompt is longer than the window (buckets {buckets})")
     log.info("%d prompts: %s", len(cases), ", ".join(f"{c.label} ({len(c.ids)} tokens)" for c in cases))
     # this project's loops run on the lean engine where the family has one (transformers' forward otherwise)
     longest = max(len(c.ids) + c.max_new_tokens for c in cases) + stage1_16.block_size + 1
@@ -56,7 +68,6 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         except QdflashError as err:
             log.info("%s runs on transformers' forward: %s", key, err)
             run.metrics[f"engine.{key}"] = "transformers"
-    window = b.window
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
         "ar16": bench.ar(target16),
@@ -64,14 +75,19 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         "ar_qad": bench.ar(qad),
         "spec_qad_stage1": bench.spec(qad, stage1_qad, window),
         "spec_qad_stage2": bench.spec(qad, stage2_qad, window),
+        **{name: bench.spec(qad, drafter, window) for name, drafter in compressed.items()},
     }
+    if window is not None:  # the window sweep is about the adapted (stage-2) drafters: the rest are in the window-less job
+        methods = {k: v for k, v in methods.items() if not k.startswith(("spec16_", "spec_qad_stage1"))}
     if target16.device.type == "cuda":
         methods["static16"] = lambda ids, n: bench.plain_generate(target16, ids, n, static=True)
     results = bench.run_interleaved(methods, cases, warmup=b.warmup)
     for name, r in results.items():
         log.info("%s: %.1f tokens/s", name, r.tokens_per_s)
     fp32 = target16.dtype == torch.float32
-    checks = {"spec16_stage1": ("ar16", target16), "spec_qad_stage1": ("ar_qad", qad), "spec_qad_stage2": ("ar_qad", qad)}
+    checks = {"spec16_stage1": ("ar16", target16), "spec_qad_stage1": ("ar_qad", qad), "spec_qad_stage2": ("ar_qad", qad),
+              **{name: ("ar_qad", qad) for name in compressed}}
+    checks = {name: check for name, check in checks.items() if name in methods}
     rows = []
     for label in ["all", *dict.fromkeys(c.label for c in cases)]:
         keep = [label == "all" or c.label == label for c in cases]

@@ -3,12 +3,13 @@ GPTQ calibrated on teacher-forced anchor blocks of the QAD target's own data.
 
 Output (out_dir): `drafter/` (load_drafter rebuilds its QuantLinear layers), metrics.json with tau-hat
 of the uncompressed and the compressed drafter against the same (QAD) target on the same held-out
-blocks (overall, per category, per position), their ratio, and the drafter's weight bytes before and
-after. The sliding window is not a compression setting: it is chosen per benchmark (bench.window).
+blocks (overall, per category, per position), their ratio, how often the two draft the same token
+(`draft_agreement`), and the drafter's weight bytes before and after. The sliding window is not a compression setting: it is chosen per benchmark (bench.window).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -16,7 +17,7 @@ from omegaconf import DictConfig
 
 from ..data.jsonl import load_token_examples
 from ..drafter import load_drafter, save_drafter
-from ..drafter.compress import calibration_hessians, compress_drafter, weight_bytes
+from ..drafter.compress import calibration_hessians, compress_drafter, draft_agreement, weight_bytes
 from ..drafter.train import estimate_acceptance
 from ..errors import QdflashError
 from ..models import load_target
@@ -61,9 +62,13 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         hessians, blocks = calibration_hessians(drafter, target, chosen, c.calibration.anchors_per_seq, c.seed)
         run.metrics.update({"calibration.sequences": len(chosen), "calibration.blocks": blocks})
         log.info("calibrated on %d anchor blocks of %d sequences", blocks, len(chosen))
+    original = copy.deepcopy(drafter)
     compress_drafter(drafter, spec, c.method, hessians, damp=float(c.damp), act_order=bool(c.act_order),
                      scale_dtype=SCALE_DTYPES[c.scale_dtype])
     after = acceptance("compressed")
+    run.metrics["draft_agreement"] = draft_agreement(original, drafter, target, heldout, c.eval.anchors_per_seq, c.seed)
+    log.info("the compressed drafter drafts the uncompressed one's token at %.1f%% of held-out block positions",
+             100 * run.metrics["draft_agreement"])
     run.metrics.update({
         "compress.method": c.method, "compress.grid": spec.name, "compress.bits": spec.bits,
         "drafter.weight_bytes_16bit": bytes_before, "drafter.weight_bytes": weight_bytes(drafter),
