@@ -17,6 +17,7 @@ include: "workflow/rules/target.smk"
 include: "workflow/rules/drafter.smk"
 include: "workflow/rules/scaling.smk"
 include: "workflow/rules/bench.smk"
+include: "workflow/rules/gates.smk"
 
 
 rule all:
@@ -27,5 +28,6 @@ rule all:
         STAGE1,
         STAGE2,
         DRAFTER_VARIANTS,
+        GATES,
         BENCH,
     default_target: True

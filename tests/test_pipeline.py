@@ -81,6 +81,27 @@ def test_ci_profile_end_to_end(tmp_path):
     check_target_stage(tmp_path / "results" / "e2e", data)
     check_drafter_stage(tmp_path / "results" / "e2e")
     check_bench(tmp_path / "results" / "e2e")
+    check_gates(tmp_path / "results" / "e2e")
+
+
+def check_gates(results):
+    """One quality_gate per quantized target variant: the 16-bit target and the variant on the same
+    MMLU gate items, a verdict per task, and whether the variant passes them all."""
+    import csv
+
+    ci = CONFIG["profiles"]["ci"]
+    variants = sorted(p.name for p in (results / "target").iterdir() if not p.name.endswith(".partial") and "partial" not in p.name)
+    assert sorted(p.name for p in (results / "gates").iterdir()) == variants
+    for name in variants:
+        folder = results / "gates" / name
+        rows = list(csv.DictReader(open(folder / "gates.csv")))
+        assert [r["task"] for r in rows] == list(ci["gates"]["tasks"])
+        m = json.loads((folder / "metrics.json").read_text())
+        assert m["mmlu.n"] == ci["gates"]["tasks"]["mmlu"]["max_items"]
+        assert 0 <= m["mmlu.reference"] <= 1 and 0 <= m["mmlu.variant"] <= 1 and m["mmlu.low"] <= m["mmlu.margin"] <= m["mmlu.high"]
+        assert m["mmlu.verdict"] in {"pass", "fail", "inconclusive", "too_few"}
+        assert m["passes_gates"] == int(m["mmlu.verdict"] == "pass")
+        assert (folder / "tasks" / "qdflash_mmlu.yaml").is_file()
 
 
 def check_bench(results):

@@ -1,0 +1,66 @@
+"""Quality gates: is a quantized variant's score at least a ratio of the 16-bit target's, measured on
+the same items in the same run? Pure functions, so the arithmetic is tested on its own.
+
+Both models answer the same n items, so the comparison is paired: per item d_i = x_i - ratio * y_i
+(x: the variant's per-item score, y: the 16-bit target's). The gate asks whether mean(d) >= 0, i.e.
+score(variant) >= ratio * score(16-bit). With a 95% confidence interval of mean(d) (normal
+approximation, the items' own variance):
+- `pass`: the whole interval is >= 0 (the variant is shown to be at least `ratio` as good);
+- `fail`: the whole interval is < 0 (shown to be worse);
+- `inconclusive`: the interval contains 0; and `too_few` below the minimum sample count.
+Only `pass` passes: a tiny or noisy sample can neither pass nor fail a variant by luck, and a
+variant that is not shown to be good enough is never selected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+Z95 = 1.959963984540054
+
+
+@dataclass(frozen=True)
+class GateResult:
+    task: str
+    n: int
+    reference: float      # the 16-bit target's mean score
+    variant: float        # the variant's mean score
+    ratio: float          # required variant / reference
+    margin: float         # mean(x - ratio * y)
+    low: float            # 95% interval of the margin
+    high: float
+    verdict: str          # pass | fail | inconclusive | too_few
+
+    @property
+    def passes(self) -> bool:
+        return self.verdict == "pass"
+
+
+def judge(task: str, variant_scores: list[float], reference_scores: list[float], ratio: float,
+          min_samples: int) -> GateResult:
+    """The gate for one task from per-item scores of the variant and the 16-bit target (same items,
+    same order)."""
+    if len(variant_scores) != len(reference_scores):
+        raise ValueError(f"{task}: {len(variant_scores)} variant scores but {len(reference_scores)} reference scores")
+    n = len(variant_scores)
+    if n == 0:
+        return GateResult(task, 0, math.nan, math.nan, ratio, math.nan, math.nan, math.nan, "too_few")
+    d = [x - ratio * y for x, y in zip(variant_scores, reference_scores)]
+    mean = sum(d) / n
+    var = sum((v - mean) ** 2 for v in d) / (n - 1) if n > 1 else math.inf
+    half = Z95 * math.sqrt(var / n)
+    low, high = mean - half, mean + half
+    if n < min_samples:
+        verdict = "too_few"
+    elif low >= 0:
+        verdict = "pass"
+    elif high < 0:
+        verdict = "fail"
+    else:
+        verdict = "inconclusive"
+    return GateResult(task, n, sum(reference_scores) / n, sum(variant_scores) / n, ratio, mean, low, high, verdict)
+
+
+def passes_all(results: list[GateResult]) -> bool:
+    return bool(results) and all(r.passes for r in results)
