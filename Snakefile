@@ -18,6 +18,7 @@ include: "workflow/rules/drafter.smk"
 include: "workflow/rules/scaling.smk"
 include: "workflow/rules/bench.smk"
 include: "workflow/rules/gates.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
@@ -30,4 +31,5 @@ rule all:
         DRAFTER_VARIANTS,
         GATES,
         BENCH,
+        TABLES,
     default_target: True

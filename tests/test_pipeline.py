@@ -82,6 +82,35 @@ def test_ci_profile_end_to_end(tmp_path):
     check_drafter_stage(tmp_path / "results" / "e2e")
     check_bench(tmp_path / "results" / "e2e")
     check_gates(tmp_path / "results" / "e2e")
+    check_report(tmp_path / "results" / "e2e")
+
+
+def check_report(results):
+    """The four tables of the contract; one summary row per (stage-2 drafter variant, window), every
+    contract column present; `selected` only on a variant whose target passes its gates."""
+    import csv
+
+    from qdflash.report import SUMMARY_COLUMNS
+
+    tables = results / "tables"
+    for name in ("quality", "speed", "training", "summary"):
+        assert (tables / f"{name}.csv").is_file(), name
+    ci = CONFIG["profiles"]["ci"]
+    summary = list(csv.DictReader(open(tables / "summary.csv")))
+    assert list(summary[0]) == SUMMARY_COLUMNS
+    drafters = len(ci["variants"]["drafter_bits"])  # stage 2 (16 bits) and each compressed one
+    assert len(summary) == drafters * len(ci["variants"]["drafter_windows"])
+    for r in summary:
+        for column in SUMMARY_COLUMNS:
+            if column not in ("speedup_vs_hf_compiled", "window"):  # a GPU baseline; empty = no window
+                assert r[column] != "", (r["variant"], column)
+    m = json.loads((tables / "metrics.json").read_text())
+    selected = [r for r in summary if r["selected"] == "1"]
+    assert len(selected) == (1 if m["target.passes_gates"] else 0)
+    assert m["selected"] == (selected[0]["variant"] if selected else "none")
+    quality = list(csv.DictReader(open(tables / "quality.csv")))
+    assert {r["variant"] for r in quality} >= {p.name for p in (results / "gates").iterdir()}
+    assert {r["drafter"] for r in csv.DictReader(open(tables / "training.csv"))} >= {"stage1", "stage2"}
 
 
 def check_gates(results):

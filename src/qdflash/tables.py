@@ -21,13 +21,14 @@ def target_quality_rows(results: Path) -> list[dict]:
     rows: list[dict] = []
     for folder in sorted((results / "target").glob("*/")):
         path = folder / "metrics.json"
-        if not path.is_file():
+        match = re.match(r"(ptq|qad)_(\w+)_w(\d+)g(\d+|ch)$", folder.name)
+        if not path.is_file() or not match:  # e.g. a *.partial-* folder of a node cut off
             continue
         m = json.loads(path.read_text())
         if not rows and "bf16.ppl" in m:
             rows.append({"variant": "bf16", "method": "-", "bits": 16, "group_size": "-", "kl": 0.0,
                          "top1_agreement": 1.0, "ppl": m["bf16.ppl"], "qad_kl_recovered": ""})
-        kind, start, bits, group = re.match(r"(ptq|qad)_(\w+)_w(\d+)g(\d+|ch)$", folder.name).groups()
+        kind, start, bits, group = match.groups()
         rows.append({
             "variant": folder.name, "method": f"qad (from {start})" if kind == "qad" else start, "bits": int(bits),
             "group_size": group, "kl": m["quant.kl"], "top1_agreement": m["quant.top1_agreement"],

@@ -1,0 +1,117 @@
+"""The experiment's tables (DESIGN.md contract: results/{experiment}/tables/{quality,speed,training,summary}.csv)
+and the selection of the fastest variant that passes every gate.
+
+A *variant* is what a user would deploy: the speculative method on the quantized target (its target
+bits), with one drafter (its bits) and one drafter window. Its speed comes from the benchmark job of
+that window ("all prompts" row), its quality verdict from the target's quality gate. `selected`: the
+fastest variant (tokens/s) whose target passes every gate and whose greedy outputs had no mismatch
+bug; none when no variant qualifies (said so in metrics.json, never guessed).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+SUMMARY_COLUMNS = ["variant", "target", "target_bits", "drafter", "drafter_bits", "window", "passes_gates", "selected",
+                   "tau_mean", "tokens_per_s", "speedup_vs_hf", "speedup_vs_hf_compiled", "speedup_vs_ar16",
+                   "speedup_vs_ar_quant", "mismatches", "mismatch_bugs", "prompts"]
+
+
+def read_metrics(folder: Path) -> dict:
+    return json.loads((Path(folder) / "metrics.json").read_text())
+
+
+def drafter_bits(method: str) -> tuple[str, int]:
+    """(drafter name, bits) of a speculative method on the QAD target: spec_qad_stage2 -> (stage2, 16),
+    spec_qad_gptq_w4g64 -> (gptq_w4g64, 4)."""
+    name = method.removeprefix("spec_qad_")
+    match = re.match(r"(rtn|gptq)_w(\d+)g", name)
+    return name, int(match.group(2)) if match else 16
+
+
+def summary_rows(bench_dirs: list[Path], target: str, target_bits: int, passes_gates: int) -> list[dict]:
+    """One row per (drafter, window): the speculative methods on the quantized target, "all" prompts."""
+    rows = []
+    for folder in bench_dirs:
+        m = read_metrics(folder)
+        window = m["window"]
+        methods = sorted({k.split(".")[1] for k in m if k.startswith("all.spec_qad_") and k.endswith(".tokens_per_s")})
+        for method in methods:
+            if method == "spec_qad_stage1":
+                continue  # the unadapted drafter: a training-stage comparison, not a deployable variant
+            drafter, bits = drafter_bits(method)
+            key = f"all.{method}"
+            static = m.get("all.static16.tokens_per_s")
+            rows.append({
+                "variant": f"{target}+{drafter}+win{'none' if window < 0 else window}", "target": target,
+                "target_bits": target_bits, "drafter": drafter, "drafter_bits": bits, "window": "" if window < 0 else window,
+                "passes_gates": passes_gates, "selected": 0, "tau_mean": round(m[f"{key}.tau"], 4),
+                "tokens_per_s": m[f"{key}.tokens_per_s"], "speedup_vs_hf": m[f"{key}.speedup_vs_plain16"],
+                "speedup_vs_hf_compiled": round(m[f"{key}.tokens_per_s"] / static, 4) if static else "",
+                "speedup_vs_ar16": m[f"{key}.speedup_vs_ar16"], "speedup_vs_ar_quant": m[f"{key}.speedup_vs_ar_qad"],
+                "mismatches": m[f"{key}.mismatches"], "mismatch_bugs": m[f"{key}.mismatch_bugs"], "prompts": m["prompts"],
+            })
+    return rows
+
+
+def select_fastest(rows: list[dict]) -> dict | None:
+    """Mark (selected = 1) and return the fastest row that passes every gate with no mismatch bug.
+    Rows benchmarked on fewer prompts (a window job measures only long prompts) compete only with
+    rows measured on the same prompts, so the choice is made among window-less rows first."""
+    eligible = [r for r in rows if r["passes_gates"] == 1 and r["mismatch_bugs"] == 0]
+    if not eligible:
+        return None
+    full = [r for r in eligible if r["window"] == ""] or eligible
+    best = max(full, key=lambda r: r["tokens_per_s"])
+    best["selected"] = 1
+    return best
+
+
+def speed_rows(bench_dirs: list[Path]) -> list[dict]:
+    """Every benchmark row (speed.csv of each window job) with its window."""
+    rows = []
+    for folder in bench_dirs:
+        window = read_metrics(folder)["window"]
+        with open(Path(folder) / "speed.csv") as handle:
+            rows += [{"window": "" if window < 0 else window, **row} for row in csv.DictReader(handle)]
+    return rows
+
+
+def training_rows(drafter_dirs: list[Path]) -> list[dict]:
+    """One row per drafter: stage 1 / stage 2 (training) and each compressed drafter."""
+    rows = []
+    for folder in drafter_dirs:
+        m = read_metrics(folder)
+        if "compressed.tau" in m:
+            rows.append({"drafter": Path(folder).name, "kind": f"compressed ({m['compress.method']})",
+                         "bits": m["compress.bits"], "tau": m["compressed.tau"], "tau_before": m["uncompressed.tau"],
+                         "draft_agreement": m.get("draft_agreement", ""), "weight_bytes": m["drafter.weight_bytes"],
+                         "steps": "", "train_seconds": ""})
+        else:
+            rows.append({"drafter": Path(folder).name, "kind": f"stage {m['stage']}", "bits": 16, "tau": m["final.tau"],
+                         "tau_before": m.get("stage1_on_this_target.tau", ""), "draft_agreement": "",
+                         "weight_bytes": "", "steps": m["train.steps"], "train_seconds": m["train.seconds"]})
+    return rows
+
+
+def quality_rows(target_rows: list[dict], gate_dirs: list[Path]) -> list[dict]:
+    """The target table (KL, top-1, perplexity) joined with each variant's gate verdicts."""
+    gates = {}
+    for folder in gate_dirs:
+        m = read_metrics(folder)
+        tasks = sorted({k.split(".")[0] for k in m if k.endswith(".verdict")})
+        gates[Path(folder).name] = {"passes_gates": m["passes_gates"],
+                                    **{f"{t}.{f}": m[f"{t}.{f}"] for t in tasks for f in ("n", "reference", "variant", "low", "high", "verdict")}}
+    return [{**row, **gates.get(row["variant"], {})} for row in target_rows]
+
+
+def write_rows(rows: list[dict], path: Path, columns: list[str] | None = None) -> None:
+    columns = columns or list(dict.fromkeys(k for row in rows for k in row))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
