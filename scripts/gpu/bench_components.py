@@ -30,6 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from qdflash.cudagraph import capture
 from qdflash.drafter import init_drafter
 from qdflash.engine import build_engine
 from qdflash.engine.graphs import restore, snapshot
@@ -150,18 +151,8 @@ def matmul_only(engine, device: str):
 
 
 def graphed(fn, device: str):
-    if device != "cuda":
-        return fn
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    """`fn` as a replayable CUDA graph (the CPU: `fn` itself)."""
+    return capture(fn)[0].replay if device == "cuda" else fn
 
 
 def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from ..cudagraph import capture
+
 
 class StaticStep:
-    """The captured step's computation without the capture: the same static buffers, full-cache
-    attention and tensor positions, run eagerly. On the CPU this is how the graph path is tested."""
+    """The captured step's computation without the capture: the same static buffers, attention over a
+    fixed length of the cache and tensor positions, run eagerly. On the CPU this is how the graph
+    path is tested; `CapturedStep` records exactly this call."""
 
     def __init__(self, engine, tokens: int, layer_ids: list[int] | None, attend_len: int, step=None):
         self.engine, self.layer_ids, self.attend_len, self.step = engine, layer_ids, attend_len, step or engine._step
@@ -24,38 +27,35 @@ class StaticStep:
         self.offsets = torch.arange(tokens, device=engine.device)
         self.positions = self.offsets.clone()
 
-    def __call__(self, ids: torch.Tensor, start: int):
+    def _load(self, ids: torch.Tensor, start: int) -> None:
         self.ids.copy_(ids)
         torch.add(self.offsets, start, out=self.positions)
+
+    def _run(self):
         with torch.no_grad():
             return self.step(self.ids, self.positions, self.attend_len, self.layer_ids)
 
+    def __call__(self, ids: torch.Tensor, start: int):
+        self._load(ids, start)
+        return self._run()
 
-class CapturedStep:
+
+class CapturedStep(StaticStep):
+    """The same step recorded as a CUDA graph: a call copies the inputs and replays it.
+
+    Warm-up and capture run the step for real at positions attend_len - tokens .. attend_len - 1 (the
+    recurrent states are restored afterwards): capture before a generation, or while the cache holds
+    fewer positions than that, so no position in use is overwritten."""
+
     def __init__(self, engine, tokens: int, layer_ids: list[int] | None, attend_len: int, warmup: int = 2, step=None):
-        self.engine = engine
-        step = step or engine._step
-        device = engine.device
-        self.ids = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.offsets = torch.arange(tokens, device=device)
-        # warmup and capture run the step for real: at the last positions this graph can serve, which
-        # are written before they are ever read, and with the recurrent states restored afterwards
-        self.positions = self.offsets + attend_len - tokens
+        super().__init__(engine, tokens, layer_ids, attend_len, step)
+        self._load(torch.zeros(tokens, dtype=torch.long), attend_len - tokens)
         saved = snapshot(engine)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(warmup):  # compile Triton kernels, pick cuBLAS algorithms: nothing may allocate lazily while capturing
-                step(self.ids, self.positions, attend_len, layer_ids)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
-            self.out = step(self.ids, self.positions, attend_len, layer_ids)
+        self.graph, self.out = capture(self._run, warmup, engine.device)
         restore(engine, saved)
 
     def __call__(self, ids: torch.Tensor, start: int):
-        self.ids.copy_(ids)
-        torch.add(self.offsets, start, out=self.positions)
+        self._load(ids, start)
         self.graph.replay()
         return self.out
 

@@ -66,7 +66,6 @@ class EngineBase:
         self.embed = model.model.embed_tokens.weight
         self.lm_head = model.get_output_embeddings().weight
         self.graphs = {}  # (tokens per step, layer ids, cache length read) -> CapturedStep
-        self._graph_lengths = {}  # (tokens per step, layer ids) -> the cache lengths captured
 
     def _rope_tables(self, dims: int, theta: float) -> None:
         self.cos, self.sin = rope_tables(dims, self.max_len, theta, self.device, self.dtype)
@@ -103,14 +102,16 @@ class EngineBase:
         return out
 
     def graph_for(self, t: int, layer_ids, end: int):
-        lengths = self._graph_lengths.get((t, _key(layer_ids)), ())
-        fit = [n for n in lengths if n >= end]
-        return self.graphs[(t, _key(layer_ids), min(fit))] if fit else None
+        """The captured step for `t` tokens and these layer ids that reads the shortest cache length
+        holding `end` positions, or None."""
+        key = _key(layer_ids)
+        fit = [n for (tokens, ids, n) in self.graphs if tokens == t and ids == key and n >= end]
+        return self.graphs[(t, key, min(fit))] if fit else None
 
     def capture(self, token_counts: list[int], layer_ids: list[int] | None = None, cuda_graphs: bool = True,
                 compile: bool = False, lengths: list[int] | None = None) -> None:
         """Capture one CUDA graph per number of tokens (e.g. [1, block size]) and cache length for
-        steps that return the features of `layer_ids`; the cache contents are not disturbed.
+        steps that return the features of `layer_ids` (before a generation: see CapturedStep).
         `lengths`: how much of the cache each graph's attention reads (default: cache_buckets(), powers
         of two up to max_len: a step reads at most twice the KV it needs, not the whole cache).
         cuda_graphs=False runs the same static-shape step eagerly (the CPU; a check of the graph path).
@@ -123,8 +124,6 @@ class EngineBase:
             for n in lengths:
                 self.graphs[(t, _key(layer_ids), n)] = (CapturedStep(self, t, layer_ids, n, step=step) if cuda_graphs
                                                         else StaticStep(self, t, layer_ids, n, step=step))
-            known = set(self._graph_lengths.get((t, _key(layer_ids)), ()))
-            self._graph_lengths[(t, _key(layer_ids))] = sorted(known | set(lengths))
 
 
 def cache_buckets(max_len: int, smallest: int = 256) -> list[int]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError
 from .linear import Projection
-from .llama import EngineBase, cached_attention
+from .llama import EngineBase, apply_rope, cached_attention
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -106,8 +106,6 @@ class LeanQwen35(EngineBase):
         self.block_start, self.length = (start if kept else end), end
 
     def _rope(self, x, cos, sin):
-        from .llama import apply_rope
-
         return torch.cat([apply_rope(x[..., : self.rot], cos, sin), x[..., self.rot :]], dim=-1)
 
     def _attention(self, i, w, x, positions, cos, sin, attend_len, exact):

@@ -3,8 +3,8 @@
 Why a kernel of our own: at batch 1 a decode step reads every weight once, so time = bytes / bandwidth
 and 4-bit weights should be ~3.5x cheaper than bf16. torch's built-in int4 op (tinygemm) is fast at
 M = 1 but 3x slower than bf16 at M = 16, the size of a speculative verify block (DESIGN.md). Here the
-weight tile is loaded and unpacked once and multiplied with all (<= 16) rows by one `tl.dot`, so 16
-rows cost about what 1 row costs: the kernel stays bound by the weight bytes.
+weight tile is loaded and unpacked once and multiplied with all (2-16) rows by one `tl.dot` (one row:
+FMAs, reduced once), so 16 rows cost about what 1 row costs: the kernel stays bound by the weight bytes.
 
 Layout (`pack_int4`): the symmetric ints q in [-8, 7] of W [N, K] are stored as q + 8 in nibbles of
 int32 words [N, K/8]; nibble j of word i holds column 8*i + j. Scales [N, K/group] in their storage
@@ -201,14 +201,9 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
 
 def _graph_ms(fn, replays: int = 10) -> float:
     """Median ms of one replay of `fn` captured as a CUDA graph (after a warm-up that compiles)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from ..cudagraph import capture
+
+    graph, _ = capture(fn, warmup=1)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
