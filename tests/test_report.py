@@ -1,6 +1,9 @@
 """Selection of the fastest variant that passes every gate, and the variant names the tables use."""
 
-from qdflash.report import drafter_bits, select_fastest
+import pytest
+
+from qdflash.errors import QdflashError
+from qdflash.report import drafter_bits, read_metrics, select_fastest
 
 
 def row(name, tokens_per_s, passes=1, bugs=0, window=""):
@@ -29,3 +32,8 @@ def test_drafter_names_and_bits():
     assert drafter_bits("spec_qad_stage2") == ("stage2", 16)
     assert drafter_bits("spec_qad_gptq_w4g64") == ("gptq_w4g64", 4)
     assert drafter_bits("spec_qad_rtn_w8g32") == ("rtn_w8g32", 8)
+
+
+def test_a_folder_without_metrics_is_named(tmp_path):
+    with pytest.raises(QdflashError, match="metrics.json not found"):
+        read_metrics(tmp_path / "bench" / "speedup_winnone")

@@ -15,13 +15,18 @@ import json
 import re
 from pathlib import Path
 
+from .errors import QdflashError
+
 SUMMARY_COLUMNS = ["variant", "target", "target_bits", "drafter", "drafter_bits", "window", "passes_gates", "selected",
                    "tau_mean", "tokens_per_s", "speedup_vs_hf", "speedup_vs_hf_compiled", "speedup_vs_ar16",
                    "speedup_vs_ar_quant", "mismatches", "mismatch_bugs", "prompts"]
 
 
 def read_metrics(folder: Path) -> dict:
-    return json.loads((Path(folder) / "metrics.json").read_text())
+    path = Path(folder) / "metrics.json"
+    if not path.is_file():
+        raise QdflashError(f"{path} not found: expected the folder of a finished qdflash node")
+    return json.loads(path.read_text())
 
 
 def drafter_bits(method: str) -> tuple[str, int]:
