@@ -46,3 +46,34 @@ def test_long_buckets_are_capped_at_the_context(tokenizer, tmp_path):
     assert [c.label for c in cases] == ["p64", "p5000(capped 928)", "filler"]
     assert all(len(c.ids) + c.max_new_tokens <= 1024 for c in cases)
     assert 40 <= len(cases[0].ids) <= 90 and len(cases[1].ids) > 800
+
+
+def test_weight_bytes_counts_a_shared_head_once_and_skips_an_unshared_embedding(tiny_llama):
+    model = tiny_llama.model
+    every = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    embedding = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is embedding
+    expected = sum(every.values()) - (0 if tied else embedding.numel() * embedding.element_size())
+    assert bench.weight_bytes(model) == expected
+
+
+def test_tensor_bytes_counts_own_tensors_once_without_the_excluded_module():
+    layer = torch.nn.Linear(4, 4)
+
+    class Holder:
+        def __init__(self):
+            self.cache = torch.zeros(10, dtype=torch.float32)          # 40 bytes
+            self.states = {0: torch.zeros(3, dtype=torch.float16)}      # 6 bytes
+            self.layers = [{"w": layer.weight, "packed": torch.zeros(2, dtype=torch.int32)}]  # weight excluded; 8 bytes
+            self.alias = self.cache                                     # counted once
+
+    assert bench.tensor_bytes(Holder(), exclude=layer) == 40 + 6 + 8
+    assert bench.tensor_bytes(Holder()) == 40 + 6 + 8 + 64
+
+
+def test_summary_reports_achieved_bandwidth_and_working_memory():
+    result = MethodResult([GenerationResult([1] * 10, seconds=2.0)], peak_working_bytes=[3 * 2**20])
+    row = bench.summary("ar16", result, decode_bytes=10**9, bandwidth=10e9)
+    assert row["ar16.tokens_per_s"] == 5.0 and row["ar16.gb_per_s"] == 5.0 and row["ar16.of_bandwidth"] == 0.5
+    assert row["ar16.peak_working_mib"] == 3.0
+    assert "ar16.gb_per_s" not in bench.summary("ar16", MethodResult([GenerationResult([1], seconds=1.0)]))

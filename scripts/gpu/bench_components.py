@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from qdflash.bench import copy_bandwidth, device_timer as timer
 from qdflash.cudagraph import capture
 from qdflash.drafter import init_drafter
 from qdflash.engine import build_engine
@@ -74,36 +74,6 @@ def quantize_in_place(model, group: int, names=None) -> int:
     spec = GridSpec(4, group, True)
     replace_linears(model, {n: rtn_quantize(modules[n].weight.detach(), spec) for n in names})
     return len(names)
-
-
-def timer(device: str):
-    """A function that times `fn` `reps` times and returns the median in ms."""
-    def run(fn, reps: int, warmup: int = 3) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    return run
-
-
-def copy_bandwidth(device: str, reps: int) -> float:
-    """Bytes/s of a device-to-device copy (read + write), the bandwidth a memory-bound step can use."""
-    n = (1 << 30) if device == "cuda" else (1 << 24)
-    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
-    ms = timer(device)(lambda: dst.copy_(src), reps)
-    return 2 * n / (ms / 1e3)
 
 
 def projections(engine):

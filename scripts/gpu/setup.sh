@@ -18,6 +18,10 @@ got=$(sha256sum "$QDFLASH_STAGE/bundle.tar.gz" | cut -d' ' -f1)
 echo "setup: bundle intact (sha256 $got)"
 rm -rf "$QDFLASH_STAGE/bundle" "$QDFLASH_SITE" && tar -xzf "$QDFLASH_STAGE/bundle.tar.gz" -C "$QDFLASH_STAGE"
 rm -f "$QDFLASH_STAGE/bundle.tar.gz" "$QDFLASH_STAGE"/pieces/*
+if [ -d "$QDFLASH_STAGE/bundle/results" ]; then  # node folders brought along (stage.py --results)
+  mkdir -p "$QDFLASH_RESULTS" && cp -rn "$QDFLASH_STAGE/bundle/results/." "$QDFLASH_RESULTS/"
+  echo "setup: results brought along: $(cd "$QDFLASH_STAGE/bundle/results" && find . -name metrics.json -printf '%h ')"
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$QDFLASH_SITE" "$QDFLASH_STAGE"/bundle/wheels/*.whl
 python3 -c "import snakemake, hydra, wandb, transformers, gguf, torch; print('setup: ok | torch', torch.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name(0))"
 touch "$QDFLASH_STAGE/READY"

@@ -8,6 +8,10 @@ The bundle (one tar, checked by sha256 on the other side) holds:
 - data/: the prompt sources in the $QDFLASH_DATA_DIR layout. ShareGPT is slimmed to what the data
   stage reads (the first human turn of each conversation), which yields the identical prompt pool at
   a fraction of the size; GSM8K, MMLU and HumanEval are copied as they are.
+- results/ (`--results FOLDER...`, optional): finished node folders of this checkout's results tree
+  (e.g. the default profile's QAD target and drafters), so that the H200 can benchmark exactly those
+  artifacts; setup.sh puts them at the same place under $QDFLASH_RESULTS. W&B runs, Hydra folders and
+  the dense twin of a packed export stay behind.
 Pieces land in <out>/part-NN/ (one piece + MANIFEST each); carry one folder per call.
 """
 
@@ -74,17 +78,32 @@ def collect_data(dest: Path) -> None:
         print(f"warning: {gsm8k} not found; the gpu profile needs GSM8K (data.sources.gsm8k)", file=sys.stderr)
 
 
+def collect_results(dest: Path, folders: list[Path]) -> None:
+    """Copy finished node folders (relative to the results tree) into dest, keeping their layout."""
+    results = REPO / "results"
+    for folder in folders:
+        folder = folder.resolve()
+        if not (folder / "metrics.json").is_file():
+            sys.exit(f"stage.py: --results {folder}: not a finished node folder (no metrics.json)")
+        target = dest / folder.relative_to(results.resolve())
+        shutil.copytree(folder, target, ignore=shutil.ignore_patterns("wandb", "hydra", "dense", ".snakemake_timestamp"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--piece-mib", type=int, default=48)
     parser.add_argument("--out", type=Path, default=REPO / ".gpu-stage")
+    parser.add_argument("--results", type=Path, nargs="*", default=[], help="finished node folders under results/ to bring along")
     args = parser.parse_args()
 
     out = args.out
-    shutil.rmtree(out, ignore_errors=True)
+    for old in [*out.glob("part-*"), out / "tree"]:  # earlier pieces only: other carried folders here stay
+        shutil.rmtree(old, ignore_errors=True)
     tree = out / "tree"
     collect_wheels(tree / "wheels")
     collect_data(tree / "data")
+    if args.results:
+        collect_results(tree / "results", args.results)
     bundle = out / "bundle.tar.gz"
     with tarfile.open(bundle, "w:gz", compresslevel=6) as tar:  # the JSON data shrinks 4x
         tar.add(tree, arcname="bundle")

@@ -36,13 +36,14 @@ class MethodResult:
     """Per-case results of one method, in case order."""
 
     runs: list[GenerationResult] = field(default_factory=list)
+    peak_working_bytes: list[int] = field(default_factory=list)  # CUDA only: allocation peak above the start, per run
 
     @property
     def outputs(self) -> list[list[int]]:
         return [r.tokens for r in self.runs]
 
     def subset(self, keep: list[bool]) -> "MethodResult":
-        return MethodResult([r for r, k in zip(self.runs, keep) if k])
+        return MethodResult([r for r, k in zip(self.runs, keep) if k], [b for b, k in zip(self.peak_working_bytes, keep) if k])
 
     @property
     def tokens(self) -> int:
@@ -135,9 +136,16 @@ def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1) -> 
         for case in cases[:warmup]:  # compile / allocate / fill caches outside the measurement
             fn(case.ids, min(case.max_new_tokens, 8))
     results = {name: MethodResult() for name in methods}
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     for case in tqdm(cases, desc="benchmark", unit="prompt"):
         for name, fn in methods.items():
+            if cuda:  # what the run allocates on top of what is resident (weights, static caches)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start = torch.cuda.memory_allocated()
             results[name].runs.append(fn(case.ids, case.max_new_tokens))
+            if cuda:
+                results[name].peak_working_bytes.append(torch.cuda.max_memory_allocated() - start)
     return results
 
 
@@ -163,9 +171,83 @@ def spec(target, drafter, window=None):
     return lambda ids, n: speculative_generate(target, drafter, [ids], n, window=window)
 
 
-def summary(name: str, result: MethodResult, block: int | None = None) -> dict:
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every parameter and buffer (packed int4 words and scales
+    included), except an input embedding table that the LM head does not share (a step reads one row)."""
+    seen, total = set(), 0
+    embedding = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    skip = None
+    if embedding is not None and not (head is not None and getattr(head, "weight", None) is embedding.weight):
+        skip = embedding.weight.data_ptr()
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.data_ptr() in seen or tensor.data_ptr() == skip:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def tensor_bytes(obj, exclude: torch.nn.Module | None = None) -> int:
+    """Bytes of the tensors an object holds in its attributes (and in dicts / lists there), each
+    counted once, leaving out those of `exclude` (e.g. an engine's static caches, recurrent states and
+    packed weight copies, without the model weights it merely references)."""
+    skip = {t.data_ptr() for t in [*exclude.parameters(), *exclude.buffers()]} if exclude is not None else set()
+    seen, total = set(), 0
+    for value in vars(obj).values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            tensors = [t for t in (item.values() if isinstance(item, dict) else [item]) if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                if t.data_ptr() not in seen and t.data_ptr() not in skip:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def device_timer(device: str):
+    """A function that times `fn` `reps` times and returns the median in ms (CUDA events on a GPU)."""
+    def run(fn, reps: int, warmup: int = 3) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    return run
+
+
+def copy_bandwidth(device: str, reps: int = 20) -> float:
+    """Bytes/s of a device-to-device copy (read + write): the bandwidth a memory-bound step can use."""
+    n = (1 << 30) if device == "cuda" else (1 << 24)
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    ms = device_timer(device)(lambda: dst.copy_(src), reps)
+    return 2 * n / (ms / 1e3)
+
+
+def summary(name: str, result: MethodResult, block: int | None = None, decode_bytes: int | None = None,
+            bandwidth: float | None = None) -> dict:
+    """Metrics of one method. `decode_bytes` (its target's `weight_bytes`) gives the gpt-fast style
+    achieved bandwidth: tokens/s x bytes a decode step reads (for speculative methods, the bandwidth
+    autoregressive decoding would need to go as fast); `bandwidth` (copy_bandwidth) its fraction."""
     row = {f"{name}.tokens": result.tokens, f"{name}.seconds": round(result.seconds, 4),
            f"{name}.tokens_per_s": round(result.tokens_per_s, 3)}
+    if decode_bytes:
+        row[f"{name}.gb_per_s"] = round(result.tokens_per_s * decode_bytes / 1e9, 2)
+        if bandwidth:
+            row[f"{name}.of_bandwidth"] = round(result.tokens_per_s * decode_bytes / bandwidth, 4)
+    if result.peak_working_bytes:
+        row[f"{name}.peak_working_mib"] = round(max(result.peak_working_bytes) / 2**20, 1)
     if any(r.prefill_seconds for r in result.runs):  # transformers' generate does not report it
         row[f"{name}.ttft_median_s"] = round(statistics.median(r.prefill_seconds for r in result.runs), 5)
     if result.acceptance:
@@ -175,5 +257,6 @@ def summary(name: str, result: MethodResult, block: int | None = None) -> dict:
     return row
 
 
-__all__ = ["PromptCase", "MethodResult", "ar", "bucket_cases", "category_cases", "compare", "plain_generate",
-           "run_interleaved", "spec", "summary", "top2_margin"]
+__all__ = ["PromptCase", "MethodResult", "ar", "bucket_cases", "category_cases", "compare", "copy_bandwidth",
+           "device_timer", "plain_generate", "run_interleaved", "spec", "summary", "tensor_bytes", "top2_margin",
+           "weight_bytes"]

@@ -79,8 +79,19 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     }
     if window is not None:  # the window sweep is about the adapted (stage-2) drafters: the rest are in the window-less job
         methods = {k: v for k, v in methods.items() if not k.startswith(("spec16_", "spec_qad_stage1"))}
-    if target16.device.type == "cuda":
+    cuda = target16.device.type == "cuda"
+    if cuda and b.compiled_baseline:
         methods["static16"] = lambda ids, n: bench.plain_generate(target16, ids, n, static=True)
+    # achieved bandwidth (gpt-fast's tokens/s x weight bytes) against the copy bandwidth of this GPU
+    decode_bytes = {"target16": bench.weight_bytes(target16.model), "qad": bench.weight_bytes(qad.model)}
+    run.metrics.update({f"{key}.decode_weight_mib": round(v / 2**20, 2) for key, v in decode_bytes.items()})
+    bandwidth = bench.copy_bandwidth("cuda") if cuda else None
+    if cuda:
+        run.metrics["copy_bandwidth_gb_per_s"] = round(bandwidth / 1e9, 1)
+        for key, target in (("target16", target16), ("qad", qad)):
+            if getattr(target, "engine", None) is not None:
+                run.metrics[f"engine.{key}.own_mib"] = round(bench.tensor_bytes(target.engine, exclude=target.model) / 2**20, 1)
+        run.metrics["cuda.resident_mib"] = round(torch.cuda.memory_allocated() / 2**20, 1)  # every model and engine
     results = bench.run_interleaved(methods, cases, warmup=b.warmup)
     for name, r in results.items():
         log.info("%s: %.1f tokens/s", name, r.tokens_per_s)
@@ -93,10 +104,12 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         keep = [label == "all" or c.label == label for c in cases]
         part = {name: r.subset(keep) for name, r in results.items()}
         for name, r in part.items():
-            summary = bench.summary(name, r, stage1_16.block_size)
+            reads = decode_bytes["target16" if name in ("plain16", "static16", "ar16") or name.startswith("spec16") else "qad"]
+            summary = bench.summary(name, r, stage1_16.block_size, reads, bandwidth)
             run.metrics.update({f"{label}.{k}": v for k, v in summary.items()})
             row = {"prompts": label, "method": name, "tokens": r.tokens, "seconds": round(r.seconds, 4),
-                   "tokens_per_s": round(r.tokens_per_s, 3), "tau": summary.get(f"{name}.tau", "")}
+                   "tokens_per_s": round(r.tokens_per_s, 3), "tau": summary.get(f"{name}.tau", ""),
+                   "gb_per_s": summary.get(f"{name}.gb_per_s", ""), "peak_working_mib": summary.get(f"{name}.peak_working_mib", "")}
             for base in ("plain16", "ar16", "ar_qad"):
                 row[f"speedup_vs_{base}"] = round(r.tokens_per_s / max(part[base].tokens_per_s, 1e-9), 4)
                 run.metrics[f"{label}.{name}.speedup_vs_{base}"] = row[f"speedup_vs_{base}"]
@@ -108,11 +121,13 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                 run.metrics.update({f"{label}.{name}.{k}": v for k, v in check.items()})
             rows.append(row)
     columns = ["prompts", "method", "tokens", "seconds", "tokens_per_s", "tau", "speedup_vs_plain16", "speedup_vs_ar16",
-               "speedup_vs_ar_qad", "mismatches", "mismatch_bugs"]
+               "speedup_vs_ar_qad", "mismatches", "mismatch_bugs", "gb_per_s", "peak_working_mib"]
     with open(run.dir / "speed.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
+    if cuda:
+        run.metrics["cuda.device"] = torch.cuda.get_device_name()
     run.metrics.update({"prompts": len(cases), "dtype": str(target16.dtype), "window": -1 if window is None else int(window),
                         "block_size": stage1_16.block_size})
     bugs = sum(v for k, v in run.metrics.items() if k.startswith("all.") and k.endswith(".mismatch_bugs"))

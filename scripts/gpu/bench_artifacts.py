@@ -1,0 +1,66 @@
+"""On the H200: the bench_speedup node on artifacts brought along from this checkout's results tree
+(`stage.py --results ...`, placed by setup.sh), in the dtype asked for.
+
+    python3 scripts/gpu/bench_artifacts.py --dtype bfloat16 --name h200-default-bf16 [hydra overrides]
+
+It runs the node with exactly the overrides the DAG gives it for the profile (qdflash.config.
+node_overrides: the same bench section, the same inputs), with device=cuda (--device) and the dtype asked for, so
+the numbers are the default profile's artifacts measured on the GPU. The node folder is copied to
+$OUT/<name>/ (metrics.json, speed.csv, the resolved config, the log, the offline W&B run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "src"))
+from qdflash.config import node_overrides  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", required=True, choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--name", required=True, help="experiment name of the run and its folder under $OUT")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", default="default")
+    parser.add_argument("--qad", default="qad_gptq_w4g32", help="target/<this>/model is the QAD target")
+    parser.add_argument("--compressed", nargs="*", default=["gptq_w8g64", "gptq_w4g64"], help="drafter/<these>")
+    parser.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. 'bench.buckets=[[64,128],[2048,256],[8192,256]]'")
+    args = parser.parse_args()
+
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["profile"], config["experiment"] = args.profile, args.name
+    profile = config["profiles"][args.profile]
+    profile["device"], profile["dtype"] = args.device, args.dtype
+    results = Path(os.environ["QDFLASH_RESULTS"])
+    source = results / args.profile
+    for folder in [source / "data" / "bf16", source / "target" / args.qad, source / "drafter" / "stage1",
+                   source / "drafter" / "stage2", *(source / "drafter" / c for c in args.compressed)]:
+        if not (folder / "metrics.json").is_file():
+            sys.exit(f"bench_artifacts: {folder} was not brought along (stage.py --results)")
+    out_dir = results / args.name / "bench" / "speedup"
+    extra = {"data_dir": str(source / "data" / "bf16"), "qad_model": str(source / "target" / args.qad / "model"),
+             "stage1": str(source / "drafter" / "stage1" / "drafter"), "stage2": str(source / "drafter" / "stage2" / "drafter"),
+             "compressed": [str(source / "drafter" / c / "drafter") for c in args.compressed]}
+    overrides = node_overrides(config, "bench_speedup", out_dir, ["bench"], extra) + args.overrides
+    print("bench_artifacts: python3 -m qdflash.stages.bench_speedup " + " ".join(overrides), flush=True)
+    status = subprocess.call([sys.executable, "-m", "qdflash.stages.bench_speedup", *overrides])
+    dest = Path(os.environ.get("OUT", "/tmp/out")) / args.name
+    if out_dir.is_dir():
+        shutil.copytree(out_dir, dest, symlinks=True, dirs_exist_ok=True)
+    else:  # a failed node leaves only its .partial-* folder: bring back its log
+        for partial in out_dir.parent.glob(f"{out_dir.name}.partial-*"):
+            shutil.copytree(partial, dest / partial.name, symlinks=True, ignore=shutil.ignore_patterns("wandb"))
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
