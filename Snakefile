@@ -32,4 +32,5 @@ rule all:
         GATES,
         BENCH,
         TABLES,
+        FIGURES,
     default_target: True

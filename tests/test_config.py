@@ -82,6 +82,19 @@ def test_overrides_reach_hydra_unchanged(config, profile, tmp_path):
     assert cfg.experiment == profile
 
 
+@pytest.mark.parametrize("profile", ["ci", "default", "gpu", "qwen3.5-4b"])
+def test_gate_tasks_are_the_profiles_exactly(config, profile, tmp_path):
+    """The profile's gate tasks replace the node's defaults (a default task it leaves out does not
+    run; a task the defaults lack, e.g. gsm8k, can be added)."""
+    from omegaconf import OmegaConf
+
+    config["profile"] = profile
+    args = node_overrides(config, "quality_gate", tmp_path / "g", ["data", "gates"])
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose(config_name="node/quality_gate", overrides=args)
+    assert OmegaConf.to_container(cfg.gates) == config["profiles"][profile]["gates"]
+
+
 def test_model_path_override(config, tmp_path):
     config["profiles"]["ci"]["model"] = str(tmp_path / "my model")
     config["profile"] = "ci"

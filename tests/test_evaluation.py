@@ -10,7 +10,7 @@ lm_eval = pytest.importorskip("lm_eval")
 from qdflash.data.sources import PromptItem  # noqa: E402
 from qdflash.evaluation.gates import judge, passes_all  # noqa: E402
 from qdflash.evaluation.lm import QdflashLM  # noqa: E402
-from qdflash.evaluation.tasks import evaluate, write_mmlu_task  # noqa: E402
+from qdflash.evaluation.tasks import GSM8K_INSTRUCTION, evaluate, write_gsm8k_task, write_mmlu_task  # noqa: E402
 from qdflash.spec import autoregressive_generate  # noqa: E402
 
 
@@ -57,6 +57,46 @@ def test_local_mmlu_task_runs_through_lm_eval(tiny_llama, tmp_path):
         assert score == float("ABCD"[max(range(4), key=lls.__getitem__)] == item.reference)
 
 
+class ScriptedLM(lm_eval.api.model.LM):
+    """An lm-eval model that answers each generation request by the first script key its prompt
+    contains (lm-eval may reorder requests) and records the prompts."""
+
+    def __init__(self, answers: dict):
+        super().__init__()
+        self.answers, self.prompts = answers, []
+
+    def generate_until(self, requests):
+        self.prompts += [r.args[0] for r in requests]
+        return [next(a for key, a in self.answers.items() if key in r.args[0]) for r in requests]
+
+    def loglikelihood(self, requests):
+        raise NotImplementedError
+
+    def loglikelihood_rolling(self, requests):
+        raise NotImplementedError
+
+    def apply_chat_template(self, chat_history, add_generation_prompt=True):
+        return "<user>" + chat_history[-1]["content"] + "</user>"
+
+    @property
+    def tokenizer_name(self):
+        return "scripted"
+
+
+def test_local_gsm8k_task_scores_the_last_number_of_the_answer(tmp_path):
+    items = [PromptItem(f"g{i}", "gsm8k", "math", f"How many apples, case {i}?", True, ref)
+             for i, ref in enumerate(["18", "1200", "7", "5"])]
+    name = write_gsm8k_task(tmp_path, items, max_gen_toks=64)
+    answers = {"case 0": "3 + 15 = 18 apples. The answer is 18.",      # last number, final period ignored
+               "case 1": "She pays $1,200 in all. The answer is $1,200",  # $ and thousands separator ignored
+               "case 2": "The answer is 7, not 8.",                     # the LAST number counts: wrong
+               "case 3": "I do not know."}                              # no number: wrong
+    lm = ScriptedLM(answers)
+    scores = evaluate(lm, tmp_path, [name], chat=True)[name]
+    assert scores == [1.0, 1.0, 0.0, 0.0]
+    assert f"<user>{items[0].prompt}\n\n{GSM8K_INSTRUCTION}</user>" in lm.prompts  # through the chat template
+
+
 def test_gate_verdicts():
     same = [1.0, 0.0] * 100
     assert judge("t", same, same, 0.9, min_samples=50).verdict == "pass"  # equal, and shown >= 90%
@@ -69,3 +109,19 @@ def test_gate_verdicts():
     assert passes_all([judge("t", same, same, 0.9, 50)]) and not passes_all([result]) and not passes_all([])
     with pytest.raises(ValueError, match="reference scores"):
         judge("t", [1.0], [1.0, 0.0], 0.9, 1)
+
+
+def test_a_reference_scored_on_other_items_is_refused(tmp_path):
+    import json
+
+    from qdflash.errors import QdflashError
+    from qdflash.stages.quality_gate import read_reference
+
+    (tmp_path / "scores.json").write_text(json.dumps({"mmlu": {"ids": ["a", "b"], "scores": [1.0, 0.0]}}))
+    assert read_reference(tmp_path, {"mmlu": ["a", "b"]}) == {"mmlu": [1.0, 0.0]}
+    with pytest.raises(QdflashError, match="not scored on this gate's mmlu items"):
+        read_reference(tmp_path, {"mmlu": ["a", "c"]})
+    with pytest.raises(QdflashError, match="gsm8k"):
+        read_reference(tmp_path, {"mmlu": ["a", "b"], "gsm8k": ["x"]})
+    with pytest.raises(QdflashError, match="no scores.json"):
+        read_reference(tmp_path / "elsewhere", {"mmlu": ["a"]})

@@ -83,6 +83,34 @@ def test_ci_profile_end_to_end(tmp_path):
     check_bench(tmp_path / "results" / "e2e")
     check_gates(tmp_path / "results" / "e2e")
     check_report(tmp_path / "results" / "e2e")
+    check_figures_and_notebook(tmp_path / "results" / "e2e", tmp_path)
+    report = snakemake(tmp_path, "--config", "profile=ci", "experiment=e2e", "--report", str(tmp_path / "report.html"))
+    assert report.returncode == 0, report.stderr[-2000:]
+    html = (tmp_path / "report.html").read_text(errors="replace")
+    assert "summary.csv" in html and "pareto.png" in html
+
+
+def check_figures_and_notebook(results, tmp_path):
+    """The figures node drew every figure the ci sweep supports (ci has two windows); the notebook
+    runs (not just opens) on the same tables and draws the same figures."""
+    import os
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    m = json.loads((results / "figures" / "metrics.json").read_text())
+    assert m["figures"] == sorted(p.stem for p in (results / "figures").glob("*.png"))
+    assert {"drafter_bits", "drafter_window", "target_bits", "pareto"} <= set(m["figures"])
+    notebook = nbformat.read(REPO_ROOT / "notebooks" / "results.ipynb", as_version=4)
+    os.environ["QDFLASH_TABLES"] = str(results / "tables")
+    try:
+        NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        del os.environ["QDFLASH_TABLES"]
+    text = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    images = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert "selected:" in text and f"drawn: {m['figures']}" in text
+    assert len(images) == len(m["figures"])
 
 
 def check_report(results):
@@ -114,13 +142,15 @@ def check_report(results):
 
 
 def check_gates(results):
-    """One quality_gate per quantized target variant: the 16-bit target and the variant on the same
-    MMLU gate items, a verdict per task, and whether the variant passes them all."""
+    """The 16-bit target scored once (gates/bf16), then one quality_gate per quantized target variant
+    on the same MMLU gate items: a verdict per task, and whether the variant passes them all."""
     import csv
 
     ci = CONFIG["profiles"]["ci"]
     variants = sorted(p.name for p in (results / "target").iterdir() if not p.name.endswith(".partial") and "partial" not in p.name)
-    assert sorted(p.name for p in (results / "gates").iterdir()) == variants
+    assert sorted(p.name for p in (results / "gates").iterdir()) == sorted(["bf16", *variants])
+    reference = json.loads((results / "gates" / "bf16" / "scores.json").read_text())
+    assert len(reference["mmlu"]["ids"]) == len(reference["mmlu"]["scores"]) == ci["gates"]["tasks"]["mmlu"]["max_items"]
     for name in variants:
         folder = results / "gates" / name
         rows = list(csv.DictReader(open(folder / "gates.csv")))
@@ -131,6 +161,7 @@ def check_gates(results):
         assert m["mmlu.verdict"] in {"pass", "fail", "inconclusive", "too_few"}
         assert m["passes_gates"] == int(m["mmlu.verdict"] == "pass")
         assert (folder / "tasks" / "qdflash_mmlu.yaml").is_file()
+        assert abs(m["mmlu.reference"] - sum(reference["mmlu"]["scores"]) / len(reference["mmlu"]["scores"])) < 1e-9
 
 
 def check_bench(results):

@@ -130,14 +130,21 @@ def _hydra_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_hydra_value(v)}" for k, v in value.items()) + "}"
     text = str(value)
     if _PLAIN.match(text) and text not in ("null", "true", "false"):
         return text
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+# maps whose keys the profile chooses (which gate tasks run): the node's defaults are replaced whole,
+# not merged into (a default task the profile leaves out must not run)
+REPLACED_WHOLE = ("gates.tasks",)
+
+
 def flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
-    if isinstance(value, dict):
+    if isinstance(value, dict) and prefix not in REPLACED_WHOLE:
         out: list[tuple[str, Any]] = []
         for key, sub in value.items():
             out.extend(flatten(f"{prefix}.{key}" if prefix else str(key), sub))
@@ -168,6 +175,7 @@ def node_overrides(
     if config["wandb"].get("entity"):
         args.append(f"tracking.wandb.entity={_hydra_value(config['wandb']['entity'])}")
     for section in sections:
-        args += [f"{key}={_hydra_value(value)}" for key, value in flatten(section, profile[section])]
+        for key, value in flatten(section, profile[section]):
+            args += [f"~{key}", f"+{key}={_hydra_value(value)}"] if key in REPLACED_WHOLE else [f"{key}={_hydra_value(value)}"]
     args += [f"{key}={_hydra_value(value)}" for key, value in (extra or {}).items()]
     return args

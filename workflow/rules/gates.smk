@@ -3,6 +3,19 @@
 TARGET_VARIANTS = [os.path.basename(p) for p in PTQ_VARIANTS + QAD_VARIANTS]
 GATE = f"{RESULTS}/gates/{{tvariant}}"
 GATES = expand(GATE, tvariant=TARGET_VARIANTS)
+GATE_REFERENCE = f"{RESULTS}/gates/bf16"
+
+
+rule quality_reference:
+    """The 16-bit target's per-item scores on the gate items, once for every variant's gate."""
+    output:
+        directory(GATE_REFERENCE),
+    params:
+        args=hydra_args("quality_gate", ["data", "gates"]),
+        config=fingerprint(["data", "gates"]),
+    threads: workflow.cores
+    shell:
+        "{PYTHON} -m qdflash.stages.quality_gate {params.args}"
 
 
 rule quality_gate:
@@ -10,12 +23,13 @@ rule quality_gate:
     task's gate judged on paired per-item scores with a 95% interval and a minimum sample count."""
     input:
         target=f"{RESULTS}/target/{{tvariant}}",
+        reference=GATE_REFERENCE,
     output:
         directory(GATE),
     wildcard_constraints:
         tvariant=r"(ptq|qad)_(rtn|gptq)_w\d+g(\d+|ch)",
     params:
-        args=hydra_args("quality_gate", ["data", "gates"], lambda wc, input: {"variant": f"{input.target}/model"}),
+        args=hydra_args("quality_gate", ["data", "gates"], lambda wc, input: {"variant": f"{input.target}/model", "reference": input.reference}),
         config=fingerprint(["data", "gates"]),
     threads: workflow.cores
     shell:

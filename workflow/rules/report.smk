@@ -1,6 +1,7 @@
 # Report: the experiment's tables and the fastest variant that passes every gate.
 
 TABLES = f"{RESULTS}/tables"
+FIGURES = f"{RESULTS}/figures"
 
 
 rule report:
@@ -14,7 +15,7 @@ rule report:
         compressed=DRAFTER_VARIANTS,
         targets=PTQ_VARIANTS + QAD_VARIANTS,
     output:
-        directory(TABLES),
+        report(directory(TABLES), patterns=["{name}.csv"], caption="../report/tables.rst", category="Tables"),
     params:
         args=hydra_args(
             "report", [],
@@ -26,3 +27,16 @@ rule report:
         ),
     shell:
         "{PYTHON} -m qdflash.stages.report {params.args}"
+
+
+rule figures:
+    """tau and speed vs drafter bits and window, target quality vs bits, the speed / quality Pareto
+    plot: drawn from the tables only (notebooks/results.ipynb draws the same)."""
+    input:
+        TABLES,
+    output:
+        report(directory(FIGURES), patterns=["{name}.png"], caption="../report/figures.rst", category="Figures"),
+    params:
+        args=hydra_args("figures", [], lambda wc, input: {"tables": input[0]}),
+    shell:
+        "{PYTHON} -m qdflash.stages.figures {params.args}"
