@@ -48,7 +48,8 @@ def test_local_mmlu_task_runs_through_lm_eval(tiny_llama, tmp_path):
              for i in range(6)]
     name = write_mmlu_task(tmp_path, items)
     lm = QdflashLM(tiny_llama)
-    scores = evaluate(lm, tmp_path, [name])[name]
+    ids, scores = evaluate(lm, tmp_path, [name])[name]
+    assert ids == [f"{name}/{i}" for i in range(6)]
     assert len(scores) == 6 and set(scores) <= {0.0, 1.0}
     # the same answers by hand: the choice with the highest log-likelihood
     for item, score in zip(items, scores):
@@ -92,7 +93,7 @@ def test_local_gsm8k_task_scores_the_last_number_of_the_answer(tmp_path):
                "case 2": "The answer is 7, not 8.",                     # the LAST number counts: wrong
                "case 3": "I do not know."}                              # no number: wrong
     lm = ScriptedLM(answers)
-    scores = evaluate(lm, tmp_path, [name], chat=True)[name]
+    _, scores = evaluate(lm, tmp_path, [name], chat=True)[name]
     assert scores == [1.0, 1.0, 0.0, 0.0]
     assert f"<user>{items[0].prompt}\n\n{GSM8K_INSTRUCTION}</user>" in lm.prompts  # through the chat template
 
@@ -118,10 +119,32 @@ def test_a_reference_scored_on_other_items_is_refused(tmp_path):
     from qdflash.stages.quality_gate import read_reference
 
     (tmp_path / "scores.json").write_text(json.dumps({"mmlu": {"ids": ["a", "b"], "scores": [1.0, 0.0]}}))
-    assert read_reference(tmp_path, {"mmlu": ["a", "b"]}) == {"mmlu": [1.0, 0.0]}
+    assert read_reference(tmp_path, {"mmlu": ["a", "b"]}) == {"mmlu": (["a", "b"], [1.0, 0.0])}
     with pytest.raises(QdflashError, match="not scored on this gate's mmlu items"):
         read_reference(tmp_path, {"mmlu": ["a", "c"]})
     with pytest.raises(QdflashError, match="gsm8k"):
         read_reference(tmp_path, {"mmlu": ["a", "b"], "gsm8k": ["x"]})
     with pytest.raises(QdflashError, match="no scores.json"):
         read_reference(tmp_path / "elsewhere", {"mmlu": ["a"]})
+
+
+def test_groups_are_flattened_and_one_answer_filter_is_read(tmp_path):
+    """Standard lm-eval tasks come as groups (mmlu_pro -> subjects) and with several answer filters
+    (GPQA: strict-match / flexible-extract): the scores are read per subtask, for the named filter."""
+    items = [PromptItem(f"g{i}", "gsm8k", "math", f"Sum, case {i}?", True, "12") for i in range(2)]
+    write_gsm8k_task(tmp_path, items, name="part_a")
+    write_gsm8k_task(tmp_path, items[:1], name="part_b")
+    for part in ("part_a", "part_b"):  # a second filter: the first number instead of the last
+        text = (tmp_path / f"{part}.yaml").read_text()
+        text = text.replace("metric_list:", "  - name: first-number\n    filter:\n      - function: regex\n"
+                            "        group_select: 0\n        regex_pattern: \"(-?[0-9]+)\"\n      - function: take_first\nmetric_list:")
+        (tmp_path / f"{part}.yaml").write_text(text)
+    (tmp_path / "both.yaml").write_text("group: both\ntask: [part_a, part_b]\naggregate_metric_list:\n"
+                                        "  - metric: exact_match\n    filter_list: flexible-extract\nmetadata:\n  version: 1.0\n")
+    lm = ScriptedLM({"case 0": "12 or 13? 12", "case 1": "It is 13, then 12"})
+    with pytest.raises(Exception, match="several filters"):
+        evaluate(lm, tmp_path, ["part_b"])
+    ids, last = evaluate(lm, tmp_path, ["both"], filter_name="flexible-extract")["both"]
+    assert ids == ["part_a/0", "part_a/1", "part_b/0"] and last == [1.0, 1.0, 1.0]
+    _, first = evaluate(lm, tmp_path, ["both"], filter_name="first-number")["both"]
+    assert first == [1.0, 0.0, 1.0]

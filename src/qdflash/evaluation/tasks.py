@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ..data.sources import PromptItem
+from ..errors import QdflashError
 
 MMLU_INSTRUCTION = "Answer with the letter of the correct option, then explain briefly."
 
@@ -93,19 +94,62 @@ def write_gsm8k_task(folder: Path, items: list[PromptItem], name: str = "qdflash
     return name
 
 
-def evaluate(lm, task_folder: Path, tasks: list[str], limit: int | None = None, chat: bool = False) -> dict[str, list[float]]:
-    """Run `tasks` (defined in `task_folder`) with the lm-eval model `lm`; per task the per-item
-    scores in document order (acc for multiple choice, exact_match for generation). `chat`: send the
-    prompts through the model's chat template (the generation tasks: the targets are chat models)."""
+def evaluate(lm, task_folder: Path, tasks: list[str], limit: int | None = None, chat: bool = False,
+             metric: str | None = None, num_fewshot: int | None = None, filter_name: str | None = None
+             ) -> dict[str, tuple[list[str], list[float]]]:
+    """Run `tasks` (local ones defined in `task_folder`, or lm-eval's standard task and group names)
+    with the lm-eval model `lm`. Per task: the item ids (`<subtask>/<doc_id>`) and per-item scores,
+    in a fixed order. `metric`: the per-sample metric to read (default: acc for multiple choice,
+    exact_match for generation); a metric that is a list per sample (IFEval's instruction-level ones)
+    scores the item by its mean. `filter_name`: which answer filter's scores to read, for tasks with
+    several (e.g. GPQA's strict-match / flexible-extract). `chat`: send the prompts through the
+    model's chat template (generation tasks: the targets are chat models)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=str(task_folder))
     out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
-                                  bootstrap_iters=0, random_seed=0, apply_chat_template=chat)
+                                  bootstrap_iters=0, random_seed=0, apply_chat_template=chat, num_fewshot=num_fewshot)
+    groups = out.get("group_subtasks", {})
     scores = {}
     for task in tasks:
-        samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
-        metric = next(m for m in ("acc", "exact_match", "prompt_level_strict_acc") if m in samples[0])
-        scores[task] = [float(s[metric]) for s in samples]
+        leaves = [task] if task in out["samples"] else _leaves(task, groups)
+        ids, values = [], []
+        for leaf in sorted(leaves):
+            samples = _one_filter(leaf, out["samples"][leaf], filter_name)
+            key = metric or next((m for m in ("acc", "exact_match") if m in samples[0]), "acc")
+            if key not in samples[0]:
+                raise QdflashError(f"lm-eval task {leaf} reports no per-sample {key!r} "
+                                   f"(it has: {sorted(k for k in samples[0] if k not in _SAMPLE_FIELDS)})")
+            ids += [f"{leaf}/{s['doc_id']}" for s in samples]
+            values += [_item_score(s[key]) for s in samples]
+        scores[task] = (ids, values)
     return scores
+
+
+_SAMPLE_FIELDS = {"doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics", "doc_hash",
+                  "prompt_hash", "target_hash"}
+
+
+def _leaves(task: str, groups: dict[str, list[str]]) -> list[str]:
+    """The tasks that hold samples under a group name (lm-eval groups nest: mmlu_pro -> its subjects)."""
+    if task not in groups:
+        raise QdflashError(f"lm-eval returned no samples for {task}")
+    return [leaf for sub in groups[task] for leaf in ([sub] if sub not in groups else _leaves(sub, groups))]
+
+
+def _one_filter(task: str, samples: list[dict], filter_name: str | None) -> list[dict]:
+    """The samples of one answer filter, by doc_id (lm-eval logs one sample per doc and filter)."""
+    filters = sorted({s.get("filter", "none") for s in samples})
+    if filter_name is None and len(filters) > 1:
+        raise QdflashError(f"lm-eval task {task} scores answers with several filters {filters}: name one (filter: ...)")
+    chosen = filter_name or filters[0]
+    if chosen not in filters:
+        raise QdflashError(f"lm-eval task {task} has no answer filter {chosen!r} (it has {filters})")
+    return sorted((s for s in samples if s.get("filter", "none") == chosen), key=lambda s: s["doc_id"])
+
+
+def _item_score(value) -> float:
+    if isinstance(value, (list, tuple)):  # e.g. one bool per instruction of an IFEval prompt
+        return sum(float(v) for v in value) / max(len(value), 1)
+    return float(value)

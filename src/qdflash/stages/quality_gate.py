@@ -1,9 +1,13 @@
 """quality_gate node: one quantized target variant against the 16-bit target, through lm-eval.
 
-Both models answer the same evaluation items (never a training prompt): the MMLU items reserved for
-gates (multiple choice, log-likelihood), GSM8K test questions (generation, greedy, through the
-model's chat template; the last number of the answer is scored). The "qdflash" lm-eval model
-(qdflash.evaluation.lm) runs on local task files written into the node's folder (`tasks/`).
+Both models answer the same evaluation items (never a training prompt), through the "qdflash"
+lm-eval model (qdflash.evaluation.lm). Local tasks, written into the node's folder (`tasks/`) over
+the offline data: `mmlu` (the MMLU items reserved for gates; multiple choice, log-likelihood),
+`gsm8k` (test questions; greedy generation through the chat template, the last number scored),
+`ifeval` (Google's 541 prompts, scored by lm-eval's verifiers with an offline sentence splitter,
+qdflash.evaluation.ifeval; per item the fraction of its instructions followed, strict). Any other
+task key names one of lm-eval's standard tasks (`lm_eval_task: mmlu_pro`, with its metric, filter,
+shots): the Hub path, for users who have it (the qwen3.5-4b profile: RECIPE.md's gates).
 
 Two modes, so the 16-bit target is evaluated once per DAG run and not once per variant:
 - `variant=null`: the 16-bit target's per-item scores -> `scores.json` (the reference);
@@ -24,7 +28,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import DictConfig
 
@@ -32,88 +38,142 @@ from ..data.sources import load_source
 from ..errors import QdflashError
 from ..evaluation.gates import judge, passes_all
 from ..evaluation.lm import QdflashLM
+from ..evaluation.ifeval import SENTENCE_SPLITTER, load_ifeval_items, write_ifeval_task
 from ..evaluation.tasks import evaluate, write_gsm8k_task, write_mmlu_task
 from ..models import load_target
 from ..tracking import NodeRun
 from ._app import stage
 
 log = logging.getLogger("qdflash.quality_gate")
-# task -> (writer(folder, items, **options), chat template?, options read from gates.tasks.<task>)
-TASKS = {"mmlu": (write_mmlu_task, False, ()), "gsm8k": (write_gsm8k_task, True, ("max_gen_toks",))}
+
+
+@dataclass(frozen=True)
+class GateTask:
+    """How one gate task runs: the lm-eval task name and how to read its per-item scores."""
+
+    key: str                         # gates.tasks.<key>
+    name: str                        # the lm-eval task (or group) name
+    ids: list[str] | None            # local tasks: the item ids, known before scoring
+    chat: bool = False               # prompts through the chat template
+    metric: str | None = None        # per-sample metric (None: acc / exact_match)
+    filter_name: str | None = None
+    num_fewshot: int | None = None
+    limit: int | None = None         # standard tasks: lm-eval's first N documents (per subtask)
+
+
+@dataclass(frozen=True)
+class LocalTask:
+    writer: Callable[..., str]       # writer(folder, items, **options) -> lm-eval task name
+    chat: bool
+    options: tuple[str, ...]         # keys of gates.tasks.<task> passed to the writer
+    metric: str | None = None
+
+
+LOCAL_TASKS = {
+    "mmlu": LocalTask(write_mmlu_task, False, ()),
+    "gsm8k": LocalTask(write_gsm8k_task, True, ("max_gen_toks",)),
+    # RECIPE.md's IFEval gate is instruction-level strict accuracy: per item, the share of its instructions followed
+    "ifeval": LocalTask(write_ifeval_task, True, ("max_gen_toks",), metric="inst_level_strict_acc"),
+}
 
 
 def gate_items(cfg: DictConfig, task: str, limit: int):
-    """The source's evaluation items (never training prompts), the first `limit` in a fixed hash order."""
+    """The source's evaluation items (never training prompts), the first `limit` in a fixed hash order,
+    with their ids and where they came from."""
+    if task == "ifeval":  # instruction prompts only, not a training source
+        items = load_ifeval_items(cfg.gates.tasks.ifeval.get("path"))
+        ordered = sorted(items, key=lambda item: hashlib.sha256(str(item["key"]).encode()).hexdigest())[:limit]
+        return ordered, [str(item["key"]) for item in ordered], f"ifeval ({len(items)} prompts)"
     spec = cfg.data.sources.get(task)
     source = load_source(task, spec.path if spec is not None else None, mmlu_gate_fraction=cfg.data.mmlu_gate_fraction)
     if not source.eval_items:
         raise QdflashError(f"gates.tasks.{task}: the {task} source ({source.location}) has no evaluation items")
-    ordered = sorted(source.eval_items, key=lambda item: hashlib.sha256(item.id.encode()).hexdigest())
-    return ordered[:limit], source.location
+    ordered = sorted(source.eval_items, key=lambda item: hashlib.sha256(item.id.encode()).hexdigest())[:limit]
+    return ordered, [item.id for item in ordered], source.location
 
 
-def score(model: str, cfg: DictConfig, folder: Path, names: dict[str, str]) -> dict[str, list[float]]:
-    """Per-item scores of one model on every task (chat tasks through its chat template)."""
+def plan_tasks(cfg: DictConfig, folder: Path, run: NodeRun) -> list[GateTask]:
+    """Write the local tasks' files; resolve the standard ones."""
+    plans = []
+    for key, task_cfg in cfg.gates.tasks.items():
+        if task_cfg.get("lm_eval_task"):
+            plans.append(GateTask(key, str(task_cfg.lm_eval_task), None, bool(task_cfg.get("chat", True)),
+                                  task_cfg.get("metric"), task_cfg.get("filter"), task_cfg.get("num_fewshot"),
+                                  task_cfg.get("max_items")))
+            run.metrics[f"{key}.source"] = f"lm-eval task {task_cfg.lm_eval_task}"
+            continue
+        if key not in LOCAL_TASKS:
+            raise QdflashError(f"gates.tasks.{key}: no local task of that name (local: {sorted(LOCAL_TASKS)}); "
+                               "for one of lm-eval's standard tasks, give its name as gates.tasks.<key>.lm_eval_task")
+        local = LOCAL_TASKS[key]
+        items, ids, location = gate_items(cfg, key, int(task_cfg.max_items))
+        name = local.writer(folder, items, **{k: task_cfg[k] for k in local.options if k in task_cfg})
+        plans.append(GateTask(key, name, ids, local.chat, local.metric))
+        run.metrics[f"{key}.source"] = location
+        if key == "ifeval":
+            run.metrics["ifeval.sentence_splitter"] = SENTENCE_SPLITTER
+    return plans
+
+
+def score(model: str, cfg: DictConfig, folder: Path, plans: list[GateTask]) -> dict[str, tuple[list[str], list[float]]]:
+    """Item ids and per-item scores of one model on every task."""
     target = load_target(model, dtype=cfg.dtype, device=cfg.device)
-    log.info("evaluating %s on %s", target.source, ", ".join(names.values()))
+    log.info("evaluating %s on %s", target.source, ", ".join(p.name for p in plans))
     lm = QdflashLM(target)
     scores = {}
-    for task, name in names.items():
-        scores[task] = evaluate(lm, folder, [name], chat=TASKS[task][1])[name]
+    for plan in plans:
+        ids, values = evaluate(lm, folder, [plan.name], plan.limit, plan.chat, plan.metric, plan.num_fewshot,
+                               plan.filter_name)[plan.name]
+        scores[plan.key] = (plan.ids if plan.ids is not None else ids, values)
     return scores
 
 
-def read_reference(folder: Path, items: dict[str, list[str]]) -> dict[str, list[float]]:
-    """The 16-bit target's per-item scores, checked to be on the same items as this gate's."""
+def read_reference(folder: Path, items: dict[str, list[str]]) -> dict[str, tuple[list[str], list[float]]]:
+    """The 16-bit target's item ids and per-item scores, checked to be on the same items as this
+    gate's (`items`: the ids known so far; standard tasks are checked again after scoring)."""
     path = Path(folder) / "scores.json"
     if not path.is_file():
         raise QdflashError(f"reference={folder}: no scores.json (expected the 16-bit target's quality_gate folder)")
     saved = json.loads(path.read_text())
     for task, ids in items.items():
-        if task not in saved or saved[task]["ids"] != ids:
+        if task not in saved or (ids is not None and saved[task]["ids"] != ids):
             raise QdflashError(f"{path}: the 16-bit target was not scored on this gate's {task} items "
                                "(the gates config changed since); re-run it")
-    return {task: saved[task]["scores"] for task in items}
+    return {task: (saved[task]["ids"], saved[task]["scores"]) for task in items}
 
 
 @stage("quality_gate")
 def main(cfg: DictConfig, run: NodeRun) -> None:
-    unknown = sorted(set(cfg.gates.tasks) - set(TASKS))
-    if unknown:
-        raise QdflashError(f"gates.tasks: {unknown} have no local task yet (available: {sorted(TASKS)})")
     folder = run.dir / "tasks"
-    names, items = {}, {}
-    for task, task_cfg in cfg.gates.tasks.items():
-        chosen, location = gate_items(cfg, task, int(task_cfg.max_items))
-        writer, _, options = TASKS[task]
-        names[task] = writer(folder, chosen, **{k: task_cfg[k] for k in options if k in task_cfg})
-        items[task] = [item.id for item in chosen]
-        run.metrics[f"{task}.source"] = location
+    plans = plan_tasks(cfg, folder, run)
     if cfg.variant is None:  # the reference: the 16-bit target's scores, for every variant's gate
-        scores = score(cfg.model.name, cfg, folder, names)
-        (run.dir / "scores.json").write_text(json.dumps({t: {"ids": items[t], "scores": scores[t]} for t in names}))
-        for task, values in scores.items():
+        scores = score(cfg.model.name, cfg, folder, plans)
+        (run.dir / "scores.json").write_text(json.dumps({t: {"ids": i, "scores": v} for t, (i, v) in scores.items()}))
+        for task, (_, values) in scores.items():
             run.metrics.update({f"{task}.n": len(values), f"{task}.score": round(sum(values) / max(len(values), 1), 4)})
             log.info("%s: 16-bit %.3f over %d items", task, run.metrics[f"{task}.score"], len(values))
         run.metrics["variant"] = "16-bit"
         return
     if cfg.reference is None:
         raise QdflashError("reference: the 16-bit target's quality_gate folder (variant=null) is required to judge a variant")
-    reference = read_reference(Path(cfg.reference), items)
-    variant = score(cfg.variant, cfg, folder, names)
-    (run.dir / "scores.json").write_text(json.dumps({t: {"ids": items[t], "scores": variant[t]} for t in names}))
+    reference = read_reference(Path(cfg.reference), {p.key: p.ids for p in plans})
+    variant = score(cfg.variant, cfg, folder, plans)
+    (run.dir / "scores.json").write_text(json.dumps({t: {"ids": i, "scores": v} for t, (i, v) in variant.items()}))
     results = []
-    for task in names:
-        task_cfg = cfg.gates.tasks[task]
-        result = judge(task, variant[task], reference[task], float(task_cfg.ratio),
+    for plan in plans:
+        (ref_ids, ref_scores), (ids, values) = reference[plan.key], variant[plan.key]
+        if ref_ids != ids:
+            raise QdflashError(f"{cfg.reference}: the 16-bit target was scored on other {plan.key} items than this variant")
+        task_cfg = cfg.gates.tasks[plan.key]
+        result = judge(plan.key, values, ref_scores, float(task_cfg.ratio),
                        int(task_cfg.get("min_samples") or cfg.gates.min_samples))
         results.append(result)
         for key, value in dataclasses.asdict(result).items():
             if key != "task":
-                run.metrics[f"{task}.{key}"] = value
+                run.metrics[f"{plan.key}.{key}"] = value
         log.info("%s: 16-bit %.3f, variant %.3f over %d items; variant - %.2f x 16-bit = %.3f [%.3f, %.3f]: %s",
-                 task, result.reference, result.variant, result.n, result.ratio, result.margin, result.low, result.high,
-                 result.verdict)
+                 plan.key, result.reference, result.variant, result.n, result.ratio, result.margin, result.low,
+                 result.high, result.verdict)
     with open(run.dir / "gates.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=[f.name for f in dataclasses.fields(results[0])])
         writer.writeheader()
