@@ -9,7 +9,8 @@ Methods, on the same prompts, side by side in this process (qdflash.bench):
 - `spec_qad_stage1` / `spec_qad_stage2`: the stage-1 / stage-2 drafter on the QAD target;
 - `spec_qad_<method>_w<bits>g<group>`: each compressed stage-2 drafter (`compressed=[...]`) on it.
 The drafter window (`bench.window`) is one per job: the sweep runs one job per window. A job with a
-window measures only prompts longer than it (where it can engage), with the baselines and the
+window measures only prompts longer than it (where it can engage; from `bench.window_buckets` when
+set, e.g. up to the model's context, else `bench.buckets`), with the baselines and the
 stage-2 drafters (uncompressed and compressed).
 Prompts: held-out prompts per category, and length buckets (real text; the filler prompt apart).
 Every speculative greedy output is compared with the autoregressive output of its target.
@@ -46,10 +47,12 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     compressed = {f"spec_qad_{Path(path).parent.name}": load_drafter(path, qad) for path in cfg.compressed}
     tok = target16.tokenizer
     context_len = getattr(target16.config, "max_position_embeddings", 4096)
-    buckets = OmegaConf.to_container(b.buckets, resolve=True)
+    window = b.window
+    # a window job may measure longer buckets than the window-less one (the window engages on long contexts only)
+    chosen = b.buckets if window is None or b.get("window_buckets") is None else b.window_buckets
+    buckets = OmegaConf.to_container(chosen, resolve=True)
     cases = bench.category_cases(cfg.data_dir, tok, b.prompts_per_category, b.max_new_tokens)
     cases += bench.bucket_cases(cfg.data_dir, tok, buckets, context_len, b.filler)
-    window = b.window
     if window is not None:  # a window can only engage on a context longer than itself: measure those
         cases = [c for c in cases if len(c.ids) > window]
         if not cases:
