@@ -8,7 +8,7 @@ from qdflash.errors import QdflashError
 
 def summary_row(drafter, bits, window, tau, speedup, tps):
     return {"variant": f"qad+{drafter}+win{window or 'none'}", "target": "qad_gptq_w4g32", "target_bits": "4", "drafter": drafter,
-            "drafter_bits": str(bits), "window": str(window or ""), "tau_mean": str(tau), "speedup_vs_ar16": str(speedup),
+            "drafter_bits": str(bits), "window": str(window or ""), "selected": "0", "tau_mean": str(tau), "speedup_vs_ar16": str(speedup),
             "tokens_per_s": str(tps)}
 
 
@@ -50,3 +50,24 @@ def test_every_figure_is_drawn_from_full_tables_and_a_missing_table_is_named(tmp
     assert set(drawn) == {"drafter_bits", "drafter_window", "target_bits", "pareto"}
     with pytest.raises(QdflashError, match="summary.csv"):
         figures.read_tables(tmp_path)
+
+
+def test_the_notebook_runs_on_a_tables_folder_and_shows_every_figure(tmp_path, monkeypatch):
+    import csv
+
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    from qdflash.paths import REPO_ROOT
+
+    for name, rows in (("summary", SUMMARY), ("speed", SPEED), ("quality", QUALITY),
+                       ("training", [{"drafter": "stage2", "kind": "stage 2", "bits": 16, "tau": 1.5}])):
+        with open(tmp_path / f"{name}.csv", "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+            writer.writeheader()
+            writer.writerows(rows)
+    notebook = nbformat.read(REPO_ROOT / "notebooks" / "results.ipynb", as_version=4)
+    monkeypatch.setenv("QDFLASH_TABLES", str(tmp_path))
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4
+    assert any("selected: none" in o.get("text", "") for o in outputs)  # no row of SUMMARY is marked selected

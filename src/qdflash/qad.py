@@ -36,15 +36,35 @@ def pack_sequences(examples: list[dict], seq_len: int, loss_on: str = "all") -> 
     ]
 
 
-def kl_loss(teacher, student, ids: torch.Tensor, mask: torch.Tensor, *, temperature: float, chunk_tokens: int) -> torch.Tensor:
-    """Mean per-token KL over positions whose next token is trained (position i predicts token i+1)."""
+class StudentHidden(torch.nn.Module):
+    """The student's final hidden states as a module's forward, so that DDP (which prepares its
+    gradient all-reduce in forward) can wrap the part of the student that trains."""
+
+    def __init__(self, student):
+        super().__init__()
+        self.student = student
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return final_hidden(self.student, ids)
+
+
+def kl_sum_count(teacher, student, ids: torch.Tensor, mask: torch.Tensor, *, temperature: float, chunk_tokens: int,
+                 hidden=None) -> tuple[torch.Tensor, int]:
+    """Summed per-token KL over positions whose next token is trained (position i predicts token
+    i+1), and their count. `hidden`: what computes the student's hidden states (its DDP wrapper)."""
     with torch.no_grad():
         h_t = final_hidden(teacher, ids)[:, :-1]
-    h_s = final_hidden(student, ids)[:, :-1]
+    h_s = (hidden or StudentHidden(student))(ids)[:, :-1]
     keep = mask[:, 1:].bool()
     kl = chunked_kl(h_s[keep], h_t[keep], lm_head_weight(student), lm_head_weight(teacher),
                     temperature=temperature, chunk_tokens=chunk_tokens)
-    return kl.mean()
+    return kl.sum(), int(keep.sum())
+
+
+def kl_loss(teacher, student, ids: torch.Tensor, mask: torch.Tensor, *, temperature: float, chunk_tokens: int) -> torch.Tensor:
+    """Mean per-token KL over positions whose next token is trained."""
+    total, count = kl_sum_count(teacher, student, ids, mask, temperature=temperature, chunk_tokens=chunk_tokens)
+    return total / max(count, 1)
 
 
 def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:

@@ -19,6 +19,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -162,7 +163,17 @@ def _staging_dir(out_dir: Path) -> Path:
 
 @contextmanager
 def node_run(cfg: DictConfig, node: str) -> Iterator[NodeRun]:
-    """Wrap a node's body: see the module docstring."""
+    """Wrap a node's body: see the module docstring. Under torchrun only rank 0 writes: the other
+    ranks get a run in a scratch folder that is thrown away (no W&B run, no metrics.json)."""
+    from .distributed import world
+
+    if not world().main:
+        scratch = Path(tempfile.mkdtemp(prefix=f"qdflash-{node}-rank{world().rank}-"))
+        try:
+            yield NodeRun(cfg, node, scratch, Path(cfg.out_dir).resolve())
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return
     out_dir = Path(cfg.out_dir).resolve()
     if out_dir.exists():
         if not cfg.get("overwrite", False):

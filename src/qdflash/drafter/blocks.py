@@ -88,13 +88,20 @@ def block_mask_mod(anchors: torch.Tensor, block_size: int, context_len: int):
     return mask_mod
 
 
-def weighted_block_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy per block position, weighted by position, averaged over weighted targets."""
+def weighted_block_loss_parts(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of position-weighted cross-entropies, sum of the weights) over the trained targets: the
+    parts of the loss, so data-parallel ranks can divide by the whole batch's weight."""
     n, b, v = logits.shape
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, v).float(), targets.reshape(-1), ignore_index=IGNORE,
                                            reduction="none").reshape(n, b)
     w = weights.to(logits.device)[None, :] * (targets != IGNORE)
-    return (ce * w).sum() / w.sum().clamp_min(1e-9)
+    return (ce * w).sum(), w.sum()
+
+
+def weighted_block_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per block position, weighted by position, averaged over weighted targets."""
+    total, weight = weighted_block_loss_parts(logits, targets, weights)
+    return total / weight.clamp_min(1e-9)
 
 
 def acceptance_lengths(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

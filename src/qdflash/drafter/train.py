@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .blocks import (IGNORE, acceptance_lengths, batch_attention_mask, block_inputs, block_mask_mod, sample_anchors,
-                     weighted_block_loss)
+                     weighted_block_loss_parts)
 from .model import Drafter
 
 
@@ -65,12 +65,13 @@ def round_up(value: int, multiple: int) -> int:
 
 def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_masks: torch.Tensor,
                  anchors: torch.Tensor, valid: torch.Tensor | None = None,
-                 attention: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
+                 attention: str = "sdpa", module=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [n, A, B, V] of every block of a (right-padded) batch in one drafter forward, and the
     targets [n, A, B] (IGNORE where no trained token is, and for padding anchors: `valid` False).
 
     input_ids / loss_masks [n, L], features [n, L, k*H], anchors [n, A] (CPU tensors except features).
     attention: "sdpa" (a dense boolean mask) or "flex" (flex_attention's block-sparse mask).
+    module: what runs the drafter's forward (its DDP wrapper under torchrun; the drafter itself otherwise).
     """
     b = drafter.block_size
     n, length = input_ids.shape
@@ -92,7 +93,7 @@ def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tens
     else:
         raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'flex'")
     context = drafter.context_features(features.to(drafter.norm.weight.dtype))
-    logits = drafter(ids.reshape(n, -1).to(device), context, q_pos.to(device), k_pos.to(device), mask)
+    logits = (module or drafter)(ids.reshape(n, -1).to(device), context, q_pos.to(device), k_pos.to(device), mask)
     return logits.reshape(n, anchors.shape[1], b, -1), targets.to(device)
 
 
@@ -118,15 +119,26 @@ class FeatureCache:
         return value
 
 
+def batch_anchors(examples: list[dict], anchors_per_seq: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Random anchor positions of every sequence of a batch, in batch order (data-parallel ranks draw
+    them for the whole batch, then take their slice, so they train on the 1-process run's blocks)."""
+    return [sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator) for ex in examples]
+
+
 def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Tensor, anchors_per_seq: int,
-               generator: torch.Generator, cache: FeatureCache | None = None, attention: str = "sdpa",
-               pad_length: int | None = None) -> torch.Tensor | None:
+               generator: torch.Generator | None, cache: FeatureCache | None = None, attention: str = "sdpa",
+               pad_length: int | None = None, anchor_lists: list[torch.Tensor] | None = None, module=None,
+               parts: bool = False):
     """Weighted block loss of a batch of sequences (right-padded, one target and one drafter forward).
     With `cache`, features come per sequence from disk (computed unpadded on a miss).
     `pad_length` (and `anchors_per_seq` anchors always) gives every batch one shape, so a compiled
-    flex_attention is compiled once instead of once per batch shape."""
+    flex_attention is compiled once instead of once per batch shape. `anchor_lists`: anchors drawn
+    beforehand (batch_anchors; else drawn here from `generator`); `module`: the drafter's DDP
+    wrapper; `parts`: return (weighted loss sum, weight sum) instead of their ratio. None when no
+    sequence has an anchor."""
     device = next(drafter.parameters()).device
-    anchor_lists = [sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator) for ex in examples]
+    if anchor_lists is None:
+        anchor_lists = batch_anchors(examples, anchors_per_seq, generator)
     keep = [i for i, a in enumerate(anchor_lists) if a.numel()]
     if not keep:
         return None
@@ -140,8 +152,9 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
         features = pad_right([r.to(device) for r in rows], 0, pad_length)
     else:
         features = target_pass(target, input_ids.to(device), layer_ids)[0]
-    logits, targets = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention)
-    return weighted_block_loss(logits.flatten(0, 1), targets.flatten(0, 1), weights)
+    logits, targets = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, module)
+    total, weight = weighted_block_loss_parts(logits.flatten(0, 1), targets.flatten(0, 1), weights)
+    return (total, weight) if parts else total / weight.clamp_min(1e-9)
 
 
 @torch.no_grad()

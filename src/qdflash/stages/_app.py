@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 from typing import Callable
 
 import hydra
 from omegaconf import DictConfig
 
+from ..distributed import teardown, world
 from ..errors import QdflashError
 from ..paths import config_dir
 from ..tracking import NodeRun, node_run
@@ -30,7 +32,15 @@ def stage(name: str) -> Callable[[Callable[[DictConfig, NodeRun], None]], Callab
                 log.error("%s: %s", name, err)
                 print(f"\nqdflash {name} failed: {err}", file=sys.stderr)
                 sys.exit(2)
+            finally:
+                teardown()
 
-        return main
+        def entry() -> None:
+            if not world().main:  # under torchrun: Hydra's own folder for ranks > 0 goes to scratch, not beside out_dir
+                sys.argv += [f"hydra.run.dir={tempfile.mkdtemp(prefix=f'qdflash-hydra-rank{world().rank}-')}",
+                             "hydra.output_subdir=null"]
+            main()
+
+        return entry
 
     return wrap

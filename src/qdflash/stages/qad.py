@@ -23,7 +23,9 @@ from ..data.jsonl import load_token_examples
 from ..distill import compare_to_teacher
 from ..errors import QdflashError
 from ..models import load_target, resolve_device, resolve_dtype
-from ..qad import cosine_lr, kl_loss, load_checkpoint, make_student_trainable, pack_sequences, save_checkpoint
+from ..distributed import all_sum, setup, shard, wrap
+from ..qad import (StudentHidden, cosine_lr, kl_sum_count, load_checkpoint, make_student_trainable, pack_sequences,
+                   save_checkpoint)
 from ..quant.apply import quant_linears
 from ..quant.export import load_quantized, save_quantized
 from ..tracking import NodeRun
@@ -68,8 +70,11 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     if not ptq_metrics_path.is_file():
         raise QdflashError(f"{ptq_metrics_path} not found: ptq_dir must be a quantize_target output")
     ptq_metrics = json.loads(ptq_metrics_path.read_text())
-    device = resolve_device(cfg.device)
+    world, device = setup(str(resolve_device(cfg.device)))  # one process per GPU under torchrun (qdflash.distributed)
+    device = torch.device(device)
     dtype = resolve_dtype(cfg.dtype, device)
+    if qad.batch_size % world.size:
+        raise QdflashError(f"qad.batch_size={qad.batch_size} must be a multiple of the {world.size} processes")
     torch.manual_seed(qad.seed)
     random.seed(qad.seed)
 
@@ -95,6 +100,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
 
     if qad.gradient_checkpointing:
         student.gradient_checkpointing_enable()
+    hidden = wrap(StudentHidden(student), world)  # DDP over the trained part: averages the latents' gradients
+    run.metrics["qad.world_size"] = world.size
     optimizer = torch.optim.AdamW(latents, lr=qad.lr, weight_decay=qad.weight_decay)
     fingerprint = hashlib.sha256(json.dumps(OmegaConf.to_container(cfg.qad, resolve=True), sort_keys=True).encode()
                                  + str(ptq_dir.resolve()).encode()).hexdigest()
@@ -110,12 +117,16 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         lr = cosine_lr(step, qad.steps, warmup, qad.lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        picks = [rows[order.randrange(len(rows))] for _ in range(qad.batch_size)]
-        ids = torch.stack([p[0] for p in picks]).to(device)
-        mask = torch.stack([p[1] for p in picks]).to(device)
-        loss = kl_loss(teacher, student, ids, mask, temperature=qad.temperature, chunk_tokens=qad.chunk_tokens)
+        picks = [rows[order.randrange(len(rows))] for _ in range(qad.batch_size)]  # the whole batch, on every rank
+        mine = shard(picks, world)
+        ids = torch.stack([p[0] for p in mine]).to(device)
+        mask = torch.stack([p[1] for p in mine]).to(device)
+        total, count = kl_sum_count(teacher, student, ids, mask, temperature=qad.temperature, chunk_tokens=qad.chunk_tokens,
+                                    hidden=hidden)
+        count_all = float(all_sum(torch.tensor(float(count), device=device)).clamp_min(1.0))  # the whole batch's tokens
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (total / count_all * world.size).backward()  # DDP averages over ranks: x size gives the 1-process gradient
+        loss = all_sum(total) / count_all
         grad_norm = torch.nn.utils.clip_grad_norm_(latents, qad.grad_clip)
         optimizer.step()
         run.log({"train/kl": loss.item(), "train/lr": lr, "train/grad_norm": grad_norm.item()}, step=step + 1)

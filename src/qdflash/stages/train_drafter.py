@@ -23,9 +23,10 @@ from ..data.jsonl import load_token_examples, read_jsonl
 from ..drafter import init_drafter, load_drafter, save_drafter
 from ..drafter.blocks import loss_weights
 from ..data.split import unit_interval
-from ..drafter.train import FeatureCache, batch_loss, estimate_acceptance, round_up
+from ..distributed import all_sum, setup, shard, wrap
+from ..drafter.train import FeatureCache, batch_anchors, batch_loss, estimate_acceptance, round_up
 from ..errors import QdflashError
-from ..models import load_target, synchronize
+from ..models import load_target, resolve_device, synchronize
 from ..qad import cosine_lr
 from ..tracking import NodeRun
 from ._app import stage
@@ -104,13 +105,17 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     if cfg.stage == 2 and not cfg.init_from:
         raise QdflashError("stage 2 needs init_from=<stage-1 drafter folder> (weights-only warm start)")
     torch.manual_seed(train_cfg.seed)
-    target = load_target(cfg.model.name, dtype=cfg.dtype, device=cfg.device)
+    world, device = setup(str(resolve_device(cfg.device)))  # one process per GPU under torchrun (qdflash.distributed)
+    if train_cfg.batch_size % world.size:
+        raise QdflashError(f"drafter_train.batch_size={train_cfg.batch_size} must be a multiple of the {world.size} processes")
+    target = load_target(cfg.model.name, dtype=cfg.dtype, device=device)
     for p in target.model.parameters():
         p.requires_grad_(False)
     shape = {k: v for k, v in OmegaConf.to_container(cfg.drafter, resolve=True).items() if v is not None}
     drafter = load_drafter(cfg.init_from, target) if cfg.init_from else init_drafter(target, **shape)
     drafter.train()
-    run.metrics.update({"drafter.parameters": drafter.num_parameters(), "drafter.layers": drafter.config.num_layers,
+    model = wrap(drafter, world)  # DDP: averages the gradients over the processes
+    run.metrics.update({"train.world_size": world.size, "drafter.parameters": drafter.num_parameters(), "drafter.layers": drafter.config.num_layers,
                         "drafter.block_size": drafter.block_size, "drafter.target_layer_ids": drafter.config.target_layer_ids,
                         "target.name": cfg.model.name, "stage": int(cfg.stage)})
     heldout = hash_subset(load_token_examples(cfg.data_dir, "heldout"), train_cfg.heldout_samples, "heldout-subset")
@@ -146,6 +151,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     # cached features live beside the output (not inside it) and are removed when the node succeeds
     cache = FeatureCache(Path(f"{cfg.out_dir}.features")) if train_cfg.cache_features else None
     curve: list[float] = []
+    sequences_here = 0  # sequences this process trained on (a 1/N share of each batch under torchrun)
     synchronize(drafter.norm.weight.device)
     started, eval_seconds = time.perf_counter(), 0.0
     for step in tqdm(range(steps), desc=f"drafter stage {cfg.stage}", unit="step"):
@@ -154,12 +160,23 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         batch = [train[i] for i in next(batches)]
+        anchors = batch_anchors(batch, train_cfg.anchors_per_seq, generator)  # the whole batch's, on every rank
+
+        mine = shard(batch, world)
+        sequences_here += len(mine)
 
         def forward_backward():
-            loss = batch_loss(drafter, target, batch, weights, train_cfg.anchors_per_seq, generator, cache, attention, pad_length)
-            if loss is not None:
-                loss.backward()
-            return loss
+            parts = batch_loss(drafter, target, mine, weights, train_cfg.anchors_per_seq, None, cache,
+                               attention, pad_length, anchor_lists=shard(anchors, world), module=model, parts=True)
+            if parts is None:
+                if world.distributed:  # the other ranks wait in the all-reduce: stop with the reason instead
+                    raise QdflashError(f"step {step}: rank {world.rank}'s slice of the batch has no trained block; "
+                                       "use a larger drafter_train.batch_size")
+                return None
+            total, weight = parts
+            weight_all = all_sum(weight).clamp_min(1e-9)  # the whole batch's weight: the 1-process mean loss
+            (total / weight_all * world.size).backward()  # DDP averages over ranks: x size gives the sum
+            return all_sum(total) / weight_all
 
         try:
             loss = forward_backward()
@@ -189,6 +206,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     run.metrics["train.seconds"] = round(time.perf_counter() - started - eval_seconds, 2)
     run.metrics["train.eval_seconds"] = round(eval_seconds, 2)
     run.metrics["train.loss_curve"] = curve
+    run.metrics["train.sequences_per_process"] = sequences_here
     if cache is not None:
         run.metrics.update({"train.feature_cache_hits": cache.hits, "train.feature_cache_misses": cache.misses})
         shutil.rmtree(cache.folder, ignore_errors=True)

@@ -1,0 +1,50 @@
+"""Data-parallel training (qdflash.distributed): the drafter node under torchrun on 2 CPU processes
+(gloo) follows the 1-process run's loss trajectory with the same global batch; only rank 0 writes."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_data(folder, vocab: int, n_train: int = 8, n_heldout: int = 4, length: int = 48, prompt: int = 12):
+    """A prepare_data-shaped folder of random token sequences (the loss on the response part)."""
+    rng = random.Random(0)
+    folder.mkdir(parents=True)
+    for split, n in (("train", n_train), ("heldout", n_heldout)):
+        rows = [{"id": f"{split}{i}", "input_ids": [rng.randrange(10, vocab) for _ in range(length)],
+                 "loss_mask": [0] * prompt + [1] * (length - prompt)} for i in range(n)]
+        (folder / f"{split}.tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({"id": r["id"], "category": "chat"}) + "\n" for r in rows))
+    return folder
+
+
+def run_node(module, args, processes, tmp_path, name):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+                str(29500 + random.Random(name).randrange(400))] if processes > 1 else [sys.executable]
+    out = tmp_path / name
+    cmd = [*launcher, "-m", module, *args, f"out_dir={out}", "tracking.wandb.mode=offline"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "metrics.json").read_text()), out
+
+
+def test_drafter_training_on_two_processes_follows_one_process(tiny_llama, tmp_path):
+    data = tiny_data(tmp_path / "data", tiny_llama.config.vocab_size)
+    args = ["model=tiny-llama", "device=cpu", "dtype=float32", "stage=1", f"data_dir={data}", "drafter.num_layers=1",
+            "drafter_train.steps=4", "drafter_train.batch_size=4", "drafter_train.anchors_per_seq=4",
+            "drafter_train.eval_every=100", "drafter_train.heldout_samples=4", "drafter_train.cache_features=false"]
+    one, _ = run_node("qdflash.stages.train_drafter", args, 1, tmp_path, "one")
+    two, out = run_node("qdflash.stages.train_drafter", args, 2, tmp_path, "two")
+    assert one["train.world_size"] == 1 and two["train.world_size"] == 2
+    assert one["train.sequences_per_process"] == 16 and two["train.sequences_per_process"] == 8  # each rank half a batch
+    assert len(one["train.loss_curve"]) == len(two["train.loss_curve"]) == 4
+    assert two["train.loss_curve"] == pytest.approx(one["train.loss_curve"], rel=1e-4)
+    assert two["final.tau"] == pytest.approx(one["final.tau"], rel=1e-4)
+    # rank 0 alone wrote the node's folder; nothing of rank 1 is left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "one", "two"]
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1
