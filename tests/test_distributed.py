@@ -48,3 +48,19 @@ def test_drafter_training_on_two_processes_follows_one_process(tiny_llama, tmp_p
     # rank 0 alone wrote the node's folder; nothing of rank 1 is left beside it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "one", "two"]
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_qad_on_two_processes_follows_one_process(tiny_llama, tmp_path):
+    data = tiny_data(tmp_path / "data", tiny_llama.config.vocab_size, n_train=12, length=64)
+    common = ["model=tiny-llama", "device=cpu", "dtype=float32", f"data_dir={data}", "eval.heldout_samples=4"]
+    _, ptq = run_node("qdflash.stages.quantize_target", [*common, "quant.method=rtn", "quant.bits=4", "quant.group_size=32"],
+                      1, tmp_path, "ptq")
+    args = [*common, f"ptq_dir={ptq}", "qad.steps=4", "qad.batch_size=4", "qad.seq_len=32", "qad.eval_every=100",
+            "qad.checkpoint_every=100", "qad.lr=1e-3"]
+    one, _ = run_node("qdflash.stages.qad", args, 1, tmp_path, "one")
+    two, _ = run_node("qdflash.stages.qad", args, 2, tmp_path, "two")
+    assert one["qad.world_size"] == 1 and two["qad.world_size"] == 2
+    assert two["qad.train_kl_curve"] == pytest.approx(one["qad.train_kl_curve"], rel=1e-4)
+    assert two["quant.kl"] == pytest.approx(one["quant.kl"], rel=1e-4)  # the final held-out KL
+    assert len(one["qad.train_kl_curve"]) == 4
+    assert one["qad.rows_per_process"] == 16 and two["qad.rows_per_process"] == 8  # each rank half of every batch

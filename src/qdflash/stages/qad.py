@@ -113,12 +113,15 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     student.train()
     order = random.Random(qad.seed)
     bar = tqdm(range(start, qad.steps), desc="qad", unit="step", initial=start, total=qad.steps)
+    curve: list[float] = []  # training KL per step of this run (a resumed run: from the resumed step)
+    rows_here = 0  # packed rows this process trained on (a 1/N share of each batch under torchrun)
     for step in bar:
         lr = cosine_lr(step, qad.steps, warmup, qad.lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
         picks = [rows[order.randrange(len(rows))] for _ in range(qad.batch_size)]  # the whole batch, on every rank
         mine = shard(picks, world)
+        rows_here += len(mine)
         ids = torch.stack([p[0] for p in mine]).to(device)
         mask = torch.stack([p[1] for p in mine]).to(device)
         total, count = kl_sum_count(teacher, student, ids, mask, temperature=qad.temperature, chunk_tokens=qad.chunk_tokens,
@@ -130,12 +133,14 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(latents, qad.grad_clip)
         optimizer.step()
         run.log({"train/kl": loss.item(), "train/lr": lr, "train/grad_norm": grad_norm.item()}, step=step + 1)
+        curve.append(round(loss.item(), 7))
         bar.set_postfix(kl=f"{loss.item():.4f}")
         if (step + 1) % qad.eval_every == 0 and step + 1 < qad.steps:
             evaluate(run, teacher, student, heldout, cfg, step=step + 1)
         if (step + 1) % qad.checkpoint_every == 0:
             save_checkpoint(ckpt, step + 1, latents, optimizer, fingerprint)
 
+    run.metrics.update({"qad.train_kl_curve": curve, "qad.rows_per_process": rows_here})
     for module in quant_linears(student).values():
         module.freeze()  # latent weights -> ints on the frozen grid
     final = evaluate(run, teacher, student, heldout, cfg, step=qad.steps)
