@@ -21,6 +21,13 @@ include: "workflow/rules/gates.smk"
 include: "workflow/rules/report.smk"
 
 
+# a resources entry must name a rule of this DAG (a typo would silently keep the defaults)
+_unknown = set(PROFILE.get("resources") or {}) - {r.name for r in workflow.rules} - {"default"}
+if _unknown:
+    raise WorkflowError(f"profiles.{config['profile']}.resources: {sorted(_unknown)} are not rules of this workflow "
+                        f"(rules: {sorted(r.name for r in workflow.rules)})")
+
+
 rule all:
     input:
         DATA_BF16,

@@ -319,3 +319,35 @@ def test_drafter_scaling_study_on_ci(tmp_path):
             assert m["train.steps"] == -(-size // CONFIG["profiles"]["ci"]["drafter_train"]["batch_size"])  # one epoch
             runs[size, depth] = m
     assert runs[scaling["sizes"][0], 1]["drafter.parameters"] < runs[scaling["sizes"][0], 2]["drafter.parameters"]
+
+
+def test_slurm_profile_dry_run_lists_every_job_with_its_resources(tmp_path):
+    """The qwen3.5-4b profile through the SLURM executor profile (dry run: no cluster needed):
+    every rule with RECIPE.md's resources, the multi-GPU training rules launched by torchrun."""
+    pytest.importorskip("snakemake_executor_plugin_slurm")
+    out = snakemake(tmp_path, "--profile", str(REPO_ROOT / "workflow" / "profiles" / "slurm"), "-n", "-p",
+                    "--config", "profile=qwen3.5-4b")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    jobs = {}
+    for block in text.split("\nrule ")[1:] + text.split("\nlocalrule ")[1:]:
+        name = block.split(":")[0]
+        resources = next((line for line in block.splitlines() if line.strip().startswith("resources:")), "")
+        command = next((line for line in block.splitlines() if line.startswith("Shell command:") or "qdflash.stages" in line), "")
+        jobs.setdefault(name, (resources, command))
+    table = CONFIG["profiles"]["qwen3.5-4b"]["resources"]
+    for rule in ("prepare_data", "quantize_target", "qad", "drafter_stage1", "drafter_stage2", "quality_gate", "bench_speedup", "report"):
+        want = {**table["default"], **table.get(rule, {})}
+        resources, command = jobs[rule]
+        assert f"gpu={want['gpu']}," in resources and f"mem_mb={want['mem_mb']}," in resources, (rule, resources)
+        assert f"runtime={want['runtime']}," in resources and f"cpus_per_task={want['cpus']}," in resources, (rule, resources)
+        assert ("torch.distributed.run" in command) == (want["gpu"] > 1), (rule, command)
+    assert "--nproc_per_node 8 -m qdflash.stages.qad" in jobs["qad"][1]
+
+
+def test_a_resources_entry_for_no_rule_is_refused(tmp_path):
+    config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+    config["profiles"]["ci"]["resources"] = {"qda": {"gpu": 2}}
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump(config))
+    out = snakemake(tmp_path, "-n", "--configfile", str(tmp_path / "typo.yaml"), "--config", "profile=ci")
+    assert out.returncode != 0 and "['qda'] are not rules of this workflow" in out.stdout + out.stderr

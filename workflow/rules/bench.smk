@@ -34,5 +34,6 @@ rule bench_speedup:
         ),
         config=fingerprint(["bench"]),
     threads: workflow.cores
+    resources: **rule_resources("bench_speedup")
     shell:
         "{PYTHON} -m qdflash.stages.bench_speedup {params.args}"

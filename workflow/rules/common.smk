@@ -23,6 +23,28 @@ wildcard_constraints:
     group=r"\d+|ch",
 
 
+# What each rule asks a cluster for (profiles.<name>.resources; workflow/profiles/slurm): GPUs, CPUs,
+# memory, minutes. A profile without the section runs every rule on this machine with no GPU request.
+RESOURCE_DEFAULTS = {"gpu": 0, "cpus": 1, "mem_mb": 8000, "runtime": 60}
+
+
+def rule_resources(rule_name):
+    """The resources of one rule: the profile's entry for it over its `default` entry over the
+    built-in defaults (snakemake-executor-plugin-slurm reads gpu, cpus_per_task, mem_mb, runtime)."""
+    table = PROFILE.get("resources") or {}
+    merged = {**RESOURCE_DEFAULTS, **table.get("default", {}), **table.get(rule_name, {})}
+    return {"gpu": merged["gpu"], "cpus_per_task": merged["cpus"], "mem_mb": merged["mem_mb"], "runtime": merged["runtime"]}
+
+
+def launcher(rule_name):
+    """How a node starts: one process, or one per GPU through torchrun for a multi-GPU training rule
+    (qdflash.distributed reads the world size torchrun sets)."""
+    gpus = rule_resources(rule_name)["gpu"]
+    if gpus > 1:
+        return f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node {gpus} -m"
+    return f"{PYTHON} -m"
+
+
 def group_label(group_size):
     return "ch" if int(group_size) == -1 else str(group_size)
 

@@ -11,7 +11,6 @@ rule prepare_data:
         args=hydra_args("prepare_data", ["data"]),
         config=fingerprint(["data"]),
     threads: workflow.cores
-    resources:
-        gpus=lambda wc: 1 if config["profiles"][config["profile"]]["device"] == "cuda" else 0,
+    resources: **rule_resources("prepare_data")
     shell:
         "{PYTHON} -m qdflash.stages.prepare_data {params.args}"

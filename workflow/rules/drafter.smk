@@ -22,6 +22,7 @@ rule regenerate_data:
         args=hydra_args("prepare_data", ["data"], lambda wc, input: {"model.name": f"{input.qad}/model/dense", "data_role": "qad"}),
         config=fingerprint(["data"]),
     threads: workflow.cores
+    resources: **rule_resources("regenerate_data")
     shell:
         "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
 
@@ -34,10 +35,12 @@ rule drafter_stage1:
         directory(STAGE1),
     params:
         args=hydra_args("train_drafter", ["drafter", "drafter_train"], lambda wc, input: {"stage": 1, "data_dir": input.data}),
+        launch=launcher("drafter_stage1"),
         config=fingerprint(["drafter", "drafter_train"]),
     threads: workflow.cores
+    resources: **rule_resources("drafter_stage1")
     shell:
-        "{PYTHON} -m qdflash.stages.train_drafter {params.args}"
+        "{params.launch} qdflash.stages.train_drafter {params.args}"
 
 
 rule drafter_stage2:
@@ -55,10 +58,12 @@ rule drafter_stage2:
             lambda wc, input: {"stage": 2, "data_dir": input.data, "model.name": f"{input.qad}/model/dense",
                                "init_from": f"{input.stage1}/drafter"},
         ),
+        launch=launcher("drafter_stage2"),
         config=fingerprint(["drafter", "drafter_train"]),
     threads: workflow.cores
+    resources: **rule_resources("drafter_stage2")
     shell:
-        "{PYTHON} -m qdflash.stages.train_drafter {params.args}"
+        "{params.launch} qdflash.stages.train_drafter {params.args}"
 
 
 rule compress_drafter:
@@ -84,5 +89,6 @@ rule compress_drafter:
         ),
         config=fingerprint(["compress"]),
     threads: workflow.cores
+    resources: **rule_resources("compress_drafter")
     shell:
         "{PYTHON} -m qdflash.stages.compress_drafter {params.args}"

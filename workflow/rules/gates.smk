@@ -14,6 +14,7 @@ rule quality_reference:
         args=hydra_args("quality_gate", ["data", "gates"]),
         config=fingerprint(["data", "gates"]),
     threads: workflow.cores
+    resources: **rule_resources("quality_reference")
     shell:
         "{PYTHON} -m qdflash.stages.quality_gate {params.args}"
 
@@ -32,5 +33,6 @@ rule quality_gate:
         args=hydra_args("quality_gate", ["data", "gates"], lambda wc, input: {"variant": f"{input.target}/model", "reference": input.reference}),
         config=fingerprint(["data", "gates"]),
     threads: workflow.cores
+    resources: **rule_resources("quality_gate")
     shell:
         "{PYTHON} -m qdflash.stages.quality_gate {params.args}"

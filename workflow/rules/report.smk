@@ -25,6 +25,7 @@ rule report:
                                "gate_dirs": list(input.gates), "bench_dirs": list(input.bench),
                                "drafter_dirs": [input.stage1, input.stage2, *input.compressed]},
         ),
+    resources: **rule_resources("report")
     shell:
         "{PYTHON} -m qdflash.stages.report {params.args}"
 
@@ -38,5 +39,6 @@ rule figures:
         report(directory(FIGURES), patterns=["{name}.png"], caption="../report/figures.rst", category="Figures"),
     params:
         args=hydra_args("figures", [], lambda wc, input: {"tables": input[0]}),
+    resources: **rule_resources("figures")
     shell:
         "{PYTHON} -m qdflash.stages.figures {params.args}"

@@ -47,6 +47,7 @@ if SCALING:
             ),
             config=section_fingerprint({"data": scaling_data_section(), "shards": SCALING["shards"]}),
         threads: workflow.cores
+        resources: **rule_resources("scaling_data_shard")
         shell:
             "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
 
@@ -77,6 +78,7 @@ if SCALING:
             ),
             config=section_fingerprint({"drafter": PROFILE["drafter"], "train": scaling_train_section()}),
         threads: workflow.cores
+        resources: **rule_resources("scaling_drafter")
         shell:
             "{PYTHON} -m qdflash.stages.train_drafter {params.args}"
 

@@ -22,6 +22,7 @@ rule quantize_target:
         ),
         config=fingerprint(["quant", "eval"]),
     threads: workflow.cores
+    resources: **rule_resources("quantize_target")
     shell:
         "{PYTHON} -m qdflash.stages.quantize_target {params.args}"
 
@@ -35,7 +36,9 @@ rule qad:
         directory(QAD),
     params:
         args=hydra_args("qad", ["qad", "eval"], lambda wc, input: {"data_dir": input.data, "ptq_dir": input.ptq}),
+        launch=launcher("qad"),
         config=fingerprint(["qad", "eval"]),
     threads: workflow.cores
+    resources: **rule_resources("qad")
     shell:
-        "{PYTHON} -m qdflash.stages.qad {params.args}"
+        "{params.launch} qdflash.stages.qad {params.args}"
