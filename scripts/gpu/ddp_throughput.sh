@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # On a 2-GPU machine: drafter training throughput on 1 GPU and on 2 GPUs (torchrun, DDP), the same
 # global batch and steps, on the default profile's data brought along (stage.py --results).
-#   bash scripts/gpu/ddp_throughput.sh [STEPS]      -> $OUT/ddp/{gpus1,gpus2}/metrics.json
+#   bash scripts/gpu/ddp_throughput.sh [STEPS [BATCH]]   -> $OUT/ddp-b<BATCH>/{gpus1,gpus2}/metrics.json
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
-steps=${1:-60}; out=${OUT:-/tmp/out}/ddp; mkdir -p "$out"
+steps=${1:-60}; batch=${2:-16}; out=${OUT:-/tmp/out}/ddp-b$batch; mkdir -p "$out"
 data=$QDFLASH_RESULTS/default/data/bf16
 [ -f "$data/train.tokens.jsonl" ] || { echo "ddp_throughput: $data was not brought along"; exit 3; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 args=(model=smollm2-135m device=cuda dtype=bfloat16 stage=1 "data_dir=$data" experiment=ddp-throughput
-      drafter.num_layers=2 drafter.block_size=16 "drafter_train.steps=$steps" drafter_train.batch_size=16
+      drafter.num_layers=2 drafter.block_size=16 "drafter_train.steps=$steps" "drafter_train.batch_size=$batch"
       drafter_train.anchors_per_seq=32 drafter_train.max_length=1024 drafter_train.eval_every=100000
       drafter_train.heldout_samples=16 drafter_train.cache_features=false drafter_train.attention=sdpa)
 for gpus in 1 2; do
