@@ -33,3 +33,33 @@ def test_a_shard_without_its_files_names_the_file(tmp_path):
 
     with pytest.raises(QdflashError, match=r"train\.jsonl not found"):
         list(read_jsonl(tmp_path / "train.jsonl"))
+
+
+@pytest.mark.slow
+def test_sharded_generation_writes_what_one_job_writes(tmp_path):
+    """The ci profile's data stage as one job, and as 2 shards joined by merge_data: the same rows
+    (prompts, sampled training responses, greedy held-out responses, tokens), in the same order."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from qdflash.config import node_overrides
+    from qdflash.paths import REPO_ROOT
+
+    config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+    config["profile"] = "ci"
+
+    def node(module, out, sections, extra=None):
+        args = node_overrides(config, module, out, sections, extra) + ["tracking.wandb.mode=disabled"]
+        done = subprocess.run([sys.executable, "-m", f"qdflash.stages.{module}", *args], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return out
+
+    whole = node("prepare_data", tmp_path / "whole", ["data"])
+    shards = [node("prepare_data", tmp_path / f"shard-{i}", ["data"], {"shard.index": i, "shard.count": 2}) for i in range(2)]
+    merged = node("merge_data", tmp_path / "merged", [], {"shards": [str(s) for s in shards]})
+    for name in ("train.jsonl", "heldout.jsonl", "train.tokens.jsonl", "heldout.tokens.jsonl"):
+        one = [json.loads(line) for line in open(whole / name)]
+        two = [json.loads(line) for line in open(merged / name)]
+        assert len(one) == len(two) > 0 and one == two, name

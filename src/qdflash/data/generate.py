@@ -3,6 +3,11 @@
 Why it is faster than a plain loop over `generate`: prompts are sorted by length (little padding),
 batches are large, and on a GPU an optional static KV cache of one fixed size lets `generate`
 compile its decode step once and replay it for every batch.
+
+Sampling with `keys` (one integer per prompt) draws each prompt's tokens from noise that depends only
+on (seed, key, step), not on the batch the prompt lands in or the random state before it
+(`KeyedSampler`). So a prompt gets the same response whether the data is generated in one job or
+sharded over many (qdflash.stages.prepare_data `shard.*` + merge_data).
 """
 
 from __future__ import annotations
@@ -57,6 +62,56 @@ def cut_at_stop(row: list[int], eos_ids: set[int]) -> Generation:
     return Generation(row, "length")
 
 
+def _int64(value: int) -> int:
+    """A Python int wrapped to a signed 64-bit value (what int64 tensor arithmetic wraps to)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (wrapping arithmetic; logical shifts by masking): a
+    counter-based hash, so the noise for (key, step, token) is computed, not drawn in sequence."""
+    def shr(v, n):  # logical right shift of a two's-complement int64
+        return (v >> n) & ((1 << (64 - n)) - 1)
+
+    x = (x ^ shr(x, 30)) * -4658895280553007687   # 0xbf58476d1ce4e5b9 as int64
+    x = (x ^ shr(x, 27)) * -7723592293110705685   # 0x94d049bb133111eb as int64
+    return x ^ shr(x, 31)
+
+
+def keyed_uniform(keys: torch.Tensor, step: int, vocab: int, seed: int) -> torch.Tensor:
+    """U(0, 1) noise [len(keys), vocab] that depends only on (seed, key, step, token id)."""
+    golden = -7046029254386353131  # 0x9e3779b97f4a7c15 as int64
+    base = _mix64(keys.to(torch.int64) * golden + _int64((seed * 1_000_003 + step) * 6364136223846793005))
+    x = _mix64(base[:, None] + torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :] * golden)
+    return ((x >> 11) & ((1 << 53) - 1)).to(torch.float64).div_(float(1 << 53)).clamp_(1e-12, 1 - 1e-12)
+
+
+class KeyedSampler:
+    """A logits processor that turns greedy `generate` into sampling at `temperature` with top-k /
+    top-p, by the Gumbel-max trick: argmax(log p + g) with g = -log(-log u) is a sample of p. u comes
+    from `keyed_uniform`, so each row's sample depends on its key and step only (batch-invariant)."""
+
+    def __init__(self, sampling: Sampling, keys: list[int], seed: int, prompt_width: int):
+        self.sampling, self.seed, self.width = sampling, seed, prompt_width
+        self.keys = torch.tensor(keys, dtype=torch.int64)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.width  # tokens generated so far (the same for every row)
+        logits = scores.float() / self.sampling.temperature
+        if self.sampling.top_k > 0:
+            kth = logits.topk(min(self.sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.sampling.top_p < 1.0:
+            ordered, index = logits.sort(dim=-1, descending=True)
+            probs = ordered.softmax(-1)
+            drop = probs.cumsum(-1) - probs > self.sampling.top_p  # keep the smallest prefix reaching top_p
+            logits = logits.masked_fill(drop.scatter(-1, index, drop), float("-inf"))
+        u = keyed_uniform(self.keys.to(scores.device), step, scores.shape[-1], self.seed)
+        gumbel = -torch.log(-torch.log(u)).to(logits.dtype)
+        return logits.log_softmax(-1) + gumbel
+
+
 def _sampling_kwargs(sampling: Sampling) -> dict:
     if sampling.greedy:
         # explicit Nones silence generation_config defaults that only apply to sampling
@@ -84,8 +139,13 @@ def generate_batched(
     static_cache_len: int | None = None,
     desc: str = "generate",
     progress: bool = True,
+    keys: list[int] | None = None,
 ) -> tuple[list[Generation], GenerationStats]:
     """Generate for every prompt (token-id lists); results come back in the prompts' order.
+
+    `keys`: one integer per prompt; when sampling, each prompt's tokens then depend on (seed, its key)
+    only, not on batching or sharding (KeyedSampler). Without keys, transformers samples from the
+    global generator seeded once with `seed`.
 
     `static_cache_len`: when set, every batch uses a static KV cache of exactly this many positions
     (so the compiled decode step is reused; transformers compiles it for static caches on a GPU);
@@ -102,7 +162,10 @@ def generate_batched(
     stats = GenerationStats(prompts=len(prompts))
     eos_set = set(eos_ids)
     torch.manual_seed(seed)
-    extra = _sampling_kwargs(sampling)
+    keyed = keys is not None and not sampling.greedy
+    if keys is not None and len(keys) != len(prompts):
+        raise ValueError(f"{len(keys)} keys for {len(prompts)} prompts")
+    extra = _sampling_kwargs(Sampling(0.0) if keyed else sampling)  # keyed: greedy over the sampler's scores
     if static_cache_len:
         extra["cache_implementation"] = "static"
 
@@ -123,6 +186,10 @@ def generate_batched(
             ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]) :] = 1
         kwargs = dict(extra)
+        if keyed:
+            from transformers import LogitsProcessorList
+
+            kwargs["logits_processor"] = LogitsProcessorList([KeyedSampler(sampling, [keys[i] for i in rows], seed, width)])
         if static_cache_len:
             kwargs["max_cache_len"] = max(static_cache_len, width + max_new_tokens)
         out = model.generate(

@@ -10,12 +10,14 @@ Outputs (in out_dir):
 - ``metrics.json``, ``config.yaml``, ``wandb/`` (see qdflash.tracking).
 The same node regenerates data with a quantized target later (``data_role``). With ``shard.count``
 > 1 it generates every count-th selected prompt (shard ``shard.index``); ``merge_data`` interleaves
-the shards back into the unsharded order. Greedy (held-out) responses do not depend on the sharding;
-sampled ones come from a per-shard seed (``seed + index``), so they are other, equally valid samples.
+the shards back into the unsharded order. Neither greedy (held-out) nor sampled (training) responses
+depend on the sharding: each prompt samples from noise keyed by its id (qdflash.data.generate
+KeyedSampler), so a sharded run writes the same data as one job.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 
@@ -163,6 +165,11 @@ def _static_len(cfg: DictConfig) -> int | None:
     return cfg.data.max_prompt_tokens + gen.max_new_tokens if gen.static_cache else None
 
 
+def prompt_key(item_id: str) -> int:
+    """The sampling key of a prompt: its id hashed to 60 bits (same prompt, same samples, any shard)."""
+    return int(hashlib.sha256(item_id.encode()).hexdigest()[:15], 16)
+
+
 @stage("prepare_data")
 def main(cfg: DictConfig, run: NodeRun) -> None:
     validate_section(OmegaConf.to_container(cfg.data, resolve=True), "data", "Hydra config group `data`")
@@ -203,8 +210,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     )
     for split, items, sampling, decoding in splits:
         gens, stats = generate_batched(
-            target.model, [prompt_ids[i.id] for i in items], sampling=sampling, seed=gen.seed + cfg.shard.index,
-            desc=f"{split} ({decoding})", **common,
+            target.model, [prompt_ids[i.id] for i in items], sampling=sampling, seed=gen.seed,
+            keys=[prompt_key(i.id) for i in items], desc=f"{split} ({decoding})", **common,
         )
         rows, tokenized = records(items, prompt_ids, gens, target, decoding)
         write_jsonl(run.dir / f"{split}.jsonl", rows)
