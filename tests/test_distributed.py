@@ -50,16 +50,17 @@ def test_drafter_training_on_two_processes_follows_one_process(tiny_llama, tmp_p
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
 
 
-def test_qad_on_two_processes_follows_one_process(tiny_llama, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_qad_on_two_processes_follows_one_process(parallel, tiny_llama, tmp_path):
     data = tiny_data(tmp_path / "data", tiny_llama.config.vocab_size, n_train=12, length=64)
     common = ["model=tiny-llama", "device=cpu", "dtype=float32", f"data_dir={data}", "eval.heldout_samples=4"]
     _, ptq = run_node("qdflash.stages.quantize_target", [*common, "quant.method=rtn", "quant.bits=4", "quant.group_size=32"],
                       1, tmp_path, "ptq")
     args = [*common, f"ptq_dir={ptq}", "qad.steps=4", "qad.batch_size=4", "qad.seq_len=32", "qad.eval_every=100",
-            "qad.checkpoint_every=100", "qad.lr=1e-3"]
+            "qad.checkpoint_every=100", "qad.lr=1e-3", f"qad.parallel={parallel}"]
     one, _ = run_node("qdflash.stages.qad", args, 1, tmp_path, "one")
     two, _ = run_node("qdflash.stages.qad", args, 2, tmp_path, "two")
-    assert one["qad.world_size"] == 1 and two["qad.world_size"] == 2
+    assert one["qad.world_size"] == 1 and two["qad.world_size"] == 2 and two["qad.parallel"] == parallel
     assert two["qad.train_kl_curve"] == pytest.approx(one["qad.train_kl_curve"], rel=1e-4)
     assert two["quant.kl"] == pytest.approx(one["quant.kl"], rel=1e-4)  # the final held-out KL
     assert len(one["qad.train_kl_curve"]) == 4

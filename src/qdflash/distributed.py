@@ -79,3 +79,21 @@ def wrap(module: torch.nn.Module, w: World) -> torch.nn.Module:
 
     device = next(module.parameters()).device
     return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def shard_layers(layers) -> None:
+    """FSDP (PyTorch's fully_shard) on each layer: its parameters, gradients and optimizer state are
+    split over the ranks and gathered only while the layer runs. For a model whose trained weights
+    live in its layers (QAD's latents): the frozen rest stays whole on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer)
+
+
+def full_state_dict(module: torch.nn.Module) -> dict | None:
+    """The whole state dict on rank 0 (CPU tensors; a collective: every rank calls it), None elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if world().main else None

@@ -23,7 +23,7 @@ from ..data.jsonl import load_token_examples
 from ..distill import compare_to_teacher
 from ..errors import QdflashError
 from ..models import load_target, resolve_device, resolve_dtype
-from ..distributed import all_sum, setup, shard, wrap
+from ..distributed import all_sum, full_state_dict, setup, shard, shard_layers, wrap
 from ..qad import (StudentHidden, cosine_lr, kl_sum_count, load_checkpoint, make_student_trainable, pack_sequences,
                    save_checkpoint)
 from ..quant.apply import quant_linears
@@ -100,13 +100,21 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
 
     if qad.gradient_checkpointing:
         student.gradient_checkpointing_enable()
-    hidden = wrap(StudentHidden(student), world)  # DDP over the trained part: averages the latents' gradients
-    run.metrics["qad.world_size"] = world.size
+    fsdp = world.distributed and qad.parallel == "fsdp"
+    if fsdp:  # the latents (and their optimizer state) split over the ranks; the frozen rest stays whole
+        shard_layers(student.model.layers)
+        latents = [p for p in student.parameters() if p.requires_grad]  # fully_shard replaced them
+        hidden = StudentHidden(student)
+    else:
+        hidden = wrap(StudentHidden(student), world)  # DDP over the trained part: averages the latents' gradients
+    run.metrics.update({"qad.world_size": world.size, "qad.parallel": qad.parallel if world.distributed else "none"})
     optimizer = torch.optim.AdamW(latents, lr=qad.lr, weight_decay=qad.weight_decay)
     fingerprint = hashlib.sha256(json.dumps(OmegaConf.to_container(cfg.qad, resolve=True), sort_keys=True).encode()
                                  + str(ptq_dir.resolve()).encode()).hexdigest()
     ckpt = Path(f"{cfg.out_dir}.ckpt") / "state.pt"
-    start = load_checkpoint(ckpt, latents, optimizer, fingerprint)
+    if fsdp:
+        log.info("fsdp: resumable checkpoints are not written (each rank holds a shard of the latents)")
+    start = 0 if fsdp else load_checkpoint(ckpt, latents, optimizer, fingerprint)
     if start:
         log.info("resuming from %s at step %d", ckpt, start)
     warmup = max(1, round(qad.warmup_ratio * qad.steps))
@@ -137,10 +145,17 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         bar.set_postfix(kl=f"{loss.item():.4f}")
         if (step + 1) % qad.eval_every == 0 and step + 1 < qad.steps:
             evaluate(run, teacher, student, heldout, cfg, step=step + 1)
-        if (step + 1) % qad.checkpoint_every == 0:
+        if (step + 1) % qad.checkpoint_every == 0 and not fsdp:
             save_checkpoint(ckpt, step + 1, latents, optimizer, fingerprint)
 
     run.metrics.update({"qad.train_kl_curve": curve, "qad.rows_per_process": rows_here})
+    if fsdp:  # rank 0 rounds, evaluates and exports a whole student with the trained latents
+        state = full_state_dict(student)
+        if not world.main:
+            return
+        student, tokenizer, spec = load_quantized(ptq_dir / "model", device=device, dtype=dtype)
+        make_student_trainable(student, reference=teacher)
+        student.load_state_dict(state)
     for module in quant_linears(student).values():
         module.freeze()  # latent weights -> ints on the frozen grid
     final = evaluate(run, teacher, student, heldout, cfg, step=qad.steps)
