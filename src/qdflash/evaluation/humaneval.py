@@ -12,12 +12,12 @@ Score per problem: `pass_at_1`, 1 when the greedy completion passes every test, 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from ..data.sources import PromptItem
 from ..errors import QdflashError
+from .tasks import greedy_generation, scoring_module, write_task
 
 CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
 
@@ -43,43 +43,25 @@ def write_humaneval_task(folder: Path, items: list[PromptItem], name: str = "qdf
         raise QdflashError("gates.tasks.humaneval runs the model's code against the problems' tests; "
                            "set gates.tasks.humaneval.allow_code_execution: true to allow that (off by default)")
     problems = read_problems(problems_file)
+    rows = []
+    for item in items:
+        if item.reference not in problems:
+            raise QdflashError(f"HumanEval item {item.id}: task {item.reference!r} is not among the problems read")
+        problem = problems[item.reference]
+        rows.append({"task_id": item.reference, "prompt": item.prompt, "code_prompt": problem["prompt"],
+                     "test": problem["test"], "entry_point": problem["entry_point"], "timeout": timeout})
     folder.mkdir(parents=True, exist_ok=True)
-    data = folder / f"{name}.jsonl"
-    with open(data, "w") as f:
-        for item in items:
-            if item.reference not in problems:
-                raise QdflashError(f"HumanEval item {item.id}: task {item.reference!r} is not among the problems read")
-            problem = problems[item.reference]
-            f.write(json.dumps({"task_id": item.reference, "prompt": item.prompt, "code_prompt": problem["prompt"],
-                                "test": problem["test"], "entry_point": problem["entry_point"], "timeout": timeout}) + "\n")
-    utils = f"{name}_utils"
-    (folder / f"{utils}.py").write_text(
-        '"""Written by qdflash: lm-eval imports `!function` targets from beside the YAML."""\n'
-        "from qdflash.evaluation.humaneval import process_results  # noqa: F401\n")
-    (folder / f"{name}.yaml").write_text("\n".join([
-        f"task: {name}",
-        "dataset_path: json",
-        "dataset_kwargs:",
-        "  data_files:",
-        f"    test: {json.dumps(str(data.resolve()))}",
-        "test_split: test",
-        "output_type: generate_until",
+    utils = scoring_module(folder, name, __name__, ["process_results"])
+    return write_task(folder, name, rows, [
+        *greedy_generation(max_gen_toks),
         "doc_to_text: prompt",
         "doc_to_target: task_id",  # unused: the tests decide
-        "generation_kwargs:",
-        "  until: []",
-        "  do_sample: false",
-        f"  max_gen_toks: {int(max_gen_toks)}",
         f"process_results: !function {utils}.process_results",
         "metric_list:",
         "  - metric: pass_at_1",
         "    aggregation: mean",
         "    higher_is_better: true",
-        "metadata:",
-        "  version: 1.0",
-        "",
-    ]))
-    return name
+    ])
 
 
 def extract_code(response: str) -> str:

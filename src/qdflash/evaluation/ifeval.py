@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..errors import QdflashError
 from ..paths import shared_data_dir
+from .tasks import greedy_generation, scoring_module, write_task
 
 FILE_NAME = "input_data.jsonl"
 FIELDS = ("key", "prompt", "instruction_id_list", "kwargs")
@@ -109,47 +110,23 @@ def load_ifeval_items(path: str | Path | None = None) -> list[dict]:
 def write_ifeval_task(folder: Path, items: list[dict], name: str = "qdflash_ifeval", max_gen_toks: int = 512) -> str:
     """A zero-shot, greedy generation task over IFEval prompts, scored like lm-eval's `ifeval` task
     (strict and loose, per prompt and per instruction). Writes `<name>.jsonl`, `<name>.yaml` and
-    `<name>_utils.py` into `folder`; returns the task name.
-
-    The utils file exists because lm-eval resolves `!function module.fn` only as a `module.py`
-    beside the YAML (lm_eval.utils.import_function), never as an installed package path; it just
-    re-exports this module's scoring functions."""
+    `<name>_utils.py` (the scoring functions of this module, where lm-eval can import them) into
+    `folder`; returns the task name."""
     folder.mkdir(parents=True, exist_ok=True)
-    data = folder / f"{name}.jsonl"
-    with open(data, "w") as f:
-        for item in items:
-            f.write(json.dumps({field: item[field] for field in FIELDS}) + "\n")
-    utils = f"{name}_utils"
-    (folder / f"{utils}.py").write_text(
-        '"""Written by qdflash: lm-eval imports `!function` targets from beside the YAML."""\n'
-        "from qdflash.evaluation.ifeval import agg_inst_level_acc, process_results  # noqa: F401\n")
+    utils = scoring_module(folder, name, __name__, ["agg_inst_level_acc", "process_results"])
     metrics = []
     for metric in ("prompt_level_strict_acc", "inst_level_strict_acc", "prompt_level_loose_acc", "inst_level_loose_acc"):
         # per-instruction metrics are lists per prompt: pooled over all instructions, not averaged per prompt
         aggregation = f"!function {utils}.agg_inst_level_acc" if metric.startswith("inst") else "mean"
         metrics += [f"  - metric: {metric}", f"    aggregation: {aggregation}", "    higher_is_better: true"]
-    (folder / f"{name}.yaml").write_text("\n".join([
-        f"task: {name}",
-        "dataset_path: json",
-        "dataset_kwargs:",
-        "  data_files:",
-        f"    test: {json.dumps(str(data.resolve()))}",
-        "test_split: test",
-        "output_type: generate_until",
+    return write_task(folder, name, [{field: item[field] for field in FIELDS} for item in items], [
+        *greedy_generation(max_gen_toks),
         "doc_to_text: prompt",
         "doc_to_target: 0",  # unused: the verifiers read the instructions from the document
-        "generation_kwargs:",
-        "  until: []",
-        "  do_sample: false",
-        f"  max_gen_toks: {int(max_gen_toks)}",
         f"process_results: !function {utils}.process_results",
         "metric_list:",
         *metrics,
-        "metadata:",
-        "  version: 1.0",
-        "",
-    ]))
-    return name
+    ])
 
 
 def process_results(doc: dict, results: list[str]) -> dict:

@@ -16,22 +16,39 @@ from ..errors import QdflashError
 MMLU_INSTRUCTION = "Answer with the letter of the correct option, then explain briefly."
 
 
+def write_task(folder: Path, name: str, rows: list[dict], lines: list[str]) -> str:
+    """Write a local task: `<name>.jsonl` (its documents) and `<name>.yaml` (lm-eval's task over
+    that file as its test split, then `lines`: output type, prompt, scoring). Returns the name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    header = [f"task: {name}", "dataset_path: json", "dataset_kwargs:", "  data_files:",
+              f"    test: {json.dumps(str(data.resolve()))}", "test_split: test"]
+    (folder / f"{name}.yaml").write_text("\n".join([*header, *lines, "metadata:", "  version: 1.0", ""]))
+    return name
+
+
+def greedy_generation(max_gen_toks: int) -> list[str]:
+    """The YAML lines of a greedy generation budget (no stop string: the model's EOS ends it)."""
+    return ["output_type: generate_until", "generation_kwargs:", "  until: []", "  do_sample: false",
+            f"  max_gen_toks: {int(max_gen_toks)}"]
+
+
+def scoring_module(folder: Path, name: str, module: str, functions: list[str]) -> str:
+    """`<name>_utils.py` re-exporting scoring functions: lm-eval resolves `!function module.fn` only
+    as a `module.py` beside the YAML (lm_eval.utils.import_function), never as a package path."""
+    utils = f"{name}_utils"
+    (folder / f"{utils}.py").write_text('"""Written by qdflash: lm-eval imports `!function` targets from beside the YAML."""\n'
+                                        f"from {module} import {', '.join(functions)}  # noqa: F401\n")
+    return utils
+
+
 def write_mmlu_task(folder: Path, items: list[PromptItem], name: str = "qdflash_mmlu") -> str:
     """A zero-shot multiple-choice task over MMLU gate items: the question and its options, then
     "Answer:"; the choices " A" .. " D" (lm-eval adds the space) scored by log-likelihood (acc). Returns the task name."""
-    folder.mkdir(parents=True, exist_ok=True)
-    data = folder / f"{name}.jsonl"
-    with open(data, "w") as f:
-        for item in items:
-            question = item.prompt.replace(MMLU_INSTRUCTION, "").rstrip()
-            f.write(json.dumps({"id": item.id, "question": question, "answer": "ABCD".index(item.reference)}) + "\n")
-    (folder / f"{name}.yaml").write_text("\n".join([
-        f"task: {name}",
-        "dataset_path: json",
-        "dataset_kwargs:",
-        "  data_files:",
-        f"    test: {json.dumps(str(data.resolve()))}",
-        "test_split: test",
+    rows = [{"id": item.id, "question": item.prompt.replace(MMLU_INSTRUCTION, "").rstrip(), "answer": "ABCD".index(item.reference)}
+            for item in items]
+    return write_task(folder, name, rows, [
         "output_type: multiple_choice",
         'doc_to_text: "{{question}}\\nAnswer:"',
         'doc_to_choice: ["A", "B", "C", "D"]',  # lm-eval puts its target delimiter (a space) before each
@@ -40,11 +57,7 @@ def write_mmlu_task(folder: Path, items: list[PromptItem], name: str = "qdflash_
         "  - metric: acc",
         "    aggregation: mean",
         "    higher_is_better: true",
-        "metadata:",
-        "  version: 1.0",
-        "",
-    ]))
-    return name
+    ])
 
 
 GSM8K_INSTRUCTION = "Solve this step by step. End with the final answer as a number after \"The answer is\"."
@@ -54,25 +67,11 @@ def write_gsm8k_task(folder: Path, items: list[PromptItem], name: str = "qdflash
     """A zero-shot generation task over GSM8K test items, greedy: the question and an instruction
     (sent through the model's chat template), the last number of the answer compared with the
     reference answer (lm-eval's "flexible extract": commas, $ and a final period ignored)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    data = folder / f"{name}.jsonl"
-    with open(data, "w") as f:
-        for item in items:
-            f.write(json.dumps({"id": item.id, "question": item.prompt, "answer": item.reference}) + "\n")
-    (folder / f"{name}.yaml").write_text("\n".join([
-        f"task: {name}",
-        "dataset_path: json",
-        "dataset_kwargs:",
-        "  data_files:",
-        f"    test: {json.dumps(str(data.resolve()))}",
-        "test_split: test",
-        "output_type: generate_until",
+    rows = [{"id": item.id, "question": item.prompt, "answer": item.reference} for item in items]
+    return write_task(folder, name, rows, [
+        *greedy_generation(max_gen_toks),
         f"doc_to_text: {json.dumps('{{question}}' + chr(10) + chr(10) + GSM8K_INSTRUCTION)}",
         "doc_to_target: answer",
-        "generation_kwargs:",
-        "  until: []",
-        "  do_sample: false",
-        f"  max_gen_toks: {int(max_gen_toks)}",
         "filter_list:",
         "  - name: flexible-extract",
         "    filter:",
@@ -87,11 +86,7 @@ def write_gsm8k_task(folder: Path, items: list[PromptItem], name: str = "qdflash
         "    ignore_case: true",
         "    ignore_punctuation: false",
         '    regexes_to_ignore: [",", "\\\\$", "\\\\.$"]',
-        "metadata:",
-        "  version: 1.0",
-        "",
-    ]))
-    return name
+    ])
 
 
 def evaluate(lm, task_folder: Path, tasks: list[str], limit: int | None = None, chat: bool = False,
