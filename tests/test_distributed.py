@@ -23,6 +23,13 @@ def tiny_data(folder, vocab: int, n_train: int = 8, n_heldout: int = 4, length: 
     return folder
 
 
+def print_table(title, one, two):
+    """The two trajectories side by side (visible with pytest -s): the issue's loss table."""
+    print(f"\n{title}\n| step | 1 process | 2 processes | relative difference |\n|---|---|---|---|")
+    for step, (a, b) in enumerate(zip(one, two), start=1):
+        print(f"| {step} | {a:.7f} | {b:.7f} | {abs(a - b) / max(abs(a), 1e-12):.1e} |")
+
+
 def run_node(module, args, processes, tmp_path, name):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
                 str(29500 + random.Random(name).randrange(400))] if processes > 1 else [sys.executable]
@@ -43,6 +50,7 @@ def test_drafter_training_on_two_processes_follows_one_process(tiny_llama, tmp_p
     assert one["train.world_size"] == 1 and two["train.world_size"] == 2
     assert one["train.sequences_per_process"] == 16 and two["train.sequences_per_process"] == 8  # each rank half a batch
     assert len(one["train.loss_curve"]) == len(two["train.loss_curve"]) == 4
+    print_table("drafter stage 1 (DDP), training loss", one["train.loss_curve"], two["train.loss_curve"])
     assert two["train.loss_curve"] == pytest.approx(one["train.loss_curve"], rel=1e-4)
     assert two["final.tau"] == pytest.approx(one["final.tau"], rel=1e-4)
     # rank 0 alone wrote the node's folder; nothing of rank 1 is left beside it
@@ -61,6 +69,7 @@ def test_qad_on_two_processes_follows_one_process(parallel, tiny_llama, tmp_path
     one, _ = run_node("qdflash.stages.qad", args, 1, tmp_path, "one")
     two, _ = run_node("qdflash.stages.qad", args, 2, tmp_path, "two")
     assert one["qad.world_size"] == 1 and two["qad.world_size"] == 2 and two["qad.parallel"] == parallel
+    print_table(f"QAD ({parallel.upper()}), training KL", one["qad.train_kl_curve"], two["qad.train_kl_curve"])
     assert two["qad.train_kl_curve"] == pytest.approx(one["qad.train_kl_curve"], rel=1e-4)
     assert two["quant.kl"] == pytest.approx(one["quant.kl"], rel=1e-4)  # the final held-out KL
     assert len(one["qad.train_kl_curve"]) == 4
