@@ -33,6 +33,18 @@ def test_loglikelihood_equals_a_direct_forward_sum(tiny_llama):
     assert isinstance(greedy, bool)
 
 
+def test_single_token_choices_share_a_forward_and_score_as_each_alone(tiny_llama):
+    lm = QdflashLM(tiny_llama)
+    context = "Question: which colour is the sky?\nA. red\nB. blue\nAnswer:"
+    requests = [Req(context, f" {c}") for c in "ABCD"] + [Req(context, " B, blue.")]
+    together = lm.loglikelihood(requests)
+    for request, got in zip(requests, together):
+        ctx, cont = lm._split(*request.args)
+        alone = lm.continuation_logprob(ctx, cont)
+        assert got[0] == pytest.approx(alone[0], abs=1e-5) and got[1] == alone[1]
+    assert len({round(r[0], 6) for r in together[:4]}) == 4  # four different tokens, four scores
+
+
 def test_generate_until_is_autoregressive_greedy(tiny_llama):
     lm = QdflashLM(tiny_llama, max_gen_toks=12)
     prompt = "Once upon a time"

@@ -60,14 +60,38 @@ class QdflashLM(LM):
         return total, bool((logprobs.argmax(-1) == want).all())
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        out = []
-        for request in tqdm(requests, desc="loglikelihood", unit="req"):
-            context, continuation = request.args
-            ctx, cont = self._split(context, continuation)
-            if not ctx:  # an empty context: condition on the BOS / EOS token, as lm-eval's HF model does
-                ctx = [self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id]
-            out.append(self.continuation_logprob(ctx, cont))
-        return out
+        """Requests whose continuation is one token and whose contexts are equal (a multiple-choice
+        item's " A" .. " D") share one forward: its last position scores them all. Others get a
+        forward each. Both read the same logits, so the results do not depend on the grouping."""
+        bos = [self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id]
+        splits = []
+        for request in requests:
+            ctx, cont = self._split(*request.args)
+            splits.append((ctx or bos, cont))  # an empty context: condition on BOS / EOS, as lm-eval's HF model does
+        out: list[tuple[float, bool] | None] = [None] * len(requests)
+        shared: dict[tuple[int, ...], list[int]] = {}
+        for i, (ctx, cont) in enumerate(splits):
+            if len(cont) == 1:
+                shared.setdefault(tuple(ctx), []).append(i)
+        with tqdm(total=len(requests), desc="loglikelihood", unit="req") as bar:
+            for ctx, members in shared.items():
+                logprobs = self.next_token_logprobs(list(ctx))
+                best = int(logprobs.argmax())
+                for i in members:
+                    token = splits[i][1][0]
+                    out[i] = (logprobs[token].item(), best == token)
+                bar.update(len(members))
+            for i, (ctx, cont) in enumerate(splits):
+                if out[i] is None:
+                    out[i] = self.continuation_logprob(ctx, cont)
+                    bar.update(1)
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def next_token_logprobs(self, context_ids: list[int]) -> torch.Tensor:
+        """log p(next token | context) over the vocabulary."""
+        logits = self.target.model(input_ids=torch.tensor([context_ids], device=self._model_device)).logits[0, -1].float()
+        return F.log_softmax(logits, dim=-1)
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         out = []
