@@ -187,8 +187,12 @@ def check_bench(results):
             assert methods == baselines | {"spec_qad_stage2"} | compressed
             labels = {r["prompts"] for r in rows}
             assert m["prompts"] >= 1 and any(l.startswith("p") for l in labels)
+        outputs = [json.loads(line) for line in open(folder / "outputs.jsonl")]
+        assert len(outputs) == m["prompts"] and all(set(o) >= methods for o in outputs)
         # float32 on the CPU: speculative greedy output must equal autoregressive output exactly
         for name in methods - baselines:
+            reference = "ar16" if name.startswith("spec16") else "ar_qad"
+            assert all(o[name] == o[reference] for o in outputs), name
             assert m[f"all.{name}.mismatches"] == 0, m[f"all.{name}.divergence_margins"]
             assert 1 <= m[f"all.{name}.tau"] <= ci["drafter"]["block_size"]
 

@@ -13,7 +13,8 @@ window measures only prompts longer than it (where it can engage; from `bench.wi
 set, e.g. up to the model's context, else `bench.buckets`), with the baselines and the
 stage-2 drafters (uncompressed and compressed).
 Prompts: held-out prompts per category, and length buckets (real text; the filler prompt apart).
-Every speculative greedy output is compared with the autoregressive output of its target.
+Every speculative greedy output is compared with the autoregressive output of its target; all
+outputs are kept in `outputs.jsonl` (token ids per prompt and method).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import bench
+from ..data.jsonl import write_jsonl
 from ..drafter import load_drafter
 from ..engine import build_engine
 from ..errors import QdflashError
@@ -129,6 +131,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
+    # every method's tokens per prompt: a divergence can be looked at (and re-scored) afterwards
+    write_jsonl(run.dir / "outputs.jsonl", [{"prompt": i, "label": case.label, "prompt_tokens": len(case.ids),
+                                             **{name: r.runs[i].tokens for name, r in results.items()}}
+                                            for i, case in enumerate(cases)])
     if cuda:
         run.metrics["cuda.device"] = torch.cuda.get_device_name()
     run.metrics.update({"prompts": len(cases), "dtype": str(target16.dtype), "window": -1 if window is None else int(window),
