@@ -40,17 +40,19 @@ def run_node(module, args, processes, tmp_path, name):
     return json.loads((out / "metrics.json").read_text()), out
 
 
-def test_drafter_training_on_two_processes_follows_one_process(tiny_llama, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_drafter_training_on_two_processes_follows_one_process(parallel, tiny_llama, tmp_path):
     data = tiny_data(tmp_path / "data", tiny_llama.config.vocab_size)
     args = ["model=tiny-llama", "device=cpu", "dtype=float32", "stage=1", f"data_dir={data}", "drafter.num_layers=1",
             "drafter_train.steps=4", "drafter_train.batch_size=4", "drafter_train.anchors_per_seq=4",
-            "drafter_train.eval_every=100", "drafter_train.heldout_samples=4", "drafter_train.cache_features=false"]
+            "drafter_train.eval_every=100", "drafter_train.heldout_samples=4", "drafter_train.cache_features=false",
+            f"drafter_train.parallel={parallel}"]
     one, _ = run_node("qdflash.stages.train_drafter", args, 1, tmp_path, "one")
     two, out = run_node("qdflash.stages.train_drafter", args, 2, tmp_path, "two")
-    assert one["train.world_size"] == 1 and two["train.world_size"] == 2
+    assert one["train.world_size"] == 1 and two["train.world_size"] == 2 and two["train.parallel"] == parallel
     assert one["train.sequences_per_process"] == 16 and two["train.sequences_per_process"] == 8  # each rank half a batch
     assert len(one["train.loss_curve"]) == len(two["train.loss_curve"]) == 4
-    print_table("drafter stage 1 (DDP), training loss", one["train.loss_curve"], two["train.loss_curve"])
+    print_table(f"drafter stage 1 ({parallel.upper()}), training loss", one["train.loss_curve"], two["train.loss_curve"])
     assert two["train.loss_curve"] == pytest.approx(one["train.loss_curve"], rel=1e-4)
     assert two["final.tau"] == pytest.approx(one["final.tau"], rel=1e-4)
     # rank 0 alone wrote the node's folder; nothing of rank 1 is left beside it

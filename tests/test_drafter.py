@@ -105,7 +105,7 @@ def test_oracle_drafter_gets_tau_equal_to_block_size(tiny_llama):
     _, greedy = target_pass(tiny_llama, torch.tensor([ex["input_ids"]]), drafter.config.target_layer_ids)
     vocab = tiny_llama.vocab_size
 
-    def oracle(block_ids, context, q_pos, k_pos, mask):
+    def oracle(block_ids, context, q_pos, k_pos, mask, target_hidden=None):
         logits = torch.zeros(*q_pos.shape, vocab)
         want = greedy.gather(1, (q_pos - 1).clamp_min(0))  # position p predicts the target's argmax at p-1
         logits.scatter_(-1, want[..., None], 1.0)
@@ -114,7 +114,7 @@ def test_oracle_drafter_gets_tau_equal_to_block_size(tiny_llama):
     drafter.forward = oracle
     result = estimate_acceptance(drafter, tiny_llama, [ex], anchors_per_seq=8)
     assert result["tau"] == b and result["accept_rate_by_position"] == [1.0] * (b - 1)
-    drafter.forward = lambda *a: torch.randn(*a[2].shape, vocab)  # random drafter
+    drafter.forward = lambda *a, **k: torch.randn(*a[2].shape, vocab)  # random drafter
     assert estimate_acceptance(drafter, tiny_llama, [ex], anchors_per_seq=8)["tau"] < 1.2
 
 

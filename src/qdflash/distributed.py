@@ -91,6 +91,15 @@ def shard_layers(layers) -> None:
         fully_shard(layer)
 
 
+def shard_module(module: torch.nn.Module, layers) -> None:
+    """FSDP on each layer and on the rest of the module (the root): every trained weight split over
+    the ranks, gathered while its forward runs."""
+    from torch.distributed.fsdp import fully_shard
+
+    shard_layers(layers)
+    fully_shard(module)
+
+
 def full_state_dict(module: torch.nn.Module) -> dict | None:
     """The whole state dict on rank 0 (CPU tensors; a collective: every rank calls it), None elsewhere."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

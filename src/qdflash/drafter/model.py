@@ -218,8 +218,12 @@ class Drafter(nn.Module):
         """Id written at mask positions of a block (-1 = the learned mask vector)."""
         return -1 if self.config.mask_token_id is None else self.config.mask_token_id
 
-    def forward(self, block_ids, context, q_pos, k_pos, mask) -> torch.Tensor:
-        """Logits [B, Tq, V] for block tokens `block_ids` [B, Tq] given context features [B, Tc, H]."""
+    def forward(self, block_ids, context, q_pos, k_pos, mask, target_hidden=None) -> torch.Tensor:
+        """Logits [B, Tq, V] for block tokens `block_ids` [B, Tq] given context features [B, Tc, H],
+        or the target's hidden states `target_hidden` (context=None): then `fc` runs inside forward,
+        which FSDP needs (it gathers a module's weights only for its forward)."""
+        if context is None:
+            context = self.context_features(target_hidden)
         h = self.embed_block(block_ids).to(self.norm.weight.dtype)
         for layer in self.layers:
             h = layer(h, context, q_pos, k_pos, mask)

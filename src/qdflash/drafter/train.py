@@ -71,7 +71,8 @@ def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tens
 
     input_ids / loss_masks [n, L], features [n, L, k*H], anchors [n, A] (CPU tensors except features).
     attention: "sdpa" (a dense boolean mask) or "flex" (flex_attention's block-sparse mask).
-    module: what runs the drafter's forward (its DDP wrapper under torchrun; the drafter itself otherwise).
+    module: what runs the drafter's forward (its DDP wrapper under torchrun; the drafter itself otherwise,
+    FSDP-sharded or not). The context features (`fc`) are computed inside that forward.
     """
     b = drafter.block_size
     n, length = input_ids.shape
@@ -92,8 +93,8 @@ def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tens
         mask = batch_attention_mask(anchors, b, length).to(device)
     else:
         raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'flex'")
-    context = drafter.context_features(features.to(drafter.norm.weight.dtype))
-    logits = (module or drafter)(ids.reshape(n, -1).to(device), context, q_pos.to(device), k_pos.to(device), mask)
+    logits = (module or drafter)(ids.reshape(n, -1).to(device), None, q_pos.to(device), k_pos.to(device), mask,
+                                 target_hidden=features.to(drafter.norm.weight.dtype))
     return logits.reshape(n, anchors.shape[1], b, -1), targets.to(device)
 
 

@@ -23,7 +23,7 @@ from ..data.jsonl import load_token_examples, read_jsonl
 from ..drafter import init_drafter, load_drafter, save_drafter
 from ..drafter.blocks import loss_weights
 from ..data.split import unit_interval
-from ..distributed import all_sum, setup, shard, wrap
+from ..distributed import all_sum, full_state_dict, setup, shard, shard_module, wrap
 from ..drafter.train import FeatureCache, batch_anchors, batch_loss, estimate_acceptance, round_up
 from ..errors import QdflashError
 from ..models import load_target, resolve_device, synchronize
@@ -112,10 +112,19 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     for p in target.model.parameters():
         p.requires_grad_(False)
     shape = {k: v for k, v in OmegaConf.to_container(cfg.drafter, resolve=True).items() if v is not None}
-    drafter = load_drafter(cfg.init_from, target) if cfg.init_from else init_drafter(target, **shape)
+    def build():
+        return load_drafter(cfg.init_from, target) if cfg.init_from else init_drafter(target, **shape)
+
+    drafter = build()
     drafter.train()
-    model = wrap(drafter, world)  # DDP: averages the gradients over the processes
-    run.metrics.update({"train.world_size": world.size, "drafter.parameters": drafter.num_parameters(), "drafter.layers": drafter.config.num_layers,
+    fsdp = world.distributed and train_cfg.get("parallel", "ddp") == "fsdp"
+    if fsdp:  # FSDP: weights, gradients and optimizer state split over the processes
+        shard_module(drafter, drafter.layers)
+        model = drafter
+    else:
+        model = wrap(drafter, world)  # DDP: averages the gradients over the processes
+    run.metrics.update({"train.world_size": world.size, "train.parallel": train_cfg.get("parallel", "ddp") if world.distributed else "none",
+                        "drafter.parameters": drafter.num_parameters(), "drafter.layers": drafter.config.num_layers,
                         "drafter.block_size": drafter.block_size, "drafter.target_layer_ids": drafter.config.target_layer_ids,
                         "target.name": cfg.model.name, "stage": int(cfg.stage)})
     heldout = hash_subset(load_token_examples(cfg.data_dir, "heldout"), train_cfg.heldout_samples, "heldout-subset")
@@ -211,6 +220,12 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         run.metrics.update({"train.feature_cache_hits": cache.hits, "train.feature_cache_misses": cache.misses})
         shutil.rmtree(cache.folder, ignore_errors=True)
     evaluate("final")
+    if fsdp:  # rank 0 saves a whole drafter with the trained weights gathered from every rank
+        state = full_state_dict(drafter)
+        if not world.main:
+            return
+        drafter = build()
+        drafter.load_state_dict(state)
     save_drafter(drafter, run.dir / "drafter")
 
 
