@@ -4,7 +4,7 @@ import torch
 from qdflash.errors import QdflashError
 from qdflash.quant.apply import quantize_weights, replace_linears, select_linears
 from qdflash.quant.gptq import HessianAccumulator, gptq_quantize, rtn_quantize
-from qdflash.quant.grid import GridSpec, compute_scale
+from qdflash.quant.grid import GridSpec
 from qdflash.quant.quantlinear import QuantLinear
 
 

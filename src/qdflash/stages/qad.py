@@ -57,7 +57,7 @@ def evaluate(run: NodeRun, teacher, student, heldout, cfg, step: int, prefix: st
     student.eval()
     result = compare_to_teacher(teacher, student, heldout, chunk_tokens=cfg.eval.chunk_tokens)
     student.train(was_training)
-    run.log({f"heldout/kl": result["kl"], "heldout/top1": result["top1_agreement"], "heldout/ppl": result["ppl"]}, step=step)
+    run.log({"heldout/kl": result["kl"], "heldout/top1": result["top1_agreement"], "heldout/ppl": result["ppl"]}, step=step)
     log.info("step %d: held-out KL %.5f  top-1 %.4f  ppl %.3f", step, result["kl"], result["top1_agreement"], result["ppl"])
     return result
 
