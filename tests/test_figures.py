@@ -14,7 +14,7 @@ def summary_row(drafter, bits, window, tau, speedup, tps):
 
 def speed_row(window, prompts, method, tau, tps, speedup=1.0):
     return {"window": str(window or ""), "prompts": prompts, "method": method, "tau": str(tau), "tokens_per_s": str(tps),
-            "speedup_vs_ar16": str(speedup)}
+            "speedup_vs_ar16": str(speedup), "speedup_vs_ar_qad": str(speedup)}
 
 
 QUALITY = [

@@ -1,7 +1,7 @@
 """figures node: the experiment's figures, drawn from its tables (qdflash.figures).
 
 Output (out_dir = results/{experiment}/figures/): drafter_bits.png (τ and speedup vs the drafter's
-bits), drafter_window.png (τ and tokens/s vs the drafter's sliding window, on the longest bucket
+bits), drafter_window.png (τ and the same-job speedup vs the drafter's sliding window, on the longest bucket
 every window job measured), target_bits.png (target quality and gate scores vs bits), pareto.png
 (speedup vs quality, frontier marked); a figure the tables cannot support (e.g. one window only)
 is left out and named in metrics.json. notebooks/results.ipynb draws the same figures inline.
