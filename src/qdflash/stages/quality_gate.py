@@ -132,6 +132,11 @@ def score(model: str, cfg: DictConfig, folder: Path, plans: list[GateTask]) -> d
     return scores
 
 
+def write_scores(folder: Path, scores: dict[str, tuple[list[str], list[float]]]) -> None:
+    """scores.json: per task the item ids and per-item scores (what read_reference reads back)."""
+    (folder / "scores.json").write_text(json.dumps({t: {"ids": i, "scores": v} for t, (i, v) in scores.items()}))
+
+
 def read_reference(folder: Path, items: dict[str, list[str]]) -> dict[str, tuple[list[str], list[float]]]:
     """The 16-bit target's item ids and per-item scores, checked to be on the same items as this
     gate's (`items`: the ids known so far; standard tasks are checked again after scoring)."""
@@ -152,7 +157,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     plans = plan_tasks(cfg, folder, run)
     if cfg.variant is None:  # the reference: the 16-bit target's scores, for every variant's gate
         scores = score(cfg.model.name, cfg, folder, plans)
-        (run.dir / "scores.json").write_text(json.dumps({t: {"ids": i, "scores": v} for t, (i, v) in scores.items()}))
+        write_scores(run.dir, scores)
         for task, (_, values) in scores.items():
             run.metrics.update({f"{task}.n": len(values), f"{task}.score": round(sum(values) / max(len(values), 1), 4)})
             log.info("%s: 16-bit %.3f over %d items", task, run.metrics[f"{task}.score"], len(values))
@@ -162,7 +167,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         raise QdflashError("reference: the 16-bit target's quality_gate folder (variant=null) is required to judge a variant")
     reference = read_reference(Path(cfg.reference), {p.key: p.ids for p in plans})
     variant = score(cfg.variant, cfg, folder, plans)
-    (run.dir / "scores.json").write_text(json.dumps({t: {"ids": i, "scores": v} for t, (i, v) in variant.items()}))
+    write_scores(run.dir, variant)
     results = []
     for plan in plans:
         (ref_ids, ref_scores), (ids, values) = reference[plan.key], variant[plan.key]

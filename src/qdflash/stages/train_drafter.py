@@ -117,13 +117,14 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
 
     drafter = build()
     drafter.train()
-    fsdp = world.distributed and train_cfg.get("parallel", "ddp") == "fsdp"
+    parallel = train_cfg.get("parallel", "ddp") if world.distributed else "none"
+    fsdp = parallel == "fsdp"
     if fsdp:  # FSDP: weights, gradients and optimizer state split over the processes
         shard_module(drafter, drafter.layers)
         model = drafter
     else:
         model = wrap(drafter, world)  # DDP: averages the gradients over the processes
-    run.metrics.update({"train.world_size": world.size, "train.parallel": train_cfg.get("parallel", "ddp") if world.distributed else "none",
+    run.metrics.update({"train.world_size": world.size, "train.parallel": parallel,
                         "drafter.parameters": drafter.num_parameters(), "drafter.layers": drafter.config.num_layers,
                         "drafter.block_size": drafter.block_size, "drafter.target_layer_ids": drafter.config.target_layer_ids,
                         "target.name": cfg.model.name, "stage": int(cfg.stage)})
