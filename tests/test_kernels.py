@@ -80,3 +80,32 @@ def test_gated_delta_kernel_equals_torch_loop(tokens, dv):
     torch.testing.assert_close(states.cpu(), ref_states, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state.cpu(), ref_state, atol=1e-5, rtol=1e-5)
     assert not torch.equal(states[0], states[-1]), "the state moved (the test can fail)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_equals_linear_and_is_used_only_where_tuned(dtype, monkeypatch):
+    from qdflash.engine.linear import dense_linear
+    from qdflash.kernels import gemv as gemv_module
+
+    n, k = 40, 1024
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(n, k, generator=g).to(DEVICE, dtype), torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    ref = x.float() @ w.float().T
+    configs = gemv_module.candidate_configs(4096, k)
+    assert {c.split_k for c in configs} >= {1, 2}
+    for config in configs[:: max(1, len(configs) // 4)]:  # a few tiles, split-K among them; n=40 is not a multiple of BN
+        y = gemv_module.gemv(x, w, config)
+        assert y.dtype == dtype and y.shape == (1, n)
+        torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
+    with pytest.raises(QdflashError, match="does not tile"):
+        gemv_module.gemv(x, w, gemv_module.GemvConfig(8, 512, split_k=4))
+    # the engine's dense projections take the GEMV only for a tuned shape, one row, kernels on
+    calls = []
+    monkeypatch.setattr("qdflash.engine.linear.gemv", lambda *a: calls.append(a) or gemv_module.gemv(*a))
+    dense_linear(x, w, kernels=True)
+    assert not calls, "untuned: cuBLAS / F.linear"
+    monkeypatch.setitem(gemv_module._TUNED, (n, k, dtype), configs[0])
+    torch.testing.assert_close(dense_linear(x, w, kernels=True).float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
+    dense_linear(x.expand(3, k), w, kernels=True)  # three rows: F.linear
+    dense_linear(x, w, kernels=False)
+    assert len(calls) == 1

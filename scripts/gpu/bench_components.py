@@ -12,11 +12,16 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
   `--block` newly accepted positions (fc + their K/V in every layer) + the block forward over the cached
   context + the target's LM head on the block + argmax;
 - the matmuls alone (every projection and the LM head at 1 row, in one graph): what the rest of a decode
-  step (norms, rotary, conv, recurrence, attention) costs on top of reading the weights.
+  step (norms, rotary, conv, recurrence, attention) costs on top of reading the weights;
+- the 16-bit target twice: with cuBLAS for every matmul (`target16_cublas`), then after
+  `kernels.gemv.tune` picked the Triton GEMV for each 1-row shape where it beat cuBLAS (`target16`);
+- `--profile`: where a decode step's time goes, kernel by kernel (torch.profiler over graph replays),
+  grouped into matmuls, recurrence, attention, fused elementwise (inductor) and the rest.
 Each time is set against its bound: bytes it must read (weights, recurrent states read and written,
 KV up to the context) / the device-to-device copy bandwidth measured in the same process. The speedup
 these costs imply at acceptance length tau: tau * decode step / (verify block + drafter step).
 Checks (bf16, reported): graph vs eager logits of a step; the W4A16 kernel vs the dequantized matmul.
+The JSON is rewritten after each part, so a run cut off by a time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from qdflash.drafter import init_drafter
 from qdflash.engine import build_engine
 from qdflash.engine.graphs import restore, snapshot
 from qdflash.engine.linear import Concat, Projection, pack_linears
+from qdflash.kernels import gemv as gemv_kernel
 from qdflash.kernels.w4a16 import MAX_ROWS, tune, w4a16_matmul
 from qdflash.quant.apply import replace_linears, select_linears
 from qdflash.quant.gptq import rtn_quantize
@@ -108,6 +114,49 @@ def tune_kernels(packed: list[Projection], device: str) -> dict:
     return tuned
 
 
+def tune_dense(engine, device: str) -> dict:
+    """Time the Triton GEMV against cuBLAS for every 16-bit 1-row shape of the step (the LM head too);
+    the engine takes the GEMV where it won (kernels.gemv)."""
+    if device != "cuda":
+        return {}
+    shapes = {tuple(p.weight.shape) for p in projections(engine) if p.weight is not None} | {tuple(engine.lm_head.shape)}
+    return {f"{n}x{k}": gemv_kernel.tune(n, k, dtype=engine.dtype) for n, k in sorted(shapes)}
+
+
+KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
+    ("w4a16 (ours)", ("w4a16",)), ("gemv (ours)", ("_gemv_kernel",)), ("gated delta (ours)", ("gated_delta",)),
+    ("cuBLAS matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
+    ("attention", ("flash", "attention", "fmha", "sdpa")), ("fused elementwise (inductor)", ("triton_",)),
+)
+
+
+def kernel_breakdown(step, device: str, replays: int = 20) -> dict:
+    """Device time per decode step, by kernel and by group (torch.profiler over `replays` replays)."""
+    if device != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us > 0 and not e.key.startswith(("cuda", "Memcpy", "Memset")):
+            kernels[e.key] = (us / replays, e.count / replays)
+    groups = {}
+    for name, (us, _) in kernels.items():
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name.lower() for k in keys)), "other")
+        groups[group] = round(groups.get(group, 0.0) + us, 1)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
+    return {"us_per_step": round(sum(us for us, _ in kernels.values()), 1), "groups_us": groups,
+            "kernels_per_step": round(sum(c for _, c in kernels.values()), 1),
+            "top": [{"kernel": name[:120], "us": round(us, 1), "calls": round(c, 1)} for name, (us, c) in top]}
+
+
 def matmul_only(engine, device: str):
     """One graph (on CUDA) of every projection and the LM head at 1 row: the weight-reading floor."""
     inputs = {id(p): torch.randn(1, p.in_features, device=device, dtype=engine.dtype) for p in projections(engine)}
@@ -159,6 +208,12 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
             compiled[f"{label}.compile_s"] = round(time.perf_counter() - t0, 1)
         except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
             compiled[f"{label}.compile_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    if args.profile:
+        step = engine.graph_for(1, None, args.context + 1)  # the compiled one where it was captured
+        try:
+            compiled[f"{label}.decode_kernels"] = kernel_breakdown(lambda: step(one, args.context), device)
+        except Exception as err:  # noqa: BLE001 -- the profile is extra; its failure is reported
+            compiled[f"{label}.decode_kernels"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
     need = step_bytes(engine, args.context)
     bound_ms = need["total"] / bandwidth * 1e3
     return {
@@ -236,6 +291,7 @@ def main() -> None:
     parser.add_argument("--drafter-group", type=int, default=128, help="the drafter's W4 group size (RECIPE: 128)")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--compile", action="store_true", help="also time the decode step compiled by torch.compile")
+    parser.add_argument("--profile", action="store_true", help="also break each decode step down by kernel")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -253,18 +309,23 @@ def main() -> None:
     max_len = args.context + 4 * args.block
     layer_ids = init_drafter(target, block_size=args.block, **DRAFTERS[args.shape]).config.target_layer_ids
     engine16 = build_engine(target, max_len=max_len)
+    plain = argparse.Namespace(**{**vars(args), "compile": False, "profile": False})
+    result.update(measure_target(engine16, plain, device, layer_ids, bandwidth, "target16_cublas"))
+    result["gemv.tuned"] = tune_dense(engine16, device)
+    report(result, "target16_cublas", args.out)
     result.update(measure_target(engine16, args, device, layer_ids, bandwidth, "target16"))
-    print({k: v for k, v in result.items() if k.startswith("target16") and not isinstance(v, dict)}, flush=True)
+    report(result, "target16", args.out)
     result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter16", None))
     result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter_w4", args.drafter_group))
-    print({k: v for k, v in result.items() if k.startswith("drafter") and not isinstance(v, dict)}, flush=True)
+    report(result, "drafter", args.out)
     del engine16
     result["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
     engine4 = build_engine(target, max_len=max_len)
     result["w4a16.tuned"] = tune_kernels(list(projections(engine4)), device)
     result.update(kernel_check(engine4, device))
+    report(result, "w4a16", args.out)
     result.update(measure_target(engine4, args, device, layer_ids, bandwidth, "target_w4"))
-    print({k: v for k, v in result.items() if k.startswith("target_w4") and not isinstance(v, dict)}, flush=True)
+    report(result, "target_w4", args.out)
 
     result["w4_decode_speedup_over_16bit"] = round(result["target16.decode_ms"] / result["target_w4.decode_ms"], 3)
     for tau in (3.0, 5.0, 6.5):
@@ -274,11 +335,23 @@ def main() -> None:
                 tau * result["target16.decode_ms"] / round_ms, 3)
             result[f"implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_same_target_ar"] = round(
                 tau * result[f"{target_label}.decode_ms"] / round_ms, 3)
-    text = json.dumps(result, indent=1, default=str)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    for label in ("target16", "target_w4"):
+        if f"{label}.decode_compiled_ms" in result:
+            result[f"{label}.decode_compiled_of_bound"] = round(result[f"{label}.bound_ms"] / result[f"{label}.decode_compiled_ms"], 4)
+    if "target_w4.decode_compiled_ms" in result and "target16.decode_compiled_ms" in result:
+        result["w4_compiled_decode_speedup_over_16bit_compiled"] = round(
+            result["target16.decode_compiled_ms"] / result["target_w4.decode_compiled_ms"], 3)
+    report(result, None, args.out)
+    print(json.dumps(result, indent=1, default=str))
+
+
+def report(result: dict, prefix: str | None, out: str | None) -> None:
+    """Print what `prefix` measured (flat values) and rewrite the JSON with everything so far."""
+    if prefix is not None:
+        print({k: v for k, v in result.items() if k.startswith(prefix) and not isinstance(v, dict)}, flush=True)
+    if out:
+        with open(out, "w") as f:
+            f.write(json.dumps(result, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 matmul reads them all (a decode step is bound by launches and bytes, not FLOPs). Dense `nn.Linear`
 weights are concatenated; `QuantLinear`s on the symmetric 4-bit grid become packed int4 words + scales
 run by the W4A16 Triton kernel (`qdflash.kernels.w4a16`) for up to 16 rows where the kernels run
-(a GPU), and by a dequantized matmul for longer inputs (a prefill). Without kernels (the CPU) and for
+(a GPU), and by a dequantized matmul for longer inputs (a prefill). A 16-bit projection at one row
+runs the Triton GEMV where `kernels.gemv.tune` found it faster than cuBLAS for its shape (`dense_linear`). Without kernels (the CPU) and for
 other grids (8-bit, asymmetric), quantized layers run as their exact dequantized weight, computed
 once: the same numbers, not the speed. Layers of different kinds are not fused.
 """
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.gemv import gemv, gemv_config
 from ..kernels.w4a16 import MAX_ROWS, pack_int4, unpack_int4, w4a16_matmul
 from ..quant.grid import GridSpec, dequantize
 from ..quant.quantlinear import QuantLinear
@@ -32,6 +34,7 @@ class Projection:
         self.dtype = dtype or (weight.dtype if weight is not None else scale.dtype)
         self.out_features = (weight if weight is not None else words).shape[0]
         self.fast = words is not None and kernels
+        self.kernels = kernels
         if words is not None:
             self.in_features = words.shape[1] * 8
         else:
@@ -45,11 +48,12 @@ class Projection:
             scale = torch.cat([m.weight_scale for m in modules])
             return cls(words=words, scale=scale, group=modules[0].spec.group_size, dtype=dtype, kernels=kernels)
         if all(type(m) is nn.Linear and m.bias is None for m in modules):
-            return cls(weight=torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach())
+            return cls(weight=torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach(),
+                       kernels=kernels)
         if all(isinstance(m, QuantLinear) and m.latent is None and m.bias is None for m in modules):
             # no kernel (the CPU) or another grid: the exact dequantized weights, computed once
             return cls(weight=torch.cat([dequantize(m.weight_int, m.weight_scale, m.weight_zero_point, m.spec).to(dtype)
-                                         for m in modules]))
+                                         for m in modules]), kernels=kernels)
         if len(modules) > 1:
             return Concat([cls.of([m], dtype, kernels) for m in modules])
         raise TypeError(f"the engine cannot run a {type(modules[0]).__name__} projection (bias or fake-quant mode)")
@@ -63,7 +67,7 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
-            return F.linear(x, self.weight)
+            return dense_linear(x, self.weight, self.kernels)
         rows = x.reshape(-1, x.shape[-1])
         if self.fast and rows.shape[0] <= MAX_ROWS:
             return w4a16_matmul(rows, self.words, self.scale, self.group).view(*x.shape[:-1], -1)
@@ -71,6 +75,14 @@ class Projection:
 
     def dequantized(self) -> torch.Tensor:
         return dequantize(unpack_int4(self.words), self.scale, None, GridSpec(4, self.group, True)).to(self.dtype)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, kernels: bool) -> torch.Tensor:
+    """x @ weight.T; one row through the Triton GEMV where it was tuned faster than cuBLAS."""
+    config = gemv_config(*weight.shape, weight.dtype) if kernels and x.numel() == x.shape[-1] else None
+    if config is None:
+        return F.linear(x, weight)
+    return gemv(x.reshape(1, -1), weight, config).view(*x.shape[:-1], -1)
 
 
 class Concat:

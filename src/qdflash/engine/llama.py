@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError
 from ..kernels import kernels_usable
-from .linear import Projection
+from .linear import Projection, dense_linear
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +185,7 @@ class LeanLlama(EngineBase):
             h = h + w["w2"](F.silu(gate) * up)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h
-        logits = F.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head)
+        logits = dense_linear(rms_norm(h, self.final_norm, self.eps), self.lm_head, self.kernels)
         return logits, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
-from .linear import Projection
+from .linear import Projection, dense_linear
 from .llama import EngineBase, apply_rope, cached_attention
 
 
@@ -160,5 +160,5 @@ class LeanQwen35(EngineBase):
             h = h + w["w2"](F.silu(gate) * up)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h
-        logits = F.linear(self.final_norm(h), self.lm_head)
+        logits = dense_linear(self.final_norm(h), self.lm_head, self.kernels)
         return logits, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)

@@ -1,5 +1,5 @@
 """GPU kernels (Triton) for the batch-1 fast path: a W4A16 matmul that stays memory-bound from 1 to
-16 rows (`w4a16`) and the Gated DeltaNet recurrence that keeps the state after every position of a
+16 rows (`w4a16`), a 16-bit GEMV for one row where it beats cuBLAS (`gemv`), and the Gated DeltaNet recurrence that keeps the state after every position of a
 verify block (`gated_delta`).
 
 Both run wherever Triton does: on a CUDA device, and on the CPU under Triton's interpreter
@@ -35,3 +35,20 @@ def kernels_usable(device: torch.device | str, kernels: bool | str = "auto") -> 
     if kernels and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise QdflashError("kernels=True on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
     return bool(kernels)
+
+
+def graph_ms(fn, replays: int = 10) -> float:
+    """Median ms of one replay of `fn` captured as a CUDA graph (after a warm-up that compiles): how
+    a kernel is timed for tuning, as it runs in a captured decode step (launch overhead excluded)."""
+    from ..cudagraph import capture
+
+    graph, _ = capture(fn, warmup=1)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

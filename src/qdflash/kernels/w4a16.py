@@ -3,14 +3,17 @@
 Why a kernel of our own: at batch 1 a decode step reads every weight once, so time = bytes / bandwidth
 and 4-bit weights should be ~3.5x cheaper than bf16. torch's built-in int4 op (tinygemm) is fast at
 M = 1 but 3x slower than bf16 at M = 16, the size of a speculative verify block (DESIGN.md). Here the
-weight tile is loaded and unpacked once and multiplied with all (2-16) rows by one `tl.dot` (one row:
-FMAs, reduced once), so 16 rows cost about what 1 row costs: the kernel stays bound by the weight bytes.
+weight tile is loaded and unpacked once and multiplied with all (2-16) rows by one `tl.dot`, so 16
+rows cost about what 1 row costs: the kernel stays bound by the weight bytes. One row (a decode step)
+has a GEMV kernel of its own (`_w4a16_gemv_kernel`): FMAs with few instructions per weight byte.
 
 Layout (`pack_int4`): the symmetric ints q in [-8, 7] of W [N, K] are stored as q + 8 in nibbles of
 int32 words [N, K/8]; nibble j of word i holds column 8*i + j. Scales [N, K/group] in their storage
-dtype. A weight element is (q * scale) computed in fp32 and rounded to the activation dtype, which is
-exactly what `qdflash.quant.grid.dequantize(...).to(dtype)` gives, so the kernel's product equals
-F.linear with the dequantized weight up to the order of the fp32 accumulation.
+dtype. For 2-16 rows a weight element is (q * scale) computed in fp32 and rounded to the activation
+dtype, which is exactly what `qdflash.quant.grid.dequantize(...).to(dtype)` gives, so the product equals
+F.linear with the dequantized weight up to the order of the fp32 accumulation. For one row the
+weight is not rounded: sum over groups of scale * (q . x), exact products in fp32 (in fp32 both paths
+are the same numbers; in bf16 they differ by at most a weight's rounding, 2^-9 relative).
 
 Wide layers are split along K (`split_k` programs per column block, partial sums reduced in fp32 by
 torch: deterministic, unlike atomics); the tile sizes are chosen per shape by timing on the device
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QdflashError
+from . import graph_ms
 
 try:
     import triton
@@ -70,6 +74,7 @@ if triton is not None:
     def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr,
                       K_PER_SPLIT: tl.constexpr):
+        """2-16 rows: the [BN, BK] weight tile unpacked once, one tensor-core dot with all rows."""
         BLOCK_K: tl.constexpr = 8 * BLOCK_K8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -77,12 +82,9 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn[:, None] < N
         shifts = tl.arange(0, 8) * 4
-        if BLOCK_M == 1:  # one row: FMAs on a [BN, BK] accumulator, reduced once at the end
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        else:  # up to 16 rows: one tensor-core dot per tile
-            rm = tl.arange(0, BLOCK_M)
-            m_ok = rm[:, None] < M
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        rm = tl.arange(0, BLOCK_M)
+        m_ok = rm[:, None] < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(0, K_PER_SPLIT, BLOCK_K):
             col0 = pid_k * K_PER_SPLIT + step  # first column of this tile
             w = tl.load(w_ptr + rn[:, None] * stride_wn + (col0 // 8 + tl.arange(0, BLOCK_K8))[None, :], mask=n_ok, other=0)
@@ -91,16 +93,37 @@ if triton is not None:
                         mask=n_ok, other=0).to(tl.float32)  # [BN, BK / GROUP]
             wt = tl.reshape(tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_K))
             wt = wt.to(x_ptr.dtype.element_ty)  # q * scale in fp32, rounded to the activation dtype (= dequantize().to(dtype))
-            if BLOCK_M == 1:
-                x = tl.load(x_ptr + col0 + rk).to(tl.float32)
-                acc += wt.to(tl.float32) * x[None, :]
-            else:
-                x = tl.load(x_ptr + rm[:, None] * stride_xm + (col0 + rk)[None, :], mask=m_ok, other=0)
-                acc += tl.dot(x, tl.trans(wt))
-        if BLOCK_M == 1:
-            tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
-        else:
-            tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + (col0 + rk)[None, :], mask=m_ok, other=0)
+            acc += tl.dot(x, tl.trans(wt))
+        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
+
+    @triton.jit
+    def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_os, K_PER_SPLIT,
+                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr):
+        """1 row (a decode step): bound by the weight bytes only if unpacking costs few instructions
+        per byte. So no reshape (a layout shuffle through shared memory) and no int->float convert
+        instruction (a quarter-rate op): nibble j of every word in the [BN, BK8] tile is taken in
+        turn, made a float by the exponent trick (nibble | 0x4B000000 is the fp32 2^23 + nibble),
+        multiplied with x's columns 8i + j (a strided load from L1), and a word's 8 products are
+        scaled once (its 8 columns share a scale group). q * x is exact in fp32, so this is the
+        fp32 dequantized product up to the order of the sums."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ri = tl.arange(0, BLOCK_K8)
+        n_ok = rn[:, None] < N
+        acc = tl.zeros((BLOCK_N, BLOCK_K8), dtype=tl.float32)
+        for step in range(0, K_PER_SPLIT, 8 * BLOCK_K8):
+            col0 = pid_k * K_PER_SPLIT + step
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + (col0 // 8 + ri)[None, :], mask=n_ok, other=0)
+            s = tl.load(s_ptr + rn[:, None] * stride_sn + ((col0 + 8 * ri) // GROUP)[None, :], mask=n_ok, other=0)
+            part = tl.zeros((BLOCK_N, BLOCK_K8), dtype=tl.float32)
+            for j in tl.static_range(8):
+                q = (((w >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # nibble - 8
+                x = tl.load(x_ptr + col0 + 8 * ri + j).to(tl.float32)
+                part += q * x[None, :]
+            acc += part * s.to(tl.float32)
+        tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
 
 
 def _check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int) -> tuple[int, int, int]:
@@ -134,29 +157,34 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
     # one split: the kernel writes the result in x's dtype; several: fp32 partial sums, reduced here
     out = torch.empty(config.split_k, m, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
-    _w4a16_kernel[grid](x, words, scale, out, m, n, x.stride(0), words.stride(0), scale.stride(0),
-                        out.stride(0), out.stride(1), GROUP=group, BLOCK_M=1 if m == 1 else MAX_ROWS, BLOCK_N=config.block_n,
-                        BLOCK_K8=config.block_k8, K_PER_SPLIT=k // config.split_k,
-                        num_warps=config.num_warps, num_stages=config.num_stages)
+    common = dict(GROUP=group, BLOCK_N=config.block_n, BLOCK_K8=config.block_k8, num_warps=config.num_warps,
+                  num_stages=config.num_stages)
+    if m == 1:  # K_PER_SPLIT at run time: one compile per tile serves every shape (tuning is compile-bound)
+        _w4a16_gemv_kernel[grid](x, words, scale, out, n, words.stride(0), scale.stride(0), out.stride(0),
+                                 k // config.split_k, **common)
+    else:
+        _w4a16_kernel[grid](x, words, scale, out, m, n, x.stride(0), words.stride(0), scale.stride(0),
+                            out.stride(0), out.stride(1), BLOCK_M=MAX_ROWS, K_PER_SPLIT=k // config.split_k, **common)
     return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
 
 
 def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_ROWS) -> list[Config]:
     """Tile configs that fit K; with `n`, only those launching 64..4096 programs (enough to fill a
     GPU's SMs, few enough that split-K partial sums stay small): the set `tune` times. One row
-    (a decode step) takes narrow, long tiles: each row of the weight is then read in long contiguous
-    runs, and the [BN, BK] fp32 accumulator is capped at 8K values (registers)."""
+    (the GEMV kernel) takes [BN, BK8] word tiles of 512-4096 words: long contiguous runs of each
+    weight row, and its five tile-sized fp32/int32 arrays still fit the registers."""
     out = []
     one = rows == 1
-    for block_n in ((8, 16, 32, 64) if one else (32, 64, 128)):
+    for block_n in ((8, 16, 32, 64, 128) if one else (32, 64, 128)):
         for block_k8 in ((16, 32, 64, 128) if one else (16, 32)):
-            if one and block_n * block_k8 * 8 > 8192:
+            if one and not 512 <= block_n * block_k8 <= 4096:
                 continue
             for split_k in (1, 2, 4, 8, 16):
-                c = Config(block_n, block_k8, split_k, 4, 3)
-                programs = -(-n // block_n) * split_k if n else 64
-                if fits(c, k, group, rows) and 64 <= programs <= 4096:
-                    out.append(c)
+                for warps in ((4, 8) if one and block_n * block_k8 >= 2048 else (4,)):
+                    c = Config(block_n, block_k8, split_k, warps, 3)
+                    programs = -(-n // block_n) * split_k if n else 64
+                    if fits(c, k, group, rows) and 64 <= programs <= 4096:
+                        out.append(c)
     return out
 
 
@@ -192,24 +220,8 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     x = torch.randn(rows, k, device=device, dtype=dtype)
     best = (None, float("inf"))
     for config in candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows):
-        ms = _graph_ms(lambda: [w4a16_matmul(x, w, s, group, config) for w, s in zip(ws, ss)]) / copies
+        ms = graph_ms(lambda: [w4a16_matmul(x, w, s, group, config) for w, s in zip(ws, ss)]) / copies
         if ms < best[1]:
             best = (config, ms)
     _TUNED[(n, k, group, _bucket(rows))] = best[0]
     return best
-
-
-def _graph_ms(fn, replays: int = 10) -> float:
-    """Median ms of one replay of `fn` captured as a CUDA graph (after a warm-up that compiles)."""
-    from ..cudagraph import capture
-
-    graph, _ = capture(fn, warmup=1)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
