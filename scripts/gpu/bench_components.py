@@ -39,9 +39,8 @@ from qdflash.cudagraph import capture
 from qdflash.drafter import init_drafter
 from qdflash.engine import build_engine
 from qdflash.engine.graphs import restore, snapshot
-from qdflash.engine.linear import Concat, Projection, pack_linears
-from qdflash.kernels import gemv as gemv_kernel
-from qdflash.kernels.w4a16 import MAX_ROWS, tune, w4a16_matmul
+from qdflash.engine.linear import Projection, pack_linears, tune_projections
+from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
 from qdflash.quant.apply import replace_linears, select_linears
 from qdflash.quant.gptq import rtn_quantize
 from qdflash.quant.grid import GridSpec
@@ -83,12 +82,7 @@ def quantize_in_place(model, group: int, names=None) -> int:
 
 
 def projections(engine):
-    for w in engine.layers:
-        for p in w.values():
-            if isinstance(p, Concat):
-                yield from p.parts
-            elif isinstance(p, Projection):
-                yield p
+    return engine.projections()
 
 
 def step_bytes(engine, context: int) -> dict[str, int]:
@@ -103,24 +97,13 @@ def step_bytes(engine, context: int) -> dict[str, int]:
 
 def tune_kernels(packed: list[Projection], device: str) -> dict:
     """Time the W4A16 tile configs for every packed shape (1 row and 16 rows) before capture."""
-    tuned = {}
-    if device != "cuda":
-        return tuned
-    shapes = {(p.out_features, p.in_features, p.group) for p in packed if p.words is not None}
-    for n, k, group in sorted(shapes):
-        for rows in (1, MAX_ROWS):
-            config, ms = tune(n, k, group, rows=rows)
-            tuned[f"{n}x{k}g{group}@{rows}"] = {"config": config.__dict__, "ms": round(ms, 4)}
-    return tuned
+    return tune_projections(packed) if device == "cuda" else {}
 
 
 def tune_dense(engine, device: str) -> dict:
-    """Time the Triton GEMV against cuBLAS for every 16-bit 1-row shape of the step (the LM head too);
-    the engine takes the GEMV where it won (kernels.gemv)."""
-    if device != "cuda":
-        return {}
-    shapes = {tuple(p.weight.shape) for p in projections(engine) if p.weight is not None} | {tuple(engine.lm_head.shape)}
-    return {f"{n}x{k}": gemv_kernel.tune(n, k, dtype=engine.dtype) for n, k in sorted(shapes)}
+    """The engine's kernel tuning (W4A16 tiles; the Triton GEMV against cuBLAS for every 16-bit 1-row
+    shape, the LM head too): the engine takes the GEMV where it won (kernels.gemv)."""
+    return engine.tune_kernels() if device == "cuda" else {}
 
 
 KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import gemv as gemv_kernel
 from ..kernels.gemv import gemv, gemv_config
-from ..kernels.w4a16 import MAX_ROWS, pack_int4, unpack_int4, w4a16_matmul
+from ..kernels.w4a16 import MAX_ROWS, pack_int4, tune, unpack_int4, w4a16_matmul
 from ..quant.grid import GridSpec, dequantize
 from ..quant.quantlinear import QuantLinear
 
@@ -121,3 +122,20 @@ def pack_linears(module: nn.Module, dtype: torch.dtype, kernels: bool) -> int:
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, child, PackedLinear(Projection.of([getattr(parent, child)], dtype, kernels)))
     return len(names)
+
+
+def tune_projections(projections, dense_shapes=(), dtype: torch.dtype = torch.bfloat16) -> dict:
+    """On the GPU, before capturing steps: time the W4A16 tiles of every packed shape (1 row and 16
+    rows), and the 16-bit GEMV against cuBLAS for every dense 1-row shape (plus `dense_shapes`, e.g.
+    the LM head). Later calls of those shapes use what won. Returns the timings, for metrics."""
+    projections = list(projections)
+    tuned = {}
+    packed = {(p.out_features, p.in_features, p.group) for p in projections if p.words is not None and p.fast}
+    for n, k, group in sorted(packed):
+        for rows in (1, MAX_ROWS):
+            config, ms = tune(n, k, group, rows=rows, dtype=dtype)
+            tuned[f"w4a16 {n}x{k}g{group}@{rows}"] = {"config": config.__dict__, "ms": round(ms, 4)}
+    dense = {tuple(p.weight.shape) for p in projections if p.weight is not None and p.kernels} | set(map(tuple, dense_shapes))
+    for n, k in sorted(dense):
+        tuned[f"gemv {n}x{k}"] = gemv_kernel.tune(n, k, dtype=dtype)
+    return tuned

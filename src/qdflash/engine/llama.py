@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError
 from ..kernels import kernels_usable
-from .linear import Projection, dense_linear
+from .linear import Concat, Projection, dense_linear, tune_projections
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,9 +25,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """transformers' llama RMSNorm; `dtype`: what the normalized input is rounded to (x's by default)."""
     x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype or x.dtype)
 
 
 def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int | None,
@@ -55,7 +56,7 @@ class EngineBase:
     layer_ids, exact=False) -> (logits, features)` with tensor positions and in-place cache updates only, so that a
     step can be captured as a CUDA graph (`capture`)."""
 
-    def __init__(self, model, max_len: int, kernels: bool | str = "auto"):
+    def __init__(self, model, max_len: int, kernels: bool | str = "auto", fp32_residual: bool = True):
         c = model.config
         self.config, self.max_len = c, max_len
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -63,9 +64,33 @@ class EngineBase:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.kernels = kernels_usable(self.device, kernels)  # Triton W4A16 matmul and GDN recurrence
+        # The residual stream (the running sum of every layer's output) is kept in fp32 while the
+        # matmuls read 16-bit activations and weights: rounding it to 16 bits after every layer is
+        # where a decode step (1 row) and a verify block (16 rows) drift apart most, because their
+        # kernels round differently and the residual carries each difference to the next layer.
+        # fp32 costs nothing measurable at batch 1 (one [T, hidden] vector) and makes greedy
+        # speculative decoding in bf16 diverge from autoregressive decoding far more rarely.
+        self.residual_dtype = torch.float32 if fp32_residual else self.dtype
         self.embed = model.model.embed_tokens.weight
         self.lm_head = model.get_output_embeddings().weight
         self.graphs = {}  # (tokens per step, layer ids, cache length read) -> CapturedStep
+
+    def projections(self):
+        """Every Projection of the layers (the parts of a Concat one by one)."""
+        for w in self.layers:
+            for p in w.values():
+                if isinstance(p, Concat):
+                    yield from p.parts
+                elif isinstance(p, Projection):
+                    yield p
+
+    def tune_kernels(self) -> dict:
+        """On CUDA with the kernels on: pick the W4A16 tiles and the 16-bit GEMV (where it beats cuBLAS)
+        for this model's shapes by timing them (kernels.w4a16.tune, kernels.gemv.tune). Call before
+        `capture`: a captured graph keeps the kernels it was captured with. Returns the timings."""
+        if not self.kernels or self.device.type != "cuda":
+            return {}
+        return tune_projections(self.projections(), [self.lm_head.shape], self.dtype)
 
     def _rope_tables(self, dims: int, theta: float) -> None:
         self.cos, self.sin = rope_tables(dims, self.max_len, theta, self.device, self.dtype)
@@ -142,8 +167,8 @@ def _key(layer_ids: list[int] | None) -> tuple[int, ...] | None:
 class LeanLlama(EngineBase):
     """Fused q/k/v and gate/up projections; embedding, norms and LM head are the target's own tensors."""
 
-    def __init__(self, model, max_len: int, kernels: bool | str = "auto"):
-        super().__init__(model, max_len, kernels)
+    def __init__(self, model, max_len: int, kernels: bool | str = "auto", fp32_residual: bool = True):
+        super().__init__(model, max_len, kernels, fp32_residual)
         c = self.config
         self.eps = c.rms_norm_eps
         theta = float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0)))
@@ -168,24 +193,24 @@ class LeanLlama(EngineBase):
     # past the current one are masked until they are written again (a rollback is a new length).
 
     def _step(self, ids, positions, attend_len, layer_ids, exact=False):
-        t = ids.shape[0]
+        t, dtype = ids.shape[0], self.dtype
         cos, sin = self.cos[positions], self.sin[positions]
-        h = F.embedding(ids, self.embed)
+        h = F.embedding(ids, self.embed).to(self.residual_dtype)
         features = {}
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, w in enumerate(self.layers):
-            x = rms_norm(h, w["norm1"], self.eps)
+            x = rms_norm(h, w["norm1"], self.eps, dtype)
             q, k, v = w["wqkv"](x).split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rope(q.view(t, self.heads, self.head_dim).transpose(0, 1), cos, sin)
             k = apply_rope(k.view(t, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
             v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
             h = h + w["wo"](cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact))
-            x = rms_norm(h, w["norm2"], self.eps)
+            x = rms_norm(h, w["norm2"], self.eps, dtype)
             gate, up = w["w13"](x).chunk(2, dim=-1)
             h = h + w["w2"](F.silu(gate) * up)
             if layer_ids is not None and i in layer_ids:
-                features[i] = h
-        logits = dense_linear(rms_norm(h, self.final_norm, self.eps), self.lm_head, self.kernels)
+                features[i] = h.to(dtype)
+        logits = dense_linear(rms_norm(h, self.final_norm, self.eps, dtype), self.lm_head, self.kernels)
         return logits, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)
 
 

@@ -43,9 +43,9 @@ def recurrence_torch(q, k, v, g, beta, state, states=None):
 
 
 class LeanQwen35(EngineBase):
-    def __init__(self, model, max_len: int, kernels: bool | str = "auto", max_block: int = 16):
+    def __init__(self, model, max_len: int, kernels: bool | str = "auto", max_block: int = 16, fp32_residual: bool = True):
         c = model.config
-        super().__init__(model, max_len, kernels)
+        super().__init__(model, max_len, kernels, fp32_residual)
         self.max_block = max_block
         dtype, device = self.dtype, self.device
         rope = c.rope_parameters
@@ -146,19 +146,20 @@ class LeanQwen35(EngineBase):
         return w["out"](la.norm(out.to(x.dtype), z).reshape(t, -1))  # gated RMSNorm: norm(out) * silu(z)
 
     def _step(self, ids, positions, attend_len, layer_ids, exact=False):
+        dtype = self.dtype
         cos, sin = self.cos[positions], self.sin[positions]
-        h = F.embedding(ids, self.embed)
+        h = F.embedding(ids, self.embed).to(self.residual_dtype)  # fp32 residual stream: EngineBase says why
         features = {}
         for i, w in enumerate(self.layers):
-            x = w["norm1"](h)
+            x = w["norm1"](h).to(dtype)  # the model's norm computes in fp32 and returns its input's dtype
             if self.types[i] == "linear_attention":
                 h = h + self._delta_net(i, w, x, positions)
             else:
                 h = h + self._attention(i, w, x, positions, cos, sin, attend_len, exact)
-            x = w["norm2"](h)
+            x = w["norm2"](h).to(dtype)
             gate, up = w["w13"](x).chunk(2, dim=-1)
             h = h + w["w2"](F.silu(gate) * up)
             if layer_ids is not None and i in layer_ids:
-                features[i] = h
-        logits = dense_linear(self.final_norm(h), self.lm_head, self.kernels)
+                features[i] = h.to(dtype)
+        logits = dense_linear(self.final_norm(h).to(dtype), self.lm_head, self.kernels)
         return logits, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)

@@ -4,7 +4,8 @@ Methods, on the same prompts, side by side in this process (qdflash.bench):
 - `plain16`: transformers' `generate` on the 16-bit target (the unoptimized baseline, (a));
 - `static16`: `generate` with its static cache (compiled) where the device is a GPU ((a'));
 - `ar16` / `ar_qad`: this project's autoregressive loop on the 16-bit / QAD target ((b), (c)), on
-  the lean engine (qdflash.engine) where the family has one (recorded as `engine.*` in metrics.json);
+  the lean engine (qdflash.engine) where the family has one (recorded as `engine.*` in metrics.json;
+  on a GPU its kernels are tuned to the model's shapes first: `engine.*.kernel_tuning`);
 - `spec16_stage1`: the stage-1 drafter on the 16-bit target;
 - `spec_qad_stage1` / `spec_qad_stage2`: the stage-1 / stage-2 drafter on the QAD target;
 - `spec_qad_<method>_w<bits>g<group>`: each compressed stage-2 drafter (`compressed=[...]`) on it.
@@ -67,6 +68,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             target.engine = build_engine(target, max_len=longest)
             run.metrics[f"engine.{key}"] = "lean"
             if target.device.type == "cuda":  # decode steps and verify blocks replay CUDA graphs
+                run.metrics[f"engine.{key}.kernel_tuning"] = tuning_summary(target.engine.tune_kernels())
                 target.engine.capture([1], None)
                 target.engine.capture([1, stage1_16.block_size], stage1_16.config.target_layer_ids)
                 run.metrics[f"engine.{key}.graphs"] = len(target.engine.graphs)
@@ -141,6 +143,18 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                         "block_size": stage1_16.block_size})
     bugs = sum(v for k, v in run.metrics.items() if k.startswith("all.") and k.endswith(".mismatch_bugs"))
     log.info("speculative vs autoregressive: %d mismatch bugs (%s)", bugs, "float32: any mismatch" if fp32 else f"margin > {bench.MARGIN_BUG}")
+
+
+def tuning_summary(tuned: dict) -> list[str]:
+    """One line per tuned shape (metrics.json holds strings and lists): which kernel its steps run."""
+    lines = []
+    for shape, t in tuned.items():
+        if shape.startswith("gemv"):
+            winner = "Triton GEMV" if t["used"] else "cuBLAS"
+            lines.append(f"{shape}: {winner} (cuBLAS {t['cublas_ms'] * 1e3:.1f} us, GEMV {t['gemv_ms'] * 1e3:.1f} us)")
+        else:
+            lines.append(f"{shape}: {t['config']} {t['ms'] * 1e3:.1f} us")
+    return lines
 
 
 if __name__ == "__main__":
