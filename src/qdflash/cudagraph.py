@@ -3,6 +3,13 @@
 Warm-up runs go on a side stream first (they compile Triton kernels and let cuBLAS pick algorithms:
 nothing may allocate lazily during capture), then one run is recorded; replaying the graph later
 launches all of its kernels at once.
+
+Every graph captured here is kept alive until the process ends. torch 2.11 keys cuBLAS workspaces by
+capture stream, and destroying a graph clears the workspaces of its stream, including the one still
+embedded in other live graphs captured on that stream (pytorch/pytorch#193402). Tuning kernels
+captures and drops hundreds of timing graphs, and the engine replaces graphs, so the captured
+steps replayed later would read freed workspace: an illegal memory access (seen on the H200 in an
+fp32 benchmark after the second engine's tuning). Timing graphs hold only their small outputs.
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+_LIVE: list = []  # every graph captured in this process (see the module docstring)
 
 
 def capture(fn: Callable[[], object], warmup: int = 2, device=None) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -23,4 +32,5 @@ def capture(fn: Callable[[], object], warmup: int = 2, device=None) -> tuple[tor
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
         out = fn()
+    _LIVE.append(graph)
     return graph, out
