@@ -186,3 +186,22 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen):
     after, _ = engine.forward(torch.tensor([777]), 21)
     expected = tiny_qwen.model(input_ids=torch.cat([x, torch.tensor([101, 777])])[None]).logits[0, -1]
     torch.testing.assert_close(after[-1], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_engine_keeps_the_residual_in_fp32(smollm2):
+    """In bf16 the residual stream stays fp32 (matmuls still read bf16): the logits are closer to the
+    fp32 model's than with a bf16 residual, and logits and features come out in the model's dtype."""
+    import copy
+
+    x = ids(3, 48)
+    ref = smollm2.model(input_ids=x[None]).logits[0]
+    bf16 = dataclasses.replace(smollm2, model=copy.deepcopy(smollm2.model).to(torch.bfloat16))
+    errors = {}
+    for fp32_residual in (True, False):
+        engine = build_engine(bf16, max_len=64)
+        if not fp32_residual:
+            engine.residual_dtype = torch.bfloat16
+        logits, features = engine.forward(x, 0, [2])
+        assert logits.dtype == features.dtype == torch.bfloat16
+        errors[fp32_residual] = (logits.float() - ref).abs().mean().item()
+    assert errors[True] < 0.8 * errors[False], errors
