@@ -124,6 +124,19 @@ def test_gate_verdicts():
         judge("t", [1.0], [1.0, 0.0], 0.9, 1)
 
 
+def test_a_gate_on_a_task_the_reference_cannot_do_is_uninformative():
+    zeros = [0.0] * 500  # SmolLM2-135M on GSM8K: 0 for the 16-bit target and for the variant
+    result = judge("gsm8k", zeros, zeros, 0.9, min_samples=50)
+    assert result.verdict == "uninformative" and (result.low, result.high) == (0.0, 0.0)  # would be a vacuous pass
+    chance = [1.0, 0.0, 0.0, 0.0] * 250  # 4-way multiple choice at chance, the variant identical
+    assert judge("mmlu", chance, chance, 0.9, min_samples=50, floor=0.25).verdict == "uninformative"
+    assert judge("mmlu", chance, chance, 0.9, min_samples=50, floor=0.0).verdict == "pass"  # without the floor
+    able = [1.0, 1.0, 0.0, 0.0] * 250  # 0.5, well above chance: the gate can judge
+    result = judge("mmlu", able, able, 0.9, min_samples=50, floor=0.25)
+    assert result.verdict == "pass" and 0.25 < result.reference_low < 0.5
+    assert judge("t", zeros[:10], zeros[:10], 0.9, min_samples=50).verdict == "too_few"  # too few comes first
+
+
 def test_a_reference_scored_on_other_items_is_refused(tmp_path):
     import json
 

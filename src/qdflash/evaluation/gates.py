@@ -7,9 +7,16 @@ score(variant) >= ratio * score(16-bit). With a 95% confidence interval of mean(
 approximation, the items' own variance):
 - `pass`: the whole interval is >= 0 (the variant is shown to be at least `ratio` as good);
 - `fail`: the whole interval is < 0 (shown to be worse);
-- `inconclusive`: the interval contains 0; and `too_few` below the minimum sample count.
-Only `pass` passes: a tiny or noisy sample can neither pass nor fail a variant by luck, and a
-variant that is not shown to be good enough is never selected.
+- `inconclusive`: the interval contains 0; and `too_few` below the minimum sample count;
+- `uninformative`: the 16-bit target itself is not shown to score above the task's floor (chance:
+  0.25 on 4-way multiple choice, 0 on generation tasks), i.e. the lower end of the 95% interval of
+  its own mean is at or below the floor. A model that cannot do the task cannot show a loss on it:
+  a reference of all zeros and a variant of all zeros would otherwise "pass" with an interval of
+  [0, 0], and a reference at chance would pass any variant at chance. (SmolLM2-135M scores 0 on
+  GSM8K and chance on MMLU.)
+Only `pass` passes: a tiny or noisy sample can neither pass nor fail a variant by luck, a variant
+that is not shown to be good enough is never selected, and neither is one judged on a task the
+16-bit target cannot do.
 """
 
 from __future__ import annotations
@@ -30,36 +37,47 @@ class GateResult:
     margin: float         # mean(x - ratio * y)
     low: float            # 95% interval of the margin
     high: float
-    verdict: str          # pass | fail | inconclusive | too_few
+    verdict: str          # pass | fail | inconclusive | too_few | uninformative
+    floor: float = 0.0    # the task's chance score
+    reference_low: float = math.nan  # lower end of the 95% interval of the 16-bit target's mean
 
     @property
     def passes(self) -> bool:
         return self.verdict == "pass"
 
 
+def mean_interval(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95% interval): normal approximation, the values' own variance."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else math.inf
+    return mean, Z95 * math.sqrt(var / n)
+
+
 def judge(task: str, variant_scores: list[float], reference_scores: list[float], ratio: float,
-          min_samples: int) -> GateResult:
+          min_samples: int, floor: float = 0.0) -> GateResult:
     """The gate for one task from per-item scores of the variant and the 16-bit target (same items,
-    same order)."""
+    same order). `floor`: the task's chance score (see the module docstring)."""
     if len(variant_scores) != len(reference_scores):
         raise ValueError(f"{task}: {len(variant_scores)} variant scores but {len(reference_scores)} reference scores")
     n = len(variant_scores)
     if n == 0:
-        return GateResult(task, 0, math.nan, math.nan, ratio, math.nan, math.nan, math.nan, "too_few")
-    d = [x - ratio * y for x, y in zip(variant_scores, reference_scores)]
-    mean = sum(d) / n
-    var = sum((v - mean) ** 2 for v in d) / (n - 1) if n > 1 else math.inf
-    half = Z95 * math.sqrt(var / n)
+        return GateResult(task, 0, math.nan, math.nan, ratio, math.nan, math.nan, math.nan, "too_few", floor)
+    mean, half = mean_interval([x - ratio * y for x, y in zip(variant_scores, reference_scores)])
     low, high = mean - half, mean + half
+    reference, reference_half = mean_interval(reference_scores)
+    reference_low = reference - reference_half
     if n < min_samples:
         verdict = "too_few"
+    elif reference_low <= floor:
+        verdict = "uninformative"
     elif low >= 0:
         verdict = "pass"
     elif high < 0:
         verdict = "fail"
     else:
         verdict = "inconclusive"
-    return GateResult(task, n, sum(reference_scores) / n, sum(variant_scores) / n, ratio, mean, low, high, verdict)
+    return GateResult(task, n, reference, sum(variant_scores) / n, ratio, mean, low, high, verdict, floor, reference_low)
 
 
 def passes_all(results: list[GateResult]) -> bool:

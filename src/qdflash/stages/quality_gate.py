@@ -14,8 +14,9 @@ Two modes, so the 16-bit target is evaluated once per DAG run and not once per v
 - `variant=null`: the 16-bit target's per-item scores -> `scores.json` (the reference);
 - `variant=<export folder>` with `reference=<that folder>`: the variant's scores, and each task's
   gate (qdflash.evaluation.gates): the variant must score at least `ratio` x the 16-bit target's,
-  judged on the paired per-item scores with a 95% confidence interval and a minimum sample count;
-  only `pass` passes. The reference must have scored the very same items (checked by id).
+  judged on the paired per-item scores with a 95% confidence interval and a minimum sample count,
+  and only where the 16-bit target is shown to score above the task's chance floor (else
+  `uninformative`); only `pass` passes. The reference must have scored the very same items (checked by id).
 
 Output (out_dir): `gates.csv` (task, n, scores, margin and its interval, verdict), `scores.json`,
 `tasks/`, metrics.json with the same and `passes_gates`. With `gates.strict`, a variant that does
@@ -61,6 +62,7 @@ class GateTask:
     filter_name: str | None = None
     num_fewshot: int | None = None
     limit: int | None = None         # standard tasks: lm-eval's first N documents (per subtask)
+    floor: float = 0.0               # the task's chance score
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,11 @@ class LocalTask:
     chat: bool
     options: tuple[str, ...]         # keys of gates.tasks.<task> passed to the writer
     metric: str | None = None
+    floor: float = 0.0               # chance score (gates.judge: a reference not above it is uninformative)
 
 
 LOCAL_TASKS = {
-    "mmlu": LocalTask(write_mmlu_task, False, ()),
+    "mmlu": LocalTask(write_mmlu_task, False, (), floor=0.25),  # 4 options
     "gsm8k": LocalTask(write_gsm8k_task, True, ("max_gen_toks",)),
     # RECIPE.md's IFEval gate is instruction-level strict accuracy: per item, the share of its instructions followed
     "ifeval": LocalTask(write_ifeval_task, True, ("max_gen_toks",), metric="inst_level_strict_acc"),
@@ -103,7 +106,7 @@ def plan_tasks(cfg: DictConfig, folder: Path, run: NodeRun) -> list[GateTask]:
         if task_cfg.get("lm_eval_task"):
             plans.append(GateTask(key, str(task_cfg.lm_eval_task), None, bool(task_cfg.get("chat", True)),
                                   task_cfg.get("metric"), task_cfg.get("filter"), task_cfg.get("num_fewshot"),
-                                  task_cfg.get("max_items")))
+                                  task_cfg.get("max_items"), float(task_cfg.get("floor") or 0.0)))
             run.metrics[f"{key}.source"] = f"lm-eval task {task_cfg.lm_eval_task}"
             continue
         if key not in LOCAL_TASKS:
@@ -112,7 +115,8 @@ def plan_tasks(cfg: DictConfig, folder: Path, run: NodeRun) -> list[GateTask]:
         local = LOCAL_TASKS[key]
         items, ids, location = gate_items(cfg, key, int(task_cfg.max_items))
         name = local.writer(folder, items, **{k: task_cfg[k] for k in local.options if k in task_cfg})
-        plans.append(GateTask(key, name, ids, local.chat, local.metric))
+        floor = task_cfg.get("floor")
+        plans.append(GateTask(key, name, ids, local.chat, local.metric, floor=local.floor if floor is None else float(floor)))
         run.metrics[f"{key}.source"] = location
         if key == "ifeval":
             run.metrics["ifeval.sentence_splitter"] = SENTENCE_SPLITTER
@@ -175,14 +179,14 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             raise QdflashError(f"{cfg.reference}: the 16-bit target was scored on other {plan.key} items than this variant")
         task_cfg = cfg.gates.tasks[plan.key]
         result = judge(plan.key, values, ref_scores, float(task_cfg.ratio),
-                       int(task_cfg.get("min_samples") or cfg.gates.min_samples))
+                       int(task_cfg.get("min_samples") or cfg.gates.min_samples), plan.floor)
         results.append(result)
         for key, value in dataclasses.asdict(result).items():
             if key != "task":
                 run.metrics[f"{plan.key}.{key}"] = value
-        log.info("%s: 16-bit %.3f, variant %.3f over %d items; variant - %.2f x 16-bit = %.3f [%.3f, %.3f]: %s",
-                 plan.key, result.reference, result.variant, result.n, result.ratio, result.margin, result.low,
-                 result.high, result.verdict)
+        log.info("%s: 16-bit %.3f (>= %.3f; floor %.2f), variant %.3f over %d items; variant - %.2f x 16-bit = %.3f "
+                 "[%.3f, %.3f]: %s", plan.key, result.reference, result.reference_low, result.floor, result.variant,
+                 result.n, result.ratio, result.margin, result.low, result.high, result.verdict)
     with open(run.dir / "gates.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=[f.name for f in dataclasses.fields(results[0])])
         writer.writeheader()
