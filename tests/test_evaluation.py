@@ -54,6 +54,19 @@ def test_generate_until_is_autoregressive_greedy(tiny_llama):
     assert text == tiny_llama.tokenizer.decode(expected, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_batched_generation_gives_the_batch_1_text(fixture, request):
+    """gates.batch_size > 1: greedy batches (sorted, left-padded; per-request budgets and stop
+    strings) give what batch-1 generation gives, in fp32, on llama and on the hybrid."""
+    target = request.getfixturevalue(fixture)
+    prompts = ["What is the capital of France?", "Write a haiku about rain.", "2+2=", "List three colors", "Once"]
+    requests = [Req(p, {"until": ["\n\n", "e"] if i == 2 else ["\n\n"], "max_gen_toks": 10 + 4 * (i % 2)})
+                for i, p in enumerate(prompts)]
+    assert QdflashLM(target, batch_size=3).generate_until(requests) == QdflashLM(target).generate_until(requests)
+    with pytest.raises(ValueError, match="not with a drafter"):
+        QdflashLM(target, drafter=object(), batch_size=2)
+
+
 def test_local_mmlu_task_runs_through_lm_eval(tiny_llama, tmp_path):
     items = [PromptItem(f"m{i}", "mmlu", "knowledge", f"Question {i}?\nA. red\nB. blue\nC. green\nD. black\n\n"
                         "Answer with the letter of the correct option, then explain briefly.", True, "ABCD"[i % 4])

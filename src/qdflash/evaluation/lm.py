@@ -6,8 +6,13 @@ autoregressive; greedy, so both give the same text).
     lm = QdflashLM(target, drafter=None, max_gen_toks=256)
     lm_eval.simple_evaluate(model=lm, tasks=[...], task_manager=TaskManager(include_path=...))
 
-Batch 1 throughout (the project's setting); each request is scored on its own, so results do not
-depend on batching or padding.
+Log-likelihoods are scored one request (or one shared context) at a time, so they do not depend on
+batching or padding. Generation is batch 1 through this project's loop by default; `batch_size > 1`
+(no drafter) generates greedily in batches through transformers' `generate` instead
+(qdflash.data.generate.generate_batched: sorted by length, left padding), which is what makes
+full test sets affordable on a GPU. Greedy either way; batched rows may round differently from
+batch 1 in 16-bit, so a gate's reference and variants must use the same setting (they share
+`gates.batch_size`).
 """
 
 from __future__ import annotations
@@ -18,14 +23,18 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
+from ..data.generate import Sampling, generate_batched
 from ..spec import autoregressive_generate, speculative_generate
 
 
 @register_model("qdflash")
 class QdflashLM(LM):
-    def __init__(self, target, drafter=None, max_gen_toks: int = 256, window: int | None = None):
+    def __init__(self, target, drafter=None, max_gen_toks: int = 256, window: int | None = None, batch_size: int = 1):
         super().__init__()
+        if batch_size > 1 and drafter is not None:
+            raise ValueError("batch_size > 1 generates through transformers' generate: not with a drafter (batch 1)")
         self.target, self.drafter, self.max_gen_toks, self.window = target, drafter, max_gen_toks, window
+        self.batch_size = batch_size
         self.tok = target.tokenizer
         self._model_device = next(target.model.parameters()).device
 
@@ -102,20 +111,42 @@ class QdflashLM(LM):
         return out
 
     def generate_until(self, requests) -> list[str]:
-        out = []
-        for request in tqdm(requests, desc="generate_until", unit="req"):
+        asks = []
+        for request in requests:
             context, kwargs = request.args
             until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
-            ids = self._encode(context)
-            if self.drafter is not None:
-                result = speculative_generate(self.target, self.drafter, [ids], max_new, stop_strings=until or None,
-                                              window=self.window)
-            else:
-                result = autoregressive_generate(self.target, [ids], max_new, stop_strings=until or None)
-            text = self.tok.decode(result.tokens, skip_special_tokens=True)
+            asks.append((self._encode(context), int(kwargs.get("max_gen_toks", self.max_gen_toks)),
+                         [until] if isinstance(until, str) else list(until)))
+        if self.batch_size > 1:
+            tokens = self._generate_batched(asks)
+        else:
+            tokens = [self._generate_one(ids, max_new, until)
+                      for ids, max_new, until in tqdm(asks, desc="generate_until", unit="req")]
+        out = []
+        for generated, (_, _, until) in zip(tokens, asks):
+            text = self.tok.decode(generated, skip_special_tokens=True)
             for stop in until:  # lm-eval returns the text before the first stop sequence
                 text = text.split(stop)[0]
             out.append(text)
         return out
+
+    def _generate_one(self, ids: list[int], max_new: int, until: list[str]) -> list[int]:
+        if self.drafter is not None:
+            return speculative_generate(self.target, self.drafter, [ids], max_new, stop_strings=until or None,
+                                        window=self.window).tokens
+        return autoregressive_generate(self.target, [ids], max_new, stop_strings=until or None).tokens
+
+    def _generate_batched(self, asks) -> list[list[int]]:
+        """Greedy, in batches per generation budget; stop strings cut the text afterwards (the same
+        text batch-1 generation stops at, since greedy tokens do not depend on where it stops)."""
+        eos = self.target.eos_token_ids
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos[0]
+        out: list[list[int] | None] = [None] * len(asks)
+        for max_new in sorted({m for _, m, _ in asks}):
+            members = [i for i, (_, m, _) in enumerate(asks) if m == max_new]
+            results, _ = generate_batched(self.target.model, [asks[i][0] for i in members], pad_id=pad, eos_ids=eos,
+                                          max_new_tokens=max_new, batch_size=self.batch_size, sampling=Sampling(),
+                                          desc="generate_until (batched)")
+            for i, result in zip(members, results):
+                out[i] = result.token_ids
+        return out  # type: ignore[return-value]
