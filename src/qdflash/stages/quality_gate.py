@@ -127,7 +127,7 @@ def score(model: str, cfg: DictConfig, folder: Path, plans: list[GateTask]) -> d
     """Item ids and per-item scores of one model on every task."""
     target = load_target(model, dtype=cfg.dtype, device=cfg.device)
     log.info("evaluating %s on %s", target.source, ", ".join(p.name for p in plans))
-    lm = QdflashLM(target, batch_size=int(cfg.gates.get("batch_size") or 1))
+    lm = QdflashLM(target, batch_size=int(cfg.gates.batch_size))
     scores = {}
     for plan in plans:
         ids, values = evaluate(lm, folder, [plan.name], plan.limit, plan.chat, plan.metric, plan.num_fewshot,
