@@ -109,3 +109,40 @@ def test_gemv_equals_linear_and_is_used_only_where_tuned(dtype, monkeypatch):
     dense_linear(x.expand(3, k), w, kernels=True)  # three rows: F.linear
     dense_linear(x, w, kernels=False)
     assert len(calls) == 1
+
+
+
+
+def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkeypatch):
+    """The tuners' bookkeeping, with a stand-in for the CUDA-graph timer: each timed call runs once
+    (under Triton's interpreter) and is charged the next made-up time. l2_bytes=1: two weight copies."""
+    import qdflash.kernels as kernels
+    from qdflash.kernels import gemv as gemv_module
+    from qdflash.kernels import w4a16
+
+    def timer(per_call_ms):
+        charged = iter(per_call_ms)
+
+        def fake_graph_ms(fn, replays=10):
+            fn()
+            return 2 * next(charged)  # one timed call runs both weight copies
+        monkeypatch.setattr(kernels, "graph_ms", fake_graph_ms)
+        monkeypatch.setattr(gemv_module, "graph_ms", fake_graph_ms)
+
+    monkeypatch.setattr(gemv_module, "_TUNED", {})
+    monkeypatch.setattr(w4a16, "_TUNED", {})
+    gemv_configs = gemv_module.candidate_configs(512, 1024)[:3]
+    monkeypatch.setattr(gemv_module, "candidate_configs", lambda n, k: gemv_configs)
+    timer([5.0, 7.0, 4.0, 6.0])  # cuBLAS 5; the GEMV tiles 7, 4, 6
+    result = gemv_module.tune(16, 1024, device=DEVICE, dtype=torch.float32, l2_bytes=1)
+    assert result == {"cublas_ms": 5.0, "gemv_ms": 4.0, "config": gemv_configs[1].__dict__, "used": True}
+    assert gemv_module.gemv_config(16, 1024, torch.float32) == gemv_configs[1]
+    timer([3.0, 7.0, 4.0, 6.0])  # cuBLAS beats every tile: the shape stays on cuBLAS
+    assert not gemv_module.tune(16, 2048, device=DEVICE, dtype=torch.float32, l2_bytes=1)["used"]
+    assert gemv_module.gemv_config(16, 2048, torch.float32) is None
+
+    w4_configs = w4a16.candidate_configs(512, 32, None, rows=1)[:2]
+    monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: w4_configs)
+    timer([3.0, 2.0])
+    assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (w4_configs[1], 2.0)
+    assert w4a16.default_config(16, 512, 32, rows=1) == w4_configs[1]

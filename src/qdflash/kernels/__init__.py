@@ -52,3 +52,20 @@ def graph_ms(fn, replays: int = 10) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def copies_past_l2(weight_bytes: int, l2_bytes: int = 64 << 20) -> int:
+    """How many copies of a weight, read in turn, keep it from being served by the L2 cache (>= 4x L2):
+    a decode step reads every weight once, from HBM, so that is how a kernel must be timed."""
+    return max(2, -(-4 * l2_bytes // weight_bytes))
+
+
+def fastest(configs, call, copies: int):
+    """(config, ms per weight copy) of the config whose `call(config)` (one matmul per weight copy)
+    replays fastest in a CUDA graph; (None, inf) without configs."""
+    best = (None, float("inf"))
+    for config in configs:
+        ms = graph_ms(lambda: call(config)) / copies
+        if ms < best[1]:
+            best = (config, ms)
+    return best

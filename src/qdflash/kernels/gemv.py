@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
-from . import graph_ms
+from . import copies_past_l2, fastest, graph_ms
 
 try:
     import triton
@@ -104,15 +104,11 @@ def gemv_config(n: int, k: int, dtype: torch.dtype) -> GemvConfig | None:
 def tune(n: int, k: int, device="cuda", dtype=torch.bfloat16, l2_bytes: int = 64 << 20) -> dict:
     """Time cuBLAS (F.linear) and every candidate for x [1, K] @ W [N, K].T in CUDA graphs over weight
     copies larger than the L2 cache; keep the fastest GEMV if it beats cuBLAS. Returns the timings."""
-    copies = max(2, -(-4 * l2_bytes // (n * k * torch.finfo(dtype).bits // 8)))
+    copies = copies_past_l2(n * k * torch.finfo(dtype).bits // 8, l2_bytes)
     ws = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
     x = torch.randn(1, k, device=device, dtype=dtype)
     cublas = graph_ms(lambda: [F.linear(x, w) for w in ws]) / copies
-    best = (None, float("inf"))
-    for config in candidate_configs(n, k):
-        ms = graph_ms(lambda: [gemv(x, w, config) for w in ws]) / copies
-        if ms < best[1]:
-            best = (config, ms)
+    best = fastest(candidate_configs(n, k), lambda c: [gemv(x, w, c) for w in ws], copies)
     if best[0] is not None and best[1] < cublas:
         _TUNED[(n, k, dtype)] = best[0]
     return {"cublas_ms": round(cublas, 4), "gemv_ms": round(best[1], 4), "config": best[0] and best[0].__dict__,

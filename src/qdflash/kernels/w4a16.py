@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QdflashError
-from . import graph_ms
+from . import copies_past_l2, fastest
 
 try:
     import triton
@@ -214,14 +214,11 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     bucket (later calls use it). Each candidate runs once on each of several weight copies (together
     > 4x the L2 cache, so weights come from HBM) inside one CUDA graph, as in a captured decode step:
     launch overhead is not what is measured. Returns (config, median ms per call)."""
-    copies = max(2, -(-4 * l2_bytes // (n * k // 2)))
+    copies = copies_past_l2(n * k // 2, l2_bytes)
     ws = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32) for _ in range(copies)]
     ss = [torch.rand(n, k // group, device=device, dtype=dtype) / 64 for _ in range(copies)]
     x = torch.randn(rows, k, device=device, dtype=dtype)
-    best = (None, float("inf"))
-    for config in candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows):
-        ms = graph_ms(lambda: [w4a16_matmul(x, w, s, group, config) for w, s in zip(ws, ss)]) / copies
-        if ms < best[1]:
-            best = (config, ms)
+    configs = candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows)
+    best = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c) for w, s in zip(ws, ss)], copies)
     _TUNED[(n, k, group, _bucket(rows))] = best[0]
     return best
