@@ -121,8 +121,9 @@ def main() -> None:
             (folder / "MANIFEST").write_text(json.dumps({**manifest, "index": index}))
     bundle.unlink()
     print(f"bundle {size / 2**20:.1f} MiB, sha256 {digest[:16]}…, {count} pieces:")
+    where = out.resolve().relative_to(REPO) if out.resolve().is_relative_to(REPO) else out
     for index in range(count):
-        print(f"  carry [\".gpu-stage/part-{index:02d}\"]  ->  bash scripts/gpu/receive.sh .gpu-stage/part-{index:02d}")
+        print(f"  carry [\"{where}/part-{index:02d}\"]  ->  bash scripts/gpu/receive.sh {where}/part-{index:02d}")
 
 
 if __name__ == "__main__":
