@@ -205,3 +205,14 @@ def test_bf16_engine_keeps_the_residual_in_fp32(smollm2):
         assert logits.dtype == features.dtype == torch.bfloat16
         errors[fp32_residual] = (logits.float() - ref).abs().mean().item()
     assert errors[True] < 0.8 * errors[False], errors
+
+
+def test_compiled_capture_raises_the_recompile_limit(tiny_llama):
+    """capture(compile=True) compiles `_step` once per (tokens, cache length) graph: past dynamo's
+    recompile limit the rest would silently run uncompiled, so the limit grows with what is asked."""
+    import torch._dynamo.config as dynamo_config
+
+    engine = build_engine(tiny_llama, max_len=2048)
+    before = dynamo_config.recompile_limit
+    engine.capture([1, 4], None, cuda_graphs=False, compile=True)  # 4 lengths (256 .. 2048) x 2 sizes, compiled lazily
+    assert dynamo_config.recompile_limit >= max(before, 8 + 8)

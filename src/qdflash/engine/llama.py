@@ -143,12 +143,29 @@ class EngineBase:
         compile=True captures the step as compiled by torch.compile (fused elementwise work)."""
         from .graphs import CapturedStep, StaticStep
 
-        step = torch.compile(self._step, dynamic=False) if compile else self._step
         lengths = sorted(lengths or cache_buckets(self.max_len))
+        step = self._step
+        if compile:
+            step = torch.compile(self._step, dynamic=False)
+            allow_compiles(len(token_counts) * len(lengths))
         for t in token_counts:
             for n in lengths:
                 self.graphs[(t, _key(layer_ids), n)] = (CapturedStep(self, t, layer_ids, n, step=step) if cuda_graphs
                                                         else StaticStep(self, t, layer_ids, n, step=step))
+
+
+_COMPILES = [0]  # compiled steps asked for in this process (allow_compiles)
+
+
+def allow_compiles(count: int) -> None:
+    """Raise dynamo's recompile limit for `count` more compiled steps. Every (tokens, cache length)
+    graph and every engine is one more compile of the same `_step` code, and past the limit (8 by
+    default) dynamo silently runs the rest uncompiled: a 4-length, 2-size capture of two engines
+    already needs 16."""
+    import torch._dynamo.config as dynamo_config
+
+    _COMPILES[0] += count
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 + _COMPILES[0])
 
 
 def cache_buckets(max_len: int, smallest: int = 256) -> list[int]:
