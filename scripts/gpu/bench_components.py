@@ -39,7 +39,7 @@ from qdflash.cudagraph import capture
 from qdflash.drafter import init_drafter
 from qdflash.engine import build_engine
 from qdflash.engine.graphs import restore, snapshot
-from qdflash.engine.linear import Projection, pack_linears, tune_projections
+from qdflash.engine.linear import pack_linears, tune_projections
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
 from qdflash.quant.apply import replace_linears, select_linears
 from qdflash.quant.gptq import rtn_quantize
@@ -81,29 +81,14 @@ def quantize_in_place(model, group: int, names=None) -> int:
     return len(names)
 
 
-def projections(engine):
-    return engine.projections()
-
-
 def step_bytes(engine, context: int) -> dict[str, int]:
     """What a step must read: weights (projections, conv, norms, the LM head), recurrent states (read
     and written), KV of `context` positions."""
-    weights = sum(p.nbytes for p in projections(engine)) + engine.lm_head.numel() * engine.lm_head.element_size()
+    weights = sum(p.nbytes for p in engine.projections()) + engine.lm_head.numel() * engine.lm_head.element_size()
     weights += sum(w["conv"].numel() * w["conv"].element_size() for w in engine.layers if "conv" in w)
     states = 2 * sum(s.numel() * 4 for s in engine.state.values())
     kv = 2 * sum(k.shape[0] * context * k.shape[2] * k.element_size() for k in engine.k_cache.values())
     return {"weights": weights, "states": states, "kv": kv, "total": weights + states + kv}
-
-
-def tune_kernels(packed: list[Projection], device: str) -> dict:
-    """Time the W4A16 tile configs for every packed shape (1 row and 16 rows) before capture."""
-    return tune_projections(packed) if device == "cuda" else {}
-
-
-def tune_dense(engine, device: str) -> dict:
-    """The engine's kernel tuning (W4A16 tiles; the Triton GEMV against cuBLAS for every 16-bit 1-row
-    shape, the LM head too): the engine takes the GEMV where it won (kernels.gemv)."""
-    return engine.tune_kernels() if device == "cuda" else {}
 
 
 KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
@@ -142,11 +127,11 @@ def kernel_breakdown(step, device: str, replays: int = 20) -> dict:
 
 def matmul_only(engine, device: str):
     """One graph (on CUDA) of every projection and the LM head at 1 row: the weight-reading floor."""
-    inputs = {id(p): torch.randn(1, p.in_features, device=device, dtype=engine.dtype) for p in projections(engine)}
+    inputs = {id(p): torch.randn(1, p.in_features, device=device, dtype=engine.dtype) for p in engine.projections()}
     x_head = torch.randn(1, engine.lm_head.shape[1], device=device, dtype=engine.dtype)
 
     def run():
-        for p in projections(engine):
+        for p in engine.projections():
             p(inputs[id(p)])
         F.linear(x_head, engine.lm_head)
     return graphed(run, device)
@@ -218,7 +203,8 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
         names = [n for n, m in drafter.named_modules() if isinstance(m, torch.nn.Linear)]
         quantize_in_place(drafter, w4_group, names)
         pack_linears(drafter, dtype, kernels=device == "cuda")
-        tuned = tune_kernels([m.projection for m in drafter.modules() if hasattr(m, "projection")], device)
+        # the drafter's packed shapes (off the GPU its projections run no kernels: nothing is timed)
+        tuned = tune_projections(m.projection for m in drafter.modules() if hasattr(m, "projection"))
     c = drafter.config
     feats = torch.randn(1, args.context, len(c.target_layer_ids) * c.hidden_size, device=device, dtype=dtype)
     pos = torch.arange(args.context, device=device)[None]
@@ -253,7 +239,7 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
 def kernel_check(engine, device) -> dict:
     """The W4A16 kernel against the dequantized matmul on one packed projection (bf16). Without
     kernels (the CPU) the engine holds no packed projection: nothing to check."""
-    p = next((p for p in projections(engine) if p.words is not None), None)
+    p = next((p for p in engine.projections() if p.words is not None), None)
     if p is None:
         return {"w4a16_check": "no packed projection (kernels off)"}
     out = {}
@@ -294,7 +280,7 @@ def main() -> None:
     engine16 = build_engine(target, max_len=max_len)
     plain = argparse.Namespace(**{**vars(args), "compile": False, "profile": False})
     result.update(measure_target(engine16, plain, device, layer_ids, bandwidth, "target16_cublas"))
-    result["gemv.tuned"] = tune_dense(engine16, device)
+    result["gemv.tuned"] = engine16.tune_kernels()  # the GEMV against cuBLAS per shape ({} off the GPU)
     report(result, "target16_cublas", args.out)
     result.update(measure_target(engine16, args, device, layer_ids, bandwidth, "target16"))
     report(result, "target16", args.out)
@@ -304,7 +290,7 @@ def main() -> None:
     del engine16
     result["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
     engine4 = build_engine(target, max_len=max_len)
-    result["w4a16.tuned"] = tune_kernels(list(projections(engine4)), device)
+    result["w4a16.tuned"] = engine4.tune_kernels()
     result.update(kernel_check(engine4, device))
     report(result, "w4a16", args.out)
     result.update(measure_target(engine4, args, device, layer_ids, bandwidth, "target_w4"))
