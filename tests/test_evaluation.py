@@ -45,6 +45,20 @@ def test_single_token_choices_share_a_forward_and_score_as_each_alone(tiny_llama
     assert len({round(r[0], 6) for r in together[:4]}) == 4  # four different tokens, four scores
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_batched_choice_scoring_gives_the_batch_1_scores(fixture, request):
+    """gates.batch_size > 1: multiple-choice contexts of different lengths scored in right-padded
+    batches give the batch-1 log-probabilities and greedy flags, in fp32, on llama and on the hybrid."""
+    target = request.getfixturevalue(fixture)
+    questions = ["Is the sky blue?", "Which is larger, 7 or 12, when both are written in base ten?", "2+2=",
+                 "Name the planet closest to the sun, please, in one word.", "Red or green?"]
+    requests = [Req(f"Question: {q}\nAnswer:", f" {c}") for q in questions for c in "ABCD"]
+    one, batched = QdflashLM(target).loglikelihood(requests), QdflashLM(target, batch_size=2).loglikelihood(requests)
+    for (alone, greedy_alone), (together, greedy_together) in zip(one, batched):
+        assert together == pytest.approx(alone, abs=1e-4) and greedy_together == greedy_alone
+    assert len({round(r[0], 4) for r in batched}) > len(questions)  # not one score repeated
+
+
 def test_generate_until_is_autoregressive_greedy(tiny_llama):
     lm = QdflashLM(tiny_llama, max_gen_toks=12)
     prompt = "Once upon a time"

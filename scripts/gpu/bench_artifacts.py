@@ -2,6 +2,7 @@
 (`stage.py --results ...`, placed by setup.sh), in the dtype asked for.
 
     python3 scripts/gpu/bench_artifacts.py --dtype bfloat16 --name h200-default-bf16 [hydra overrides]
+    python3 scripts/gpu/bench_artifacts.py --dtype float32 --profile gpu --source h200 --name h200-fp32   # after run.sh 540 gpu h200
 
 It runs the node with exactly the overrides the DAG gives it for the profile (qdflash.config.
 node_overrides: the same bench section, the same inputs), with device=cuda (--device) and the dtype asked for, so
@@ -31,6 +32,9 @@ def main() -> None:
     parser.add_argument("--name", required=True, help="experiment name of the run and its folder under $OUT")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--profile", default="default")
+    parser.add_argument("--source", default=None,
+                        help="the experiment whose artifacts are measured, under $QDFLASH_RESULTS (default: the profile "
+                             "name, as stage.py --results places them; e.g. h200 after run.sh ... gpu h200)")
     parser.add_argument("--qad", default="qad_gptq_w4g32", help="target/<this>/model is the QAD target")
     parser.add_argument("--compressed", nargs="*", default=["gptq_w8g64", "gptq_w4g64"], help="drafter/<these>")
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. 'bench.buckets=[[64,128],[2048,256],[8192,256]]'")
@@ -41,11 +45,11 @@ def main() -> None:
     profile = config["profiles"][args.profile]
     profile["device"], profile["dtype"] = args.device, args.dtype
     results = Path(os.environ["QDFLASH_RESULTS"])
-    source = results / args.profile
+    source = results / (args.source or args.profile)
     for folder in [source / "data" / "bf16", source / "target" / args.qad, source / "drafter" / "stage1",
                    source / "drafter" / "stage2", *(source / "drafter" / c for c in args.compressed)]:
         if not (folder / "metrics.json").is_file():
-            sys.exit(f"bench_artifacts: {folder} was not brought along (stage.py --results)")
+            sys.exit(f"bench_artifacts: {folder} is missing (brought along by stage.py --results, or made by run.sh here)")
     out_dir = results / args.name / "bench" / "speedup"
     extra = {"data_dir": str(source / "data" / "bf16"), "qad_model": str(source / "target" / args.qad / "model"),
              "stage1": str(source / "drafter" / "stage1" / "drafter"), "stage2": str(source / "drafter" / "stage2" / "drafter"),

@@ -12,7 +12,8 @@ shift 3
 mkdir -p "$QDFLASH_RESULTS" "${OUT:-/tmp/out}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "${OUT:-/tmp/out}/device.txt"
 # targets and flags first: --config takes every word after it
-timeout --signal=INT "$seconds" python3 -m snakemake "$@" --cores all --rerun-incomplete \
+# --keep-going: a failed node stops only what depends on it; the rest of the DAG still runs in this call
+timeout --signal=INT "$seconds" python3 -m snakemake "$@" --cores all --rerun-incomplete --keep-going \
   --config profile="$profile" experiment="$experiment" results_dir="$QDFLASH_RESULTS" 2>&1 | tee "${OUT:-/tmp/out}/snakemake.log"
 status=${PIPESTATUS[0]}
 bash "$(dirname "$0")/pack.sh"

@@ -33,7 +33,7 @@ rule bench_speedup:
                                "bench.window": None if wc.window == "none" else int(wc.window)},
         ),
         config=fingerprint(["bench"]),
-    threads: workflow.cores
+    threads: rule_threads("bench_speedup")
     resources: **rule_resources("bench_speedup")
     shell:
         "{PYTHON} -m qdflash.stages.bench_speedup {params.args}"

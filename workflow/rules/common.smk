@@ -36,6 +36,18 @@ def rule_resources(rule_name):
     return {"gpu": merged["gpu"], "cpus_per_task": merged["cpus"], "mem_mb": merged["mem_mb"], "runtime": merged["runtime"]}
 
 
+def rule_threads(rule_name):
+    """The cores a node holds on this machine, which decide how many nodes run side by side.
+    By default every node holds all cores (--cores), so nodes run one at a time: on a CPU each
+    node's torch uses them all, and on a multi-GPU host no two nodes compete for GPU 0. A profile
+    with `share_device: true` (one H200: generate and lm-eval leave it mostly idle, host-bound) gives
+    each rule its resources' `cpus` instead: nodes share the GPU, and a rule whose `cpus` is the
+    whole machine (the speed benchmark) runs alone. Snakemake caps threads at --cores."""
+    if not PROFILE.get("share_device", False):
+        return workflow.cores
+    return rule_resources(rule_name)["cpus_per_task"]
+
+
 def launcher(rule_name):
     """How a node starts: one process, or one per GPU through torchrun for a multi-GPU training rule
     (qdflash.distributed reads the world size torchrun sets)."""

@@ -16,7 +16,7 @@ if DATA_SHARDS > 1:
         params:
             args=hydra_args("prepare_data", ["data"], lambda wc, input: {"shard.index": int(wc.index), "shard.count": DATA_SHARDS}),
             config=fingerprint(["data"]),
-        threads: workflow.cores
+        threads: rule_threads("prepare_data_shard")
         resources: **rule_resources("prepare_data_shard")
         shell:
             "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
@@ -42,7 +42,7 @@ else:
         params:
             args=hydra_args("prepare_data", ["data"]),
             config=fingerprint(["data"]),
-        threads: workflow.cores
+        threads: rule_threads("prepare_data")
         resources: **rule_resources("prepare_data")
         shell:
             "{PYTHON} -m qdflash.stages.prepare_data {params.args}"

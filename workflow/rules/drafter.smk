@@ -21,7 +21,7 @@ rule regenerate_data:
     params:
         args=hydra_args("prepare_data", ["data"], lambda wc, input: {"model.name": f"{input.qad}/model/dense", "data_role": "qad"}),
         config=fingerprint(["data"]),
-    threads: workflow.cores
+    threads: rule_threads("regenerate_data")
     resources: **rule_resources("regenerate_data")
     shell:
         "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
@@ -37,7 +37,7 @@ rule drafter_stage1:
         args=hydra_args("train_drafter", ["drafter", "drafter_train"], lambda wc, input: {"stage": 1, "data_dir": input.data}),
         launch=launcher("drafter_stage1"),
         config=fingerprint(["drafter", "drafter_train"]),
-    threads: workflow.cores
+    threads: rule_threads("drafter_stage1")
     resources: **rule_resources("drafter_stage1")
     shell:
         "{params.launch} qdflash.stages.train_drafter {params.args}"
@@ -60,7 +60,7 @@ rule drafter_stage2:
         ),
         launch=launcher("drafter_stage2"),
         config=fingerprint(["drafter", "drafter_train"]),
-    threads: workflow.cores
+    threads: rule_threads("drafter_stage2")
     resources: **rule_resources("drafter_stage2")
     shell:
         "{params.launch} qdflash.stages.train_drafter {params.args}"
@@ -88,7 +88,7 @@ rule compress_drafter:
                                "compress.bits": int(wc.dbits), "compress.group_size": group_size(wc.dgroup)},
         ),
         config=fingerprint(["compress"]),
-    threads: workflow.cores
+    threads: rule_threads("compress_drafter")
     resources: **rule_resources("compress_drafter")
     shell:
         "{PYTHON} -m qdflash.stages.compress_drafter {params.args}"

@@ -13,7 +13,7 @@ rule quality_reference:
     params:
         args=hydra_args("quality_gate", ["data", "gates"]),
         config=fingerprint(["data", "gates"]),
-    threads: workflow.cores
+    threads: rule_threads("quality_reference")
     resources: **rule_resources("quality_reference")
     shell:
         "{PYTHON} -m qdflash.stages.quality_gate {params.args}"
@@ -32,7 +32,7 @@ rule quality_gate:
     params:
         args=hydra_args("quality_gate", ["data", "gates"], lambda wc, input: {"variant": f"{input.target}/model", "reference": input.reference}),
         config=fingerprint(["data", "gates"]),
-    threads: workflow.cores
+    threads: rule_threads("quality_gate")
     resources: **rule_resources("quality_gate")
     shell:
         "{PYTHON} -m qdflash.stages.quality_gate {params.args}"

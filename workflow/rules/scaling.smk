@@ -46,7 +46,7 @@ if SCALING:
                                    "shard.count": SCALING["shards"]},
             ),
             config=section_fingerprint({"data": scaling_data_section(), "shards": SCALING["shards"]}),
-        threads: workflow.cores
+        threads: rule_threads("scaling_data_shard")
         resources: **rule_resources("scaling_data_shard")
         shell:
             "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
@@ -77,7 +77,7 @@ if SCALING:
                                    "drafter_train.max_examples": int(wc.size)},
             ),
             config=section_fingerprint({"drafter": PROFILE["drafter"], "train": scaling_train_section()}),
-        threads: workflow.cores
+        threads: rule_threads("scaling_drafter")
         resources: **rule_resources("scaling_drafter")
         shell:
             "{PYTHON} -m qdflash.stages.train_drafter {params.args}"

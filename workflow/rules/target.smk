@@ -21,7 +21,7 @@ rule quantize_target:
                                "quant.group_size": group_size(wc.group)},
         ),
         config=fingerprint(["quant", "eval"]),
-    threads: workflow.cores
+    threads: rule_threads("quantize_target")
     resources: **rule_resources("quantize_target")
     shell:
         "{PYTHON} -m qdflash.stages.quantize_target {params.args}"
@@ -38,7 +38,7 @@ rule qad:
         args=hydra_args("qad", ["qad", "eval"], lambda wc, input: {"data_dir": input.data, "ptq_dir": input.ptq}),
         launch=launcher("qad"),
         config=fingerprint(["qad", "eval"]),
-    threads: workflow.cores
+    threads: rule_threads("qad")
     resources: **rule_resources("qad")
     shell:
         "{params.launch} qdflash.stages.qad {params.args}"

@@ -6,12 +6,15 @@ autoregressive; greedy, so both give the same text).
     lm = QdflashLM(target, drafter=None, max_gen_toks=256)
     lm_eval.simple_evaluate(model=lm, tasks=[...], task_manager=TaskManager(include_path=...))
 
-Log-likelihoods are scored one request (or one shared context) at a time, so they do not depend on
-batching or padding. Generation is batch 1 through this project's loop by default; `batch_size > 1`
-(no drafter) generates greedily in batches through transformers' `generate` instead
-(qdflash.data.generate.generate_batched: sorted by length, left padding), which is what makes
-full test sets affordable on a GPU. Greedy either way; batched rows may round differently from
-batch 1 in 16-bit, so a gate's reference and variants must use the same setting (they share
+Log-likelihoods are scored one request (or one shared context) at a time by default, so they do not
+depend on batching or padding; with `batch_size > 1` the shared contexts of multiple-choice items
+go through the forward in batches (sorted by length, right-padded: a causal model's logits at a
+row's last token cannot see the padding after it). Generation is batch 1 through this project's
+loop by default; `batch_size > 1` (no drafter) generates greedily in batches through transformers'
+`generate` instead (qdflash.data.generate.generate_batched: sorted by length, left padding). Both
+are what make full test sets affordable on a GPU, where one forward costs the same host time at
+batch 1 and batch 64. Same results in fp32 either way (tests); batched rows may round differently
+from batch 1 in 16-bit, so a gate's reference and variants must use the same setting (they share
 `gates.batch_size`).
 """
 
@@ -70,8 +73,9 @@ class QdflashLM(LM):
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         """Requests whose continuation is one token and whose contexts are equal (a multiple-choice
-        item's " A" .. " D") share one forward: its last position scores them all. Others get a
-        forward each. Both read the same logits, so the results do not depend on the grouping."""
+        item's " A" .. " D") share one forward: its last position scores them all (several such
+        contexts per forward when `batch_size > 1`). Others get a forward each. Both read the same
+        logits, so the results do not depend on the grouping."""
         bos = [self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id]
         splits = []
         for request in requests:
@@ -82,9 +86,13 @@ class QdflashLM(LM):
         for i, (ctx, cont) in enumerate(splits):
             if len(cont) == 1:
                 shared.setdefault(tuple(ctx), []).append(i)
+        contexts = [list(ctx) for ctx in shared]
         with tqdm(total=len(requests), desc="loglikelihood", unit="req") as bar:
-            for ctx, members in shared.items():
-                logprobs = self.next_token_logprobs(list(ctx))
+            if self.batch_size > 1:
+                scored = self.next_token_logprobs_batched(contexts)
+            else:
+                scored = (self.next_token_logprobs(ctx) for ctx in contexts)
+            for members, logprobs in zip(shared.values(), scored):
                 best = int(logprobs.argmax())
                 for i in members:
                     token = splits[i][1][0]
@@ -101,6 +109,28 @@ class QdflashLM(LM):
         """log p(next token | context) over the vocabulary."""
         logits = self.target.model(input_ids=torch.tensor([context_ids], device=self._model_device)).logits[0, -1].float()
         return F.log_softmax(logits, dim=-1)
+
+    @torch.no_grad()
+    def next_token_logprobs_batched(self, contexts: list[list[int]]) -> list[torch.Tensor]:
+        """log p(next token | context) for each context, `batch_size` contexts per forward. Sorted by
+        length so a batch pads little; right padding needs no attention mask, since causal attention
+        and the recurrent layers only look back from a row's last real token."""
+        out: list[torch.Tensor | None] = [None] * len(contexts)
+        order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
+        for first in range(0, len(order), self.batch_size):
+            rows = order[first : first + self.batch_size]
+            lengths = [len(contexts[i]) for i in rows]
+            width = max(lengths)
+            ids = torch.tensor([contexts[i] + [contexts[i][-1]] * (width - len(contexts[i])) for i in rows],
+                               device=self._model_device)
+            # logits only at the positions where some row ends (not [rows, width, vocab])
+            ends = sorted({n - 1 for n in lengths})
+            logits = self.target.model(input_ids=ids, logits_to_keep=torch.tensor(ends, device=ids.device)).logits
+            last = torch.tensor([ends.index(n - 1) for n in lengths], device=logits.device)
+            logprobs = F.log_softmax(logits[torch.arange(len(rows), device=logits.device), last].float(), dim=-1)
+            for row, i in enumerate(rows):
+                out[i] = logprobs[row]
+        return out  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         out = []
