@@ -142,20 +142,27 @@ def test_round_cost_terms(tiny_llama):
 
 
 def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path):
-    from qdflash.drafter.train import FeatureCache
+    """Misses of a batch are computed in one right-padded forward, hits read back; the loss equals the
+    uncached one, and a sequence whose tokens changed (same id) is not served stale features."""
+    from qdflash.drafter.train import FeatureCache, feature_cache_folder, feature_key
 
     drafter = init_drafter(tiny_llama, block_size=4)
-    ex = example(tiny_llama)
-    cache = FeatureCache(tmp_path / "features")
-    ids = torch.tensor([ex["input_ids"]])
-    compute = lambda: target_pass(tiny_llama, ids, drafter.config.target_layer_ids)[0][0]  # noqa: E731
-    first = cache.get("x", compute)
-    again = cache.get("x", lambda: pytest.fail("recomputed despite the cache"))
-    assert torch.equal(first, again) and (cache.hits, cache.misses) == (1, 1)
+    layer_ids = drafter.config.target_layer_ids
+    short, long = example(tiny_llama, 20, seed=1, id="short"), example(tiny_llama, 40, seed=2, id="long")
+    cache = FeatureCache(feature_cache_folder(tmp_path / "stage1", "tiny", "float32", layer_ids))
+    alone = [target_pass(tiny_llama, torch.tensor([ex["input_ids"]]), layer_ids)[0][0] for ex in (short, long)]
     w, g = loss_weights(4, 7.0), torch.Generator
-    cached = batch_loss(drafter, tiny_llama, [ex], w, 6, g().manual_seed(0), cache)
-    direct = batch_loss(drafter, tiny_llama, [ex], w, 6, g().manual_seed(0))
+    cached = batch_loss(drafter, tiny_llama, [short, long], w, 6, g().manual_seed(0), cache)
+    assert (cache.hits, cache.misses) == (0, 2)
+    again = cache.get_batch([feature_key(short), feature_key(long)], lambda missing: pytest.fail("recomputed"))
+    for got, want in zip(again, alone):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)
+    direct = batch_loss(drafter, tiny_llama, [short, long], w, 6, g().manual_seed(0))
     torch.testing.assert_close(cached, direct)
+    changed = dict(short, input_ids=list(reversed(short["input_ids"])))
+    assert feature_key(changed) != feature_key(short)
+    assert feature_cache_folder("o", "a", "float32", [1]) != feature_cache_folder("o", "b", "float32", [1])
 
 
 def test_a_padded_batch_drafts_exactly_what_each_sequence_drafts_alone(tiny_qwen):

@@ -10,6 +10,8 @@ and run through one target forward and one drafter forward. The mask is a dense 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -100,24 +102,41 @@ def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tens
 
 class FeatureCache:
     """Target features of training sequences kept on disk (one file per sequence id, in the target's
-    dtype, so a cached feature equals a recomputed one): repeated epochs skip the target forward."""
+    dtype): repeated epochs skip the target forward. The sequences a batch misses are computed
+    together in one right-padded forward, as without the cache; one forward per sequence made the
+    first epoch host-bound on the H200 (1.3 steps/s against 7 once cached, 16 x 1,024 tokens)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.hits = self.misses = 0
 
-    def get(self, key: str, compute) -> torch.Tensor:
-        path = self.folder / f"{key}.pt"
-        if path.is_file():
-            self.hits += 1
-            return torch.load(path, map_location="cpu")
-        self.misses += 1
-        value = compute()
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(value.cpu(), tmp)
-        os.replace(tmp, path)
-        return value
+    def get_batch(self, keys: list[str], compute) -> list[torch.Tensor]:
+        """The cached tensor of each key; `compute(indices)` returns those of the missing ones (in
+        that order), which are saved before they are returned."""
+        paths = [self.folder / f"{key}.pt" for key in keys]
+        missing = [i for i, path in enumerate(paths) if not path.is_file()]
+        self.hits += len(keys) - len(missing)
+        self.misses += len(missing)
+        fresh = dict(zip(missing, compute(missing))) if missing else {}
+        for i, value in fresh.items():
+            tmp = paths[i].with_name(paths[i].name + ".tmp")
+            torch.save(value.detach().cpu().clone(), tmp)  # clone: a row of a batch would save the whole batch
+            os.replace(tmp, paths[i])
+        return [fresh[i] if i in fresh else torch.load(paths[i], map_location="cpu") for i in range(len(keys))]
+
+
+def feature_key(example: dict) -> str:
+    """A sequence's cache key: its id and a digest of its tokens (regenerated answers keep their ids)."""
+    tokens = torch.tensor(example["input_ids"], dtype=torch.int64).numpy().tobytes()
+    return f"{example['id']}-{hashlib.sha256(tokens).hexdigest()[:12]}"
+
+
+def feature_cache_folder(out_dir: str | Path, target_name: str, dtype: str, layer_ids: list[int]) -> Path:
+    """Where a node's feature cache lives: beside its output, named after what the features depend
+    on, so a failed run's cache is reused by its retry but never by a run on another target."""
+    key = hashlib.sha256(json.dumps([str(target_name), str(dtype), list(layer_ids)]).encode()).hexdigest()[:12]
+    return Path(f"{out_dir}.features-{key}")
 
 
 def batch_anchors(examples: list[dict], anchors_per_seq: int, generator: torch.Generator) -> list[torch.Tensor]:
@@ -148,8 +167,12 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
                                                          anchors_per_seq if pad_length else None)
     layer_ids = drafter.config.target_layer_ids
     if cache is not None:
-        rows = [cache.get(ex["id"], lambda ex=ex: target_pass(target, torch.tensor([ex["input_ids"]], device=device), layer_ids)[0][0])
-                for ex in examples]
+        def compute(indices):  # one forward over the missing rows; each keeps its own length
+            width = max(len(examples[i]["input_ids"]) for i in indices)
+            features = target_pass(target, input_ids[indices, :width].to(device), layer_ids)[0]
+            return [features[row, : len(examples[i]["input_ids"])] for row, i in enumerate(indices)]
+
+        rows = cache.get_batch([feature_key(ex) for ex in examples], compute)
         features = pad_right([r.to(device) for r in rows], 0, pad_length)
     else:
         features = target_pass(target, input_ids.to(device), layer_ids)[0]

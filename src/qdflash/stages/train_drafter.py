@@ -24,7 +24,7 @@ from ..drafter import init_drafter, load_drafter, save_drafter
 from ..drafter.blocks import loss_weights
 from ..data.split import unit_interval
 from ..distributed import all_sum, full_state_dict, setup, shard, shard_module, wrap
-from ..drafter.train import FeatureCache, batch_anchors, batch_loss, estimate_acceptance, round_up
+from ..drafter.train import FeatureCache, batch_anchors, feature_cache_folder, batch_loss, estimate_acceptance, round_up
 from ..errors import QdflashError
 from ..models import load_target, resolve_device, synchronize
 from ..qad import cosine_lr
@@ -159,7 +159,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     batches = epoch_batches(len(train), train_cfg.batch_size, train_cfg.seed)
     generator = torch.Generator().manual_seed(train_cfg.seed)
     # cached features live beside the output (not inside it) and are removed when the node succeeds
-    cache = FeatureCache(Path(f"{cfg.out_dir}.features")) if train_cfg.cache_features else None
+    cache = (FeatureCache(feature_cache_folder(cfg.out_dir, cfg.model.name, cfg.dtype, drafter.config.target_layer_ids))
+             if train_cfg.cache_features else None)
     curve: list[float] = []
     sequences_here = 0  # sequences this process trained on (a 1/N share of each batch under torchrun)
     synchronize(drafter.norm.weight.device)
