@@ -193,3 +193,54 @@ def test_inference_drafts_what_training_drafts(fixture, request):
         cached = drafter.forward_block(block, q_pos, session.keys, session.values, session.positions[None])
     torch.testing.assert_close(cached[0], logits[0, 0], atol=1e-4, rtol=1e-4)
     assert session.draft(int(ids[0, anchor]), anchor).tolist() == logits[0, 0, 1:].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+@pytest.mark.parametrize("lean", [False, True])
+def test_decoding_drafts_what_training_drafts_at_every_round(fixture, lean, request, monkeypatch):
+    """During speculative decoding, the drafter's logits at each round's anchor equal the training
+    forward's (draft_blocks over target_pass of the final sequence), with the context features that
+    the target session produced as it went: prefill, verify blocks, rollbacks (recurrent ones
+    re-fed), on transformers' forward and on the lean engine. Acceptance comes from an oracle with
+    some wrong drafts, so rounds accept 0 to B-1 tokens; the real drafter's logits are recorded."""
+    from qdflash.drafter.train import draft_blocks, target_pass
+    from qdflash.engine import build_engine
+
+    target = request.getfixturevalue(fixture)
+    drafter = init_drafter(target, block_size=4, num_layers=2, seed=5).eval()
+    ids = prompt(11, 12)
+    reference = autoregressive_generate(target, ids, 24).tokens
+    if lean:
+        target.engine = build_engine(target, max_len=64)
+    rng, recorded = random.Random(0), []
+
+    def draft(self, last_token, position):
+        b = self.drafter.block_size
+        block = torch.full((1, b), self.drafter.mask_id)
+        block[0, 0] = last_token
+        q_pos = torch.arange(position, position + b)[None]
+        with torch.no_grad():
+            logits = self.drafter.forward_block(block, q_pos, self.keys, self.values, self.positions[None], self.window)
+        recorded.append((position, last_token, logits[0]))
+        out = []
+        for pos in range(position + 1, position + b):
+            i = pos - ids.shape[1]
+            token = reference[i] if 0 <= i < len(reference) else 7
+            out.append(token + 1 if rng.random() < 0.3 else token)
+        return torch.tensor(out)
+
+    monkeypatch.setattr(spec.DrafterSession, "draft", draft)
+    try:
+        result = speculative_generate(target, drafter, ids, 24)
+    finally:
+        target.engine = None
+    assert result.tokens == reference and len(set(result.acceptance_lengths)) > 1
+    full = torch.cat([ids, torch.tensor([result.tokens])], dim=1)
+    features, _ = target_pass(target, full, drafter.config.target_layer_ids)
+    rounds = [(p, token, logits) for p, token, logits in recorded if p + 4 <= full.shape[1]]
+    assert len(rounds) >= 4
+    for p, token, _ in rounds:
+        assert int(full[0, p]) == token  # the round's first block token is the committed one at p
+    trained, _ = draft_blocks(drafter, features, full, torch.ones_like(full), torch.tensor([[p for p, _, _ in rounds]]))
+    for (p, _, logits), want in zip(rounds, trained[0]):
+        torch.testing.assert_close(logits, want, atol=2e-4, rtol=2e-4, msg=lambda m: f"anchor {p}: {m}")
