@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from qdflash.drafter import init_drafter
+from qdflash.drafter.static import DrafterEngine
+from qdflash.errors import QdflashError
 from qdflash.spec import (TargetSession, accepted_prefix, autoregressive_generate, choose, speculative_generate)
 import qdflash.spec as spec
 
@@ -197,7 +199,8 @@ def test_inference_drafts_what_training_drafts(fixture, request):
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
 @pytest.mark.parametrize("lean", [False, True])
-def test_decoding_drafts_what_training_drafts_at_every_round(fixture, lean, request, monkeypatch):
+@pytest.mark.parametrize("static_drafter", [False, True])
+def test_decoding_drafts_what_training_drafts_at_every_round(fixture, lean, static_drafter, request, monkeypatch):
     """During speculative decoding, the drafter's logits at each round's anchor equal the training
     forward's (draft_blocks over target_pass of the final sequence), with the context features that
     the target session produced as it went: prefill, verify blocks, rollbacks (recurrent ones
@@ -212,16 +215,21 @@ def test_decoding_drafts_what_training_drafts_at_every_round(fixture, lean, requ
     reference = autoregressive_generate(target, ids, 24).tokens
     if lean:
         target.engine = build_engine(target, max_len=64)
+    if static_drafter:
+        drafter.engine = DrafterEngine(drafter, max_len=64, smallest_bucket=8)
     rng, recorded = random.Random(0), []
 
     def draft(self, last_token, position):
         b = self.drafter.block_size
-        block = torch.full((1, b), self.drafter.mask_id)
-        block[0, 0] = last_token
-        q_pos = torch.arange(position, position + b)[None]
-        with torch.no_grad():
-            logits = self.drafter.forward_block(block, q_pos, self.keys, self.values, self.positions[None], self.window)
-        recorded.append((position, last_token, logits[0]))
+        if static_drafter:
+            logits = self.draft_logits(last_token, position)[0].clone()
+        else:
+            block = torch.full((1, b), self.drafter.mask_id)
+            block[0, 0] = last_token
+            q_pos = torch.arange(position, position + b)[None]
+            with torch.no_grad():
+                logits = self.drafter.forward_block(block, q_pos, self.keys, self.values, self.positions[None], self.window)[0]
+        recorded.append((position, last_token, logits))
         out = []
         for pos in range(position + 1, position + b):
             i = pos - ids.shape[1]
@@ -229,11 +237,11 @@ def test_decoding_drafts_what_training_drafts_at_every_round(fixture, lean, requ
             out.append(token + 1 if rng.random() < 0.3 else token)
         return torch.tensor(out)
 
-    monkeypatch.setattr(spec.DrafterSession, "draft", draft)
+    monkeypatch.setattr(DrafterEngine if static_drafter else spec.DrafterSession, "draft", draft)
     try:
         result = speculative_generate(target, drafter, ids, 24)
     finally:
-        target.engine = None
+        target.engine = drafter.engine = None
     assert result.tokens == reference and len(set(result.acceptance_lengths)) > 1
     full = torch.cat([ids, torch.tensor([result.tokens])], dim=1)
     features, _ = target_pass(target, full, drafter.config.target_layer_ids)
@@ -244,3 +252,68 @@ def test_decoding_drafts_what_training_drafts_at_every_round(fixture, lean, requ
     trained, _ = draft_blocks(drafter, features, full, torch.ones_like(full), torch.tensor([[p for p, _, _ in rounds]]))
     for (p, _, logits), want in zip(rounds, trained[0]):
         torch.testing.assert_close(logits, want, atol=2e-4, rtol=2e-4, msg=lambda m: f"anchor {p}: {m}")
+
+
+def eager_logits(session, last_token, position):
+    """The eager DrafterSession's logits [B, V] for one block (what its `draft` takes the argmax of)."""
+    d = session.drafter
+    block = torch.full((1, d.block_size), d.mask_id)
+    block[0, 0] = last_token
+    q_pos = torch.arange(position, position + d.block_size)[None]
+    with torch.no_grad():
+        return d.forward_block(block, q_pos, session.keys, session.values, session.positions[None], session.window)[0]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_static_drafter_drafts_what_the_eager_session_drafts(fixture, window, request):
+    """DrafterEngine (context K/V in place, attention over a masked power-of-two bucket: the CUDA
+    graph path, run eagerly) gives the eager session's logits as the context grows across buckets,
+    with and without a sliding window; a new session forgets the last generation's context."""
+    from qdflash.drafter.train import target_pass
+
+    target = request.getfixturevalue(fixture)
+    drafter = init_drafter(target, block_size=4, num_layers=2, seed=7).eval()
+    ids = prompt(3, 40)
+    features, _ = target_pass(target, ids, drafter.config.target_layer_ids)
+    engine = DrafterEngine(drafter, max_len=48, smallest_bucket=8)
+    assert engine.buckets == [8, 16, 32, 48]
+    for generation in range(2):
+        eager, static = spec.DrafterSession(drafter, window), engine.session(window)
+        start = 0
+        for n in (5, 3, 1, 4, 9, 2, 12):  # context lengths 5, 8, 9, 13, 22, 24, 36: every bucket
+            for session in (eager, static):
+                session.append(features[0, start : start + n], start)
+            start += n
+            token = int(ids[0, start])
+            got, drafts = static.draft_logits(token, start)
+            torch.testing.assert_close(got, eager_logits(eager, token, start), atol=1e-5, rtol=1e-5)
+            assert drafts.tolist() == eager.draft(token, start).tolist()
+        assert static.length == start == 36
+    with pytest.raises(ValueError, match="must follow"):
+        engine.append(features[0, :2], 40)
+    with pytest.raises(QdflashError, match="max_len"):
+        engine.session().append(features[0, :40].repeat(2, 1), 0)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_greedy_speculative_with_the_static_drafter_is_unchanged(fixture, window, request):
+    """The static drafter changes nothing but speed: the same tokens as autoregressive decoding and
+    the same acceptance lengths as the eager drafter, on the lean engine too."""
+    from qdflash.engine import build_engine
+
+    target = request.getfixturevalue(fixture)
+    drafter = init_drafter(target, block_size=4, num_layers=1, seed=2).eval()
+    ids = prompt(5, 20)
+    reference = autoregressive_generate(target, ids, 30).tokens
+    eager = speculative_generate(target, drafter, ids, 30, window=window)
+    try:
+        drafter.engine = DrafterEngine(drafter, max_len=64, smallest_bucket=16)
+        static = speculative_generate(target, drafter, ids, 30, window=window)
+        target.engine = build_engine(target, max_len=64)
+        lean = speculative_generate(target, drafter, ids, 30, window=window)
+    finally:
+        target.engine = drafter.engine = None
+    assert eager.tokens == static.tokens == lean.tokens == reference
+    assert eager.acceptance_lengths == static.acceptance_lengths == lean.acceptance_lengths

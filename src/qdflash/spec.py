@@ -193,6 +193,13 @@ class DrafterSession:
         return logits[0, 1:].argmax(-1)
 
 
+def drafter_session(drafter: Drafter, window: int | None = None):
+    """The drafter's static engine where one is attached (`drafter.engine`, qdflash.drafter.static:
+    buffers in place, a CUDA graph per context bucket), else the eager DrafterSession."""
+    engine = getattr(drafter, "engine", None)
+    return engine.session(window) if engine is not None else DrafterSession(drafter, window)
+
+
 def _stop(tokens: list[int], eos: set[int], stop_strings, tokenizer, max_new_tokens: int,
           checked: int = 0) -> tuple[list[int], str | None]:
     """Cut `tokens` at the first stop (EOS kept) and say why; None when generation goes on.
@@ -254,7 +261,7 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     generator, eos = _generator(seed), set(target.eos_token_ids)
     b = drafter.block_size
     session = target_session(target, drafter.config.target_layer_ids)
-    context = DrafterSession(drafter, window)
+    context = drafter_session(drafter, window)
     started = time.perf_counter()
     logits, features = session.feed(ids)
     context.append(features, 0)

@@ -9,6 +9,8 @@ Methods, on the same prompts, side by side in this process (qdflash.bench):
 - `spec16_stage1`: the stage-1 drafter on the 16-bit target;
 - `spec_qad_stage1` / `spec_qad_stage2`: the stage-1 / stage-2 drafter on the QAD target;
 - `spec_qad_<method>_w<bits>g<group>`: each compressed stage-2 drafter (`compressed=[...]`) on it.
+Every drafter drafts through its static engine (qdflash.drafter.static: one CUDA graph per context
+bucket on a GPU, captured before measuring; `drafter_engine.*.graphs` in metrics.json).
 The drafter window (`bench.window`) is one per job: the sweep runs one job per window. A job with a
 window measures only prompts longer than it (where it can engage; from `bench.window_buckets` when
 set, e.g. up to the model's context, else `bench.buckets`), with this project's autoregressive
@@ -32,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from .. import bench
 from ..data.jsonl import write_jsonl
 from ..drafter import load_drafter
+from ..drafter.static import DrafterEngine
 from ..engine import build_engine
 from ..errors import QdflashError
 from ..models import load_target
@@ -77,6 +80,12 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         except QdflashError as err:
             log.info("%s runs on transformers' forward: %s", key, err)
             run.metrics[f"engine.{key}"] = "transformers"
+    # every drafter drafts through its static engine: context K/V in place, one CUDA graph per context bucket
+    drafters = {"stage1_on_target16": stage1_16, "stage1_on_qad": stage1_qad, "stage2": stage2_qad,
+                **{name.removeprefix("spec_qad_"): drafter for name, drafter in compressed.items()}}
+    for name, drafter in drafters.items():
+        drafter.engine = DrafterEngine(drafter, max_len=longest)
+        run.metrics[f"drafter_engine.{name}.graphs"] = drafter.engine.capture(window)
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
         "ar16": bench.ar(target16),

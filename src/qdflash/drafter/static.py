@@ -1,0 +1,124 @@
+"""The drafter's step over static buffers, so that it replays as a CUDA graph like the target's steps
+(qdflash.engine.graphs).
+
+Run eagerly, one draft is a few dozen small kernels per drafter layer, each launched from Python,
+plus a `torch.cat` of the whole context K/V every round (qdflash.spec.DrafterSession). On SmolLM2 on
+the H200 that made a speculative round cost 3.2 autoregressive decode steps at tau 1.2
+(results/published/2026-11-30-h200-gpu-dag). Here the context K/V of every layer lives in buffers
+of `max_len` positions, written in place as tokens are accepted. A draft attends to the first
+`bucket` positions: the smallest of powers of two that holds the context, as the target's graphs do.
+Positions past the context, and outside the sliding window, are masked. So one graph per (bucket,
+window) serves every round. On CUDA each graph is captured on first use, or up front with
+`capture`. Elsewhere the same static step runs eagerly, which is how the CPU tests check the graph
+path.
+
+    drafter.engine = DrafterEngine(drafter, max_len)   # speculative_generate then drafts through it
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cudagraph import capture as capture_graph
+from ..engine.llama import cache_buckets
+from ..errors import QdflashError
+
+
+class DrafterEngine:
+    """Static context K/V and a capturable block step for one drafter (batch 1, one generation at a
+    time). `session(window)` starts a generation; `append` / `draft` are DrafterSession's interface."""
+
+    def __init__(self, drafter, max_len: int, cuda_graphs: bool | None = None, smallest_bucket: int = 256):
+        c = drafter.config
+        self.drafter, self.max_len, self.block = drafter, max_len, c.block_size
+        self.dtype = drafter.norm.weight.dtype
+        self.device = drafter.norm.weight.device
+        shape = (1, c.num_kv_heads, max_len, c.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
+        self.buckets = cache_buckets(max_len, smallest_bucket)
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        # the step's inputs: block tokens, their positions, the context length (tensors, so a graph reads them)
+        self.ids = torch.zeros(1, self.block, dtype=torch.long, device=self.device)
+        self.q_pos = torch.zeros(1, self.block, dtype=torch.long, device=self.device)
+        self.context_len = torch.zeros((), dtype=torch.long, device=self.device)
+        self.offsets = torch.arange(self.block, device=self.device)
+        self.k_pos = torch.arange(max_len, device=self.device)
+        self.graphs: dict[tuple[int, int | None], tuple] = {}
+        self.length, self.window = 0, None
+
+    def session(self, window: int | None = None) -> "DrafterEngine":
+        """A new generation: the context is empty again (the buffers are overwritten as it grows)."""
+        self.length, self.window = 0, window
+        return self
+
+    @torch.no_grad()
+    def append(self, features: torch.Tensor, start: int) -> None:
+        """Target features [n, k*H] of positions start..start+n-1 become context K/V in every layer."""
+        n = features.shape[0]
+        if start != self.length:
+            raise ValueError(f"context holds {self.length} positions; features for {start}.. must follow them")
+        if start + n > self.max_len:
+            raise QdflashError(f"drafter context holds {self.max_len} positions; asked for {start + n} (DrafterEngine(max_len=...))")
+        positions = torch.arange(start, start + n, device=self.device)
+        context = self.drafter.context_features(features[None].to(device=self.device, dtype=self.dtype))
+        for layer, keys, values in zip(self.drafter.layers, self.keys, self.values):
+            k, v = layer.context_kv(context, positions[None])
+            keys[:, :, start : start + n].copy_(k)
+            values[:, :, start : start + n].copy_(v)
+        self.length += n
+
+    def _step(self, attend: int, window: int | None):
+        """Logits [B, V] and greedy drafts [B-1] of the block in `self.ids` over the first `attend`
+        context positions (those >= context_len, or outside the window, masked)."""
+        d, b = self.drafter, self.block
+        h = d.embed_block(self.ids).to(self.dtype)
+        k_pos = self.k_pos[:attend]
+        visible = (k_pos < self.context_len)[None, None, :].expand(1, b, attend)
+        if window is not None:  # symmetric window; for context before the block: q - k < window
+            visible = visible & ((self.q_pos[:, :, None] - k_pos[None, None, :]) < window)
+        mask = torch.cat([visible, torch.ones(1, b, b, dtype=torch.bool, device=self.device)], dim=-1)
+        for layer, keys, values in zip(d.layers, self.keys, self.values):
+            h = layer.forward_cached(h, self.q_pos, keys[:, :, :attend], values[:, :, :attend], mask)
+        head = d._target.model.get_output_embeddings().weight
+        logits = F.linear(d.norm(h).to(head.dtype), head)[0]
+        return logits, logits[1:].argmax(-1)
+
+    def _bucket(self) -> int:
+        return next(n for n in self.buckets if n >= max(self.length, 1))
+
+    def capture(self, window: int | None = None) -> int:
+        """Capture the graphs of every bucket for this window now (not during a measured generation).
+        Returns how many this engine holds."""
+        if self.cuda_graphs:
+            for attend in self.buckets:
+                self._graph(attend, window)
+        return len(self.graphs)
+
+    def _graph(self, attend: int, window: int | None):
+        key = (attend, window)
+        if key not in self.graphs:  # the step writes no buffer it reads: capturing mid-generation is safe
+            self.graphs[key] = capture_graph(lambda: self._step(attend, window), 2, self.device)
+        return self.graphs[key]
+
+    @torch.no_grad()
+    def draft_logits(self, last_token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, V], greedy drafts [B-1]) for positions position+1.. given the committed token
+        at `position`; on CUDA the graph's own output buffers, valid until the next draft."""
+        if position != self.length:
+            raise ValueError(f"a draft at position {position} needs the context of exactly {position} positions; it holds {self.length}")
+        block = torch.full((1, self.block), self.drafter.mask_id, dtype=torch.long)
+        block[0, 0] = last_token
+        self.ids.copy_(block)
+        torch.add(self.offsets, position, out=self.q_pos[0])
+        self.context_len.fill_(self.length)
+        attend = self._bucket()
+        if self.cuda_graphs:
+            graph, out = self._graph(attend, self.window)
+            graph.replay()
+            return out
+        return self._step(attend, self.window)
+
+    def draft(self, last_token: int, position: int) -> torch.Tensor:
+        return self.draft_logits(last_token, position)[1]
