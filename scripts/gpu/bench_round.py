@@ -9,7 +9,8 @@ Each is timed with the context holding `--context` positions (median of `--reps`
 - the target's decode step (1 token) and verify block (`--block` tokens) on the lean engine's CUDA graphs;
 - one draft, eager (DrafterSession: K/V concatenated, kernels launched from Python) and static
   (DrafterEngine: K/V in place, one CUDA graph per context bucket), checked to give the same drafts;
-- appending the features of 2 accepted positions to the drafter's context, eager and static.
+- appending the features of 2 accepted positions to the drafter's context, eager and static (one
+  graph per count); then five rounds accepting 1..5 positions, checked to draft the same both ways.
 A speculative round is draft + verify + append (+ host work); at acceptance length tau it beats
 autoregressive decoding when it costs less than tau decode steps.
 """
@@ -114,6 +115,16 @@ def main() -> None:
 
     result["append2_eager_ms"] = timed(append_eager, device, args.reps)
     result["append2_static_ms"] = timed(append_static, device, args.reps)
+    # five rounds that accept 1..5 positions each, through the append graphs captured on first use:
+    # the static drafts must stay the eager ones
+    agree, position = [], args.context
+    for accepted in range(1, 6):
+        part = features[position - args.context : position - args.context + accepted]
+        eager.append(part, position)
+        static.append(part, position)
+        position += accepted
+        agree.append(eager.draft(11, position).tolist() == static.draft(11, position).tolist())
+    result["rounds_equal"] = agree
     for kind in ("eager", "static"):
         round_ms = result[f"draft_{kind}_ms"] + result["target_verify_ms"] + result[f"append2_{kind}_ms"]
         result[f"round_{kind}_ms"] = round(round_ms, 4)
