@@ -20,3 +20,19 @@ def test_component_bench_runs_on_the_cpu(tmp_path):
     assert r["drafter16.step_ms"] > 0 and r["drafter_w4.step_ms"] > 0
     assert r["target_w4.quantized_layers"] > 0 and ("w4a16_rel_err@1" in r or r["w4a16_check"].startswith("no packed"))
     assert {k for k in r if k.startswith("implied_speedup.tau6.5")}
+
+
+def test_round_bench_runs_on_the_cpu(tmp_path):
+    """scripts/gpu/bench_round.py (a speculative round's parts, eager vs static drafter) on a 2-layer
+    SmolLM2-shaped target: every part timed, and the static drafter drafts the eager one's tokens."""
+    out = tmp_path / "round.json"
+    run = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gpu" / "bench_round.py"), "--layers", "2",
+                          "--context", "40", "--block", "4", "--reps", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["drafts_equal"] and r["rounds_equal"] == [True] * 5
+    for part in ("target_decode_ms", "target_verify_ms", "draft_eager_ms", "draft_static_ms", "append2_eager_ms",
+                 "append2_static_ms"):
+        assert r[part] > 0, part
+    assert r["round_static_in_decode_steps"] > 0
