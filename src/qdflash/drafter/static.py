@@ -29,7 +29,9 @@ from ..errors import QdflashError
 
 class DrafterEngine:
     """Static context K/V and a capturable block step for one drafter (batch 1, one generation at a
-    time). `session(window)` starts a generation; `append` / `draft` are DrafterSession's interface."""
+    time). `session(window)` starts a generation; `append` / `draft` are DrafterSession's interface.
+    A captured graph keeps the tensors it was captured with, the bound target's embedding and LM head
+    among them: build a new engine after `drafter.bind(other_target)`."""
 
     def __init__(self, drafter, max_len: int, cuda_graphs: bool | None = None, smallest_bucket: int = 256):
         c = drafter.config
