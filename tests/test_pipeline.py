@@ -35,6 +35,16 @@ def test_dry_run_lists_the_dag(tmp_path):
         assert job in out.stdout
 
 
+def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
+    """config/gpu-rehearsal.yaml still validates over the gpu profile: the same 19 jobs, on the CPU,
+    at toy sizes (a run of it is the check before device time is spent; docs/gpu.md)."""
+    out = snakemake(tmp_path, "-n", "-p", "--configfile", str(REPO_ROOT / "config" / "gpu-rehearsal.yaml"),
+                    "--config", "profile=gpu", "experiment=rehearsal")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "device=cpu" in out.stdout and "device=cuda" not in out.stdout and "gates.batch_size=4" in out.stdout
+    assert out.stdout.count("rule bench_speedup:") == 3 and out.stdout.count("rule quality_gate:") == 3
+
+
 def test_ci_profile_end_to_end(tmp_path):
     # (its wall time is a budget of the profile, measured and reported, not asserted: a loaded
     # machine must not fail the test)
