@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -83,3 +84,43 @@ def test_checkpoint_resume_round_trip(tmp_path):
     assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
     assert load_checkpoint(tmp_path / "state.pt", fresh, opt2, "another-config") == 0  # never resume a different run
     assert load_checkpoint(tmp_path / "missing.pt", fresh, opt2, "fp-a") == 0
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_heldout_comparison_is_the_same_in_batches(fixture, request):
+    """compare_to_teacher in right-padded length batches gives what one example at a time gives
+    (fp32; llama and the hybrid), and its KL / agreement / perplexity match a direct computation."""
+    import copy
+
+    from qdflash.distill import compare_to_teacher, length_batches
+
+    teacher = request.getfixturevalue(fixture).model
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for length, prompt in [(12, 4), (30, 10), (21, 3), (9, 9), (17, 5)]:  # (9, 9): no response token
+        ids = torch.randint(5, 500, (length,), generator=g).tolist()
+        examples.append({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (length - prompt)})
+    assert [len(b) for b in length_batches(examples, 40)] == [2, 1, 1, 1]  # 9, 12 | 17 (3 x 17 > 40) | 21 | 30
+    alone = compare_to_teacher(teacher, student, examples, batch_tokens=1)
+    batched = compare_to_teacher(teacher, student, examples, batch_tokens=64, chunk_tokens=7)
+    for key in ("kl", "top1_agreement", "ppl"):
+        assert batched[key] == pytest.approx(alone[key], rel=1e-5, abs=1e-7), key
+    assert batched["tokens"] == alone["tokens"] == sum(len(e["input_ids"]) - max(p, 1) for e, p in
+                                                       zip(examples, [4, 10, 3, 9, 5]))
+    kl = agree = nll = 0.0
+    with torch.no_grad():
+        for ex in examples:
+            ids = torch.tensor([ex["input_ids"]])
+            lt = torch.log_softmax(teacher(input_ids=ids).logits[0, :-1].double(), -1)
+            ls = torch.log_softmax(student(input_ids=ids).logits[0, :-1].double(), -1)
+            keep = torch.tensor(ex["loss_mask"][1:], dtype=torch.bool)
+            kl += (lt.exp() * (lt - ls)).sum(-1)[keep].sum().item()
+            agree += (lt.argmax(-1) == ls.argmax(-1))[keep].sum().item()
+            nll -= ls[keep].gather(-1, ids[0, 1:][keep][:, None]).sum().item()
+    n = batched["tokens"]
+    assert batched["kl"] == pytest.approx(kl / n, rel=1e-4) and batched["top1_agreement"] == pytest.approx(agree / n)
+    assert batched["ppl"] == pytest.approx(float(torch.exp(torch.tensor(nll / n))), rel=1e-4)

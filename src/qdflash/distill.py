@@ -49,32 +49,52 @@ def lm_head_weight(model) -> torch.Tensor:
     return model.get_output_embeddings().weight
 
 
+def length_batches(examples: list[dict], batch_tokens: int) -> list[list[dict]]:
+    """Examples sorted by length, cut into batches whose padded size (rows x longest) stays within
+    `batch_tokens` (a longer example alone makes a batch of one)."""
+    batches: list[list[dict]] = []
+    for ex in sorted(examples, key=lambda ex: len(ex["input_ids"])):
+        if batches and (len(batches[-1]) + 1) * len(ex["input_ids"]) <= batch_tokens:
+            batches[-1].append(ex)
+        else:
+            batches.append([ex])
+    return batches
+
+
 @torch.no_grad()
-def compare_to_teacher(teacher, student, examples: list[dict], *, chunk_tokens: int = 1024, device=None) -> dict[str, float]:
+def compare_to_teacher(teacher, student, examples: list[dict], *, chunk_tokens: int = 1024, device=None,
+                       batch_tokens: int = 16384) -> dict[str, float]:
     """Held-out agreement of `student` with `teacher` on the response tokens of `examples`
     (dicts with input_ids and loss_mask): mean forward KL(teacher || student), top-1 agreement of the
-    next-token argmax, and the student's perplexity of the actual response tokens."""
+    next-token argmax, and the student's perplexity of the actual response tokens.
+
+    Examples go through the models in right-padded batches of up to `batch_tokens` (a causal model's
+    states at real positions never see the padding after them), and the sums stay on the device
+    until the end: one forward and one sync per example made this host-bound on the H200 (~30 s for
+    256 examples of SmolLM2)."""
     device = device or next(student.parameters()).device
-    kl_sum = agree = nll_sum = 0.0
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # KL, agreement, NLL
     count = 0
     w_t, w_s = lm_head_weight(teacher), lm_head_weight(student)
-    for ex in examples:
-        ids = torch.tensor([ex["input_ids"]], device=device)
+    usable = [ex for ex in examples if any(ex["loss_mask"][1:])]
+    for batch in length_batches(usable, batch_tokens):
+        width = max(len(ex["input_ids"]) for ex in batch)
+        ids = torch.tensor([ex["input_ids"] + [0] * (width - len(ex["input_ids"])) for ex in batch], device=device)
         # position i predicts token i+1: score the positions whose *next* token is a response token
-        predict = torch.tensor(ex["loss_mask"][1:], device=device, dtype=torch.bool)
-        if not predict.any():
-            continue
-        h_t = final_hidden(teacher, ids)[0, :-1][predict]
-        h_s = final_hidden(student, ids)[0, :-1][predict]
-        targets = ids[0, 1:][predict]
+        predict = torch.tensor([ex["loss_mask"][1:] + [0] * (width - len(ex["input_ids"])) for ex in batch],
+                               device=device, dtype=torch.bool)
+        h_t = final_hidden(teacher, ids)[:, :-1][predict]
+        h_s = final_hidden(student, ids)[:, :-1][predict]
+        targets = ids[:, 1:][predict]
         for start in range(0, h_s.shape[0], chunk_tokens):  # one pass: KL, agreement and NLL per chunk
             sl = slice(start, start + chunk_tokens)
             log_p_s = F.log_softmax(h_s[sl].float() @ w_s.float().T, dim=-1)
             log_p_t = F.log_softmax(h_t[sl].float() @ w_t.float().T, dim=-1)
-            kl_sum += (log_p_t.exp() * (log_p_t - log_p_s)).sum().item()
-            agree += (log_p_s.argmax(-1) == log_p_t.argmax(-1)).sum().item()
-            nll_sum += F.nll_loss(log_p_s, targets[sl], reduction="sum").item()
-        count += int(predict.sum())
+            sums[0] += (log_p_t.exp() * (log_p_t - log_p_s)).sum()
+            sums[1] += (log_p_s.argmax(-1) == log_p_t.argmax(-1)).sum()
+            sums[2] += F.nll_loss(log_p_s, targets[sl], reduction="sum")
+        count += sum(sum(ex["loss_mask"][1:]) for ex in batch)
     if count == 0:
         raise ValueError("no response tokens to compare on")
+    kl_sum, agree, nll_sum = sums.tolist()
     return {"kl": kl_sum / count, "top1_agreement": agree / count, "ppl": float(torch.exp(torch.tensor(nll_sum / count))), "tokens": count}
