@@ -73,7 +73,8 @@ class DrafterEngine:
             self.features[:n].copy_(features)
             torch.add(self.offsets[:n], start, out=self.append_pos[:n])
             if self.cuda_graphs:  # capturing runs it for real on these inputs first: idempotent
-                self._graph(("append", n), lambda: self._append_step(n)).replay()
+                graph, _ = self._graph(("append", n), lambda: self._append_step(n))
+                graph.replay()
             else:
                 self._append_step(n)
         else:
@@ -128,12 +129,13 @@ class DrafterEngine:
                 self._graph(("append", n), lambda n=n: self._append_step(n))
         return len(self.graphs)
 
-    def _graph(self, key: tuple, step):
-        """The graph of `step` under `key`, captured on first use (a draft writes no buffer it
-        reads; an append's warm-up writes what its replay writes), then replayed."""
+    def _graph(self, key: tuple, step) -> tuple:
+        """(graph, its output buffers) of `step` under `key`, captured on first use: a draft writes no
+        buffer it reads, and an append's warm-up writes what its replay writes, so capturing in the
+        middle of a generation is safe."""
         if key not in self.graphs:
             self.graphs[key] = capture_graph(step, 2, self.device)
-        return self.graphs[key][0] if key[0] == "append" else self.graphs[key]
+        return self.graphs[key]
 
     @torch.no_grad()
     def draft_logits(self, last_token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:

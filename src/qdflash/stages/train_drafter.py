@@ -24,7 +24,7 @@ from ..drafter import init_drafter, load_drafter, save_drafter
 from ..drafter.blocks import loss_weights
 from ..data.split import unit_interval
 from ..distributed import all_sum, full_state_dict, setup, shard, shard_module, wrap
-from ..drafter.train import FeatureCache, batch_anchors, feature_cache_folder, batch_loss, estimate_acceptance, round_up
+from ..drafter.train import FeatureCache, batch_anchors, batch_loss, estimate_acceptance, feature_cache_folder, round_up
 from ..errors import QdflashError
 from ..models import load_target, resolve_device, synchronize
 from ..qad import cosine_lr
