@@ -317,3 +317,60 @@ def test_greedy_speculative_with_the_static_drafter_is_unchanged(fixture, window
         target.engine = drafter.engine = None
     assert eager.tokens == static.tokens == lean.tokens == reference
     assert eager.acceptance_lengths == static.acceptance_lengths == lean.acceptance_lengths
+
+
+class FakeGraph:
+    """What the static drafter needs of a CUDA graph, on the CPU: the step runs once when recorded,
+    and each replay reruns it into the same output buffers (as a replayed graph rewrites them)."""
+
+    def __init__(self, step):
+        self.step, self.out = step, step()
+
+    def replay(self):
+        new = self.step()
+        if new is not None:
+            for buffer, value in zip(self.out, new):
+                buffer.copy_(value)
+
+
+def fake_capture(step, warmup, device):
+    for _ in range(warmup):
+        step()
+    graph = FakeGraph(step)
+    return graph, graph.out
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_static_drafter_graph_path_drafts_what_the_eager_session_drafts(fixture, request, monkeypatch):
+    """The graph bookkeeping of DrafterEngine (capture up front before a generation, lazy capture of a
+    new window mid-generation, append graphs replayed per count, output buffers reused) with graphs
+    emulated on the CPU: the same logits as the eager session, and the same tokens as autoregressive."""
+    import qdflash.drafter.static as static_module
+    from qdflash.drafter.train import target_pass
+
+    monkeypatch.setattr(static_module, "capture_graph", fake_capture)
+    target = request.getfixturevalue(fixture)
+    drafter = init_drafter(target, block_size=4, num_layers=2, seed=9).eval()
+    ids = prompt(4, 40)
+    features, _ = target_pass(target, ids, drafter.config.target_layer_ids)
+    engine = DrafterEngine(drafter, max_len=48, cuda_graphs=True, smallest_bucket=8)
+    assert engine.capture(None) == len(engine.buckets) + drafter.block_size
+    eager, static = spec.DrafterSession(drafter, 6), engine.session(6)  # window 6: captured lazily
+    start = 0
+    for n in (5, 3, 1, 4, 9, 2, 12):
+        for session in (eager, static):
+            session.append(features[0, start : start + n], start)
+        start += n
+        token = int(ids[0, start])
+        got, drafts = static.draft_logits(token, start)
+        torch.testing.assert_close(got, eager_logits(eager, token, start), atol=1e-5, rtol=1e-5)
+        assert drafts.tolist() == eager.draft(token, start).tolist()
+    assert {key for key in engine.graphs if key[1] == 6} == {(8, 6), (16, 6), (32, 6), (48, 6)}
+    with pytest.raises(ValueError, match="before a generation"):
+        engine.capture(None)
+    drafter.engine = engine
+    try:
+        reference = autoregressive_generate(target, ids[:, :20], 20).tokens
+        assert speculative_generate(target, drafter, ids[:, :20], 20, window=5).tokens == reference
+    finally:
+        drafter.engine = None
