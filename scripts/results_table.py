@@ -1,0 +1,155 @@
+"""The README's results table, read from a run's tables (never typed in by hand).
+
+    python scripts/results_table.py results/published/2026-11-30-cpu-default-sweep --model smollm2-135m   # prints it
+    python scripts/results_table.py results/published/<date>-h200 --readme README.md   # puts it in the README
+
+FOLDER is an experiment's results tree, or its published copy: tables/{summary,quality}.csv,
+tables/metrics.json, bench/speedup_winnone/metrics.json. The row is the selected variant: the
+fastest that passes every gate with no mismatch bug. When none qualifies, it is the fastest
+window-less variant, marked "none selected". The row gives its τ, tokens/s, speedups and its
+target's gate verdicts. Below it come the reference numbers of ../shared/RECIPE.md, for comparison
+only, and a sentence on what differs. `--readme` replaces what stands between the lines
+`<!-- results-table:start -->` and `<!-- results-table:end -->`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+# ../shared/RECIPE.md, "Competition contract" and "Anchors": other setups, quoted for comparison
+ANCHORS = [
+    ("the paper: Qwen3.5-4B, quantized target + drafter, one A10G", "6.978× (average of 3 length categories, against its harness's baseline)", "all passed"),
+    ("DFlash, Qwen3-4B drafter, B200 (τ 3.10–6.63)", "2.23–5.26× (Alpaca … HumanEval)", ""),
+    ("z-lab Qwen3.5-4B DFlash drafter, B200, Math500", "3.5× (274 → 959 tokens/s)", ""),
+]
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.is_file():
+        sys.exit(f"results_table: {path} not found (expected the tables of a finished report node)")
+    with open(path) as handle:
+        return list(csv.DictReader(handle))
+
+
+def pick(summary: list[dict]) -> tuple[dict, bool]:
+    """(the row to show, whether it is the selected variant)."""
+    selected = [r for r in summary if r["selected"] == "1"]
+    if selected:
+        return selected[0], True
+    windowless = [r for r in summary if r["window"] == ""] or summary
+    return max(windowless, key=lambda r: float(r["tokens_per_s"])), False
+
+
+def times(value: str) -> str:
+    return f"{float(value):.2f}×" if value not in ("", None) else "—"
+
+
+def gate_text(quality: list[dict], target: str) -> str:
+    row = next((r for r in quality if r["variant"] == target), None)
+    if row is None:
+        return "not run"
+    tasks = sorted({k.split(".")[0] for k in row if k.endswith(".verdict") and row[k]})
+    return "; ".join(f"{t} {float(row[t + '.variant']):.3f} vs {float(row[t + '.reference']):.3f} (n {row[t + '.n']}): "
+                     f"{row[t + '.verdict']}" for t in tasks) or "none"
+
+
+def device_of(folder: Path) -> str:
+    bench = folder / "bench" / "speedup_winnone" / "metrics.json"
+    if bench.is_file():
+        m = json.loads(bench.read_text())
+        return m.get("cuda.device") or m.get("env.device", "?")
+    return "?"
+
+
+def model_of(folder: Path) -> str | None:
+    """The target's name from any node config.yaml in the folder (pack.sh brings them back)."""
+    import yaml
+
+    for path in sorted(folder.rglob("config.yaml")):
+        name = ((yaml.safe_load(path.read_text()) or {}).get("model") or {}).get("name")
+        if name:
+            return str(name)
+    return None
+
+
+def answers_of(folder: Path) -> int | None:
+    path = folder / "data" / "bf16" / "metrics.json"
+    return json.loads(path.read_text()).get("train.prompts") if path.is_file() else None
+
+
+def differences(model: str, device: str, answers: int | None) -> str:
+    parts = []
+    if "qwen3.5-4b" not in model.lower():
+        parts.append(f"the target here is {model}, not Qwen3.5-4B")
+    if answers is not None:
+        parts.append(f"its drafter learned from {answers:,} self-distilled answers, not the recipe's ~100 K")
+    if "A10G" not in device:
+        parts.append(f"the device is {device}, not the paper's A10G")
+    parts.append("the paper's 6.978× is against its harness's baseline, not against this engine's own "
+                 "autoregressive decoding")
+    return "What differs: " + "; ".join(parts) + "."
+
+
+def table(folder: Path, model: str | None = None) -> str:
+    folder = Path(folder)
+    summary = read_csv(folder / "tables" / "summary.csv")
+    quality = read_csv(folder / "tables" / "quality.csv")
+    model = model or model_of(folder)
+    if model is None:
+        sys.exit(f"results_table: no node config.yaml in {folder} names the model; pass --model")
+    if not summary:
+        sys.exit(f"results_table: {folder / 'tables' / 'summary.csv'} has no rows")
+    row, selected = pick(summary)
+    device = device_of(folder)
+    window = row["window"] or "none"
+    label = row["variant"] if selected else f"{row['variant']} (none selected: no variant passes its gates)"
+    lines = [
+        f"Run: `{folder}`, {model} on {device}. Speedups are tokens/s ratios, measured side by side in one process, "
+        "batch 1, greedy, on the same prompts.",
+        "",
+        "| variant | τ | tokens/s | vs `generate` | vs `generate`, static compiled | vs AR 16-bit | vs AR quantized | gates of its target |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {label}, window {window} | {float(row['tau_mean']):.2f} | {float(row['tokens_per_s']):.1f} | "
+        f"{times(row['speedup_vs_hf'])} | {times(row['speedup_vs_hf_compiled'])} | {times(row['speedup_vs_ar16'])} | "
+        f"{times(row['speedup_vs_ar_quant'])} | {gate_text(quality, row['target'])} |",
+        "",
+        "For comparison (../shared/RECIPE.md; other models, GPUs and baselines):",
+        "",
+        "| setup | speedup | gates |",
+        "|---|---|---|",
+        *(f"| {setup} | {speedup} | {gates} |" for setup, speedup, gates in ANCHORS),
+        "",
+        differences(model, device, answers_of(folder)),
+    ]
+    return "\n".join(lines)
+
+
+def replace_block(readme: Path, text: str) -> None:
+    content = readme.read_text()
+    if START not in content or END not in content or content.index(START) > content.index(END):
+        sys.exit(f"results_table: {readme} has no '{START}' ... '{END}' block to replace")
+    head, rest = content.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--readme", type=Path, default=None)
+    parser.add_argument("--model", default=None, help="the target's name, where no node config.yaml in FOLDER records it")
+    args = parser.parse_args()
+    text = table(args.folder, args.model)
+    if args.readme:
+        replace_block(args.readme, text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
