@@ -264,6 +264,21 @@ def eager_logits(session, last_token, position):
         return d.forward_block(block, q_pos, session.keys, session.values, session.positions[None], session.window)[0]
 
 
+def assert_same_drafts(eager, static, features, ids):
+    """Grow both sessions' context in pieces (lengths 5, 8, 9, 13, 22, 24, 36: across every bucket of
+    a 48-position engine with buckets from 8; pieces of up to B positions go through the append
+    graphs) and compare a draft after each piece."""
+    start = 0
+    for n in (5, 3, 1, 4, 9, 2, 12):
+        for session in (eager, static):
+            session.append(features[0, start : start + n], start)
+        start += n
+        token = int(ids[0, start])
+        got, drafts = static.draft_logits(token, start)
+        torch.testing.assert_close(got, eager_logits(eager, token, start), atol=1e-5, rtol=1e-5)
+        assert drafts.tolist() == eager.draft(token, start).tolist()
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
 @pytest.mark.parametrize("window", [None, 6])
 def test_static_drafter_drafts_what_the_eager_session_drafts(fixture, window, request):
@@ -279,17 +294,9 @@ def test_static_drafter_drafts_what_the_eager_session_drafts(fixture, window, re
     engine = DrafterEngine(drafter, max_len=48, smallest_bucket=8)
     assert engine.buckets == [8, 16, 32, 48]
     for generation in range(2):
-        eager, static = spec.DrafterSession(drafter, window), engine.session(window)
-        start = 0
-        for n in (5, 3, 1, 4, 9, 2, 12):  # context lengths 5, 8, 9, 13, 22, 24, 36: every bucket
-            for session in (eager, static):
-                session.append(features[0, start : start + n], start)
-            start += n
-            token = int(ids[0, start])
-            got, drafts = static.draft_logits(token, start)
-            torch.testing.assert_close(got, eager_logits(eager, token, start), atol=1e-5, rtol=1e-5)
-            assert drafts.tolist() == eager.draft(token, start).tolist()
-        assert static.length == start == 36
+        static = engine.session(window)
+        assert_same_drafts(spec.DrafterSession(drafter, window), static, features, ids)
+        assert static.length == 36
     with pytest.raises(ValueError, match="must follow"):
         engine.append(features[0, :2], 40)
     with pytest.raises(QdflashError, match="max_len"):
@@ -355,16 +362,7 @@ def test_static_drafter_graph_path_drafts_what_the_eager_session_drafts(fixture,
     features, _ = target_pass(target, ids, drafter.config.target_layer_ids)
     engine = DrafterEngine(drafter, max_len=48, cuda_graphs=True, smallest_bucket=8)
     assert engine.capture(None) == len(engine.buckets) + drafter.block_size
-    eager, static = spec.DrafterSession(drafter, 6), engine.session(6)  # window 6: captured lazily
-    start = 0
-    for n in (5, 3, 1, 4, 9, 2, 12):
-        for session in (eager, static):
-            session.append(features[0, start : start + n], start)
-        start += n
-        token = int(ids[0, start])
-        got, drafts = static.draft_logits(token, start)
-        torch.testing.assert_close(got, eager_logits(eager, token, start), atol=1e-5, rtol=1e-5)
-        assert drafts.tolist() == eager.draft(token, start).tolist()
+    assert_same_drafts(spec.DrafterSession(drafter, 6), engine.session(6), features, ids)  # window 6: captured lazily
     assert {key for key in engine.graphs if key[1] == 6} == {(8, 6), (16, 6), (32, 6), (48, 6)}
     with pytest.raises(ValueError, match="before a generation"):
         engine.capture(None)
