@@ -145,4 +145,5 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: w4_configs)
     timer([3.0, 2.0])
     assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (w4_configs[1], 2.0)
-    assert w4a16.default_config(16, 512, 32, rows=1) == w4_configs[1]
+    assert w4a16.default_config(16, 512, 32, rows=1, dtype=torch.float32) == w4_configs[1]
+    assert (16, 512, 32, 1, torch.bfloat16) not in w4a16._TUNED  # a bf16 engine's tiles are its own

@@ -151,7 +151,7 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
         raise QdflashError("w4a16_matmul needs triton (installed with torch on CUDA machines)")
     x = x.contiguous()
     m, n, k = _check(x, words, scale, group)
-    config = config or default_config(n, k, group, m)
+    config = config or default_config(n, k, group, m, x.dtype)
     if not fits(config, k, group, m):
         raise QdflashError(f"w4a16_matmul: {config} does not tile K={k} (group {group}) for {m} rows")
     # one split: the kernel writes the result in x's dtype; several: fp32 partial sums, reduced here
@@ -192,10 +192,11 @@ def _bucket(rows: int) -> int:
     return 1 if rows == 1 else MAX_ROWS
 
 
-def default_config(n: int, k: int, group: int, rows: int = 1) -> Config:
-    """The tuned config where `tune` ran for this shape (1 row, or 2-16 rows), else a heuristic: the
-    longest K tile, then the fewest splits that still launch >= 256 programs."""
-    tuned = _TUNED.get((n, k, group, _bucket(rows)))
+def default_config(n: int, k: int, group: int, rows: int = 1, dtype: torch.dtype = torch.bfloat16) -> Config:
+    """The tuned config where `tune` ran for this shape, row bucket (1 row, or 2-16 rows) and
+    activation dtype (an fp32 engine's tiles are timed apart from a bf16 one's), else a heuristic:
+    the longest K tile, then the fewest splits that still launch >= 256 programs."""
+    tuned = _TUNED.get((n, k, group, _bucket(rows), dtype))
     if tuned is not None:
         return tuned
     fitting = candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows)
@@ -205,7 +206,7 @@ def default_config(n: int, k: int, group: int, rows: int = 1) -> Config:
     return max(enough, key=lambda c: (c.block_k8, -c.split_k, c.block_n if rows > 1 else -c.block_n))
 
 
-_TUNED: dict[tuple[int, int, int, int], Config] = {}
+_TUNED: dict[tuple[int, int, int, int, torch.dtype], Config] = {}
 
 
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
@@ -220,5 +221,5 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     x = torch.randn(rows, k, device=device, dtype=dtype)
     configs = candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows)
     best = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c) for w, s in zip(ws, ss)], copies)
-    _TUNED[(n, k, group, _bucket(rows))] = best[0]
+    _TUNED[(n, k, group, _bucket(rows), dtype)] = best[0]
     return best
