@@ -78,18 +78,16 @@ class DrafterEngine:
             else:
                 self._append_step(n)
         else:
-            positions = torch.arange(start, start + n, device=self.device)
-            context = self.drafter.context_features(features[None].to(device=self.device, dtype=self.dtype))
-            for layer, keys, values in zip(self.drafter.layers, self.keys, self.values):
-                k, v = layer.context_kv(context, positions[None])
-                keys[:, :, start : start + n].copy_(k)
-                values[:, :, start : start + n].copy_(v)
+            self._write_context(features.to(self.device), torch.arange(start, start + n, device=self.device))
         self.length += n
 
     def _append_step(self, n: int) -> None:
-        """Context K/V of the n positions in `append_pos` from the features in `self.features`, written in place."""
-        positions = self.append_pos[:n]
-        context = self.drafter.context_features(self.features[None, :n])
+        """The append of n positions from the static buffers (what an append graph records)."""
+        self._write_context(self.features[:n], self.append_pos[:n])
+
+    def _write_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Context K/V of target features [n, k*H] at `positions` [n], written in place in every layer."""
+        context = self.drafter.context_features(features[None].to(self.dtype))
         for layer, keys, values in zip(self.drafter.layers, self.keys, self.values):
             k, v = layer.context_kv(context, positions[None])
             keys.index_copy_(2, positions, k)
