@@ -9,8 +9,9 @@ Methods, on the same prompts, side by side in this process (qdflash.bench):
 - `spec16_stage1`: the stage-1 drafter on the 16-bit target;
 - `spec_qad_stage1` / `spec_qad_stage2`: the stage-1 / stage-2 drafter on the QAD target;
 - `spec_qad_<method>_w<bits>g<group>`: each compressed stage-2 drafter (`compressed=[...]`) on it.
-Every drafter drafts through its static engine (qdflash.drafter.static: one CUDA graph per context
-bucket on a GPU, captured before measuring; `drafter_engine.*.graphs` in metrics.json).
+The drafter of every speculative method the job measures drafts through its static engine
+(qdflash.drafter.static: one CUDA graph per context bucket on a GPU, captured before measuring;
+`drafter_engine.<method>.graphs` in metrics.json).
 The drafter window (`bench.window`) is one per job: the sweep runs one job per window. A job with a
 window measures only prompts longer than it (where it can engage; from `bench.window_buckets` when
 set, e.g. up to the model's context, else `bench.buckets`), with this project's autoregressive
@@ -80,12 +81,6 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         except QdflashError as err:
             log.info("%s runs on transformers' forward: %s", key, err)
             run.metrics[f"engine.{key}"] = "transformers"
-    # every drafter drafts through its static engine: context K/V in place, one CUDA graph per context bucket
-    drafters = {"stage1_on_target16": stage1_16, "stage1_on_qad": stage1_qad, "stage2": stage2_qad,
-                **{name.removeprefix("spec_qad_"): drafter for name, drafter in compressed.items()}}
-    for name, drafter in drafters.items():
-        drafter.engine = DrafterEngine(drafter, max_len=longest)
-        run.metrics[f"drafter_engine.{name}.graphs"] = drafter.engine.capture(window)
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
         "ar16": bench.ar(target16),
@@ -104,6 +99,12 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         # slowest methods by far (SmolLM2 on the H200: 13 and 22 tokens/s against 185 for ar16)
         methods = {k: v for k, v in methods.items()
                    if not k.startswith(("spec16_", "spec_qad_stage1")) and k not in ("plain16", "static16")}
+    # the drafter of each speculative method this job measures
+    drafters = {name: drafter for name, drafter in {"spec16_stage1": stage1_16, "spec_qad_stage1": stage1_qad,
+                                                    "spec_qad_stage2": stage2_qad, **compressed}.items() if name in methods}
+    for name, drafter in drafters.items():  # drafts through its static engine: K/V in place, a CUDA graph per bucket
+        drafter.engine = DrafterEngine(drafter, max_len=longest)
+        run.metrics[f"drafter_engine.{name}.graphs"] = drafter.engine.capture(window)
     # achieved bandwidth (gpt-fast's tokens/s x weight bytes) against the copy bandwidth of this GPU
     decode_bytes = {"target16": bench.weight_bytes(target16.model), "qad": bench.weight_bytes(qad.model)}
     run.metrics.update({f"{key}.decode_weight_mib": round(v / 2**20, 2) for key, v in decode_bytes.items()})
@@ -118,9 +119,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     for name, r in results.items():
         log.info("%s: %.1f tokens/s", name, r.tokens_per_s)
     fp32 = target16.dtype == torch.float32
-    checks = {"spec16_stage1": ("ar16", target16), "spec_qad_stage1": ("ar_qad", qad), "spec_qad_stage2": ("ar_qad", qad),
-              **{name: ("ar_qad", qad) for name in compressed}}
-    checks = {name: check for name, check in checks.items() if name in methods}
+    # each speculative output against autoregressive decoding of its own target
+    checks = {name: ("ar16", target16) if name.startswith("spec16") else ("ar_qad", qad) for name in drafters}
     rows = []
     for label in ["all", *dict.fromkeys(c.label for c in cases)]:
         keep = [label == "all" or c.label == label for c in cases]
