@@ -48,7 +48,9 @@ class Target:
 
 
 def timed(fn, device, reps: int) -> float:
-    """Median milliseconds of `fn` over `reps` calls, synchronized around each (after 3 warm-ups)."""
+    """Median milliseconds of `fn` over `reps` calls, synchronized around each (after 3 warm-ups).
+    Wall clock, not CUDA events (qdflash.bench.device_timer): an eager draft's host work before its
+    first kernel is part of what it costs, and events would not see it."""
     for _ in range(3):
         fn()
     times = []
