@@ -48,6 +48,13 @@ def rule_threads(rule_name):
     return rule_resources(rule_name)["cpus_per_task"]
 
 
+# Where nodes share one GPU (share_device), up to --cores / cpus of them run at once, and Snakemake
+# picks among the ready ones by priority. The chain that sets the wall time (PTQ -> QAD -> the QAD
+# target's answers -> stage 2 -> compression -> benchmarks) goes first; gates and stage 1 have slack
+# beside it. Elsewhere (one node at a time) this only orders ready nodes.
+CRITICAL_PATH_PRIORITY = 10
+
+
 def launcher(rule_name):
     """How a node starts: one process, or one per GPU through torchrun for a multi-GPU training rule
     (qdflash.distributed reads the world size torchrun sets)."""

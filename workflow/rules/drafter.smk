@@ -22,6 +22,7 @@ rule regenerate_data:
         args=hydra_args("prepare_data", ["data"], lambda wc, input: {"model.name": f"{input.qad}/model/dense", "data_role": "qad"}),
         config=fingerprint(["data"]),
     threads: rule_threads("regenerate_data")
+    priority: CRITICAL_PATH_PRIORITY
     resources: **rule_resources("regenerate_data")
     shell:
         "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
@@ -61,6 +62,7 @@ rule drafter_stage2:
         launch=launcher("drafter_stage2"),
         config=fingerprint(["drafter", "drafter_train"]),
     threads: rule_threads("drafter_stage2")
+    priority: CRITICAL_PATH_PRIORITY
     resources: **rule_resources("drafter_stage2")
     shell:
         "{params.launch} qdflash.stages.train_drafter {params.args}"
@@ -89,6 +91,7 @@ rule compress_drafter:
         ),
         config=fingerprint(["compress"]),
     threads: rule_threads("compress_drafter")
+    priority: CRITICAL_PATH_PRIORITY
     resources: **rule_resources("compress_drafter")
     shell:
         "{PYTHON} -m qdflash.stages.compress_drafter {params.args}"

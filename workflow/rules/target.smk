@@ -22,6 +22,7 @@ rule quantize_target:
         ),
         config=fingerprint(["quant", "eval"]),
     threads: rule_threads("quantize_target")
+    priority: CRITICAL_PATH_PRIORITY
     resources: **rule_resources("quantize_target")
     shell:
         "{PYTHON} -m qdflash.stages.quantize_target {params.args}"
@@ -39,6 +40,7 @@ rule qad:
         launch=launcher("qad"),
         config=fingerprint(["qad", "eval"]),
     threads: rule_threads("qad")
+    priority: CRITICAL_PATH_PRIORITY
     resources: **rule_resources("qad")
     shell:
         "{params.launch} qdflash.stages.qad {params.args}"
