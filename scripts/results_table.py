@@ -82,6 +82,29 @@ def answers_of(folder: Path) -> int | None:
     return json.loads(path.read_text()).get("train.prompts") if path.is_file() else None
 
 
+def agreement(folder: Path) -> str | None:
+    """One sentence on losslessness from every benchmark job: greedy outputs that differ from this
+    engine's autoregressive output at the same dtype, and how many of them count as bugs (any in
+    fp32; in bf16, a reference top-2 margin above qdflash.bench.MARGIN_BUG)."""
+    jobs = sorted((folder / "bench").glob("speedup_*/metrics.json"))
+    if not jobs:
+        return None
+    mismatches = bugs = outputs = 0
+    margins, dtypes = [], set()
+    for path in jobs:
+        m = json.loads(path.read_text())
+        dtypes.add(str(m.get("dtype", "?")))
+        methods = {k.split(".")[1] for k in m if k.startswith("all.") and k.endswith(".mismatches")}
+        outputs += len(methods) * int(m.get("prompts", 0))
+        for method in methods:
+            mismatches += int(m[f"all.{method}.mismatches"])
+            bugs += int(m[f"all.{method}.mismatch_bugs"])
+            margins += [float(x) for x in m.get(f"all.{method}.divergence_margins", [])]
+    worst = f"; largest top-2 margin at a divergence {max(margins):.4f}" if margins else ""
+    return (f"Lossless check ({len(jobs)} benchmark jobs, {'/'.join(sorted(dtypes))}): {mismatches} of {outputs} speculative "
+            f"greedy outputs differ from this engine's autoregressive output, {bugs} of them counted as bugs{worst}.")
+
+
 def differences(model: str, device: str, answers: int | None) -> str:
     parts = []
     if "qwen3.5-4b" not in model.lower():
@@ -117,6 +140,7 @@ def table(folder: Path, model: str | None = None) -> str:
         f"| {label}, window {window} | {float(row['tau_mean']):.2f} | {float(row['tokens_per_s']):.1f} | "
         f"{times(row['speedup_vs_hf'])} | {times(row['speedup_vs_hf_compiled'])} | {times(row['speedup_vs_ar16'])} | "
         f"{times(row['speedup_vs_ar_quant'])} | {gate_text(quality, row['target'])} |",
+        *(["", agreement(folder)] if agreement(folder) else []),
         "",
         "For comparison (../shared/RECIPE.md; other models, GPUs and baselines):",
         "",
