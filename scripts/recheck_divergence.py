@@ -6,7 +6,7 @@ autoregressive one: is it a near-tie of the target's top two tokens, or a real d
 
 The bench node (qdflash.bench.compare) measures the reference's top-2 margin in the benchmark's own
 dtype. In bf16 a logit near 12 has a resolution of 1/16, so a relative margin of 1e-2 is only ~2
-bf16 steps. This script rebuilds the node's prompts from its config.yaml and the data folder
+bf16 steps. Here the margin comes from one full forward over prompt + common prefix. This script rebuilds the node's prompts from its config.yaml and the data folder
 (train/heldout.jsonl, or the *.head50.jsonl that pack.sh brings back), checks each against the
 prompt length the node recorded, and at every divergence of METHODS from REFERENCE prints the
 target's top-5 next-token logits after the common prefix, computed in --dtype (fp32 on the CPU by

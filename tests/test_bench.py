@@ -14,8 +14,12 @@ def test_compare_counts_mismatches_and_calls_fp32_ones_bugs(tiny_llama):
     candidate = MethodResult([GenerationResult(ref), GenerationResult(wrong)])
     fp32 = bench.compare(tiny_llama, cases, reference, candidate, fp32=True)
     assert fp32["mismatches"] == 1 and fp32["mismatch_bugs"] == 1 and len(fp32["divergence_margins"]) == 1
-    margin = bench.top2_margin(tiny_llama, ids + ref[:3])
+    margin = bench.top2_margin(tiny_llama, ids, ref[:3])
     assert fp32["divergence_margins"][0] == round(margin, 6) and margin >= 0
+    # the replayed reference step (prefill + 3 decode steps) has the full forward's logits, up to fp32 rounding
+    with torch.no_grad():
+        full = tiny_llama.model(input_ids=torch.tensor([ids + ref[:3]])).logits[0, -1].topk(2).values
+    assert abs(margin - ((full[0] - full[1]) / full[0].abs()).item()) < 1e-4
     bf16 = bench.compare(tiny_llama, cases, reference, candidate, fp32=False)
     assert bf16["mismatch_bugs"] == (1 if margin > bench.MARGIN_BUG else 0)
 

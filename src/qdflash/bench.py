@@ -18,7 +18,7 @@ import torch
 from .data.chat import render_prompt_ids
 from .data.jsonl import read_jsonl
 from .models import synchronize
-from .spec import GenerationResult, autoregressive_generate, speculative_generate
+from .spec import GenerationResult, autoregressive_generate, speculative_generate, target_session
 
 MARGIN_BUG = 1e-2  # relative top-2 logit margin above which a bf16 divergence is a bug
 FILLER = "the cat sat on the mat. "  # the repetitive prompt: drafters look best on it, so it is its own row
@@ -104,12 +104,18 @@ def bucket_cases(data_dir, tokenizer, buckets: list[list[int]], context_len: int
     return cases
 
 
-def top2_margin(target, prefix: list[int]) -> float:
-    """(top1 - top2) / |top1| of the target's next-token logits after `prefix`."""
-    device = next(target.model.parameters()).device
+def top2_margin(target, prompt: list[int], generated: list[int]) -> float:
+    """(top1 - top2) / |top1| of the logits from which the autoregressive reference chose its next
+    token after `prompt` + `generated`: its own computation, replayed (prompt prefill, then one
+    decode step per generated token, on the same engine session, graphs included). Not a fresh
+    full-sequence forward: in bf16 that rounds differently from both decoding paths, so it would
+    measure a third computation's near-tie instead of the reference's."""
+    session = target_session(target)
     with torch.no_grad():
-        logits = target.model(input_ids=torch.tensor([prefix], device=device)).logits[0, -1].float()
-    top = logits.topk(2).values
+        logits, _ = session.feed(prompt)
+        for token in generated:
+            logits, _ = session.feed([token])
+    top = logits[-1].float().topk(2).values
     return ((top[0] - top[1]) / top[0].abs().clamp_min(1e-9)).item()
 
 
@@ -121,7 +127,7 @@ def compare(target, cases: list[PromptCase], reference: MethodResult, candidate:
             continue
         mismatches += 1
         first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-        margin = top2_margin(target, case.ids + ref[:first])
+        margin = top2_margin(target, case.ids, ref[:first])
         margins.append(round(margin, 6))
         bugs += 1 if fp32 or margin > MARGIN_BUG else 0
     return {"mismatches": mismatches, "divergence_margins": margins, "mismatch_bugs": bugs}
