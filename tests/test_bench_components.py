@@ -37,4 +37,5 @@ def test_round_bench_runs_on_the_cpu(tmp_path):
         assert r[part] > 0, part
     assert r["round_static_in_decode_steps"] > 0
     assert r["loop_ar_ms_per_token"] > 0 and r["loop_static_ms_per_round"] > 0
+    assert r["loop_static_tau"] >= 1.0 and r["loop_eager_tau"] == r["loop_static_tau"]  # same drafts, same acceptance
     assert r["loop_eager_same_tokens_as_ar"] and r["loop_static_same_tokens_as_ar"]  # fp32 on the CPU: exact
