@@ -4,6 +4,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from qdflash.errors import QdflashError
+from qdflash import tracking
 from qdflash.tracking import MARKER, check_metric_value, node_run
 
 
@@ -25,6 +26,7 @@ def test_success_writes_record_and_moves_into_place(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["answer"] == 42 and metrics["curve"] == [1, 2.5]
     assert metrics["env.torch"] and metrics["env.git_commit"] and metrics["env.device"]
+    assert metrics["env.source_sha256"] == tracking.source_digest()
     assert metrics["wandb.mode"] == "offline"
     assert OmegaConf.load(out / "config.yaml").experiment == "test"
     assert (out / "result.txt").read_text() == "ok"
@@ -70,3 +72,20 @@ def test_overwrite_replaces_a_qdflash_output(tmp_path):
 def test_metric_values_follow_the_contract(bad):
     with pytest.raises(TypeError):
         check_metric_value("k", bad)
+
+
+def test_source_digest_names_the_code_by_content(tmp_path):
+    """The digest changes with any file's content or name, not with where the tree lies or its mtimes."""
+    for root in (tmp_path / "a", tmp_path / "b"):
+        (root / "sub").mkdir(parents=True)
+        (root / "x.py").write_text("x = 1\n")
+        (root / "sub" / "y.py").write_text("y = 2\n")
+        (root / "notes.txt").write_text("not code")
+    first = tracking.source_digest(tmp_path / "a")
+    assert first == tracking.source_digest(tmp_path / "b") and len(first) == 16
+    (tmp_path / "b" / "notes.txt").write_text("other")  # not a Python source: same digest
+    assert tracking.source_digest.__wrapped__(tmp_path / "b") == first
+    (tmp_path / "b" / "sub" / "y.py").write_text("y = 3\n")
+    assert tracking.source_digest.__wrapped__(tmp_path / "b") != first
+    (tmp_path / "a" / "sub" / "y.py").rename(tmp_path / "a" / "sub" / "z.py")
+    assert tracking.source_digest.__wrapped__(tmp_path / "a") != first

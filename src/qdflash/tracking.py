@@ -7,11 +7,14 @@
 - a W&B run (project from config, group = experiment, job_type = node), offline unless
   ``WANDB_MODE=online`` (or ``tracking.wandb.mode``) says otherwise, lives in ``<out_dir>/wandb/``;
 - ``metrics.json`` (one flat JSON object: numbers, strings, lists of them) is the output of record,
-  written atomically at the end together with the environment (device, versions, git commit).
+  written atomically at the end together with the environment (device, versions, git commit and a
+  digest of the package's sources).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import math
@@ -72,6 +75,20 @@ def git_commit() -> str:
         return "unknown"
 
 
+@functools.lru_cache(maxsize=None)
+def source_digest(root: Path = REPO_ROOT / "src" / "qdflash") -> str:
+    """sha256 (16 hex digits) of the package's Python sources: relative paths and contents, sorted.
+    It names the code that ran even where git cannot: on the GPU machine, the checkout's copy carries
+    a git state of its own, so `git rev-parse` there reports some other commit, "-dirty". Check a
+    recorded value against a commit with
+    `git worktree add /tmp/at <sha> && python -c "from pathlib import Path; from qdflash.tracking import
+    source_digest; print(source_digest(Path('/tmp/at/src/qdflash')))"`."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def environment() -> dict[str, str | int]:
     """Device, versions and commit: recorded with every number a node produces."""
     import torch
@@ -85,6 +102,7 @@ def environment() -> dict[str, str | int]:
         "env.transformers": transformers.__version__,
         "env.qdflash": __version__,
         "env.git_commit": git_commit(),
+        "env.source_sha256": source_digest(),
         "env.host": platform.node(),
         "env.cpu_count": os.cpu_count() or 0,
         "env.torch_threads": torch.get_num_threads(),
