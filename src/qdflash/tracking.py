@@ -76,7 +76,7 @@ def git_commit() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def source_digest(root: Path = REPO_ROOT / "src" / "qdflash") -> str:
+def source_digest(root: Path = Path(__file__).resolve().parent) -> str:
     """sha256 (16 hex digits) of the package's Python sources: relative paths and contents, sorted.
     It names the code that ran even where git cannot: on the GPU machine, the checkout's copy carries
     a git state of its own, so `git rev-parse` there reports some other commit, "-dirty". Check a
