@@ -49,6 +49,16 @@ def lm_head_weight(model) -> torch.Tensor:
     return model.get_output_embeddings().weight
 
 
+def pad_right(rows: list[torch.Tensor], value, length: int | None = None) -> torch.Tensor:
+    """Stack 1-d (or [L, ...]) tensors of different lengths, padded at the end with `value` (to
+    `length` when given, else to the longest)."""
+    length = max(length or 0, *(r.shape[0] for r in rows))
+    out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), value)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out
+
+
 def length_batches(examples: list[dict], batch_tokens: int) -> list[list[dict]]:
     """Examples sorted by length, cut into batches whose padded size (rows x longest) stays within
     `batch_tokens` (a longer example alone makes a batch of one)."""
@@ -78,11 +88,9 @@ def compare_to_teacher(teacher, student, examples: list[dict], *, chunk_tokens: 
     w_t, w_s = lm_head_weight(teacher), lm_head_weight(student)
     usable = [ex for ex in examples if any(ex["loss_mask"][1:])]
     for batch in length_batches(usable, batch_tokens):
-        width = max(len(ex["input_ids"]) for ex in batch)
-        ids = torch.tensor([ex["input_ids"] + [0] * (width - len(ex["input_ids"])) for ex in batch], device=device)
+        ids = pad_right([torch.tensor(ex["input_ids"]) for ex in batch], 0).to(device)
         # position i predicts token i+1: score the positions whose *next* token is a response token
-        predict = torch.tensor([ex["loss_mask"][1:] + [0] * (width - len(ex["input_ids"])) for ex in batch],
-                               device=device, dtype=torch.bool)
+        predict = pad_right([torch.tensor(ex["loss_mask"][1:], dtype=torch.bool) for ex in batch], False).to(device)
         h_t = final_hidden(teacher, ids)[:, :-1][predict]
         h_s = final_hidden(student, ids)[:, :-1][predict]
         targets = ids[:, 1:][predict]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..distill import pad_right
 from .blocks import (IGNORE, acceptance_lengths, batch_attention_mask, block_inputs, block_mask_mod, sample_anchors,
                      weighted_block_loss_parts)
 from .model import Drafter
@@ -30,16 +31,6 @@ def target_pass(target, input_ids: torch.Tensor, layer_ids: list[int]) -> tuple[
     out = target.model(input_ids=input_ids, output_hidden_states=True)
     features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
     return features, out.logits.argmax(-1)
-
-
-def pad_right(rows: list[torch.Tensor], value, length: int | None = None) -> torch.Tensor:
-    """Stack 1-d (or [L, ...]) tensors of different lengths, padded at the end with `value` (to
-    `length` when given, else to the longest)."""
-    length = max(length or 0, *(r.shape[0] for r in rows))
-    out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), value)
-    for i, r in enumerate(rows):
-        out[i, : r.shape[0]] = r
-    return out
 
 
 def pad_anchors(anchor_lists: list[torch.Tensor], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
