@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,7 +44,9 @@ def test_cosine_schedule():
 def test_a_few_qad_steps_keep_the_grid_and_reduce_kl(tiny_llama):
     from qdflash.models import load_target
 
-    teacher = tiny_llama.model
+    # a frozen copy, as the qad stage freezes its teacher: backward must not leave gradients on the
+    # session fixture's weights (test_drafter checks that a target's parameters get none)
+    teacher = copy.deepcopy(tiny_llama.model).requires_grad_(False)
     student = load_target("tiny-llama", device="cpu").model
     spec = GridSpec(2, 32, True)  # coarse, so there is KL to recover
     replace_linears(student, quantize_weights(student, select_linears(student), spec, method="rtn"))
@@ -90,8 +94,6 @@ def test_checkpoint_resume_round_trip(tmp_path):
 def test_heldout_comparison_is_the_same_in_batches(fixture, request):
     """compare_to_teacher in right-padded length batches gives what one example at a time gives
     (fp32; llama and the hybrid), and its KL / agreement / perplexity match a direct computation."""
-    import copy
-
     from qdflash.distill import compare_to_teacher, length_batches
 
     teacher = request.getfixturevalue(fixture).model
