@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from qdflash.evaluation.gates import Z95
+from qdflash.evaluation.gates import Z95, mean_interval
 
 
 def main() -> None:
@@ -33,12 +33,12 @@ def main() -> None:
             if task not in scores or task not in reference:
                 continue
             x, y = scores[task]["scores"], reference[task]["scores"]
-            d = [a - ratio * b for a, b in zip(x, y)]
-            n = len(d)
-            mean = sum(d) / n
-            sd = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1)) if n > 1 else math.inf
+            n = len(x)
+            # the gate's own interval of mean(d), d = x - ratio * y: half-width Z95 * sd / sqrt(n)
+            _, half = mean_interval([a - ratio * b for a, b in zip(x, y)])
+            sd = half * math.sqrt(n) / Z95
             margin = (1 - ratio) * sum(y) / n
-            need = "never (reference scores 0)" if margin == 0 else round((Z95 * sd / margin) ** 2)
+            need = "never (reference scores 0)" if margin == 0 else round(n * (half / margin) ** 2)
             print(folder.name, task, n, round(sum(y) / n, 3), round(sum(x) / n, 3), round(sd, 3), need)
 
 
