@@ -50,8 +50,9 @@ def rule_threads(rule_name):
 
 # Where nodes share one GPU (share_device), up to --cores / cpus of them run at once, and Snakemake
 # picks among the ready ones by priority. The chain that sets the wall time (PTQ -> QAD -> the QAD
-# target's answers -> stage 2 -> compression -> benchmarks) goes first; gates and stage 1 have slack
-# beside it. Elsewhere (one node at a time) this only orders ready nodes.
+# target's answers -> stage 2 -> compression) goes first; gates and stage 1 have slack beside it. The
+# benchmarks need no priority: they come last and hold every core. Elsewhere (one node at a time)
+# this only orders ready nodes.
 CRITICAL_PATH_PRIORITY = 10
 
 

@@ -10,7 +10,8 @@ of `max_len` positions, written in place as tokens are accepted. A draft attends
 Positions past the context, and outside the sliding window, are masked. So one graph per (bucket,
 window) serves every round. The accepted positions' K/V are written by one graph per count (1..B),
 at positions held in a tensor (`index_copy_`). Measured on the H200, SmolLM2 shape, context 1,024
-(scripts/gpu/bench_round.py): a draft takes 3.08 ms eager and 0.53 ms as a graph. On CUDA each
+(scripts/gpu/bench_round.py, results/published/2026-11-30-h200-smollm2-round): a draft takes
+3.5-4.3 ms eager and 0.55-0.57 ms as a graph. On CUDA each
 graph is captured on first use, or up front with `capture`. Elsewhere the same static step runs eagerly, which is how the CPU tests check the graph
 path.
 
