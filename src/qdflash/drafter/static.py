@@ -11,9 +11,9 @@ Positions past the context, and outside the sliding window, are masked. So one g
 window) serves every round. The accepted positions' K/V are written by one graph per count (1..B),
 at positions held in a tensor (`index_copy_`). Measured on the H200, SmolLM2 shape, context 1,024
 (scripts/gpu/bench_round.py, results/published/2026-11-30-h200-smollm2-round): a draft takes
-3.5-4.3 ms eager and 0.55-0.57 ms as a graph. On CUDA each
-graph is captured on first use, or up front with `capture`. Elsewhere the same static step runs eagerly, which is how the CPU tests check the graph
-path.
+3.5-4.3 ms eager and 0.55-0.57 ms as a graph. On CUDA each graph is captured on first use, or up
+front with `capture`. Elsewhere the same static step runs eagerly, which is how the CPU tests check
+the graph path.
 
     drafter.engine = DrafterEngine(drafter, max_len)   # speculative_generate then drafts through it
 """
