@@ -221,14 +221,7 @@ def test_decoding_drafts_what_training_drafts_at_every_round(fixture, lean, stat
 
     def draft(self, last_token, position):
         b = self.drafter.block_size
-        if static_drafter:
-            logits = self.draft_logits(last_token, position)[0].clone()
-        else:
-            block = torch.full((1, b), self.drafter.mask_id)
-            block[0, 0] = last_token
-            q_pos = torch.arange(position, position + b)[None]
-            with torch.no_grad():
-                logits = self.drafter.forward_block(block, q_pos, self.keys, self.values, self.positions[None], self.window)[0]
+        logits = self.draft_logits(last_token, position)[0].clone()  # the static engine reuses its buffer
         recorded.append((position, last_token, logits))
         out = []
         for pos in range(position + 1, position + b):
@@ -254,16 +247,6 @@ def test_decoding_drafts_what_training_drafts_at_every_round(fixture, lean, stat
         torch.testing.assert_close(logits, want, atol=2e-4, rtol=2e-4, msg=lambda m: f"anchor {p}: {m}")
 
 
-def eager_logits(session, last_token, position):
-    """The eager DrafterSession's logits [B, V] for one block (what its `draft` takes the argmax of)."""
-    d = session.drafter
-    block = torch.full((1, d.block_size), d.mask_id)
-    block[0, 0] = last_token
-    q_pos = torch.arange(position, position + d.block_size)[None]
-    with torch.no_grad():
-        return d.forward_block(block, q_pos, session.keys, session.values, session.positions[None], session.window)[0]
-
-
 def assert_same_drafts(eager, static, features, ids):
     """Grow both sessions' context in pieces (lengths 5, 8, 9, 13, 22, 24, 36: across every bucket of
     a 48-position engine with buckets from 8; pieces of up to B positions go through the append
@@ -275,7 +258,7 @@ def assert_same_drafts(eager, static, features, ids):
         start += n
         token = int(ids[0, start])
         got, drafts = static.draft_logits(token, start)
-        torch.testing.assert_close(got, eager_logits(eager, token, start), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, eager.draft_logits(token, start)[0], atol=1e-5, rtol=1e-5)
         assert drafts.tolist() == eager.draft(token, start).tolist()
 
 

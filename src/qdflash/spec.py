@@ -181,16 +181,21 @@ class DrafterSession:
             self.positions = self.positions[-keep:]
 
     @torch.no_grad()
-    def draft(self, last_token: int, position: int) -> torch.Tensor:
-        """Greedy drafts [B-1] for positions position+1.. given the committed token at `position`."""
+    def draft_logits(self, last_token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, V], greedy drafts [B-1]) for positions position+1.. given the committed token
+        at `position` (DrafterEngine.draft_logits, the static step, gives the same)."""
         d = self.drafter
         b = d.block_size
         device = d.norm.weight.device
         ids = torch.full((1, b), d.mask_id, device=device)
         ids[0, 0] = last_token
         q_pos = torch.arange(position, position + b, device=device)
-        logits = d.forward_block(ids, q_pos[None], self.keys, self.values, self.positions[None], self.window)
-        return logits[0, 1:].argmax(-1)
+        logits = d.forward_block(ids, q_pos[None], self.keys, self.values, self.positions[None], self.window)[0]
+        return logits, logits[1:].argmax(-1)
+
+    def draft(self, last_token: int, position: int) -> torch.Tensor:
+        """Greedy drafts [B-1] for positions position+1.. given the committed token at `position`."""
+        return self.draft_logits(last_token, position)[1]
 
 
 def drafter_session(drafter: Drafter, window: int | None = None):
