@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from qdflash.drafter import init_drafter  # noqa: E402
 from qdflash.drafter.static import DrafterEngine  # noqa: E402
 from qdflash.engine import build_engine  # noqa: E402
+from qdflash.models import synchronize  # noqa: E402
 from qdflash.spec import DrafterSession, autoregressive_generate, speculative_generate  # noqa: E402
 from qdflash.tracking import environment  # noqa: E402
 
@@ -56,12 +57,10 @@ def timed(fn, device, reps: int) -> float:
         fn()
     times = []
     for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
