@@ -33,11 +33,12 @@ def test_methods_take_turns_prompt_by_prompt():
             return GenerationResult([1] * n, seconds=0.5)
         return run
 
-    cases = [PromptCase("a", [1, 2], 4), PromptCase("b", [1, 2, 3], 5)]
+    cases = [PromptCase("a", [1, 2], 12), PromptCase("b", [1, 2, 3], 5)]
     results = bench.run_interleaved({"x": method("x"), "y": method("y")}, cases, warmup=1)
-    assert calls[:2] == [("x", 2, 4), ("y", 2, 4)]  # warm-up, shortened to <= 8 new tokens
-    assert calls[2:] == [("x", 2, 4), ("y", 2, 4), ("x", 3, 5), ("y", 3, 5)]
-    assert results["x"].tokens == 9 and results["x"].tokens_per_s == 9.0
+    # warm-up: the first prompt at 8 new tokens, then at its measured length (two cache shapes)
+    assert calls[:4] == [("x", 2, 8), ("x", 2, 12), ("y", 2, 8), ("y", 2, 12)]
+    assert calls[4:] == [("x", 2, 12), ("y", 2, 12), ("x", 3, 5), ("y", 3, 5)]
+    assert results["x"].tokens == 17 and results["x"].tokens_per_s == 17.0
     assert results["y"].subset([False, True]).tokens == 5
 
 
