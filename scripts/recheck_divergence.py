@@ -1,8 +1,8 @@
 """Re-measure, at another precision, where a benchmark's speculative greedy output left the
 autoregressive one: is it a near-tie of the target's top two tokens, or a real disagreement?
 
-    python scripts/recheck_divergence.py results/published/2026-11-30-h200/bench/speedup_winnone \
-        --data results/published/2026-11-30-h200/data/bf16 --dtype float32
+    python scripts/recheck_divergence.py results/published/2026-11-30-h200-3521bb7/bench/speedup_winnone \
+        --data results/published/2026-11-30-h200-3521bb7/data/bf16 --dtype float32
 
 The bench node (qdflash.bench.compare) measures the reference's top-2 margin in the benchmark's own
 dtype. In bf16 a logit near 12 has a resolution of 1/16, so a relative margin of 1e-2 is only ~2

@@ -1,5 +1,7 @@
 """scripts/results_table.py: the README's results table is read from a run's tables, never typed in."""
 
+import csv
+import shutil
 import subprocess
 import sys
 
@@ -8,6 +10,7 @@ from qdflash.paths import REPO_ROOT
 SCRIPT = REPO_ROOT / "scripts" / "results_table.py"
 SWEEP = REPO_ROOT / "results" / "published" / "2026-11-30-cpu-default-sweep"
 H200 = REPO_ROOT / "results" / "published" / "2026-11-30-h200"
+H200_FIRST = REPO_ROOT / "results" / "published" / "2026-11-30-h200-3521bb7"  # the first full run, superseded
 
 
 def run(*args):
@@ -46,6 +49,31 @@ def test_table_of_the_published_h200_run_counts_bf16_divergences_and_bugs():
     out = run(H200)  # the model comes from the node configs
     assert out.returncode == 0, out.stderr
     assert "smollm2-135m on NVIDIA H200" in out.stdout
-    assert "qad_gptq_w4g32+gptq_w8g64+winnone (none selected" in out.stdout and "| 1.32 | 153.4 | 11.74× | 2.73× | 0.57× | 0.48× |" in out.stdout
-    assert ("46 of 81 speculative greedy outputs differ from this engine's autoregressive output, 1 of them counted as bugs; "
-            "largest top-2 margin at a divergence 0.0108") in out.stdout
+    assert "qad_gptq_w4g32+gptq_w8g64+winnone (none selected" in out.stdout and "| 1.36 | 148.7 | 7.20× | 4.79× | 0.49× | 0.43× |" in out.stdout
+    assert ("38 of 81 speculative greedy outputs differ from this engine's autoregressive output, 0 of them counted as bugs; "
+            "largest top-2 margin at a divergence 0.0070") in out.stdout
+    out = run(H200_FIRST)  # a divergence above the margin rule is counted as a bug
+    assert out.returncode == 0, out.stderr
+    assert "46 of 81 speculative greedy outputs differ" in out.stdout and "1 of them counted as bugs; largest top-2 margin at a divergence 0.0108" in out.stdout
+
+
+def test_a_compilation_inside_the_static_compiled_measurement_is_flagged_with_the_ratio_without_it(tmp_path):
+    # both H200 runs predate the two-length warm-up: static16 compiled during their chat prompts
+    out = run(H200)
+    assert "took 27.7 s for 80 tokens on the chat prompts" in out.stdout and "for both methods: 0.65×." in out.stdout
+    # the ratio is recomputed from the per-prompt rows: tokens / seconds of every other prompt, both methods
+    rows = [r for r in csv.DictReader(open(H200 / "bench" / "speedup_winnone" / "speed.csv")) if r["prompts"] not in ("all", "chat")]
+    def rate(method):
+        kept = [r for r in rows if r["method"] == method]
+        return sum(int(r["tokens"]) for r in kept) / sum(float(r["seconds"]) for r in kept)
+    assert f"{rate('spec_qad_gptq_w8g64') / rate('static16'):.2f}×" == "0.65×"
+    # without an outlier prompt there is no caveat
+    copy = tmp_path / "run"
+    shutil.copytree(H200 / "tables", copy / "tables")
+    shutil.copytree(H200 / "bench", copy / "bench")
+    speed = copy / "bench" / "speedup_winnone" / "speed.csv"
+    kept = [line for line in speed.read_text().splitlines(keepends=True) if not line.startswith("chat,static16,")]
+    speed.write_text("".join(kept))
+    out = run(copy, "--model", "smollm2-135m")
+    assert out.returncode == 0, out.stderr
+    assert "Caveat" not in out.stdout and "| 1.36 | 148.7 |" in out.stdout
