@@ -45,6 +45,12 @@ def test_pareto_frontier_keeps_only_points_nobody_beats_on_both_axes():
     assert not points["ar_qad (autoregressive)"]["frontier"]
 
 
+def test_labels_of_coinciding_points_go_on_separate_lines():
+    points = [{"speedup": 0.49, "quality": 0.911}, {"speedup": 0.4935, "quality": 0.911}, {"speedup": 1.0, "quality": 1.0},
+              {"speedup": 0.4899, "quality": 0.911}, {"speedup": 1.14, "quality": 0.911}]
+    assert figures.label_lines(points) == [0, 1, 0, 2, 0]
+
+
 def test_every_figure_is_drawn_from_full_tables_and_a_missing_table_is_named(tmp_path):
     drawn = figures.draw_all({"summary": SUMMARY, "speed": SPEED, "quality": QUALITY, "training": []})
     assert set(drawn) == {"drafter_bits", "drafter_window", "target_bits", "pareto"}

@@ -160,15 +160,23 @@ def pareto_points(summary: list[dict], speed: list[dict], quality: list[dict]) -
     return points
 
 
+def label_lines(points: list[dict], near: float = 0.03) -> list[int]:
+    """For each point, how many earlier points lie within `near` of it (as a fraction of each axis's
+    span): the line its label goes on, so that labels of coinciding points do not overprint."""
+    span = {k: (max(p[k] for p in points) - min(p[k] for p in points)) or 1.0 for k in ("speedup", "quality")}
+    return [sum(all(abs(p[k] - q[k]) <= near * span[k] for k in span) for q in points[:i]) for i, p in enumerate(points)]
+
+
 def pareto_figure(summary: list[dict], speed: list[dict], quality: list[dict]) -> Figure | None:
     points = pareto_points(summary, speed, quality)
     if not points:
         return None
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.subplots()
-    for p in points:
+    for p, line in zip(points, label_lines(points)):
         ax.scatter(p["speedup"], p["quality"], color="#c44e52" if p["frontier"] else "#8c8c8c", zorder=3)
-        ax.annotate(p["name"], (p["speedup"], p["quality"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+        # variants that differ only in the drafter sit on one spot: their labels go one line apart
+        ax.annotate(p["name"], (p["speedup"], p["quality"]), fontsize=7, xytext=(4, 2 - 9 * line), textcoords="offset points")
     front = sorted((p for p in points if p["frontier"]), key=lambda p: p["speedup"])
     ax.plot([p["speedup"] for p in front], [p["quality"] for p in front], color="#c44e52", lw=1, label="Pareto frontier")
     ax.set_xlabel("speedup vs 16-bit autoregressive (all prompts)")
