@@ -123,13 +123,17 @@ def compile_caveat(folder: Path, row: dict) -> str | None:
     if not slow:
         return None
 
-    def rate(method: str) -> float:
-        kept = [r for r in rows if r["method"] == method and r["prompts"] not in slow]
-        return sum(int(r["tokens"]) for r in kept) / sum(float(r["seconds"]) for r in kept)
+    def totals(method: str, on_slow: bool) -> tuple[int, float]:
+        """(tokens, seconds) of `method` on the slow prompts, or on all the others."""
+        kept = [r for r in rows if r["method"] == method and (r["prompts"] in slow) == on_slow]
+        return sum(int(r["tokens"]) for r in kept), sum(float(r["seconds"]) for r in kept)
 
-    spent = sum(float(r["seconds"]) for r in rows if r["method"] == "static16" and r["prompts"] in slow)
-    tokens = sum(int(r["tokens"]) for r in rows if r["method"] == "static16" and r["prompts"] in slow)
-    ratio = rate(f"spec_qad_{row['drafter']}") / rate("static16")
+    def rate_elsewhere(method: str) -> float:
+        tokens, seconds = totals(method, on_slow=False)
+        return tokens / seconds
+
+    tokens, spent = totals("static16", on_slow=True)
+    ratio = rate_elsewhere(f"spec_qad_{row['drafter']}") / rate_elsewhere("static16")
     return (f"Caveat on the static compiled column: in this run, `generate`'s static compiled cache took {spent:.1f} s "
             f"for {tokens} tokens on the {', '.join(slow)} prompts, over 10× its median time per token. That is a "
             f"compilation inside the measurement; the warm-up now compiles both cache shapes first "
