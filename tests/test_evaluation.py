@@ -200,3 +200,46 @@ def test_groups_are_flattened_and_one_answer_filter_is_read(tmp_path):
     assert ids == ["part_a/0", "part_a/1", "part_b/0"] and last == [1.0, 1.0, 1.0]
     _, first = evaluate(lm, tmp_path, ["both"], filter_name="first-number")["both"]
     assert first == [1.0, 0.0, 1.0]
+
+
+def test_an_optional_gate_task_whose_items_are_found_nowhere_is_skipped_and_recorded(tmp_path, monkeypatch):
+    """Offline with no $QDFLASH_DATA_DIR and no ../shared/data (a fresh clone elsewhere), GSM8K and
+    IFEval exist nowhere: a task marked optional is skipped with the reason in metrics.json; one not
+    marked optional, or a path the user gave that does not exist, stays an error."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from qdflash.data import sources
+    from qdflash.errors import QdflashError, SourceNotFound
+    from qdflash.evaluation import ifeval
+    from qdflash.stages.quality_gate import plan_tasks
+
+    monkeypatch.setattr(sources, "shared_data_dir", lambda: None)
+    monkeypatch.setattr(ifeval, "shared_data_dir", lambda: None)
+    monkeypatch.setenv("QDFLASH_DATA_DIR", str(tmp_path / "empty"))
+    def no_hub(options):
+        raise OSError("offline")
+
+    monkeypatch.setitem(sources.SOURCES, "gsm8k", dataclasses.replace(sources.SOURCES["gsm8k"], read_hub=no_hub))
+
+    def cfg(tasks, gsm8k_path=None):
+        return OmegaConf.create({"gates": {"tasks": tasks}, "data": {"sources": {"gsm8k": {"path": gsm8k_path}}, "mmlu_gate_fraction": 0.5}})
+
+    optional = {"gsm8k": {"ratio": 0.9, "max_items": 4, "max_gen_toks": 8, "optional": True},
+                "ifeval": {"ratio": 0.95, "max_items": 4, "max_gen_toks": 8, "optional": True},
+                "mmlu": {"ratio": 0.9, "max_items": 4}}
+    run = SimpleNamespace(metrics={})
+    plans = plan_tasks(cfg(optional), tmp_path / "tasks", run)
+    assert [p.key for p in plans] == ["mmlu"] and len(plans[0].ids) == 4
+    assert "data source gsm8k not found" in run.metrics["gsm8k.skipped"]
+    assert "IFEval data not found" in run.metrics["ifeval.skipped"]
+    with pytest.raises(QdflashError, match="none of gsm8k, ifeval could run"):  # nothing left to judge
+        plan_tasks(cfg({k: optional[k] for k in ("gsm8k", "ifeval")}), tmp_path / "tasks", SimpleNamespace(metrics={}))
+    required = {"gsm8k": {**optional["gsm8k"], "optional": False}}
+    with pytest.raises(SourceNotFound, match="data source gsm8k not found"):
+        plan_tasks(cfg(required), tmp_path / "tasks", SimpleNamespace(metrics={}))
+    with pytest.raises(QdflashError, match="does not exist") as given:  # a path the user gave must work
+        plan_tasks(cfg({"gsm8k": optional["gsm8k"]}, gsm8k_path=str(tmp_path / "nowhere")), tmp_path / "tasks", SimpleNamespace(metrics={}))
+    assert not isinstance(given.value, SourceNotFound)

@@ -7,3 +7,9 @@ what was wrong, where we looked, and what to do instead.
 
 class QdflashError(Exception):
     """A user-facing error whose message is complete on its own."""
+
+
+class SourceNotFound(QdflashError):
+    """A data source found nowhere it was looked for (no path given). A source or gate task the
+    profile marks optional is skipped on this error, and only on this one: a path the user gave
+    that does not exist, or a file that is malformed, stays an error."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import QdflashError
+from ..errors import QdflashError, SourceNotFound
 from ..paths import shared_data_dir
 from .jsonl import read_jsonl
 from .split import content_key, unit_interval
@@ -315,7 +315,7 @@ def load_source(name: str, path: str | Path | None = None, *, mmlu_gate_fraction
         return spec.read_hub(options)
     except (OSError, ImportError, ValueError) as err:
         looked.append(f"the Hub dataset {spec.hub_id} ({err})")
-    raise QdflashError(
+    raise SourceNotFound(
         f"data source {name} not found. Looked at: {'; '.join(looked)}. Provide it with "
         f"data.sources.{name}.path=/path/to/it, by setting QDFLASH_DATA_DIR, or mark it optional in the profile."
     )

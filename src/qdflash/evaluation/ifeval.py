@@ -25,7 +25,7 @@ import types
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from ..errors import QdflashError
+from ..errors import QdflashError, SourceNotFound
 from ..paths import shared_data_dir
 from .tasks import greedy_generation, scoring_module, write_task
 
@@ -52,7 +52,7 @@ SENTENCE_SPLITTER = f"nupunkt {_package_version('nupunkt')}"
 def ifeval_data_file(path: str | Path | None = None) -> Path:
     """The IFEval prompts file: `path` if given (the file, or a folder holding input_data.jsonl), else
     $QDFLASH_DATA_DIR/ifeval/, else ../shared/data/ifeval/ beside the checkout, the same order as
-    every other data source (qdflash.data.sources). Raises QdflashError naming what it tried."""
+    every other data source (qdflash.data.sources). Raises SourceNotFound naming what it tried."""
     if path is not None:
         path = Path(path).expanduser()
         file = path / FILE_NAME if path.is_dir() else path
@@ -73,7 +73,7 @@ def ifeval_data_file(path: str | Path | None = None) -> Path:
             return folder / FILE_NAME
         else:
             looked.append(f"{label} (no {folder / FILE_NAME})")
-    raise QdflashError(f"IFEval data not found. Looked at: {'; '.join(looked)}. Expected Google's IFEval "
+    raise SourceNotFound(f"IFEval data not found. Looked at: {'; '.join(looked)}. Expected Google's IFEval "
                        f"{FILE_NAME} (541 prompts; fields: {', '.join(FIELDS)}) in a folder named ifeval: pass its "
                        "path, or set QDFLASH_DATA_DIR to the folder holding ifeval/.")
 

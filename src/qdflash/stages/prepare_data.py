@@ -29,7 +29,7 @@ from ..data.generate import Generation, GenerationStats, Sampling, generate_batc
 from ..data.jsonl import write_jsonl
 from ..data.sources import LoadedSource, PromptItem, load_source
 from ..data.split import content_key, mostly_ascii, select_prompts, split_pool
-from ..errors import QdflashError
+from ..errors import QdflashError, SourceNotFound
 from ..models import Target, load_target
 from ..tracking import NodeRun
 from ._app import stage
@@ -43,8 +43,8 @@ def load_sources(data: DictConfig, run: NodeRun) -> dict[str, LoadedSource]:
     for name, spec in data.sources.items():
         try:
             loaded[name] = load_source(name, spec.path, mmlu_gate_fraction=data.mmlu_gate_fraction)
-        except QdflashError as err:
-            if not spec.optional or spec.path is not None:  # a path the user gave must work
+        except SourceNotFound as err:  # not raised for a path the user gave: that one must work
+            if not spec.optional:
                 raise
             log.warning("source %s skipped (marked optional): %s", name, err)
             run.metrics[f"source.{name}.status"] = "skipped"

@@ -37,7 +37,7 @@ from typing import Callable
 from omegaconf import DictConfig
 
 from ..data.sources import load_source
-from ..errors import QdflashError
+from ..errors import QdflashError, SourceNotFound
 from ..evaluation.gates import judge, passes_all
 from ..evaluation.lm import QdflashLM
 from ..evaluation.humaneval import write_humaneval_task
@@ -100,7 +100,9 @@ def gate_items(cfg: DictConfig, task: str, limit: int):
 
 
 def plan_tasks(cfg: DictConfig, folder: Path, run: NodeRun) -> list[GateTask]:
-    """Write the local tasks' files; resolve the standard ones."""
+    """Write the local tasks' files; resolve the standard ones. A local task marked `optional` whose
+    items are found nowhere (offline, no $QDFLASH_DATA_DIR, no ../shared/data) is skipped, with the
+    reason in metrics.json (`<task>.skipped`); the reference and every variant skip it alike."""
     plans = []
     for key, task_cfg in cfg.gates.tasks.items():
         if task_cfg.get("lm_eval_task"):
@@ -113,13 +115,23 @@ def plan_tasks(cfg: DictConfig, folder: Path, run: NodeRun) -> list[GateTask]:
             raise QdflashError(f"gates.tasks.{key}: no local task of that name (local: {sorted(LOCAL_TASKS)}); "
                                "for one of lm-eval's standard tasks, give its name as gates.tasks.<key>.lm_eval_task")
         local = LOCAL_TASKS[key]
-        items, ids, location = gate_items(cfg, key, int(task_cfg.max_items))
+        try:
+            items, ids, location = gate_items(cfg, key, int(task_cfg.max_items))
+        except SourceNotFound as err:
+            if not task_cfg.get("optional", False):
+                raise
+            log.warning("gate task %s skipped (marked optional): %s", key, err)
+            run.metrics[f"{key}.skipped"] = str(err)
+            continue
         name = local.writer(folder, items, **{k: task_cfg[k] for k in local.options if k in task_cfg})
         floor = task_cfg.get("floor")
         plans.append(GateTask(key, name, ids, local.chat, local.metric, floor=local.floor if floor is None else float(floor)))
         run.metrics[f"{key}.source"] = location
         if key == "ifeval":
             run.metrics["ifeval.sentence_splitter"] = SENTENCE_SPLITTER
+    if not plans:
+        raise QdflashError(f"gates.tasks: none of {', '.join(cfg.gates.tasks)} could run (every one was skipped; "
+                           "see the warnings above)")
     return plans
 
 
