@@ -29,3 +29,10 @@ def tiny_qwen():
 @pytest.fixture(scope="session")
 def tokenizer(tiny_llama):
     return tiny_llama.tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2():
+    from qdflash.models import load_target
+
+    return load_target("tiny-qwen2", device="cpu")

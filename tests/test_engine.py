@@ -23,7 +23,7 @@ def smollm2():
     return load_target("smollm2-135m", device="cpu")
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "smollm2", "tiny_qwen"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "smollm2", "tiny_qwen", "tiny_qwen2"])
 def test_logits_and_features_match_transformers(fixture, request):
     target = request.getfixturevalue(fixture)
     engine = build_engine(target, max_len=128)
@@ -69,7 +69,7 @@ def test_hybrid_rollback_restores_the_kept_recurrent_state(tiny_qwen):
         engine.forward(torch.tensor([1]), 40)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen", "tiny_qwen2"])
 @pytest.mark.parametrize("block", [2, 5])
 def test_speculative_on_the_engine_equals_autoregressive(fixture, block, request, monkeypatch):
     import qdflash.spec as spec
@@ -93,6 +93,17 @@ def test_speculative_on_the_engine_equals_autoregressive(fixture, block, request
             m.setattr(spec.DrafterSession, "draft", draft)
             partly = speculative_generate(fast, drafter, prompt, 30)
         assert partly.tokens == reference and (block == 2 or partly.tau > 1.2)
+
+
+def test_qwen2_engine_uses_the_biases(tiny_qwen2):
+    """The tiny Qwen2 preset has non-zero q/k/v biases (so the logits test above checks them) and
+    tied embeddings; the engine fuses the three biases like the weights."""
+    attn = tiny_qwen2.model.model.layers[0].self_attn
+    assert attn.q_proj.bias.abs().sum() > 0 and attn.o_proj.bias is None
+    assert tiny_qwen2.model.lm_head.weight.data_ptr() == tiny_qwen2.model.model.embed_tokens.weight.data_ptr()
+    engine = build_engine(tiny_qwen2, max_len=32)
+    wqkv = engine.layers[0]["wqkv"]
+    torch.testing.assert_close(wqkv.bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
 
 
 def test_unsupported_families_and_packed_weights_say_so(tiny_llama):

