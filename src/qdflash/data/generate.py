@@ -79,12 +79,54 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ shr(x, 31)
 
 
-def keyed_uniform(keys: torch.Tensor, step: int, vocab: int, seed: int) -> torch.Tensor:
-    """U(0, 1) noise [len(keys), vocab] that depends only on (seed, key, step, token id)."""
+def keyed_uniform(keys: torch.Tensor, step, vocab: int, seed: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """U(0, 1) noise [len(keys), vocab] that depends only on (seed, key, step, token id).
+    `step`: an int, or a tensor [len(keys)] (rows at different steps: the batched engine; int64
+    arithmetic wraps as the Python int is wrapped, so both give the same numbers). `token_ids`
+    [len(keys), K]: the noise of those tokens only (the engine's top-k candidates), else of 0..vocab-1."""
     golden = -7046029254386353131  # 0x9e3779b97f4a7c15 as int64
-    base = _mix64(keys.to(torch.int64) * golden + _int64((seed * 1_000_003 + step) * 6364136223846793005))
-    x = _mix64(base[:, None] + torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :] * golden)
+    if torch.is_tensor(step):
+        offset = (step.to(torch.int64) + _int64(seed * 1_000_003)) * 6364136223846793005
+    else:
+        offset = _int64((seed * 1_000_003 + step) * 6364136223846793005)
+    base = _mix64(keys.to(torch.int64) * golden + offset)
+    if token_ids is None:
+        token_ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :]
+    x = _mix64(base[:, None] + token_ids.to(torch.int64) * golden)
     return ((x >> 11) & ((1 << 53) - 1)).to(torch.float64).div_(float(1 << 53)).clamp_(1e-12, 1 - 1e-12)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """-inf outside the smallest set of most likely tokens whose probability reaches top_p."""
+    if top_p >= 1.0:
+        return logits
+    ordered, index = logits.sort(dim=-1, descending=True)
+    probs = ordered.softmax(-1)
+    drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix reaching top_p
+    return logits.masked_fill(drop.scatter(-1, index, drop), float("-inf"))
+
+
+def gumbel_scores(logits: torch.Tensor, keys: torch.Tensor, step, seed: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """log p + g with g = -log(-log u), u keyed (`keyed_uniform`): its argmax is a sample of p
+    (the Gumbel-max trick). `logits`: already tempered and filtered."""
+    u = keyed_uniform(keys, step, logits.shape[-1], seed, token_ids)
+    return logits.log_softmax(-1) + (-torch.log(-torch.log(u))).to(logits.dtype)
+
+
+def sample_keyed(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, sampling: Sampling, seed: int) -> torch.Tensor:
+    """The tokens [B] that `KeyedSampler` makes transformers pick, for logits [B, V] of rows at steps
+    [B] (the batched engine's sampler: on the GPU, inside its captured step). With top-k, only the k
+    candidates are tempered, filtered and given noise (the same noise: it depends on the token id),
+    not the whole vocabulary; the one difference is a tie at the k-th logit, which KeyedSampler keeps
+    in (k+1 candidates) and topk does not."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k > 0:
+        logits, token_ids = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1)
+        scores = gumbel_scores(top_p_filter(logits, sampling.top_p), keys, steps, seed, token_ids)
+        return token_ids.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+    return gumbel_scores(top_p_filter(logits, sampling.top_p), keys, steps, seed).argmax(-1)
 
 
 class KeyedSampler:
@@ -102,14 +144,7 @@ class KeyedSampler:
         if self.sampling.top_k > 0:
             kth = logits.topk(min(self.sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.sampling.top_p < 1.0:
-            ordered, index = logits.sort(dim=-1, descending=True)
-            probs = ordered.softmax(-1)
-            drop = probs.cumsum(-1) - probs > self.sampling.top_p  # keep the smallest prefix reaching top_p
-            logits = logits.masked_fill(drop.scatter(-1, index, drop), float("-inf"))
-        u = keyed_uniform(self.keys.to(scores.device), step, scores.shape[-1], self.seed)
-        gumbel = -torch.log(-torch.log(u)).to(logits.dtype)
-        return logits.log_softmax(-1) + gumbel
+        return gumbel_scores(top_p_filter(logits, self.sampling.top_p), self.keys.to(scores.device), step, self.seed)
 
 
 def _sampling_kwargs(sampling: Sampling) -> dict:

@@ -51,6 +51,29 @@ def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_
     return out[0].transpose(0, 1).reshape(t, -1)
 
 
+def rows_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`cached_attention` for a batch: q [B, heads, T, D], k / v [B, kv_heads, T, D] of cache rows
+    `rows` [B] (None: rows 0..B-1 of the cache, which is then read without a copy) at positions
+    [B, T], each row its own sequence from position 0. Cache [rows, kv_heads, max_len, D]. Every row
+    reads `attend_len` positions, masked past its own position, so rows of different lengths share one
+    fixed-shape step. Returns [B, T, heads*D]."""
+    b, heads, t, d = q.shape
+    kv_heads = k.shape[1]
+    index = rows if rows is not None else torch.arange(b, device=q.device)
+    k_cache[index[:, None], :, positions] = k.transpose(1, 2)  # [B, T, kv_heads, D] at (row, position)
+    v_cache[index[:, None], :, positions] = v.transpose(1, 2)
+    keys = k_cache[:b, :, :attend_len] if rows is None else k_cache[rows, :, :attend_len]
+    values = v_cache[:b, :, :attend_len] if rows is None else v_cache[rows, :, :attend_len]
+    # grouped-query attention without repeating the cache: the `rep` query heads of one KV head are
+    # stacked on the query axis ([B, kv_heads, rep*T, D] against [B, kv_heads, n, D])
+    rep = heads // kv_heads
+    mask = torch.arange(attend_len, device=q.device)[None, None, :] <= positions[:, :, None]  # [B, T, n]
+    out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, rep * t, d), keys, values,
+                                         attn_mask=mask.repeat(1, rep, 1)[:, None])
+    return out.view(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
+
+
 class EngineBase:
     """Batch 1. Subclasses build their weights and implement `_step(ids, positions, attend_len,
     layer_ids, exact=False) -> (logits, features)` with tensor positions and in-place cache updates only, so that a
@@ -210,25 +233,40 @@ class LeanLlama(EngineBase):
     # past the current one are masked until they are written again (a rollback is a new length).
 
     def _step(self, ids, positions, attend_len, layer_ids, exact=False):
-        t, dtype = ids.shape[0], self.dtype
-        cos, sin = self.cos[positions], self.sin[positions]
+        def attend(i, q, k, v):
+            return cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact)
+
+        h, features = self.decoder(ids, positions, attend, layer_ids)
+        return self.head(h), features
+
+    def decoder(self, ids, positions, attend, layer_ids=None):
+        """The layers over ids [..., T] at positions [..., T] (leading dims: batch rows, or none), with
+        `attend(layer, q, k, v)` (q [..., heads, T, D], k / v [..., kv_heads, T, D] -> [..., T, heads*D])
+        owning the KV cache: the batch-1 cache here, the rows' cache in `engine.batched`. Returns the
+        residual stream [..., T, hidden] before the final norm and the features of `layer_ids`."""
+        t, dtype = ids.shape[-1], self.dtype
+        lead = ids.shape[:-1]
+        cos, sin = self.cos[positions].unsqueeze(-3), self.sin[positions].unsqueeze(-3)  # broadcast over heads
         h = F.embedding(ids, self.embed).to(self.residual_dtype)
         features = {}
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w["norm1"], self.eps, dtype)
             q, k, v = w["wqkv"](x).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(t, self.heads, self.head_dim).transpose(0, 1), cos, sin)
-            k = apply_rope(k.view(t, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
-            v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-            h = h + w["wo"](cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact))
+            q = apply_rope(q.view(*lead, t, self.heads, self.head_dim).transpose(-3, -2), cos, sin)
+            k = apply_rope(k.view(*lead, t, self.kv_heads, self.head_dim).transpose(-3, -2), cos, sin)
+            v = v.view(*lead, t, self.kv_heads, self.head_dim).transpose(-3, -2)
+            h = h + w["wo"](attend(i, q, k, v))
             x = rms_norm(h, w["norm2"], self.eps, dtype)
             gate, up = w["w13"](x).chunk(2, dim=-1)
             h = h + w["w2"](F.silu(gate) * up)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
-        logits = dense_linear(rms_norm(h, self.final_norm, self.eps, dtype), self.lm_head, self.kernels)
-        return logits, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)
+        return h, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)
+
+    def head(self, h):
+        """Logits of residual-stream rows [..., hidden] (final norm, then the LM head)."""
+        return dense_linear(rms_norm(h, self.final_norm, self.eps, self.dtype), self.lm_head, self.kernels)
 
 
 def build_engine(target, max_len: int | None = None, kernels: bool | str = "auto"):

@@ -1,0 +1,120 @@
+"""Batched generation on the lean engine (qdflash.engine.batched): row for row the batch-1 output,
+greedy and seeded sampling, with rows of different lengths that stop early and slots refilled."""
+
+import pytest
+import torch
+
+from qdflash.data.generate import Sampling, generate_batched
+from qdflash.engine import build_engine
+from qdflash.engine.batched import BatchGenerator
+from qdflash.spec import autoregressive_generate
+
+
+def prompts(seed, n, low=3, high=30):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 2000, (int(k),), generator=g).tolist() for k in torch.randint(low, high, (n,), generator=g)]
+
+
+def cut(tokens, eos):
+    for j, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: j + 1]
+    return tokens
+
+
+def early_stops(references, rows=(0, 3, 6), at=(2, 7, 12)):
+    """EOS ids taken from inside some reference outputs, so those rows stop early at different
+    steps (the tokens before an EOS do not depend on which ids are EOS)."""
+    return {references[r][k] for r, k in zip(rows, at)}
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_batched_greedy_equals_batch1_row_for_row(fixture, request):
+    target = request.getfixturevalue(fixture)
+    batch = prompts(0, 11)
+    references = [autoregressive_generate(target, p, 16).tokens for p in batch]
+    eos = early_stops(references)
+    expected = [cut(r, eos) for r in references]
+    assert sorted({len(e) for e in expected})[0] < 16 and any(len(e) == 16 for e in expected)
+    engine = build_engine(target, max_len=128)
+    # 4 slots for 11 prompts: finished rows are refilled; a look every 3 steps (rows run on stopped)
+    gen = BatchGenerator(engine, rows=4, max_len=64, eos_ids=sorted(eos), max_new_tokens=16, sampling=Sampling(0.0),
+                         sync_every=3, prefill_tokens=24)  # rows x chunk <= 24: long prompts in chunks, short ones 2 at a time
+    results, stats = gen.generate(batch, progress=False)
+    assert [r.token_ids for r in results] == expected
+    assert [r.finish_reason for r in results] == ["stop" if e[-1] in eos else "length" for e in expected]
+    assert stats.new_tokens == sum(map(len, expected))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_batched_sampling_equals_keyed_batch1_sampling(fixture, request):
+    """Each prompt's sample depends on (seed, key, step) only: the engine's batch with refills gives
+    what transformers' generate with KeyedSampler gives that prompt alone."""
+    target = request.getfixturevalue(fixture)
+    sampling = Sampling(0.9, 0.8, 20)
+    batch, keys = prompts(1, 9), [1000 + 7 * i for i in range(9)]
+    references = [generate_batched(target.model, [p], pad_id=0, eos_ids=[-1], max_new_tokens=12, batch_size=1,
+                                   sampling=sampling, seed=3, keys=[k], progress=False)[0][0].token_ids
+                  for p, k in zip(batch, keys)]
+    assert len({tuple(r) for r in references}) == len(references)  # really sampled, not one fixed answer
+    eos = early_stops(references, rows=(1, 4), at=(3, 8))
+    engine = build_engine(target, max_len=64)
+    gen = BatchGenerator(engine, rows=3, max_len=64, eos_ids=sorted(eos), max_new_tokens=12, sampling=sampling, seed=3,
+                         sync_every=2)
+    results, _ = gen.generate(batch, keys, progress=False)
+    assert [r.token_ids for r in results] == [cut(r, eos) for r in references]
+    # another seed, other samples (the noise is keyed by the seed too)
+    other, _ = BatchGenerator(engine, rows=3, max_len=64, eos_ids=[-1], max_new_tokens=12, sampling=sampling,
+                              seed=4).generate(batch, keys, progress=False)
+    assert [r.token_ids for r in other] != references
+
+
+def test_batched_sampling_follows_the_target_distribution():
+    """A tiny-vocabulary model, one prompt, 3,000 keys: the first token (sampled after the prefill)
+    and the second (sampled by the decode step) follow the target's tempered, top-k / top-p filtered
+    distribution (chi-square, p > 0.001), and fail the same test against the unfiltered one."""
+    from scipy.stats import chi2
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from types import SimpleNamespace
+
+    config = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, num_hidden_layers=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # a peaked distribution, so filtering matters
+    engine = build_engine(SimpleNamespace(model=model, config=config), max_len=64)
+    prompt, n = [1, 5, 2, 7], 3000
+    sampling = Sampling(temperature=0.8, top_p=0.9, top_k=5)
+
+    def probabilities(prefix, filtered=True):
+        logits = model(input_ids=torch.tensor([prefix])).logits[0, -1].double() / (sampling.temperature if filtered else 1)
+        if filtered:
+            kth = logits.topk(sampling.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+            p = logits.softmax(-1)
+            ordered, index = p.sort(descending=True)
+            drop = ordered.cumsum(-1) - ordered > sampling.top_p
+            logits = logits.masked_fill(drop.scatter(-1, index, drop), float("-inf"))
+        return logits.softmax(-1)
+
+    gen = BatchGenerator(engine, rows=256, max_len=16, eos_ids=[-1], max_new_tokens=2, sampling=sampling, seed=0)
+    results, _ = gen.generate([prompt] * n, list(range(n)), progress=False)
+    first = torch.tensor([r.token_ids[0] for r in results])
+    second = torch.tensor([r.token_ids[1] for r in results])
+
+    def chi_square(observed, expected):
+        keep = expected > 0
+        assert observed[~keep].sum() == 0  # never a filtered-out token
+        stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum().item()
+        return chi2.sf(stat, int(keep.sum()) - 1)
+
+    counts = torch.bincount(first, minlength=8).double()
+    assert chi_square(counts, n * probabilities(prompt)) > 1e-3
+    conditional = {t: probabilities(prompt + [t]) for t in first.unique().tolist()}
+    expected_second = sum(conditional[t] for t in first.tolist())
+    assert chi_square(torch.bincount(second, minlength=8).double(), expected_second) > 1e-3
+    # the test has power: the unfiltered (temperature 1) distribution is rejected
+    unfiltered = n * probabilities(prompt, filtered=False)
+    stat = ((counts - unfiltered) ** 2 / unfiltered).sum().item()
+    assert chi2.sf(stat, 7) < 1e-6
