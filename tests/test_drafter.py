@@ -165,6 +165,25 @@ def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path):
     assert feature_cache_folder("o", "a", "float32", [1]) != feature_cache_folder("o", "b", "float32", [1])
 
 
+def test_a_planted_pickle_payload_in_the_feature_cache_does_not_run(tmp_path):
+    import os
+
+    from qdflash.drafter.train import FeatureCache
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'payload-ran'}",))
+
+    cache = FeatureCache(tmp_path / "cache")
+    torch.save(Payload(), tmp_path / "cache" / "seq-0.pt")
+    with pytest.raises(QdflashError, match=r"seq-0\.pt: not a cached feature tensor"):
+        cache.get_batch(["seq-0"], lambda missing: pytest.fail("a planted file is not a miss"))
+    assert not (tmp_path / "payload-ran").exists()
+    torch.save({"not": "a tensor"}, tmp_path / "cache" / "seq-1.pt")  # plain data, but not what the cache holds
+    with pytest.raises(QdflashError, match=r"seq-1\.pt: holds a dict"):
+        cache.get_batch(["seq-1"], lambda missing: pytest.fail("a planted file is not a miss"))
+
+
 def test_a_padded_batch_drafts_exactly_what_each_sequence_drafts_alone(tiny_qwen):
     """Right padding, padding anchors and batching change no block's logits (hybrid target too)."""
     drafter = init_drafter(tiny_qwen, block_size=4, num_layers=2).eval()

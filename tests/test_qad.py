@@ -1,10 +1,20 @@
 import copy
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from qdflash.distill import chunked_kl
+from qdflash.errors import QdflashError
 from qdflash.qad import cosine_lr, kl_loss, make_student_trainable, pack_sequences
 from qdflash.quant.apply import quant_linears, quantize_weights, replace_linears, select_linears
 from qdflash.quant.grid import GridSpec
@@ -80,14 +90,143 @@ def test_checkpoint_resume_round_trip(tmp_path):
     opt = torch.optim.AdamW(latents, lr=1e-3)
     latents[0].sum().backward()
     opt.step()
-    save_checkpoint(tmp_path / "state.pt", 7, latents, opt, "fp-a")
+    order = random.Random(3)
+    order.random()
+    save_checkpoint(tmp_path / "state.pt", 7, latents, opt, "fp-a", {"order": order.getstate(), "curve": [0.5]})
     fresh = [torch.nn.Parameter(torch.zeros(4, 4)) for _ in range(2)]
     opt2 = torch.optim.AdamW(fresh, lr=1e-3)
-    assert load_checkpoint(tmp_path / "state.pt", fresh, opt2, "fp-a") == 7
+    step, progress = load_checkpoint(tmp_path / "state.pt", fresh, opt2, "fp-a")
+    assert step == 7 and progress["curve"] == [0.5]
+    again = random.Random()
+    again.setstate(progress["order"])
+    assert again.random() == order.random()  # the batch order continues where it stopped
     assert all(torch.equal(a, b) for a, b in zip(latents, fresh))
     assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
-    assert load_checkpoint(tmp_path / "state.pt", fresh, opt2, "another-config") == 0  # never resume a different run
-    assert load_checkpoint(tmp_path / "missing.pt", fresh, opt2, "fp-a") == 0
+    assert load_checkpoint(tmp_path / "state.pt", fresh, opt2, "another-config") == (0, {})  # never resume a different run
+    assert load_checkpoint(tmp_path / "missing.pt", fresh, opt2, "fp-a") == (0, {})
+
+
+class Payload:
+    """Pickled, it calls os.system when loaded: what a planted 'checkpoint' would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_pickle_payload_in_a_checkpoint_does_not_run(tmp_path):
+    from qdflash.qad import load_checkpoint
+
+    marker = tmp_path / "payload-ran"
+    torch.save({"step": 3, "fingerprint": "fp", "latents": [], "payload": Payload(marker)}, tmp_path / "state.pt")
+    latent = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(QdflashError, match=r"state\.pt: not a QAD checkpoint of tensors and plain data"):
+        load_checkpoint(tmp_path / "state.pt", [latent], torch.optim.AdamW([latent]), "fp")
+    assert not marker.exists()
+
+
+def test_the_resume_key_covers_every_input(tmp_path):
+    from qdflash.stages.qad import resume_key
+
+    (tmp_path / "ptq" / "model").mkdir(parents=True)
+    (tmp_path / "ptq" / "model" / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "ptq" / "metrics.json").write_text("{}")
+    (tmp_path / "data").mkdir()
+    for split in ("train", "heldout"):
+        (tmp_path / "data" / f"{split}.tokens.jsonl").write_text(f'{{"{split}": 1}}\n')
+    cfg = OmegaConf.create({"qad": {"steps": 4, "lr": 1e-3}, "model": {"name": "tiny-llama"}, "data_dir": str(tmp_path / "data")})
+
+    def key(**changes):
+        return resume_key(OmegaConf.merge(cfg, changes), tmp_path / "ptq", 1, torch.float32)
+
+    first = key()
+    assert key() == first
+    assert key(qad={"lr": 2e-3}) != first and key(model={"name": "tiny-qwen3.5"}) != first
+    assert resume_key(cfg, tmp_path / "ptq", 2, torch.float32) != first and resume_key(cfg, tmp_path / "ptq", 1, torch.bfloat16) != first
+    (tmp_path / "ptq" / "model" / "model.safetensors").write_bytes(b"other weights")  # a re-run PTQ, same folder
+    assert key() != first
+    second = key()
+    (tmp_path / "data" / "train.tokens.jsonl").write_text('{"train": 2}\n')  # regenerated data, same folder
+    assert key() != second
+
+
+# --- the qad node itself, killed and resumed (tiny-llama, CPU, synthetic token data) ----------------
+
+NODE_ARGS = ["model=tiny-llama", "device=cpu", "dtype=float32", "tracking.wandb.mode=disabled", "eval.heldout_samples=4"]
+QAD_ARGS = ["qad.steps=4", "qad.batch_size=2", "qad.seq_len=32", "qad.lr=1e-3", "qad.eval_every=2", "qad.checkpoint_every=2"]
+
+
+def node(module, *args, env=None):
+    return subprocess.run([sys.executable, "-m", f"qdflash.stages.{module}", *NODE_ARGS, *args], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def quantize(data, out, *args):
+    done = node("quantize_target", f"data_dir={data}", f"out_dir={out}", "quant.method=rtn", "quant.bits=4",
+                "quant.group_size=32", "quant.calibration.samples=4", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def qad_inputs(tmp_path_factory):
+    """A data folder of random token rows (all the qad node reads) and an RTN PTQ artifact of it."""
+    from qdflash.data.jsonl import write_jsonl
+
+    root = tmp_path_factory.mktemp("qad-node")
+    data = root / "data"
+    data.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for split, n in (("train", 8), ("heldout", 4)):
+        write_jsonl(data / f"{split}.tokens.jsonl", ({"id": f"{split}-{i}", "input_ids": torch.randint(100, 5000, (48,), generator=gen).tolist(),
+                                                      "loss_mask": [0] * 8 + [1] * 40} for i in range(n)))
+    return data, quantize(data, root / "ptq")
+
+
+def qad(data, ptq, out, env=None):
+    return node("qad", f"data_dir={data}", f"ptq_dir={ptq}", f"out_dir={out}", *QAD_ARGS, env=env)
+
+
+def outcome(out):
+    from safetensors.torch import load_file
+
+    return json.loads((out / "metrics.json").read_text()), load_file(out / "model" / "model.safetensors")
+
+
+def test_a_qad_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(qad_inputs, tmp_path):
+    from qdflash.stages.qad import KILL_AFTER_STEP
+
+    data, ptq = qad_inputs
+    assert qad(data, ptq, tmp_path / "whole").returncode == 0
+    killed = qad(data, ptq, tmp_path / "resumed", env={KILL_AFTER_STEP: "2"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]  # kill -9 after step 2's checkpoint
+    assert (tmp_path / "resumed.ckpt" / "state.pt").is_file() and not (tmp_path / "resumed").exists()
+    done = qad(data, ptq, tmp_path / "resumed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (whole, whole_weights), (resumed, resumed_weights) = outcome(tmp_path / "whole"), outcome(tmp_path / "resumed")
+    for key in ("quant.kl", "quant.top1_agreement", "quant.ppl", "qad.rows_per_process"):
+        assert resumed[key] == whole[key], key
+    assert len(resumed["qad.train_kl_curve"]) == 4 and resumed["qad.train_kl_curve"] == whole["qad.train_kl_curve"]
+    assert whole["qad.resumed_from_step"] == 0 and resumed["qad.resumed_from_step"] == 2
+    assert whole_weights.keys() == resumed_weights.keys()
+    assert all(torch.equal(whole_weights[k], resumed_weights[k]) for k in whole_weights)
+    assert not (tmp_path / "resumed.ckpt").exists()  # finished: the checkpoint is gone
+
+
+def test_a_checkpoint_of_another_ptq_artifact_in_the_same_folder_is_not_resumed(qad_inputs, tmp_path):
+    from qdflash.stages.qad import KILL_AFTER_STEP
+
+    data, ptq = qad_inputs
+    ptq = Path(shutil.copytree(ptq, tmp_path / "ptq"))
+    assert qad(data, ptq, tmp_path / "qad", env={KILL_AFTER_STEP: "2"}).returncode == -signal.SIGKILL
+    quantize(data, ptq, "quant.group_size=64", "overwrite=true")  # PTQ re-ran with another setting: same path
+    done = qad(data, ptq, tmp_path / "qad")
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "qad" / "metrics.json").read_text())
+    assert len(metrics["qad.train_kl_curve"]) == 4 and metrics["qad.resumed_from_step"] == 0
+    assert metrics["ptq.kl"] == json.loads((ptq / "metrics.json").read_text())["quant.kl"]
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])

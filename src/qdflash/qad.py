@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .distill import chunked_kl, final_hidden, lm_head_weight
+from .errors import QdflashError
 from .quant.quantlinear import QuantLinear
 
 
@@ -91,14 +92,18 @@ def make_student_trainable(student, reference=None) -> list[torch.nn.Parameter]:
     return latents
 
 
-def save_checkpoint(path: Path, step: int, latents: list[torch.Tensor], optimizer, fingerprint: str) -> None:
-    """Atomic: written to a temporary file, then renamed over the previous checkpoint."""
+def save_checkpoint(path: Path, step: int, latents: list[torch.Tensor], optimizer, fingerprint: str,
+                    progress: dict | None = None) -> None:
+    """Atomic: written to a temporary file, then renamed over the previous checkpoint. `progress`
+    holds the loop's own state (the batch order's random state, the curve so far): plain data and
+    tensors only, because the checkpoint is read back with weights_only=True."""
     state = {
         "step": step,
         "latents": [t.detach().cpu() for t in latents],
         "optimizer": optimizer.state_dict(),
         "fingerprint": fingerprint,
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "progress": progress or {},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -106,17 +111,23 @@ def save_checkpoint(path: Path, step: int, latents: list[torch.Tensor], optimize
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, latents: list[torch.Tensor], optimizer, fingerprint: str) -> int:
-    """Resume: returns the step to continue from (0 when there is no usable checkpoint)."""
+def load_checkpoint(path: Path, latents: list[torch.Tensor], optimizer, fingerprint: str) -> tuple[int, dict]:
+    """Resume: (the step to continue from, the saved `progress`); (0, {}) when there is no checkpoint
+    of these inputs. The file lies in the results tree, where anyone may have put it: it is read with
+    weights_only=True (tensors and plain data; a pickled object that would run code is refused)."""
     if not path.is_file():
-        return 0
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state.get("fingerprint") != fingerprint:
-        return 0  # a checkpoint of another configuration: start over
+        return 0, {}
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ... here
+        raise QdflashError(f"{path}: not a QAD checkpoint of tensors and plain data ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''}); it was not loaded. Delete it to start over.") from None
+    if not isinstance(state, dict) or state.get("fingerprint") != fingerprint:
+        return 0, {}  # a checkpoint of other inputs (config, PTQ artifact, data, model, code): start over
     with torch.no_grad():
         for latent, saved in zip(latents, state["latents"]):
             latent.copy_(saved.to(latent.device))
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    return int(state["step"])
+    return int(state["step"]), state.get("progress", {})

@@ -89,6 +89,21 @@ def source_digest(root: Path = Path(__file__).resolve().parent) -> str:
     return digest.hexdigest()[:16]
 
 
+def content_digest(*paths: Path) -> str:
+    """sha256 of the contents of files, or of every file under a folder (by relative path): what an
+    input *is*, where its path says nothing (a re-run node writes other bytes to the same folder)."""
+    digest = hashlib.sha256()
+    for path in map(Path, paths):
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            digest.update(file.relative_to(path).as_posix().encode() + b"\0" if path.is_dir() else b"\0")
+            with open(file, "rb") as handle:
+                while block := handle.read(1 << 22):
+                    digest.update(block)
+            digest.update(b"\0")
+    return digest.hexdigest()
+
+
 def environment() -> dict[str, str | int]:
     """Device, versions and commit: recorded with every number a node produces."""
     import torch

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..distill import pad_right
+from ..errors import QdflashError
 from .blocks import (IGNORE, acceptance_lengths, batch_attention_mask, block_inputs, block_mask_mod, sample_anchors,
                      weighted_block_loss_parts)
 from .model import Drafter
@@ -114,7 +115,20 @@ class FeatureCache:
             tmp = paths[i].with_name(paths[i].name + ".tmp")
             torch.save(value.detach().cpu().clone(), tmp)  # clone: a row of a batch would save the whole batch
             os.replace(tmp, paths[i])
-        return [fresh[i] if i in fresh else torch.load(paths[i], map_location="cpu") for i in range(len(keys))]
+        return [fresh[i] if i in fresh else load_tensor(paths[i]) for i in range(len(keys))]
+
+
+def load_tensor(path: Path) -> torch.Tensor:
+    """A cached feature tensor. The cache lies beside the results, where anyone may have put a file:
+    weights_only=True refuses a pickled object that would run code (torch < 2.6 defaults to False)."""
+    try:
+        value = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError, ... all mean the same here
+        raise QdflashError(f"{path}: not a cached feature tensor ({type(err).__name__}); it was not loaded. "
+                           f"Delete {path.parent} to recompute the features.") from None
+    if not isinstance(value, torch.Tensor):
+        raise QdflashError(f"{path}: holds a {type(value).__name__}, not a cached feature tensor. Delete {path.parent} to recompute the features.")
+    return value
 
 
 def feature_key(example: dict) -> str:

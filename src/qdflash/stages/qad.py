@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import shutil
+import signal
 from pathlib import Path
 
 import torch
@@ -28,7 +30,7 @@ from ..qad import (StudentHidden, cosine_lr, kl_sum_count, load_checkpoint, make
                    save_checkpoint)
 from ..quant.apply import quant_linears
 from ..quant.export import load_quantized, save_quantized
-from ..tracking import NodeRun
+from ..tracking import NodeRun, content_digest, source_digest
 from ._app import stage
 from .quantize_target import record_comparison
 
@@ -42,6 +44,24 @@ def check_step0(kl_now: float, kl_ptq: float, tolerance: float, ptq_dir: Path) -
             f"recorded {kl_ptq:.8g} (relative tolerance {tolerance}). The student is not the PTQ model: "
             f"the artifact was modified, or data_dir / eval.heldout_samples differ from the quantize_target run."
         )
+
+
+def resume_key(cfg: DictConfig, ptq_dir: Path, world_size: int, dtype: torch.dtype) -> str:
+    """What a checkpoint must have been made from to be resumed: every input of the run, by content.
+    The PTQ artifact's path is not enough: a re-run quantize_target (after quant.* changed) writes
+    other weights to the same folder, and a resume from the old ones would publish the old QAD."""
+    inputs = {
+        "qad": OmegaConf.to_container(cfg.qad, resolve=True), "model": str(cfg.model.name), "dtype": str(dtype),
+        "world_size": world_size, "code": source_digest(),
+        "ptq": content_digest(ptq_dir / "model", ptq_dir / "metrics.json"),
+        "data": content_digest(*(Path(cfg.data_dir) / f"{split}.tokens.jsonl" for split in ("train", "heldout"))),
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+# Tests only: the process kills itself (SIGKILL, as `kill -9` does: no cleanup runs) right after the
+# checkpoint of this step is written, so a resume can be checked against an uninterrupted run.
+KILL_AFTER_STEP = "QDFLASH_QAD_KILL_AFTER_STEP"
 
 
 def grid_identical(before: dict[str, tuple], after: dict[str, tuple]) -> bool:
@@ -109,20 +129,22 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         hidden = wrap(StudentHidden(student), world)  # DDP over the trained part: averages the latents' gradients
     run.metrics.update({"qad.world_size": world.size, "qad.parallel": qad.parallel if world.distributed else "none"})
     optimizer = torch.optim.AdamW(latents, lr=qad.lr, weight_decay=qad.weight_decay)
-    fingerprint = hashlib.sha256(json.dumps(OmegaConf.to_container(cfg.qad, resolve=True), sort_keys=True).encode()
-                                 + str(ptq_dir.resolve()).encode()).hexdigest()
+    fingerprint = resume_key(cfg, ptq_dir, world.size, dtype)
     ckpt = Path(f"{cfg.out_dir}.ckpt") / "state.pt"
     if fsdp:
         log.info("fsdp: resumable checkpoints are not written (each rank holds a shard of the latents)")
-    start = 0 if fsdp else load_checkpoint(ckpt, latents, optimizer, fingerprint)
+    order = random.Random(qad.seed)  # the batch order: its state is saved and restored with the checkpoint
+    curve: list[float] = []  # training KL per step, the resumed steps' included (restored from the checkpoint)
+    rows_here = 0  # packed rows this process trained on (a 1/N share of each batch under torchrun)
+    start, progress = (0, {}) if fsdp else load_checkpoint(ckpt, latents, optimizer, fingerprint)
     if start:
+        order.setstate(progress["order"])
+        curve, rows_here = list(progress["curve"]), int(progress["rows_here"])
         log.info("resuming from %s at step %d", ckpt, start)
+    run.metrics["qad.resumed_from_step"] = start
     warmup = max(1, round(qad.warmup_ratio * qad.steps))
     student.train()
-    order = random.Random(qad.seed)
     bar = tqdm(range(start, qad.steps), desc="qad", unit="step", initial=start, total=qad.steps)
-    curve: list[float] = []  # training KL per step of this run (a resumed run: from the resumed step)
-    rows_here = 0  # packed rows this process trained on (a 1/N share of each batch under torchrun)
     for step in bar:
         lr = cosine_lr(step, qad.steps, warmup, qad.lr)
         for group in optimizer.param_groups:
@@ -146,7 +168,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         if (step + 1) % qad.eval_every == 0 and step + 1 < qad.steps:
             evaluate(run, teacher, student, heldout, cfg, step=step + 1)
         if (step + 1) % qad.checkpoint_every == 0 and not fsdp:
-            save_checkpoint(ckpt, step + 1, latents, optimizer, fingerprint)
+            save_checkpoint(ckpt, step + 1, latents, optimizer, fingerprint,
+                            {"order": order.getstate(), "curve": curve, "rows_here": rows_here})
+            if os.environ.get(KILL_AFTER_STEP) == str(step + 1):
+                os.kill(os.getpid(), signal.SIGKILL)
 
     run.metrics.update({"qad.train_kl_curve": curve, "qad.rows_per_process": rows_here})
     if fsdp:  # rank 0 rounds, evaluates and exports a whole student with the trained latents
