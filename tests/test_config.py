@@ -29,6 +29,26 @@ def test_negative_sample_count_names_the_key(config):
     assert "profiles.default.data.sources.gsm8k.n_train = -3 is out of range; it must be >= 0" in error_of(config)
 
 
+@pytest.mark.parametrize("name", ["..", ".", "../elsewhere", "/tmp/abs", "a/b", ".hidden", "-x", ""])
+def test_an_experiment_name_escaping_the_results_tree_is_refused(config, name):
+    config["experiment"] = name
+    assert f"experiment = {name!r} is not allowed: results/{{experiment}}/" in error_of(config)
+
+
+@pytest.mark.parametrize("name", ["my-run", "2026-11-30-h200", "e2e", "run.v2_a"])
+def test_plain_experiment_names_pass(config, name):
+    config["experiment"] = name
+    validate_config(config)
+
+
+def test_a_max_length_with_no_room_for_a_block_is_refused(config):
+    config["profiles"]["gpu"]["drafter_train"]["max_length"] = 8  # the schema's minimum; gpu's block_size is 16
+    config["profiles"]["gpu"]["scaling"]["drafter_train"]["max_length"] = 16
+    msg = error_of(config)
+    assert "profiles.gpu.drafter_train.max_length = 8 leaves no room for a block of drafter.block_size = 16: it must be >= 17" in msg
+    assert "profiles.gpu.scaling.drafter_train.max_length = 16 leaves no room" in msg
+
+
 def test_unknown_key_lists_allowed_keys(config):
     config["profiles"]["ci"]["data"]["generation"]["max_new_tokenz"] = 3
     msg = error_of(config)

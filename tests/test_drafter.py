@@ -309,3 +309,16 @@ def test_compressed_checkpoint_that_does_not_match_says_so(tiny_llama, tmp_path)
         load_drafter(tmp_path / "d", tiny_llama)
     with pytest.raises(QdflashError, match="group_size=128 does not divide"):
         compress_drafter(init_drafter(tiny_llama, block_size=4), GridSpec(4, 128, True), "rtn")
+
+
+def test_a_max_length_that_cuts_off_every_answer_is_an_error(tmp_path):
+    """drafter_train.max_length: 8 passed the schema and trained nothing (empty loss curve, tau 1.0,
+    exit 0): every sequence was cut inside its prompt."""
+    from qdflash.data.jsonl import write_jsonl
+    from qdflash.stages.train_drafter import training_examples
+
+    write_jsonl(tmp_path / "train.tokens.jsonl", ({"id": f"t{i}", "input_ids": list(range(40)), "loss_mask": [0] * 30 + [1] * 10}
+                                                  for i in range(3)))
+    with pytest.raises(QdflashError, match=r"drafter_train.max_length=8 leaves no trained .* earliest answer starts at token 30"):
+        training_examples(tmp_path, 8, None)
+    assert [len(ex["input_ids"]) for ex in training_examples(tmp_path, 36, None)] == [36] * 3

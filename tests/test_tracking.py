@@ -89,3 +89,42 @@ def test_source_digest_names_the_code_by_content(tmp_path):
     assert tracking.source_digest.__wrapped__(tmp_path / "b") != first
     (tmp_path / "a" / "sub" / "y.py").rename(tmp_path / "a" / "sub" / "z.py")
     assert tracking.source_digest.__wrapped__(tmp_path / "a") != first
+
+
+def test_two_nodes_with_one_out_dir_do_not_undo_each_other(tmp_path):
+    """A second node given the same out_dir (both run by hand) stops at once: it neither deletes the
+    first one's staging folder as a stale one nor replaces its output."""
+    out = tmp_path / "node"
+    with node_run(make_cfg(out), "first") as first:
+        (first.dir / "mine.txt").write_text("first")
+        with pytest.raises(QdflashError, match="being written by another qdflash node"):
+            with node_run(make_cfg(out, overwrite=True), "second") as second:
+                (second.dir / "mine.txt").write_text("second")
+        assert (first.dir / "mine.txt").read_text() == "first"
+    assert (out / "mine.txt").read_text() == "first" and json.loads((out / MARKER).read_text())["node"] == "first"
+    assert not list(tmp_path.glob("node.partial-*")) and not (tmp_path / "node.lock").exists()
+    with node_run(make_cfg(out, overwrite=True), "third"):  # the lock is released with the node
+        pass
+
+
+def test_staging_folders_of_one_out_dir_are_unique(tmp_path):
+    from qdflash.tracking import _staging_dir
+
+    assert _staging_dir(tmp_path / "node") != _staging_dir(tmp_path / "node")
+
+
+def test_a_user_folder_given_as_hydra_run_dir_is_left_alone(tmp_path):
+    import subprocess
+    import sys
+
+    mine = tmp_path / "my-folder"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    elsewhere = tmp_path / "elsewhere"
+    for run_dir, message in ((mine, "already exists"), (elsewhere, "the staging folder must be")):
+        done = subprocess.run([sys.executable, "-m", "qdflash.stages.figures", f"tables={tmp_path / 'tables'}",
+                               f"out_dir={tmp_path / 'out'}", f"hydra.run.dir={run_dir}", "tracking.wandb.mode=disabled"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "out").exists() and mine.exists()

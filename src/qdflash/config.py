@@ -45,6 +45,8 @@ def _describe(error: jsonschema.ValidationError) -> str:
         return f"{key} = {value!r} has the wrong type; expected {error.validator_value}"
     if kind == "required":
         return f"{key}: {error.message}"
+    if kind == "pattern" and "description" in error.schema:
+        return f"{key} = {value!r} is not allowed: {error.schema['description']}"
     return f"{key}: {error.message}"
 
 
@@ -77,6 +79,7 @@ def validate_config(config: dict, where: str = "config/config.yaml") -> dict:
             if problem and name == config["profile"]:
                 problems.append(problem)
             problems += scaling_problems(f"profiles.{name}.scaling", profile)
+            problems += block_problems(f"profiles.{name}", profile)
     if problems:
         raise QdflashError(f"{where} is invalid:\n  - " + "\n  - ".join(problems))
     return config
@@ -94,6 +97,18 @@ def scaling_problems(where: str, profile: dict) -> list[str]:
     if max(scaling["sizes"]) > total:
         return [f"{where}.sizes: the largest size {max(scaling['sizes'])} exceeds the {total} training prompts of n_train"]
     return []
+
+
+def block_problems(where: str, profile: dict) -> list[str]:
+    """What the schema cannot say: a training sequence cut to max_length must hold a drafter block
+    after its first token (drafter.blocks: anchor a >= 1, then block_size - 1 tokens), or the drafter
+    trains on nothing. A real cut must be far longer (the prompt comes first); the node checks that."""
+    block = profile["drafter"]["block_size"]
+    lengths = {"drafter_train.max_length": profile["drafter_train"]["max_length"]}
+    if (profile.get("scaling") or {}).get("drafter_train", {}).get("max_length") is not None:
+        lengths["scaling.drafter_train.max_length"] = profile["scaling"]["drafter_train"]["max_length"]
+    return [f"{where}.{key} = {n} leaves no room for a block of drafter.block_size = {block}: it must be >= {block + 1}"
+            for key, n in lengths.items() if n < block + 1]
 
 
 def validate_section(section: Any, definition: str, where: str) -> None:

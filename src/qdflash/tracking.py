@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -187,11 +188,46 @@ def _staging_dir(out_dir: Path) -> Path:
         from hydra.core.hydra_config import HydraConfig
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
-    except ValueError:  # not under Hydra (called from Python)
-        run_dir = out_dir.with_name(f"{out_dir.name}.partial-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    if run_dir.resolve() == out_dir.resolve():
-        raise QdflashError("hydra.run.dir must differ from out_dir (it is the staging folder)")
+    except ValueError:  # not under Hydra (called from Python): a fresh folder of a unique name
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.partial-{time.strftime('%Y%m%d-%H%M%S')}-", dir=out_dir.parent))
+    # The staging folder is renamed to out_dir on success: anything but a folder of our naming beside
+    # out_dir (a user's folder given as hydra.run.dir) would be moved away whole.
+    run_dir = run_dir.resolve()
+    if run_dir.parent != out_dir.parent or not run_dir.name.startswith(f"{out_dir.name}.partial-"):
+        raise QdflashError(f"hydra.run.dir={run_dir}: the staging folder must be {out_dir}.partial-<anything> "
+                           f"(it is renamed to out_dir on success); leave hydra.run.dir at its default")
     return run_dir
+
+
+@contextmanager
+def one_writer(out_dir: Path) -> Iterator[None]:
+    """Hold `<out_dir>.lock` (flock) while a node writes out_dir: a second node given the same out_dir
+    stops at once instead of replacing the first one's output or deleting its staging folder as a
+    stale one. Snakemake locks its working directory, but nodes run by hand are not under it."""
+    lock = out_dir.with_name(out_dir.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        handle = open(lock, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise QdflashError(f"{out_dir} is being written by another qdflash node ({holder}; lock {lock}). "
+                               f"Wait for it to finish, or give this one another out_dir.") from None
+        if os.path.exists(lock) and os.stat(lock).st_ino == os.fstat(handle.fileno()).st_ino:
+            break  # else the holder removed the file between our open and our lock: take the new one
+        handle.close()
+    try:
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()} on {platform.node()}")
+        handle.flush()
+        yield
+    finally:
+        os.unlink(lock)  # still held: a node that opened it meanwhile finds another inode and retries
+        handle.close()
 
 
 @contextmanager
@@ -208,6 +244,12 @@ def node_run(cfg: DictConfig, node: str) -> Iterator[NodeRun]:
             shutil.rmtree(scratch, ignore_errors=True)
         return
     out_dir = Path(cfg.out_dir).resolve()
+    with one_writer(out_dir), _main_run(cfg, node, out_dir) as run:
+        yield run
+
+
+@contextmanager
+def _main_run(cfg: DictConfig, node: str, out_dir: Path) -> Iterator[NodeRun]:
     if out_dir.exists():
         if not cfg.get("overwrite", False):
             raise QdflashError(
@@ -239,5 +281,5 @@ def node_run(cfg: DictConfig, node: str) -> Iterator[NodeRun]:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     os.rename(staging, out_dir)
     for stale in out_dir.parent.glob(f"{out_dir.name}.partial-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # failed attempts superseded by this success
+        shutil.rmtree(stale, ignore_errors=True)  # failed attempts superseded by this success (we hold the lock: none is running)
     log.info("%s: done in %.1f s -> %s", node, metrics["wall_time_s"], out_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import tempfile
+from pathlib import Path
 from typing import Callable
 
 import hydra
@@ -36,6 +37,14 @@ def stage(name: str) -> Callable[[Callable[[DictConfig, NodeRun], None]], Callab
                 teardown()
 
         def entry() -> None:
+            # Hydra writes into its run dir before the body runs, and the node renames that folder to
+            # out_dir: a folder that already exists (a user's) must not become it (qdflash.tracking)
+            for arg in sys.argv[1:]:
+                key, _, value = arg.lstrip("+~").partition("=")
+                if key == "hydra.run.dir" and value and Path(value).expanduser().exists():
+                    print(f"\nqdflash {name} failed: hydra.run.dir={value} already exists; the run folder is a fresh "
+                          f"staging folder renamed to out_dir on success. Leave hydra.run.dir at its default.", file=sys.stderr)
+                    sys.exit(2)
             if not world().main:  # under torchrun: Hydra's own folder for ranks > 0 goes to scratch, not beside out_dir
                 sys.argv += [f"hydra.run.dir={tempfile.mkdtemp(prefix=f'qdflash-hydra-rank{world().rank}-')}",
                              "hydra.output_subdir=null"]

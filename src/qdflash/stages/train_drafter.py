@@ -62,7 +62,15 @@ def training_examples(data_dir, max_length: int, max_examples: int | None) -> li
         if max_examples > len(rows):
             raise QdflashError(f"drafter_train.max_examples={max_examples} but {data_dir}/train.tokens.jsonl has only {len(rows)} examples")
         rows = hash_subset(rows, max_examples, "drafter-subset")
-    return [{"id": ex["id"], "input_ids": ex["input_ids"][:max_length], "loss_mask": ex["loss_mask"][:max_length]} for ex in rows]
+    cut = [{"id": ex["id"], "input_ids": ex["input_ids"][:max_length], "loss_mask": ex["loss_mask"][:max_length]} for ex in rows]
+    # an anchor a >= 1 needs a trained token at a + 1 (drafter.blocks.sample_anchors): a cut that
+    # leaves none would train nothing and still report a drafter
+    if not any(any(ex["loss_mask"][2:]) for ex in cut):
+        first = min((ex["loss_mask"].index(1) for ex in rows if 1 in ex["loss_mask"]), default=None)
+        raise QdflashError(f"drafter_train.max_length={max_length} leaves no trained (assistant) token in any sequence of "
+                           f"{data_dir}/train.tokens.jsonl, so no block can be trained"
+                           + (f"; the earliest answer starts at token {first}: use a max_length well above it" if first is not None else ""))
+    return cut
 
 
 def training_steps(train_cfg: DictConfig, examples: int) -> int:
@@ -162,6 +170,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     cache = (FeatureCache(feature_cache_folder(cfg.out_dir, cfg.model.name, cfg.dtype, drafter.config.target_layer_ids))
              if train_cfg.cache_features else None)
     curve: list[float] = []
+    skipped = 0  # steps whose batch had no trained block
     sequences_here = 0  # sequences this process trained on (a 1/N share of each batch under torchrun)
     synchronize(drafter.norm.weight.device)
     started, eval_seconds = time.perf_counter(), 0.0
@@ -201,6 +210,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             optimizer.zero_grad(set_to_none=True)
             loss = forward_backward()
         if loss is None:  # no sequence of the batch has a trained token
+            skipped += 1
             continue
         grad_norm = torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
         optimizer.step()
@@ -217,6 +227,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     run.metrics["train.seconds"] = round(time.perf_counter() - started - eval_seconds, 2)
     run.metrics["train.eval_seconds"] = round(eval_seconds, 2)
     run.metrics["train.loss_curve"] = curve
+    run.metrics["train.skipped_steps"] = skipped
+    if not curve:
+        raise QdflashError(f"none of the {steps} training steps had a trained block (drafter_train.max_length, anchors_per_seq "
+                           f"and the data's answers leave none); the drafter is untrained")
     run.metrics["train.sequences_per_process"] = sequences_here
     if cache is not None:
         run.metrics.update({"train.feature_cache_hits": cache.hits, "train.feature_cache_misses": cache.misses})
