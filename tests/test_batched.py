@@ -118,3 +118,33 @@ def test_batched_sampling_follows_the_target_distribution():
     unfiltered = n * probabilities(prompt, filtered=False)
     stat = ((counts - unfiltered) ** 2 / unfiltered).sum().item()
     assert chi2.sf(stat, 7) < 1e-6
+
+
+@pytest.mark.slow
+def test_prepare_data_on_the_engine_writes_what_transformers_writes(tmp_path):
+    """The ci profile's data stage on a Qwen2 target with backend=engine and backend=transformers:
+    the same rows (sampled training responses and greedy held-out ones), token for token; the
+    metrics say which backend generated."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from qdflash.config import node_overrides
+    from qdflash.paths import REPO_ROOT
+
+    config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+    config["profile"] = "ci"
+    config["profiles"]["ci"]["model"] = "tiny-qwen2"
+    folders = {}
+    for backend in ("engine", "transformers"):
+        out = tmp_path / backend
+        args = node_overrides(config, "prepare_data", out, ["data"], {"data.generation.backend": backend}) + ["tracking.wandb.mode=disabled"]
+        done = subprocess.run([sys.executable, "-m", "qdflash.stages.prepare_data", *args], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads((out / "metrics.json").read_text())["generation.backend"] == backend
+        folders[backend] = out
+    for name in ("train.jsonl", "heldout.jsonl", "train.tokens.jsonl", "heldout.tokens.jsonl"):
+        one, two = ([json.loads(line) for line in open(folders[b] / name)] for b in ("engine", "transformers"))
+        assert len(one) == len(two) > 0 and one == two, name

@@ -12,6 +12,8 @@ The bundle (one tar, checked by sha256 on the other side) holds:
   (e.g. the default profile's QAD target and drafters), so that the H200 can benchmark exactly those
   artifacts; setup.sh puts them at the same place under $QDFLASH_RESULTS. W&B runs, Hydra folders and
   the dense twin of a packed export stay behind.
+- extra/ (`--extra FILE...`, optional): files copied as they are (e.g. the assembled Qwen2.5-Coder
+  GGUF for scripts/gpu/bench_generate.py); setup.sh leaves them at $QDFLASH_STAGE/bundle/extra/.
 Pieces land in <out>/part-NN/ (one piece + MANIFEST each); carry one folder per call.
 """
 
@@ -96,6 +98,7 @@ def main() -> None:
     parser.add_argument("--piece-mib", type=int, default=48)
     parser.add_argument("--out", type=Path, default=REPO / ".gpu-stage")
     parser.add_argument("--results", type=Path, nargs="*", default=[], help="finished node folders under results/ to bring along")
+    parser.add_argument("--extra", type=Path, nargs="*", default=[], help="files to bring along as they are (bundle/extra/)")
     args = parser.parse_args()
 
     out = args.out
@@ -106,6 +109,9 @@ def main() -> None:
     collect_data(tree / "data")
     if args.results:
         collect_results(tree / "results", args.results)
+    for file in args.extra:
+        (tree / "extra").mkdir(exist_ok=True)
+        shutil.copy2(file, tree / "extra" / file.name)
     bundle = out / "bundle.tar.gz"
     with tarfile.open(bundle, "w:gz", compresslevel=6) as tar:  # the JSON data shrinks 4x
         tar.add(tree, arcname="bundle")

@@ -21,8 +21,10 @@ import torch
 _LIVE: list = []  # every graph captured in this process (see the module docstring)
 
 
-def capture(fn: Callable[[], object], warmup: int = 2, device=None) -> tuple[torch.cuda.CUDAGraph, object]:
-    """(graph, what the captured call returned: its output buffers, rewritten by every replay)."""
+def capture(fn: Callable[[], object], warmup: int = 2, device=None, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, what the captured call returned: its output buffers, rewritten by every replay).
+    `pool`: a memory pool shared with other graphs (`torch.cuda.graph_pool_handle()`): only for
+    graphs whose outputs nobody reads after another one of them replays."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream), torch.no_grad():
@@ -30,7 +32,7 @@ def capture(fn: Callable[[], object], warmup: int = 2, device=None) -> tuple[tor
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
+    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
         out = fn()
     _LIVE.append(graph)
     return graph, out

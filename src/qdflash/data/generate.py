@@ -1,4 +1,6 @@
-"""Batched response generation with transformers' `generate`, batch > 1, left padding.
+"""Batched response generation with transformers' `generate`, batch > 1, left padding; or on the lean
+engine (`generate_on_engine`: qdflash.engine.batched, continuous batching, CUDA graphs), which
+`resolve_backend` picks where it can run.
 
 Why it is faster than a plain loop over `generate`: prompts are sorted by length (little padding),
 batches are large, and on a GPU an optional static KV cache of one fixed size lets `generate`
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import QdflashError
 from ..models import synchronize
 
 log = logging.getLogger(__name__)
@@ -251,3 +254,47 @@ def generate_batched(
         ", static cache" if static_cache_len else "",
     )
     return results, stats  # type: ignore[return-value]
+
+
+BACKENDS = ("auto", "engine", "transformers")
+
+
+def resolve_backend(target, backend: str, max_len: int):
+    """("engine", its engine) where batched generation on the lean engine can run, else
+    ("transformers", None). `auto`: the engine on a GPU where the target's family has one (on the CPU
+    transformers' generate is kept: the engine is not faster there for small batches, and a batch of
+    this project's CPU sizes is small); `engine`: the engine or an error saying why not."""
+    if backend not in BACKENDS:
+        raise QdflashError(f"data.generation.backend = {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend == "transformers" or (backend == "auto" and target.device.type != "cuda"):
+        return "transformers", None
+    from ..engine import build_engine
+    from ..engine.batched import batched_supported
+
+    try:
+        engine = build_engine(target, max_len=max_len)
+        if not batched_supported(engine):
+            raise QdflashError(f"batched generation runs llama-layout engines, not {type(engine).__name__} yet")
+    except QdflashError as err:
+        if backend == "engine":
+            raise
+        log.info("generation through transformers' generate: %s", err)
+        return "transformers", None
+    return "engine", engine
+
+
+def generate_on_engine(engine, prompts: list[list[int]], *, eos_ids: list[int], max_new_tokens: int, batch_size: int,
+                       sampling: Sampling, seed: int, keys: list[int] | None, max_len: int, prefill_tokens: int = 8192,
+                       desc: str = "generate", progress: bool = True) -> tuple[list[Generation], GenerationStats]:
+    """`generate_batched`'s contract on the lean engine (qdflash.engine.batched): the same tokens
+    (greedy: the target's argmax; sampling: the same keyed noise), `batch_size` rows kept full by
+    refilling finished ones."""
+    from ..engine.batched import BatchGenerator
+
+    rows = max(1, min(batch_size, len(prompts)))
+    gen = BatchGenerator(engine, rows=rows, max_len=max_len, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
+                         sampling=sampling, seed=seed, prefill_tokens=prefill_tokens)
+    results, stats = gen.generate(prompts, keys, progress=progress, desc=desc)
+    log.info("%s: %d prompts, %d new tokens in %.1f s (%.0f tokens/s, engine, %d rows)",
+             desc, stats.prompts, stats.new_tokens, stats.seconds, stats.tokens_per_s, rows)
+    return results, stats

@@ -79,7 +79,12 @@ class BatchGenerator:
         self.slot_ids = torch.arange(rows, device=device)
         self.batch_buckets = buckets(rows, min(smallest_batch, rows))
         self.len_buckets = buckets(max_len, min(smallest_len, max_len))
-        self.graphs = {}  # (batch bucket, cache length read) -> (graph, None) on CUDA
+        self.graphs = {}  # (batch bucket, cache length read) -> captured decode step (CUDA)
+        # one memory pool for all of them: a step's intermediates die with it (the state lives in
+        # the buffers above), so the graphs can share it instead of holding one pool each
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.decode_steps = 0   # decode steps run by the last generate()
+        self.kv_read = 0        # sum over its steps of rows x cache positions read (bandwidth accounting)
 
     # ------------------------------------------------------------------ the step (captured on CUDA)
 
@@ -118,10 +123,18 @@ class BatchGenerator:
             # warm-up and capture run the step for real: keep the state, and let them write KV only
             # where the real step will (each row's own position, the same token)
             saved = [t.clone() for t in (self.tokens, self.pos, self.steps, self.done, self.out)]
-            self.graphs[key] = capture(lambda: self._decode(b, attend_len), 2, self.device)[0]
+            self.graphs[key] = capture(lambda: self._decode(b, attend_len), 2, self.device, self._pool)[0]
             for t, s in zip((self.tokens, self.pos, self.steps, self.done, self.out), saved):
                 t.copy_(s)
         self.graphs[key].replay()
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (every projection and the LM head)."""
+        e = self.engine
+        return sum(p.nbytes for p in e.projections()) + e.lm_head.numel() * e.lm_head.element_size()
+
+    def kv_bytes_per_position(self) -> int:
+        return self.k_cache[:, 0, :, 0].numel() * 2 * self.k_cache.element_size()
 
     # ------------------------------------------------------------------ prefill (eager, chunked)
 
@@ -175,6 +188,7 @@ class BatchGenerator:
         results: list[Generation | None] = [None] * len(prompts)
         stats = GenerationStats(prompts=len(prompts))
         self.done.fill_(True)
+        self.decode_steps = self.kv_read = 0
         bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress)
         _sync(self.device)
         started = time.perf_counter()
@@ -210,6 +224,8 @@ class BatchGenerator:
             for _ in range(self.sync_every):
                 self._run_decode(b, attend_len)
             stats.padded_slots += b * self.sync_every
+            self.decode_steps += self.sync_every
+            self.kv_read += b * attend_len * self.sync_every
         _sync(self.device)
         stats.seconds = time.perf_counter() - started
         bar.close()

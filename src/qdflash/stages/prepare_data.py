@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import validate_section
 from ..data.chat import render_prompt_ids, training_example
-from ..data.generate import Generation, GenerationStats, Sampling, generate_batched
+from ..data.generate import Generation, GenerationStats, Sampling, generate_batched, generate_on_engine, resolve_backend
 from ..data.jsonl import write_jsonl
 from ..data.sources import LoadedSource, PromptItem, load_source
 from ..data.split import content_key, mostly_ascii, select_prompts, split_pool
@@ -200,18 +200,28 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         raise QdflashError("no prompts selected: every source is empty, skipped or has n_train = n_heldout = 0")
     log.info("selected %d training and %d held-out prompts", len(train), len(heldout))
 
-    common = dict(
-        pad_id=target.tokenizer.pad_token_id, eos_ids=target.eos_token_ids, max_new_tokens=gen.max_new_tokens,
-        batch_size=gen.batch_size, static_cache_len=_static_len(cfg),
-    )
+    max_len = data.max_prompt_tokens + gen.max_new_tokens
+    backend, engine = resolve_backend(target, gen.get("backend", "auto"), max_len)
+    run.metrics.update({"generation.backend": backend, "generation.batch_size": int(gen.batch_size)})
+    log.info("generating with %s (batch %d)", "the lean engine" if engine else "transformers' generate", gen.batch_size)
+    if engine is not None:
+        def generate(prompts, **kwargs):
+            return generate_on_engine(engine, prompts, eos_ids=target.eos_token_ids, max_new_tokens=gen.max_new_tokens,
+                                      batch_size=gen.batch_size, max_len=max_len,
+                                      prefill_tokens=gen.get("prefill_tokens", 8192), **kwargs)
+    else:
+        def generate(prompts, **kwargs):
+            return generate_batched(target.model, prompts, pad_id=target.tokenizer.pad_token_id, eos_ids=target.eos_token_ids,
+                                    max_new_tokens=gen.max_new_tokens, batch_size=gen.batch_size,
+                                    static_cache_len=_static_len(cfg), **kwargs)
     splits = (
         ("train", train, Sampling(gen.temperature, gen.top_p, gen.top_k), "sampled"),
         ("heldout", heldout, Sampling(0.0), "greedy"),
     )
     for split, items, sampling, decoding in splits:
-        gens, stats = generate_batched(
-            target.model, [prompt_ids[i.id] for i in items], sampling=sampling, seed=gen.seed,
-            keys=[prompt_key(i.id) for i in items], desc=f"{split} ({decoding})", **common,
+        gens, stats = generate(
+            [prompt_ids[i.id] for i in items], sampling=sampling, seed=gen.seed,
+            keys=[prompt_key(i.id) for i in items], desc=f"{split} ({decoding})",
         )
         rows, tokenized = records(items, prompt_ids, gens, target, decoding)
         write_jsonl(run.dir / f"{split}.jsonl", rows)
