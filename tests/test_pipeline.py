@@ -368,3 +368,26 @@ def test_a_resources_entry_for_no_rule_is_refused(tmp_path):
     (tmp_path / "typo.yaml").write_text(yaml.safe_dump(config))
     out = snakemake(tmp_path, "-n", "--configfile", str(tmp_path / "typo.yaml"), "--config", "profile=ci")
     assert out.returncode != 0 and "['qda'] are not rules of this workflow" in out.stdout + out.stderr
+
+
+def test_a_data_source_that_appears_reruns_the_node_that_reads_it(tmp_path, monkeypatch):
+    """The fingerprint covers where the sources resolve, not only the profile's values: GSM8K
+    appearing in $QDFLASH_DATA_DIR after a run without it (skipped, or read from elsewhere) makes
+    the data node out of date; it was left "up to date"."""
+    from qdflash.data.jsonl import write_jsonl
+
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("QDFLASH_DATA_DIR", str(tmp_path / "empty"))
+    args = ("results/fp/data/bf16", "--config", "profile=ci", "experiment=fp")
+    out = snakemake(tmp_path, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = snakemake(tmp_path, "-n", *args)
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+    gsm8k = tmp_path / "more" / "gsm8k"
+    gsm8k.mkdir(parents=True)
+    for split in ("train", "test"):
+        write_jsonl(gsm8k / f"{split}.jsonl", ({"question": f"{split}: what is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}
+                                               for i in range(12)))
+    monkeypatch.setenv("QDFLASH_DATA_DIR", str(tmp_path / "more"))
+    changed = snakemake(tmp_path, "-n", *args)
+    assert changed.returncode == 0 and "rule prepare_data:" in changed.stdout, changed.stdout[-3000:]

@@ -120,6 +120,25 @@ def validate_section(section: Any, definition: str, where: str) -> None:
         raise QdflashError(f"{where} is invalid:\n  - " + "\n  - ".join(problems))
 
 
+def resolved_inputs(values: dict) -> dict[str, str]:
+    """Where the data of a rule's profile sections resolves now (qdflash.data.sources.resolution;
+    IFEval's file for a gate): part of the rule's fingerprint beside the values themselves."""
+    from .data.sources import describe_files, resolution
+    from .errors import SourceNotFound
+    from .evaluation.ifeval import ifeval_data_file
+
+    found = {name: resolution(name, source.get("path")) for name, source in (values.get("data") or {}).get("sources", {}).items()}
+    ifeval = ((values.get("gates") or {}).get("tasks") or {}).get("ifeval")
+    if ifeval is not None and not ifeval.get("lm_eval_task"):
+        try:
+            found["gates.ifeval"] = describe_files(ifeval_data_file(ifeval.get("path")))
+        except SourceNotFound:
+            found["gates.ifeval"] = "not found"
+        except QdflashError as err:  # a path given that is not there: the node says so when it runs
+            found["gates.ifeval"] = str(err)
+    return found
+
+
 def active_profile(config: dict) -> dict:
     return config["profiles"][config["profile"]]
 

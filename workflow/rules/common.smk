@@ -4,7 +4,7 @@ import json
 import shlex
 import sys
 
-from qdflash.config import active_profile, node_overrides, results_root, validate_config
+from qdflash.config import active_profile, node_overrides, resolved_inputs, results_root, validate_config
 from qdflash.errors import QdflashError
 
 try:
@@ -92,6 +92,11 @@ def fingerprint(sections):
 
 
 def section_fingerprint(values):
-    """`fingerprint` of any config values a rule reads (plus the model, device and dtype)."""
+    """`fingerprint` of any config values a rule reads (plus the model, device and dtype), and of
+    where its data sources resolve now: the same values find other data when $QDFLASH_DATA_DIR or
+    ../shared/data gains, loses or changes a source (a skipped optional GSM8K that appears re-runs)."""
     keys = {k: PROFILE[k] for k in ("model", "device", "dtype")}
+    resolved = resolved_inputs(values)
+    if resolved:  # rules that read no data keep their fingerprint
+        keys["resolved"] = resolved
     return hashlib.sha256(json.dumps({**keys, **values}, sort_keys=True).encode()).hexdigest()[:16]

@@ -281,6 +281,40 @@ def _load_hub_dataset(hub_id: str, config: str | None):
         raise OSError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
 
 
+def local_candidates(name: str) -> list[tuple[str, Path | None]]:
+    """Steps 2-4 of the resolution order (module docstring): (label, path or None where unset)."""
+    spec = SOURCES[name]
+    env_dir = os.environ.get("QDFLASH_DATA_DIR")
+    shared = shared_data_dir()
+    candidates = [(f"$QDFLASH_DATA_DIR/{name}", Path(env_dir) / name if env_dir else None),
+                  (f"../shared/data/{name}", shared / name if shared else None)]
+    if spec.package:
+        candidates.append((f"the PyPI package providing `{spec.package[0]}`", _package_file(*spec.package)))
+    return candidates
+
+
+def describe_files(where: Path) -> str:
+    """A file or folder by path and its files' sizes and modification times: cheap to take at every
+    DAG evaluation, and different when the data is replaced."""
+    if not where.exists():
+        return f"{where} (absent)"
+    files = sorted(p for p in where.rglob("*") if p.is_file()) if where.is_dir() else [where]
+    return f"{where.resolve()}: " + ", ".join(
+        f"{f.relative_to(where).as_posix() if where.is_dir() else f.name} {f.stat().st_size} {f.stat().st_mtime_ns}" for f in files)
+
+
+def resolution(name: str, path: str | Path | None = None) -> str:
+    """Where `load_source(name, path)` reads from, found without reading it. Each rule's fingerprint
+    carries it (workflow/rules/common.smk): a source that appears in $QDFLASH_DATA_DIR after a run
+    that skipped it, moves or is replaced re-runs the nodes that read it."""
+    if name not in SOURCES:
+        raise QdflashError(f"unknown data source {name!r}; known sources: {', '.join(SOURCES)}")
+    if path is not None:
+        return describe_files(Path(path).expanduser())
+    found = next((c for _, c in local_candidates(name) if c is not None and c.exists()), None)
+    return describe_files(found) if found is not None else f"hub:{SOURCES[name].hub_id} (else not found)"
+
+
 def load_source(name: str, path: str | Path | None = None, *, mmlu_gate_fraction: float = 0.5) -> LoadedSource:
     """Resolve and read one source. Raises QdflashError saying where it looked if none resolves."""
     if name not in SOURCES:
@@ -299,14 +333,7 @@ def load_source(name: str, path: str | Path | None = None, *, mmlu_gate_fraction
             )
         return spec.read_local(path, options)
 
-    candidates: list[tuple[str, Path | None]] = []
-    env_dir = os.environ.get("QDFLASH_DATA_DIR")
-    candidates.append((f"$QDFLASH_DATA_DIR/{name}", Path(env_dir) / name if env_dir else None))
-    shared = shared_data_dir()
-    candidates.append((f"../shared/data/{name}", shared / name if shared else None))
-    if spec.package:
-        candidates.append((f"the PyPI package providing `{spec.package[0]}`", _package_file(*spec.package)))
-    for label, candidate in candidates:
+    for label, candidate in local_candidates(name):
         if candidate is not None and candidate.exists():
             return spec.read_local(candidate, options)
         looked.append(f"{label} ({'not set' if candidate is None and label.startswith('$') else 'absent'})")
