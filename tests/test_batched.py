@@ -148,3 +148,32 @@ def test_prepare_data_on_the_engine_writes_what_transformers_writes(tmp_path):
     for name in ("train.jsonl", "heldout.jsonl", "train.tokens.jsonl", "heldout.tokens.jsonl"):
         one, two = ([json.loads(line) for line in open(folders[b] / name)] for b in ("engine", "transformers"))
         assert len(one) == len(two) > 0 and one == two, name
+
+
+def test_decode_attention_kernel_reads_each_rows_own_length():
+    """The Triton decode attention (its interpreter here) against the masked SDPA path, on rows of
+    very different lengths, grouped-query heads (rep 3, padded to the kernel's 16 rows); positions
+    past each row's length hold garbage that must not be read."""
+    pytest.importorskip("triton")
+    from qdflash.engine.llama import rows_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, kv_heads, rep, d, max_len = 5, 2, 3, 16, 200
+    caches = [torch.randn(b + 2, kv_heads, max_len, d, generator=g) * 3 for _ in range(2)]
+    q = torch.randn(b, kv_heads * rep, 1, d, generator=g)
+    k, v = torch.randn(2, b, kv_heads, 1, d, generator=g)
+    positions = torch.tensor([[0], [5], [63], [64], [150]])
+    expected = rows_attention(q, k, v, *[c.clone() for c in caches], positions, max_len)
+    got = rows_attention(q, k, v, *caches, positions, max_len, kernel=True)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_greedy_through_the_kernel_equals_batch1(tiny_qwen2):
+    pytest.importorskip("triton")
+    batch = prompts(2, 6)
+    references = [autoregressive_generate(tiny_qwen2, p, 10).tokens for p in batch]
+    engine = build_engine(tiny_qwen2, max_len=64, kernels=True)
+    gen = BatchGenerator(engine, rows=4, max_len=64, eos_ids=[-1], max_new_tokens=10, sampling=Sampling(0.0))
+    assert gen.kernel_attention and gen.len_buckets == [64]  # one graph per batch bucket
+    results, _ = gen.generate(batch, progress=False)
+    assert [r.token_ids for r in results] == references

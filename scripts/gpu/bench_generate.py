@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--prefill-tokens", type=int, default=32768, help="the engine's rows x chunk per prefill forward")
     parser.add_argument("--profile", type=int, default=0, help="profile one decode step at this batch")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -76,6 +77,15 @@ def main() -> None:
     max_len = args.max_prompt_tokens + args.max_new_tokens
     engine = build_engine(target, max_len=max_len)
     rows = []
+    record = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
+              "torch": torch.__version__, "transformers": transformers.__version__, "model": args.model,
+              "dtype": str(target.dtype), "max_new_tokens": args.max_new_tokens, "max_len": max_len,
+              "prompts_per_row": args.prompts_per_row, "prefill_tokens": args.prefill_tokens, "repeats": args.repeats, "sampling": vars(sampling), "results": rows}
+
+    def save():  # after every batch: a call cut short by its time limit keeps what was measured
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump(record, handle, indent=2)
 
     def timed(fn):
         synchronize(device)
@@ -88,7 +98,7 @@ def main() -> None:
         prompts = all_prompts[: args.prompts_per_row * batch]
         keys = list(range(len(prompts)))
         gen = BatchGenerator(engine, rows=batch, max_len=max_len, eos_ids=target.eos_token_ids,
-                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=0)
+                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=0, prefill_tokens=args.prefill_tokens)
 
         def run_engine():
             return gen.generate(prompts, keys, progress=False)
@@ -118,7 +128,8 @@ def main() -> None:
         row["engine"] = {"tokens_per_s": round(new_tokens / med, 1), "new_tokens": new_tokens, "median_s": round(med, 3),
                          "seconds": [round(r["seconds"], 3) for r in e_runs], "decode_steps": steps,
                          "ms_per_step": round(1000 * med / max(steps, 1), 3), "gb_read": round(read / 1e9, 2),
-                         "gb_per_s": round(read / med / 1e9, 1), "graphs": len(gen.graphs)}
+                         "gb_per_s": round(read / med / 1e9, 1), "graphs": len(gen.graphs),
+                         "kernel_attention": gen.kernel_attention}
         if with_hf:
             h_runs = runs["transformers"]
             hmed = statistics.median(r["seconds"] for r in h_runs)
@@ -130,19 +141,14 @@ def main() -> None:
             row["engine_vs_transformers"] = round(row["engine"]["tokens_per_s"] / row["transformers_static_compiled"]["tokens_per_s"], 2)
             row["identical_responses"] = f"{same}/{len(prompts)}"
         rows.append(row)
+        save()
         print(json.dumps(row), flush=True)
         del gen
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
-    record = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
-              "torch": torch.__version__, "transformers": transformers.__version__, "model": args.model,
-              "dtype": str(target.dtype), "max_new_tokens": args.max_new_tokens, "max_len": max_len,
-              "sampling": vars(sampling), "results": rows}
     if args.profile:
         record["profile"] = profile_step(engine, target, all_prompts, args.profile, max_len, sampling, args.max_new_tokens)
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(record, handle, indent=2)
+        save()
     print(f"{'batch':>6} {'engine tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {'ms/step':>8} {'GB/s':>6}  identical")
     for r in rows:
         hf = r.get("transformers_static_compiled", {}).get("tokens_per_s", "-")
@@ -159,6 +165,7 @@ def profile_step(engine, target, prompts, batch, max_len, sampling, max_new_toke
                          sampling=sampling, seed=0)
     gen._prefill(list(range(batch)), prompts[:batch], list(range(batch)))
     attend_len = next(n for n in gen.len_buckets if n >= int(gen.pos.max()) + 64)
+    kv_read = int(gen.pos[:batch].sum()) + batch if gen.kernel_attention else batch * attend_len
     gen._run_decode(batch, attend_len)  # capture
     graph = gen.graphs[(batch, attend_len)]
     times = []
@@ -184,7 +191,8 @@ def profile_step(engine, target, prompts, batch, max_len, sampling, max_new_toke
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
     out = {"batch": batch, "attend_len": attend_len, "graph_replay_ms_median": round(statistics.median(times), 3),
            "kernels_per_step": len(kernels) // 2, "kernel_device_ms_per_step": round(total, 3),
-           "weight_bytes": gen.weight_bytes(), "kv_bytes_read": batch * attend_len * gen.kv_bytes_per_position(),
+           "weight_bytes": gen.weight_bytes(), "kv_bytes_read": kv_read * gen.kv_bytes_per_position(),
+           "kernel_attention": gen.kernel_attention,
            "top_kernels_ms_per_step": {name: round(sum(v) / 2, 4) for name, v in top},
            "top_kernels_count_per_step": {name: len(v) // 2 for name, v in top}}
     print(json.dumps(out, indent=1), flush=True)

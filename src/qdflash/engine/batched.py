@@ -78,7 +78,10 @@ class BatchGenerator:
         self.out = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
         self.slot_ids = torch.arange(rows, device=device)
         self.batch_buckets = buckets(rows, min(smallest_batch, rows))
-        self.len_buckets = buckets(max_len, min(smallest_len, max_len))
+        # the Triton decode attention (where the engine runs its kernels) reads each row's own length:
+        # then one graph per batch bucket; else a masked attention over a bucket of cache lengths
+        self.kernel_attention = bool(engine.kernels)
+        self.len_buckets = [max_len] if self.kernel_attention else buckets(max_len, min(smallest_len, max_len))
         self.graphs = {}  # (batch bucket, cache length read) -> captured decode step (CUDA)
         # one memory pool for all of them: a step's intermediates die with it (the state lives in
         # the buffers above), so the graphs can share it instead of holding one pool each
@@ -93,7 +96,8 @@ class BatchGenerator:
         positions = self.pos[:b, None]
 
         def attend(i, q, k, v):
-            return rows_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len)
+            return rows_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len,
+                                  kernel=self.kernel_attention)
 
         h, _ = self.engine.decoder(self.tokens[:b, None], positions, attend)
         nxt = sample_keyed(self.engine.head(h[:, -1]), self.keys[:b], self.steps[:b], self.sampling, self.seed)
@@ -206,7 +210,7 @@ class BatchGenerator:
                 bar.set_postfix(tok_s=f"{stats.new_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
             free = [s for s in range(self.rows) if occupant[s] is None]
             # refill once enough slots are free to make a prefill worth its launches, or at the end
-            if waiting and free and (len(free) >= max(1, self.rows // 16) or len(free) == self.rows or len(waiting) <= len(free)):
+            if waiting and free and (len(free) >= max(1, self.rows // 8) or len(free) == self.rows or len(waiting) <= len(free)):
                 take = free[: len(waiting)]
                 new = [waiting.pop() for _ in take]
                 for s, i in zip(take, new):
@@ -225,7 +229,8 @@ class BatchGenerator:
                 self._run_decode(b, attend_len)
             stats.padded_slots += b * self.sync_every
             self.decode_steps += self.sync_every
-            self.kv_read += b * attend_len * self.sync_every
+            self.kv_read += (int(self.pos[:b].sum()) + b * self.sync_every // 2 if self.kernel_attention
+                             else b * attend_len) * self.sync_every
         _sync(self.device)
         stats.seconds = time.perf_counter() - started
         bar.close()

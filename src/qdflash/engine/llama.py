@@ -52,17 +52,22 @@ def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_
 
 
 def rows_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int,
-                   rows: torch.Tensor | None = None) -> torch.Tensor:
+                   rows: torch.Tensor | None = None, kernel: bool = False) -> torch.Tensor:
     """`cached_attention` for a batch: q [B, heads, T, D], k / v [B, kv_heads, T, D] of cache rows
     `rows` [B] (None: rows 0..B-1 of the cache, which is then read without a copy) at positions
     [B, T], each row its own sequence from position 0. Cache [rows, kv_heads, max_len, D]. Every row
     reads `attend_len` positions, masked past its own position, so rows of different lengths share one
-    fixed-shape step. Returns [B, T, heads*D]."""
+    fixed-shape step. `kernel`: a decode step (T = 1, rows 0..B-1) reads each row's own length only
+    (kernels.decode_attention; `attend_len` is then not read). Returns [B, T, heads*D]."""
     b, heads, t, d = q.shape
     kv_heads = k.shape[1]
     index = rows if rows is not None else torch.arange(b, device=q.device)
     k_cache[index[:, None], :, positions] = k.transpose(1, 2)  # [B, T, kv_heads, D] at (row, position)
     v_cache[index[:, None], :, positions] = v.transpose(1, 2)
+    if kernel and t == 1 and rows is None:
+        from ..kernels.decode_attention import decode_attention
+
+        return decode_attention(q[:, :, 0], k_cache, v_cache, positions[:, 0] + 1).reshape(b, 1, heads * d)
     keys = k_cache[:b, :, :attend_len] if rows is None else k_cache[rows, :, :attend_len]
     values = v_cache[:b, :, :attend_len] if rows is None else v_cache[rows, :, :attend_len]
     # grouped-query attention without repeating the cache: the `rep` query heads of one KV head are
@@ -71,7 +76,7 @@ def rows_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_le
     mask = torch.arange(attend_len, device=q.device)[None, None, :] <= positions[:, :, None]  # [B, T, n]
     out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, rep * t, d), keys, values,
                                          attn_mask=mask.repeat(1, rep, 1)[:, None])
-    return out.view(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
+    return out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
 
 
 class EngineBase:
