@@ -138,3 +138,18 @@ def test_a_truncated_gguf_is_an_error_naming_it(size, tmp_path, monkeypatch):
     with pytest.raises(QdflashError, match=rf"GGUF file .*cut\.gguf \({size} bytes\) cannot be read: ValueError"):
         load_target(str(tmp_path / "cut.gguf"), device="cpu")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_dir() and ".tmp-" in p.name]  # no half conversion left
+
+
+@pytest.mark.parametrize("config, message", [
+    (b"{not json", r"config\.json is not a drafter config written by save_drafter \(JSONDecodeError"),
+    (b"\xff\xfe", r"config\.json is not a drafter config .*UnicodeDecodeError"),
+    (b'["a", "list"]', r"config\.json is not a drafter config .*TypeError: a JSON list, not an object"),
+    (b'{"no_such_key": 1}', r"config\.json is not a drafter config .*TypeError.*no_such_key"),
+])
+def test_a_bad_drafter_config_is_an_error_naming_it(config, message, tiny_llama, tmp_path):
+    from qdflash.drafter import init_drafter, load_drafter, save_drafter
+
+    save_drafter(init_drafter(tiny_llama, block_size=4), tmp_path / "d")
+    (tmp_path / "d" / "config.json").write_bytes(config)
+    with pytest.raises(QdflashError, match=message):
+        load_drafter(tmp_path / "d", tiny_llama)

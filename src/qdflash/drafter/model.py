@@ -315,9 +315,14 @@ def load_drafter(path: str | Path, target) -> Drafter:
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise QdflashError(f"{path} is not a drafter checkpoint (expected config.json and model.safetensors)")
-    config = json.loads((path / "config.json").read_text())
-    quant = config.pop(QUANT_KEY, None)
-    cfg = DrafterConfig(**config)
+    try:
+        config = json.loads((path / "config.json").read_bytes().decode("utf-8"))
+        if not isinstance(config, dict):
+            raise TypeError(f"a JSON {type(config).__name__}, not an object")
+        quant = config.pop(QUANT_KEY, None)
+        cfg = DrafterConfig(**config)
+    except (ValueError, TypeError) as err:  # not UTF-8 / JSON (ValueErrors), not an object, unknown or missing keys
+        raise QdflashError(f"{path / 'config.json'} is not a drafter config written by save_drafter ({type(err).__name__}: {err})") from None
     drafter = Drafter(cfg)
     try:
         state = load_file(path / "model.safetensors")
