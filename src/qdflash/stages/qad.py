@@ -167,7 +167,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         bar.set_postfix(kl=f"{loss.item():.4f}")
         if (step + 1) % qad.eval_every == 0 and step + 1 < qad.steps:
             evaluate(run, teacher, student, heldout, cfg, step=step + 1)
-        if (step + 1) % qad.checkpoint_every == 0 and not fsdp:
+        if (step + 1) % qad.checkpoint_every == 0 and not fsdp and world.main:  # one writer; every rank resumes from it
             save_checkpoint(ckpt, step + 1, latents, optimizer, fingerprint,
                             {"order": order.getstate(), "curve": curve, "rows_here": rows_here})
             if os.environ.get(KILL_AFTER_STEP) == str(step + 1):
