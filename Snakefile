@@ -11,6 +11,13 @@ import os
 configfile: os.path.join(workflow.basedir, "config", "config.yaml")
 
 
+# (here, not in common.smk: the linter wants rule files without functions and common.smk without rules)
+wildcard_constraints:
+    method="rtn|gptq",
+    bits=r"\d+",
+    group=r"\d+|ch",
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/target.smk"

@@ -12,6 +12,7 @@ import yaml
 from qdflash.data.sources import load_source
 from qdflash.data.split import content_key
 from qdflash.paths import REPO_ROOT
+from readme import clone_like_copy, readme_command, run_as_written
 
 pytestmark = pytest.mark.slow
 CONFIG = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
@@ -46,12 +47,17 @@ def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
 
 
 def test_ci_profile_end_to_end(tmp_path):
+    """The README's ci command, as written, in a tree like a fresh clone; then every check of its
+    outputs, and the README's commands that read them (report, targets table, lm_eval)."""
     # (its wall time is a budget of the profile, measured and reported, not asserted: a loaded
     # machine must not fail the test)
-    out = snakemake(tmp_path, "--config", "profile=ci", "experiment=e2e")
+    clone = clone_like_copy(tmp_path / "qdflash")
+    command = readme_command(r"snakemake --cores all --config profile=ci$")
+    out = run_as_written(command, clone)
     assert out.returncode == 0, out.stderr[-3000:]
+    results = clone / "results" / "ci"
 
-    data = tmp_path / "results" / "e2e" / "data" / "bf16"
+    data = results / "data" / "bf16"
     for name in ("metrics.json", "config.yaml", "train.jsonl", "heldout.jsonl", "train.tokens.jsonl", "heldout.tokens.jsonl", "prepare_data.log"):
         assert (data / name).is_file(), name
     assert list((data / "wandb").glob("offline-run-*/*.wandb"))
@@ -86,18 +92,81 @@ def test_ci_profile_end_to_end(tmp_path):
     cfg = yaml.safe_load((data / "config.yaml").read_text())
     assert cfg["data"] == CONFIG["profiles"]["ci"]["data"] and cfg["model"]["name"] == "tiny-qwen3.5"
 
-    again = snakemake(tmp_path, "--config", "profile=ci", "experiment=e2e")  # nothing to redo
+    again = run_as_written(command, clone)  # nothing to redo
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
-    check_target_stage(tmp_path / "results" / "e2e", data)
-    check_drafter_stage(tmp_path / "results" / "e2e")
-    check_bench(tmp_path / "results" / "e2e")
-    check_gates(tmp_path / "results" / "e2e")
-    check_report(tmp_path / "results" / "e2e")
-    check_figures_and_notebook(tmp_path / "results" / "e2e", tmp_path)
-    report = snakemake(tmp_path, "--config", "profile=ci", "experiment=e2e", "--report", str(tmp_path / "report.html"))
+    check_logs(results)
+    check_target_stage(results, data)
+    check_drafter_stage(results)
+    check_bench(results)
+    check_gates(results)
+    check_report(results)
+    check_figures_and_notebook(results, tmp_path)
+    check_exports_in_transformers_and_for_vllm(results)
+    check_lm_eval_command_line(results, clone)
+    report = run_as_written(readme_command(r"--report report.html --config profile=ci"), clone)
     assert report.returncode == 0, report.stderr[-2000:]
-    html = (tmp_path / "report.html").read_text(errors="replace")
+    html = (clone / "report.html").read_text(errors="replace")
     assert "summary.csv" in html and "pareto.png" in html
+    table = run_as_written(readme_command(r"qdflash.tables target results/ci"), clone)
+    assert table.returncode == 0 and "qad_gptq_w4g32" in table.stdout, table.stderr[-2000:]
+
+
+def check_logs(results):
+    """Every rule's `log:` holds its node's output (outside the node's folder, so it survives a failure)."""
+    logs = sorted(p.relative_to(results / "logs").as_posix() for p in (results / "logs").rglob("*.log"))
+    assert "prepare_data.log" in logs and "quantize_target/ptq_gptq_w4g32.log" in logs and "report.log" in logs
+    assert "quality_gate/ptq_gptq_w4g32.log" in logs and "bench_speedup/winnone.log" in logs
+    assert "prepare_data: done in" in (results / "logs" / "prepare_data.log").read_text()
+
+
+def check_exports_in_transformers_and_for_vllm(results):
+    """Every exported target loads through transformers' own compressed-tensors path with the logits of
+    load_target, and its config.json has what a vLLM loader reads (architectures, the format, bits it
+    takes or the not-servable marker)."""
+    from transformers import AutoModelForCausalLM
+
+    from qdflash.models import load_target
+
+    ids = torch.tensor([[1, 5, 42, 7, 99, 3, 250, 11]])
+    exports = sorted(p / "model" for p in (results / "target").iterdir() if (p / "model" / "config.json").is_file())
+    assert len(exports) >= 3
+    for folder in exports:
+        config = json.loads((folder / "config.json").read_text())
+        assert config["architectures"] and config["quantization_config"]["format"] == "pack-quantized", folder
+        bits = config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"]
+        assert config["qdflash"]["vllm_servable"] is (bits in (4, 8)), folder
+        assert "qdflash" not in config["qdflash"]
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        ours = load_target(str(folder), dtype=torch.float32, device="cpu")
+        with torch.no_grad():
+            torch.testing.assert_close(hf(input_ids=ids).logits, ours.model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def check_lm_eval_command_line(results, clone):
+    """lm-eval's own command line (`--model hf`) on a gate folder's tasks, as the README writes it: the
+    node's per-item scores, and the log-likelihoods of this project's lm-eval model on the same requests."""
+    from qdflash.evaluation.lm import QdflashLM
+    from qdflash.models import load_target
+
+    command = readme_command(r"^lm_eval ")
+    out = run_as_written(command, clone, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (samples,) = (clone / "results" / "ci" / "lm_eval").rglob("samples_qdflash_mmlu_*.jsonl")
+    docs = sorted(read(samples), key=lambda s: s["doc_id"])
+    saved = json.loads((results / "gates" / "ptq_gptq_w4g32" / "scores.json").read_text())["mmlu"]["scores"]
+    assert [d["doc_id"] for d in docs] == list(range(len(saved)))  # --limit covers every gate item
+    assert [d["acc"] for d in docs] == saved
+    lm = QdflashLM(load_target(str(results / "target" / "ptq_gptq_w4g32" / "model"), dtype=torch.float32, device="cpu"))
+
+    class Request:
+        def __init__(self, args):
+            self.args = tuple(args)
+
+    for doc in docs:
+        args = [(a["arg_0"], a["arg_1"]) for _, a in sorted(doc["arguments"].items(), key=lambda kv: int(kv[0].split("_")[-1]))]
+        ours = [ll for ll, _ in lm.loglikelihood([Request(a) for a in args])]
+        theirs = [float(r[0][0]) for r in doc["resps"]]
+        assert ours == pytest.approx(theirs, abs=1e-4), doc["doc_id"]
 
 
 def check_figures_and_notebook(results, tmp_path):
@@ -304,10 +373,14 @@ def test_failed_node_leaves_no_output(tmp_path):
     config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
     config["profiles"]["ci"]["data"]["sources"]["gsm8k"]["path"] = str(tmp_path / "no-such-gsm8k")
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
-    out = snakemake(tmp_path, "--configfile", str(tmp_path / "bad.yaml"), "--config", "profile=ci")
+    out = snakemake(tmp_path, "--configfile", str(tmp_path / "bad.yaml"), "--config", "profile=ci", "--show-failed-logs")
     assert out.returncode != 0
-    assert "data source gsm8k: the path given in the config" in out.stderr + out.stdout
     assert not (tmp_path / "results" / "ci" / "data" / "bf16").exists()
+    # the node's error is in the rule's log (kept, outside the removed output), and Snakemake shows it
+    log = tmp_path / "results" / "ci" / "logs" / "prepare_data.log"
+    assert "data source gsm8k: the path given in the config" in log.read_text()
+    assert "results/ci/logs/prepare_data.log" in out.stderr + out.stdout
+    assert "data source gsm8k: the path given in the config" in out.stderr + out.stdout
 
 
 def test_drafter_scaling_study_on_ci(tmp_path):

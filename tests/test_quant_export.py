@@ -18,6 +18,7 @@ from qdflash.quant.export import (
     load_quantized,
     quantization_scheme,
     read_extra,
+    round_like_export,
     save_quantized,
 )
 from qdflash.quant.apply import quant_linears, quantize_weights, replace_linears, select_linears
@@ -27,10 +28,14 @@ IDS = torch.tensor([[1, 5, 42, 7, 99, 3, 250, 11]])
 
 
 def quantize_model(model: nn.Module, spec: GridSpec, scale_dtype=torch.bfloat16) -> nn.Module:
-    """A quantized copy (RTN): every nn.Linear except lm_head / GDN in_proj_a, in_proj_b becomes a QuantLinear."""
+    """A quantized copy (RTN): every nn.Linear except lm_head / GDN in_proj_a, in_proj_b becomes a
+    QuantLinear; its 16-bit tensors rounded to bf16 as an export stores them (as quantize_target does),
+    so that a round trip can be exact."""
     model = copy.deepcopy(model)
     weights = quantize_weights(model, select_linears(model), spec, method="rtn", scale_dtype=scale_dtype)
-    return replace_linears(model, weights).eval()
+    model = replace_linears(model, weights).eval()
+    round_like_export(model)
+    return model
 
 
 quant_modules = quant_linears
@@ -93,7 +98,8 @@ def test_config_and_tensor_layout(llama_w4):
     assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"], w["group_size"]) == (4, "int", True, "group", 32)
     assert group["input_activations"] is None  # W4A16
     assert qc["ignore"] == ["lm_head"]
-    assert read_extra(path) == {"variant": "w4g32", "bits": 4}
+    assert read_extra(path) == {"variant": "w4g32", "bits": 4, "vllm_servable": True, "vllm_note": read_extra(path)["vllm_note"]}
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
 
     tensors = load_file(path / "model.safetensors")
     name = "model.layers.0.self_attn.q_proj"
@@ -155,6 +161,38 @@ def test_library_int_conventions():
         assert torch.equal(_from_library_ints(lib, spec), q)
         word = pack_to_int32(lib, 4)[0, 0].item() & 0xFFFFFFFF
         assert [(word >> (4 * i)) & 0xF for i in range(8)] == list(range(8))
+
+
+def test_an_fp32_model_exports_its_16_bit_tensors_in_bf16_and_names_its_architecture(tiny_qwen, tmp_path):
+    """A node that ran in fp32 still writes a 16-bit artifact: unquantized tensors (embeddings, norms,
+    the 16-bit linears) in bf16, scales in their storage dtype; `architectures` even for a model built
+    from a config (tiny-qwen3.5 had none: vLLM refuses such a config)."""
+    model = copy.deepcopy(tiny_qwen.model)
+    weights = quantize_weights(model, select_linears(model), GridSpec(4, 32, True), method="rtn", scale_dtype=torch.float32)
+    model = replace_linears(model, weights).eval()
+    assert model.dtype == torch.float32 and not model.config.architectures
+    save_quantized(model, None, tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["architectures"] == [type(model).__name__] and config["dtype"] == "bfloat16"
+    assert "qdflash" not in config["qdflash"]  # one level of our own notes, not two
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    floats = {k: t.dtype for k, t in tensors.items() if t.is_floating_point()}
+    assert {d for k, d in floats.items() if k.endswith("weight_scale")} == {torch.float32}
+    assert {d for k, d in floats.items() if not k.endswith("weight_scale")} == {torch.bfloat16}
+    assert "model.embed_tokens.weight" in floats
+    # what round_like_export does in memory is what the artifact holds
+    round_like_export(model)
+    loaded, _, _ = load_quantized(tmp_path / "q")
+    assert torch.equal(logits(model), logits(loaded))
+
+
+@pytest.mark.parametrize("bits, servable", [(2, False), (3, False), (4, True), (8, True)])
+def test_every_export_says_whether_vllm_can_serve_it(tiny_llama, tmp_path, bits, servable):
+    """vLLM's compressed-tensors W{N}A16 path takes 4 or 8 bits: other widths carry the marker."""
+    save_quantized(quantize_model(tiny_llama.model, GridSpec(bits, 32, True)), None, tmp_path / "q")
+    extra = read_extra(tmp_path / "q")
+    assert extra["vllm_servable"] is servable
+    assert ("vLLM" in extra["vllm_note"]) and (servable or f"{bits}-bit" in extra["vllm_note"])
 
 
 # -- (3) asymmetric, (4) other bit widths and per-channel -------------------------------------------

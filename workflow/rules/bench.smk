@@ -3,10 +3,6 @@
 BENCH_ONE = f"{RESULTS}/bench/speedup_win{{window}}"
 
 
-def window_label(window):
-    return "none" if window is None else str(window)
-
-
 # one benchmark job per drafter window of the sweep; each runs every drafter variant and the baselines
 BENCH = expand(BENCH_ONE, window=[window_label(w) for w in VARIANTS["drafter_windows"]])
 
@@ -24,7 +20,12 @@ rule bench_speedup:
         directory(BENCH_ONE),
     wildcard_constraints:
         window=r"none|\d+",
+    log:
+        log_file("bench_speedup", "win{window}"),
+    conda:
+        ENV
     params:
+        python=PYTHON,
         args=hydra_args(
             "bench_speedup", ["bench"],
             lambda wc, input: {"data_dir": input.data, "qad_model": f"{input.qad}/model",
@@ -36,4 +37,4 @@ rule bench_speedup:
     threads: rule_threads("bench_speedup")
     resources: **rule_resources("bench_speedup")
     shell:
-        "{PYTHON} -m qdflash.stages.bench_speedup {params.args}"
+        "{params.python} -m qdflash.stages.bench_speedup {params.args} > {log} 2>&1"

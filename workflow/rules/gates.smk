@@ -10,13 +10,18 @@ rule quality_reference:
     """The 16-bit target's per-item scores on the gate items, once for every variant's gate."""
     output:
         directory(GATE_REFERENCE),
+    log:
+        log_file("quality_reference"),
+    conda:
+        ENV
     params:
+        python=PYTHON,
         args=hydra_args("quality_gate", ["data", "gates"]),
         config=fingerprint(["data", "gates"]),
     threads: rule_threads("quality_reference")
     resources: **rule_resources("quality_reference")
     shell:
-        "{PYTHON} -m qdflash.stages.quality_gate {params.args}"
+        "{params.python} -m qdflash.stages.quality_gate {params.args} > {log} 2>&1"
 
 
 rule quality_gate:
@@ -29,10 +34,15 @@ rule quality_gate:
         directory(GATE),
     wildcard_constraints:
         tvariant=r"(ptq|qad)_(rtn|gptq)_w\d+g(\d+|ch)",
+    log:
+        log_file("quality_gate", "{tvariant}"),
+    conda:
+        ENV
     params:
+        python=PYTHON,
         args=hydra_args("quality_gate", ["data", "gates"], lambda wc, input: {"variant": f"{input.target}/model", "reference": input.reference}),
         config=fingerprint(["data", "gates"]),
     threads: rule_threads("quality_gate")
     resources: **rule_resources("quality_gate")
     shell:
-        "{PYTHON} -m qdflash.stages.quality_gate {params.args}"
+        "{params.python} -m qdflash.stages.quality_gate {params.args} > {log} 2>&1"

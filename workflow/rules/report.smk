@@ -16,7 +16,12 @@ rule report:
         targets=PTQ_VARIANTS + QAD_VARIANTS,
     output:
         report(directory(TABLES), patterns=["{name}.csv"], caption="../report/tables.rst", category="Tables"),
+    log:
+        log_file("report"),
+    conda:
+        ENV
     params:
+        python=PYTHON,
         args=hydra_args(
             "report", [],
             lambda wc, input: {"results": RESULTS, "target": os.path.basename(QAD_MAIN),
@@ -27,7 +32,7 @@ rule report:
         ),
     resources: **rule_resources("report")
     shell:
-        "{PYTHON} -m qdflash.stages.report {params.args}"
+        "{params.python} -m qdflash.stages.report {params.args} > {log} 2>&1"
 
 
 rule figures:
@@ -37,8 +42,13 @@ rule figures:
         TABLES,
     output:
         report(directory(FIGURES), patterns=["{name}.png"], caption="../report/figures.rst", category="Figures"),
+    log:
+        log_file("figures"),
+    conda:
+        ENV
     params:
+        python=PYTHON,
         args=hydra_args("figures", [], lambda wc, input: {"tables": input[0]}),
     resources: **rule_resources("figures")
     shell:
-        "{PYTHON} -m qdflash.stages.figures {params.args}"
+        "{params.python} -m qdflash.stages.figures {params.args} > {log} 2>&1"

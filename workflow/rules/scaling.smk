@@ -21,17 +21,13 @@ if SCALING:
         SCALING_PAIRS += [(max(SCALING["sizes"]), d) for d in SCALING["depths"][1:]]
     SCALING_RUNS = [SCALING_RUN.format(size=s, depth=d) for s, d in SCALING_PAIRS]
 
-    def scaling_data_section():
-        data = copy.deepcopy(PROFILE["data"])
-        for source, n in SCALING["n_train"].items():
-            data["sources"][source]["n_train"] = n
-        data["generation"]["max_new_tokens"] = SCALING["max_new_tokens"]
-        data["generation"]["measure_speed"]["enabled"] = False
-        return data
-
-    def scaling_train_section():
-        train = {**PROFILE["drafter_train"], **SCALING.get("drafter_train", {})}
-        return {**train, "epochs": SCALING["epochs"]}
+    # the profile's data and training sections with the study's own sizes
+    SCALING_DATA_SECTION = copy.deepcopy(PROFILE["data"])
+    for _source, _n in SCALING["n_train"].items():
+        SCALING_DATA_SECTION["sources"][_source]["n_train"] = _n
+    SCALING_DATA_SECTION["generation"]["max_new_tokens"] = SCALING["max_new_tokens"]
+    SCALING_DATA_SECTION["generation"]["measure_speed"]["enabled"] = False
+    SCALING_TRAIN_SECTION = {**PROFILE["drafter_train"], **SCALING.get("drafter_train", {}), "epochs": SCALING["epochs"]}
 
     rule scaling_data_shard:
         """One shard of the scaling data: every n-th selected prompt, answered by the 16-bit target.
@@ -39,17 +35,22 @@ if SCALING:
         jobs, so a job cut off by a time limit loses little."""
         output:
             directory(SCALING_SHARD),
+        log:
+            log_file("scaling_data_shard", "shard-{index}"),
+        conda:
+            ENV
         params:
-            args=hydra_args(
+            python=PYTHON,
+                args=hydra_args(
                 "prepare_data", [],
-                lambda wc, input: {**dict(flat_overrides("data", scaling_data_section())), "shard.index": int(wc.index),
+                lambda wc, input: {**dict(flat_overrides("data", SCALING_DATA_SECTION)), "shard.index": int(wc.index),
                                    "shard.count": SCALING["shards"]},
             ),
-            config=section_fingerprint({"data": scaling_data_section(), "shards": SCALING["shards"]}),
+            config=section_fingerprint({"data": SCALING_DATA_SECTION, "shards": SCALING["shards"]}),
         threads: rule_threads("scaling_data_shard")
         resources: **rule_resources("scaling_data_shard")
         shell:
-            "{PYTHON} -m qdflash.stages.prepare_data {params.args}"
+            "{params.python} -m qdflash.stages.prepare_data {params.args} > {log} 2>&1"
 
     rule scaling_data:
         """The shards interleaved back into one data folder (the order of an unsharded run)."""
@@ -57,10 +58,15 @@ if SCALING:
             SCALING_SHARDS,
         output:
             directory(SCALING_DATA),
+        log:
+            log_file("scaling_data"),
+        conda:
+            ENV
         params:
-            args=hydra_args("merge_data", [], lambda wc, input: {"shards": list(input)}),
+            python=PYTHON,
+                args=hydra_args("merge_data", [], lambda wc, input: {"shards": list(input)}),
         shell:
-            "{PYTHON} -m qdflash.stages.merge_data {params.args}"
+            "{params.python} -m qdflash.stages.merge_data {params.args} > {log} 2>&1"
 
     rule scaling_drafter:
         """Stage 1 on the first {size} examples (a fixed nested subset) with {depth} drafter layers,
@@ -69,18 +75,23 @@ if SCALING:
             data=SCALING_DATA,
         output:
             directory(SCALING_RUN),
+        log:
+            log_file("scaling_drafter", "n{size}-L{depth}"),
+        conda:
+            ENV
         params:
-            args=hydra_args(
+            python=PYTHON,
+                args=hydra_args(
                 "train_drafter", ["drafter"],
-                lambda wc, input: {**dict(flat_overrides("drafter_train", scaling_train_section())), "stage": 1,
+                lambda wc, input: {**dict(flat_overrides("drafter_train", SCALING_TRAIN_SECTION)), "stage": 1,
                                    "data_dir": input.data, "drafter.num_layers": int(wc.depth),
                                    "drafter_train.max_examples": int(wc.size)},
             ),
-            config=section_fingerprint({"drafter": PROFILE["drafter"], "train": scaling_train_section()}),
+            config=section_fingerprint({"drafter": PROFILE["drafter"], "train": SCALING_TRAIN_SECTION}),
         threads: rule_threads("scaling_drafter")
         resources: **rule_resources("scaling_drafter")
         shell:
-            "{PYTHON} -m qdflash.stages.train_drafter {params.args}"
+            "{params.python} -m qdflash.stages.train_drafter {params.args} > {log} 2>&1"
 
     rule drafter_scaling:
         """The scaling table: tau (overall and per category), parameters, steps and training time."""
@@ -89,5 +100,13 @@ if SCALING:
         output:
             csv=f"{SCALING_DIR}/table.csv",
             md=f"{SCALING_DIR}/table.md",
+        log:
+            log_file("drafter_scaling"),
+        conda:
+            ENV
+        params:
+            python=PYTHON,
+            runs=lambda wc, output: os.path.dirname(output.csv),
         shell:
-            "{PYTHON} -m qdflash.tables scaling {SCALING_DIR} --csv {output.csv} --md {output.md}"
+            "{params.python} -m qdflash.tables scaling {params.runs} --csv {output.csv} --md {output.md} > {log} 2>&1"
+

@@ -13,7 +13,12 @@ rule quantize_target:
         data=DATA_BF16,
     output:
         directory(PTQ),
+    log:
+        log_file("quantize_target", "ptq_{method}_w{bits}g{group}"),
+    conda:
+        ENV
     params:
+        python=PYTHON,
         args=hydra_args(
             "quantize_target",
             ["quant", "eval"],
@@ -25,7 +30,7 @@ rule quantize_target:
     priority: CRITICAL_PATH_PRIORITY
     resources: **rule_resources("quantize_target")
     shell:
-        "{PYTHON} -m qdflash.stages.quantize_target {params.args}"
+        "{params.python} -m qdflash.stages.quantize_target {params.args} > {log} 2>&1"
 
 
 rule qad:
@@ -35,6 +40,10 @@ rule qad:
         ptq=PTQ,
     output:
         directory(QAD),
+    log:
+        log_file("qad", "qad_{method}_w{bits}g{group}"),
+    conda:
+        ENV
     params:
         args=hydra_args("qad", ["qad", "eval"], lambda wc, input: {"data_dir": input.data, "ptq_dir": input.ptq}),
         launch=launcher("qad"),
@@ -43,4 +52,4 @@ rule qad:
     priority: CRITICAL_PATH_PRIORITY
     resources: **rule_resources("qad")
     shell:
-        "{params.launch} qdflash.stages.qad {params.args}"
+        "{params.launch} qdflash.stages.qad {params.args} > {log} 2>&1"

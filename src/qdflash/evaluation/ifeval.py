@@ -1,8 +1,8 @@
 """An offline IFEval gate task: Google's instruction-following prompts, scored by lm-eval's own verifiers.
 
 The prompts come from `ifeval/input_data.jsonl` of the shared data folder (Google's release of the
-541 IFEval prompts), and the task is a local lm-eval YAML (`dataset_path: json`, absolute
-`data_files`), like the other gate tasks in `qdflash.evaluation.tasks`. Scoring reuses lm-eval's
+541 IFEval prompts), and the task is a self-contained local lm-eval task folder, like the other gate
+tasks in `qdflash.evaluation.tasks`. Scoring reuses lm-eval's
 instruction registry and verifiers (`lm_eval.tasks.ifeval`) unchanged, with one exception: two of
 them need NLTK's punkt model, which lm-eval downloads at import time and which an offline machine
 does not have. `install_offline_splitter()` swaps in the `nupunkt` sentence splitter (a Punkt

@@ -1,8 +1,11 @@
 """Local lm-eval tasks over the offline evaluation items (never training prompts), and running them.
 
-lm-eval's built-in tasks download from the Hub; here each task is a YAML with `dataset_path: json`
-and absolute `data_files` (DESIGN.md), written next to the node's outputs together with its items, so
-a run is reproducible from its folder. Users with the Hub can name lm-eval's standard tasks instead.
+lm-eval's built-in tasks download from the Hub; here each task is a YAML, its items (JSONL) and a
+loader module, written next to the node's outputs, so a run is reproducible from its folder. The
+folder is self-contained: the YAML names no path (the loader reads the JSONL beside itself), so it
+still runs after the node moves its staging folder into place, or after a user copies it
+(`lm_eval --model hf --include_path <gates folder>/tasks --tasks <name>`). Users with the Hub can
+name lm-eval's standard tasks instead.
 """
 
 from __future__ import annotations
@@ -16,14 +19,27 @@ from ..errors import QdflashError
 MMLU_INSTRUCTION = "Answer with the letter of the correct option, then explain briefly."
 
 
+# lm-eval calls a task's `custom_dataset` with its metadata as keyword arguments (version, ...).
+_DOCS_MODULE = '''"""Written by qdflash: the {name} task's documents, read from the JSONL beside this file, so the
+task folder names no absolute path and runs wherever it is (lm-eval resolves `!function` beside the YAML)."""
+from pathlib import Path
+
+
+def load(**_metadata):
+    import datasets
+
+    return datasets.load_dataset("json", data_files={{"test": str(Path(__file__).with_name("{name}.jsonl"))}})
+'''
+
+
 def write_task(folder: Path, name: str, rows: list[dict], lines: list[str]) -> str:
-    """Write a local task: `<name>.jsonl` (its documents) and `<name>.yaml` (lm-eval's task over
-    that file as its test split, then `lines`: output type, prompt, scoring). Returns the name."""
+    """Write a local task: `<name>.jsonl` (its documents), `<name>_docs.py` (loads them as the test
+    split) and `<name>.yaml` (lm-eval's task over them, then `lines`: output type, prompt, scoring).
+    Returns the name."""
     folder.mkdir(parents=True, exist_ok=True)
-    data = folder / f"{name}.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    header = [f"task: {name}", "dataset_path: json", "dataset_kwargs:", "  data_files:",
-              f"    test: {json.dumps(str(data.resolve()))}", "test_split: test"]
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / f"{name}_docs.py").write_text(_DOCS_MODULE.format(name=name))
+    header = [f"task: {name}", "dataset_path: json", f"custom_dataset: !function {name}_docs.load", "test_split: test"]
     (folder / f"{name}.yaml").write_text("\n".join([*header, *lines, "metadata:", "  version: 1.0", ""]))
     return name
 

@@ -3,9 +3,12 @@
 DESIGN.md "Contracts": a quantized target is a folder that vLLM and SGLang load as W{bits}A16:
 
     out_dir/
-      config.json          model config + `quantization_config` (compressed-tensors, pack-quantized)
+      config.json          model config (`architectures` always set) + `quantization_config`
+                           (compressed-tensors, pack-quantized) + our own notes under "qdflash"
+                           (node, grid, source model, and `vllm_servable`: see `vllm_servable`)
       model.safetensors    per quantized linear: weight_packed (int32), weight_scale, weight_shape
-                           (+ weight_zero_point when asymmetric); every other tensor as usual
+                           (+ weight_zero_point when asymmetric); every other tensor in the target's
+                           16-bit dtype (bf16 by default), also when the node ran in fp32
       tokenizer files
       dense/               the same model, dequantized to 16-bit, as a plain transformers folder
 
@@ -50,6 +53,45 @@ WEIGHTS_FILE = "model.safetensors"
 DENSE_DIR = "dense"
 EXTRA_KEY = "qdflash"  # our own metadata inside config.json (ignored by transformers / vLLM)
 TARGETS = ["Linear"]  # the llm-compressor convention: every Linear, minus `ignore`
+# vLLM's compressed-tensors W{N}A16 path (CompressedTensorsWNA16) takes these bit widths only; other
+# widths load in transformers / compressed-tensors but are refused by vLLM (and SGLang) at start-up.
+VLLM_WNA16_BITS = (4, 8)
+
+
+def vllm_servable(spec: GridSpec) -> tuple[bool, str]:
+    """Whether vLLM can serve this grid, and why not: written into every export's config.json
+    ("qdflash": {"vllm_servable", "vllm_note"}) so a user learns it before starting a server."""
+    if spec.bits not in VLLM_WNA16_BITS:
+        return False, (f"{spec.bits}-bit weights: vLLM's compressed-tensors W{{N}}A16 kernels take only "
+                       f"{' or '.join(map(str, VLLM_WNA16_BITS))} bits; serve this target with qdflash or transformers")
+    return True, f"vLLM loads {spec.bits}-bit pack-quantized weights (compressed-tensors W{spec.bits}A16)"
+
+
+def export_tensor(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What an export stores for one state-dict tensor: scales in their storage dtype (bit-exact, the
+    grid QAD must keep), ints as they are, every other float in the 16-bit `dtype`."""
+    if t.is_floating_point() and not name.endswith("weight_scale"):
+        return t.to(dtype)
+    return t
+
+
+def sixteen_bit_dtype(model: nn.Module) -> torch.dtype:
+    """The target's 16-bit dtype: the model's own where it runs in 16 bits, else bf16 (a node on the
+    CPU runs in fp32, but the target it quantizes is a 16-bit model: the export stays one)."""
+    dtype = next(model.parameters()).dtype
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def round_like_export(model: nn.Module, dtype: torch.dtype | None = None) -> None:
+    """Round, in place, every tensor an export stores in 16 bits to `dtype` (default
+    `sixteen_bit_dtype`), keeping the model's own dtype, so that what a node measures on the model in
+    memory is what its export holds: the QAD node's step-0 check compares the reloaded artifact's KL
+    with the PTQ node's."""
+    dtype = dtype or sixteen_bit_dtype(model)
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            if t.is_floating_point():
+                t.data.copy_(export_tensor(name, t.data, dtype).to(t.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,13 +200,13 @@ def _drop_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _packed_state_dict(model: nn.Module, qlinears: dict[str, QuantLinear]) -> dict[str, torch.Tensor]:
+def _packed_state_dict(model: nn.Module, qlinears: dict[str, QuantLinear], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state = _drop_shared(model.state_dict())
     for name, m in qlinears.items():
         for local in ("weight_int", "weight_scale", "weight_zero_point"):
             state.pop(f"{name}.{local}", None)
         state.update({f"{name}.{k}": v for k, v in _compress_linear(m).items()})
-    return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    return {k: export_tensor(k, v.detach().cpu(), dtype).contiguous() for k, v in state.items()}
 
 
 def _ignored_linears(model: nn.Module) -> list[str]:
@@ -172,7 +214,8 @@ def _ignored_linears(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def _write_config(model: nn.Module, spec: GridSpec, ignore: list[str], folder: Path, extra: dict | None) -> None:
+def _write_config(model: nn.Module, spec: GridSpec, ignore: list[str], folder: Path, extra: dict | None,
+                  dtype: torch.dtype) -> None:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
@@ -180,6 +223,10 @@ def _write_config(model: nn.Module, spec: GridSpec, ignore: list[str], folder: P
     for key in ("quantization_config", EXTRA_KEY):
         if hasattr(config, key):
             delattr(config, key)
+    # vLLM picks the model class from `architectures` and refuses a config without it; a model built
+    # from a config (the tiny presets) has none until save_pretrained of the model itself sets it.
+    config.architectures = [type(model).__name__]
+    config.dtype = dtype  # what the unquantized tensors are stored in (from_pretrained's dtype="auto")
     config.save_pretrained(folder)
     qconfig = QuantizationConfig(
         config_groups={"group_0": quantization_scheme(spec)},
@@ -188,11 +235,11 @@ def _write_config(model: nn.Module, spec: GridSpec, ignore: list[str], folder: P
         ignore=ignore,
     )
     ModelCompressor(quantization_config=qconfig).update_config(str(folder))
-    if extra is not None:
-        path = folder / CONFIG_FILE
-        data = json.loads(path.read_text())
-        data[EXTRA_KEY] = extra
-        path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    servable, note = vllm_servable(spec)
+    path = folder / CONFIG_FILE
+    data = json.loads(path.read_text())
+    data[EXTRA_KEY] = {**(extra or {}), "vllm_servable": servable, "vllm_note": note}
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
 def dense_copy(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -220,13 +267,16 @@ def _new_folder(out_dir: Path) -> Path:
     return tmp
 
 
-def save_quantized(model, tokenizer, out_dir, *, dense_dtype=torch.bfloat16, extra: dict | None = None) -> None:
+def save_quantized(model, tokenizer, out_dir, *, dtype: torch.dtype | None = None, extra: dict | None = None) -> None:
     """Write `model` (QuantLinear modules in packed mode, one shared GridSpec) as a compressed-tensors
-    pack-quantized folder plus a dense `dense_dtype` twin in out_dir/dense. Atomic: everything is written
-    into a temporary sibling folder that is renamed into place at the end."""
+    pack-quantized folder plus a dense twin in out_dir/dense; `dtype` (default `sixteen_bit_dtype`):
+    of the unquantized tensors and of the twin. `extra`: notes stored under config.json's "qdflash" key
+    (beside `vllm_servable`). Atomic: everything is written into a temporary sibling folder that is
+    renamed into place at the end."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
+    dtype = dtype or sixteen_bit_dtype(model)
     qlinears = _quant_linears(model)
     spec = _shared_spec(qlinears)
     for name, m in qlinears.items():
@@ -234,13 +284,13 @@ def save_quantized(model, tokenizer, out_dir, *, dense_dtype=torch.bfloat16, ext
 
     tmp = _new_folder(out_dir)
     try:
-        _write_config(model, spec, _ignored_linears(model), tmp, extra)
+        _write_config(model, spec, _ignored_linears(model), tmp, extra, dtype)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        save_file(_packed_state_dict(model, qlinears), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_file(_packed_state_dict(model, qlinears, dtype), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        dense = dense_copy(model, dense_dtype)
+        dense = dense_copy(model, dtype)
         dense.save_pretrained(tmp / DENSE_DIR)
         del dense
         if tokenizer is not None:
@@ -400,7 +450,8 @@ def load_quantized(path, *, device=None, dtype=None):
 
 
 def read_extra(path) -> dict | None:
-    """The `extra` dict given to save_quantized (stored under config.json's "qdflash" key), or None."""
+    """The notes stored under config.json's "qdflash" key (save_quantized's `extra` and
+    `vllm_servable` / `vllm_note`), or None."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise QdflashError(f"read_extra: {file} not found")

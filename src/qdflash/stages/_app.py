@@ -45,6 +45,14 @@ def stage(name: str) -> Callable[[Callable[[DictConfig, NodeRun], None]], Callab
                     print(f"\nqdflash {name} failed: hydra.run.dir={value} already exists; the run folder is a fresh "
                           f"staging folder renamed to out_dir on success. Leave hydra.run.dir at its default.", file=sys.stderr)
                     sys.exit(2)
+            # out_dir is mandatory (???) and Hydra resolves its run dir from it before any code of ours
+            # runs: without it Hydra fails inside its own error formatting, naming no key
+            asks_for_help = any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--cfg") for a in sys.argv[1:])
+            if not asks_for_help and not any(a.lstrip("+~").partition("=")[0] == "out_dir" for a in sys.argv[1:]):
+                print(f"\nqdflash {name} failed: out_dir=<folder> is required (the folder the node writes its "
+                      f"outputs to), e.g. python -m qdflash.stages.{name} out_dir=results/by-hand/{name} ...; "
+                      f"every key: python -m qdflash.stages.{name} --cfg job", file=sys.stderr)
+                sys.exit(2)
             if not world().main:  # under torchrun: Hydra's own folder for ranks > 0 goes to scratch, not beside out_dir
                 sys.argv += [f"hydra.run.dir={tempfile.mkdtemp(prefix=f'qdflash-hydra-rank{world().rank}-')}",
                              "hydra.output_subdir=null"]

@@ -191,8 +191,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     run.metrics["grid.scales_identical_to_ptq"] = 1
     run.metrics["qad.kl_recovered_fraction"] = round(1.0 - final["kl"] / max(ptq_metrics["quant.kl"], 1e-12), 4)
     save_quantized(student, tokenizer, run.dir / "model", extra={
-        "qdflash": {"node": "qad", "ptq_dir": str(ptq_dir), "grid": spec.name, "source_model": cfg.model.name,
-                    "config": OmegaConf.to_container(qad, resolve=True)}})
+        "node": "qad", "ptq_dir": str(ptq_dir), "grid": spec.name, "source_model": cfg.model.name,
+        "config": OmegaConf.to_container(qad, resolve=True)})
     shutil.rmtree(ckpt.parent, ignore_errors=True)  # finished: the checkpoint is no longer needed
 
 

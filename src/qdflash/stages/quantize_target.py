@@ -16,7 +16,7 @@ from ..data.jsonl import load_token_examples
 from ..distill import compare_to_teacher
 from ..models import load_target, resolve_dtype
 from ..quant.apply import quant_linears, quantize_weights, replace_linears, select_linears
-from ..quant.export import save_quantized
+from ..quant.export import round_like_export, save_quantized
 from ..quant.grid import GridSpec
 from ..tracking import NodeRun
 from ._app import stage
@@ -54,6 +54,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         scale_dtype=resolve_dtype(quant.scale_dtype, target.device),
     )
     student = replace_linears(model, weights)
+    round_like_export(student)  # measure the artifact as exported: its unquantized tensors in 16 bits
     run.metrics.update({"quant.method": quant.method, "quant.grid": spec.name, "quant.bits": spec.bits,
                         "quant.group_size": spec.group_size, "quant.symmetric": int(spec.symmetric),
                         "quant.linears": len(quant_linears(student)), "quant.kept_16bit_linears": sum(
@@ -61,8 +62,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     record_comparison(run, "bf16", compare_to_teacher(teacher, teacher, heldout, chunk_tokens=cfg.eval.chunk_tokens))
     record_comparison(run, "quant", compare_to_teacher(teacher, student, heldout, chunk_tokens=cfg.eval.chunk_tokens))
     save_quantized(student, target.tokenizer, run.dir / "model", extra={
-        "qdflash": {"node": "quantize_target", "method": quant.method, "grid": spec.name,
-                    "source_model": cfg.model.name, "config": OmegaConf.to_container(quant, resolve=True)}})
+        "node": "quantize_target", "method": quant.method, "grid": spec.name,
+        "source_model": cfg.model.name, "config": OmegaConf.to_container(quant, resolve=True)})
 
 
 if __name__ == "__main__":
