@@ -322,3 +322,12 @@ def test_a_max_length_that_cuts_off_every_answer_is_an_error(tmp_path):
     with pytest.raises(QdflashError, match=r"drafter_train.max_length=8 leaves no trained .* earliest answer starts at token 30"):
         training_examples(tmp_path, 8, None)
     assert [len(ex["input_ids"]) for ex in training_examples(tmp_path, 36, None)] == [36] * 3
+
+
+def test_epoch_ends_mark_each_pass_over_the_data():
+    from qdflash.stages.train_drafter import epoch_ends
+
+    assert epoch_ends(10, 32, 16) == [2, 4, 6, 8, 10]
+    assert epoch_ends(7, 32, 16) == [2, 4, 6, 7]      # a fractional last epoch ends at the last step
+    assert epoch_ends(3, 100, 16) == [3]              # less than one epoch: the final evaluation only
+    assert epoch_ends(12, 30, 8) == [4, 8, 12]        # 3.75 steps per epoch

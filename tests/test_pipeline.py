@@ -406,8 +406,14 @@ def test_drafter_scaling_study_on_ci(tmp_path):
         for depth in scaling["depths"]:
             m = json.loads((results / "scaling" / "drafter" / f"n{size}-L{depth}" / "metrics.json").read_text())
             assert m["train.examples"] == size and m["drafter.layers"] == depth and m["train.seconds"] > 0
-            assert m["train.steps"] == -(-size // CONFIG["profiles"]["ci"]["drafter_train"]["batch_size"])  # one epoch
+            batch = CONFIG["profiles"]["ci"]["drafter_train"]["batch_size"]
+            assert m["train.steps"] == -(-scaling["epochs"] * size // batch)  # `epochs` passes
+            # tau-hat after every epoch (the last is the final one), with the training seconds by then
+            assert len(m["train.tau_by_epoch"]) == len(m["train.seconds_by_epoch"]) == scaling["epochs"] >= 2
+            assert m["train.tau_by_epoch"][-1] == round(m["final.tau"], 4) and all(1 <= t <= 16 for t in m["train.tau_by_epoch"])
+            assert m["train.seconds_by_epoch"] == sorted(m["train.seconds_by_epoch"]) and m["train.seconds_by_epoch"][-1] == m["train.seconds"]
             runs[size, depth] = m
+    assert "tau_by_epoch" in lines[0]
     assert runs[scaling["sizes"][0], 1]["drafter.parameters"] < runs[scaling["sizes"][0], 2]["drafter.parameters"]
 
 

@@ -96,11 +96,14 @@ def training_rows(drafter_dirs: list[Path]) -> list[dict]:
             rows.append({"drafter": Path(folder).name, "kind": f"compressed ({m['compress.method']})",
                          "bits": m["compress.bits"], "tau": m["compressed.tau"], "tau_before": m["uncompressed.tau"],
                          "draft_agreement": m.get("draft_agreement", ""), "weight_bytes": m["drafter.weight_bytes"],
-                         "steps": "", "train_seconds": ""})
+                         "steps": "", "train_seconds": "", "epochs": "", "tau_by_epoch": ""})
         else:
             rows.append({"drafter": Path(folder).name, "kind": f"stage {m['stage']}", "bits": 16, "tau": m["final.tau"],
                          "tau_before": m.get("stage1_on_this_target.tau", ""), "draft_agreement": "",
-                         "weight_bytes": "", "steps": m["train.steps"], "train_seconds": m["train.seconds"]})
+                         "weight_bytes": "", "steps": m["train.steps"], "train_seconds": m["train.seconds"],
+                         # tau-hat after each pass over the data (the last: final), ";"-joined in one cell
+                         "epochs": m.get("train.epochs", ""),
+                         "tau_by_epoch": ";".join(str(t) for t in m.get("train.tau_by_epoch", []))})
     return rows
 
 

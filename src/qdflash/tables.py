@@ -55,7 +55,8 @@ def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
 
 
 SCALING_COLUMNS = ["examples", "train_tokens", "layers", "parameters", "steps", "epochs", "train_seconds", "first_step_seconds",
-                   "tau", "tau_chat", "tau_code", "tau_knowledge", "tau_math", "accept_pos1", "heldout_blocks"]
+                   "tau", "tau_chat", "tau_code", "tau_knowledge", "tau_math", "accept_pos1", "heldout_blocks",
+                   "tau_by_epoch", "seconds_by_epoch"]
 
 
 def scaling_rows(scaling_dir: Path) -> list[dict]:
@@ -72,6 +73,9 @@ def scaling_rows(scaling_dir: Path) -> list[dict]:
             "train_seconds": m["train.seconds"], "first_step_seconds": m.get("train.first_step_seconds", ""), "tau": round(m["final.tau"], 4),
             **{f"tau_{c}": round(m[f"final.tau.{c}"], 4) for c in ("chat", "code", "knowledge", "math") if f"final.tau.{c}" in m},
             "accept_pos1": round(m["final.accept_rate_by_position"][0], 4), "heldout_blocks": m["final.blocks"],
+            # after each epoch: what more passes over the same data buy, and what they cost
+            "tau_by_epoch": " ".join(f"{t:.3f}" for t in m.get("train.tau_by_epoch", [])),
+            "seconds_by_epoch": " ".join(f"{t:.0f}" for t in m.get("train.seconds_by_epoch", [])),
         })
     return sorted(rows, key=lambda r: (r["layers"], r["examples"]))
 

@@ -80,6 +80,14 @@ def training_steps(train_cfg: DictConfig, examples: int) -> int:
     return max(1, math.ceil(train_cfg.epochs * examples / train_cfg.batch_size))
 
 
+def epoch_ends(steps: int, examples: int, batch_size: int) -> list[int]:
+    """The step count after which each epoch (a pass over the examples) is complete; the last entry is
+    `steps` itself (a fractional last epoch counts as one)."""
+    per_epoch = examples / batch_size
+    ends = [math.ceil(e * per_epoch - 1e-9) for e in range(1, math.ceil(steps / per_epoch - 1e-9) + 1)]
+    return sorted({min(end, steps) for end in ends})
+
+
 def epoch_batches(count: int, batch_size: int, seed: int):
     """Index batches without replacement: each epoch a fresh permutation (an endless iterator)."""
     rng = random.Random(seed)
@@ -141,7 +149,9 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     train = training_examples(cfg.data_dir, train_cfg.max_length, train_cfg.max_examples)
     steps = training_steps(train_cfg, len(train))
     attention = attention_kind(train_cfg.attention, drafter.norm.weight.device)
+    ends = epoch_ends(steps, len(train), int(train_cfg.batch_size))
     run.metrics.update({"train.examples": len(train), "train.steps": steps, "train.attention": attention,
+                        "train.epochs": round(steps * int(train_cfg.batch_size) / len(train), 4),
                         "train.batch_size": int(train_cfg.batch_size), "train.anchors_per_seq": int(train_cfg.anchors_per_seq),
                         "train.tokens": sum(len(ex["input_ids"]) for ex in train)})
     log.info("%d training sequences (%d tokens), %d steps of %d sequences, %s attention", len(train),
@@ -170,6 +180,9 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     cache = (FeatureCache(feature_cache_folder(cfg.out_dir, cfg.model.name, cfg.dtype, drafter.config.target_layer_ids))
              if train_cfg.cache_features else None)
     curve: list[float] = []
+    # tau-hat after each epoch, and the training seconds by then: what more passes over the same data buy
+    tau_by_epoch: list[float] = []
+    seconds_by_epoch: list[float] = []
     skipped = 0  # steps whose batch had no trained block
     sequences_here = 0  # sequences this process trained on (a 1/N share of each batch under torchrun)
     synchronize(drafter.norm.weight.device)
@@ -218,10 +231,18 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         if step == 0:  # includes compiling flex_attention: reported apart from the steady steps
             run.metrics["train.first_step_seconds"] = round(time.perf_counter() - started, 2)
         run.log({"train/loss": curve[-1], "train/lr": lr, "train/grad_norm": grad_norm.item()}, step=step + 1)
-        if (step + 1) % train_cfg.eval_every == 0 and step + 1 < steps:
+        epoch_end = step + 1 in ends and step + 1 < steps  # (the last one is the final evaluation below)
+        if epoch_end or ((step + 1) % train_cfg.eval_every == 0 and step + 1 < steps):
+            synchronize(drafter.norm.weight.device)
             eval_started = time.perf_counter()
-            run.log({"heldout/tau": acceptance()["tau"]}, step=step + 1)
+            trained_seconds = eval_started - started - eval_seconds
+            tau = acceptance()["tau"]
+            run.log({"heldout/tau": tau}, step=step + 1)
             eval_seconds += time.perf_counter() - eval_started
+            if epoch_end:
+                tau_by_epoch.append(round(tau, 4))
+                seconds_by_epoch.append(round(trained_seconds, 2))
+                log.info("epoch %d of %d: tau %.3f (%.0f s of training)", len(tau_by_epoch), len(ends), tau, trained_seconds)
     synchronize(drafter.norm.weight.device)
     # wall time of the training steps alone (target forwards included; periodic evaluations excluded)
     run.metrics["train.seconds"] = round(time.perf_counter() - started - eval_seconds, 2)
@@ -236,6 +257,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         run.metrics.update({"train.feature_cache_hits": cache.hits, "train.feature_cache_misses": cache.misses})
         shutil.rmtree(cache.folder, ignore_errors=True)
     evaluate("final")
+    run.metrics["train.tau_by_epoch"] = tau_by_epoch + [round(run.metrics["final.tau"], 4)]
+    run.metrics["train.seconds_by_epoch"] = seconds_by_epoch + [run.metrics["train.seconds"]]
     if fsdp:  # rank 0 saves a whole drafter with the trained weights gathered from every rank
         state = full_state_dict(drafter)
         if not world.main:
