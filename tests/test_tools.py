@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-NODES = ["prepare_data", "quantize_target", "qad", "train_drafter", "compress_drafter", "quality_gate",
-         "bench_speedup", "report", "figures", "merge_data"]
+# every node goes through the same entry point (qdflash.stages._app.stage): three of them, of different groups
+NODES = ["quantize_target", "train_drafter", "report"]
 
 
 @pytest.mark.parametrize("node", NODES)
