@@ -36,3 +36,21 @@ def tiny_qwen2():
     from qdflash.models import load_target
 
     return load_target("tiny-qwen2", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def varied_llama(tiny_llama):
+    """tiny-llama with its matrices (not the tied embedding) x4: the random tiny target repeats one
+    token after most prompts; this one continues them with varied tokens, which a test of exact
+    tokens needs (a served or exported stack's output compared with the target's)."""
+    import copy
+
+    import torch
+
+    target = copy.copy(tiny_llama)
+    target.model = copy.deepcopy(tiny_llama.model)
+    with torch.no_grad():
+        for name, p in target.model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(4.0)
+    return target

@@ -1,7 +1,6 @@
 """Drafter export in the DFlash format, read by z-lab's own `dflash` package (DFlashDraftModel):
 same draft logits, same drafts in its own generation loop, the target's greedy tokens."""
 
-import copy
 import json
 
 import pytest
@@ -72,19 +71,6 @@ def test_dflash_reads_the_export_with_our_draft_logits(tiny_llama, tmp_path, win
         expected = ours.draft_logits(last, ids.shape[1])[0]
         torch.testing.assert_close(dflash_block_logits(model, tiny_llama, features, last, ids.shape[1]), expected,
                                    rtol=0, atol=1e-4)
-
-
-@pytest.fixture(scope="module")
-def varied_llama(tiny_llama):
-    """tiny-llama with its matrices (not the tied embedding) x4: the random tiny target repeats one
-    token, this one continues prompts with varied tokens, which a losslessness test needs."""
-    target = copy.copy(tiny_llama)
-    target.model = copy.deepcopy(tiny_llama.model)
-    with torch.no_grad():
-        for name, p in target.model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.mul_(4.0)
-    return target
 
 
 def oracle_token(reference, prompt_len, pos):

@@ -46,11 +46,16 @@ class GenerationResult:
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
 
 
-def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Tokens [..] from logits [.., V]: argmax (temperature 0) or a sample at `temperature`."""
+def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float = 1.0) -> torch.Tensor:
+    """Tokens [..] from logits [.., V]: argmax (temperature 0) or a sample at `temperature` from the
+    smallest set of tokens whose probability reaches `top_p` (nucleus sampling; 1.0 = all)."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # the top token is always kept
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat.cpu(), 1, generator=generator).reshape(probs.shape[:-1]).to(logits.device)
 
@@ -232,6 +237,12 @@ def prompt_ids(input_ids) -> list[int]:
     return list(ids[0]) if ids and isinstance(ids[0], (list, tuple)) else ids
 
 
+def _emit(on_tokens, tokens: list[int], done: int) -> None:
+    """Hand the tokens committed since `done` to `on_tokens` (none: nothing to do)."""
+    if on_tokens is not None and len(tokens) > done:
+        on_tokens(tokens[done:])
+
+
 def _generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(0 if seed is None else seed)
@@ -239,29 +250,36 @@ def _generator(seed: int | None) -> torch.Generator:
 
 
 def autoregressive_generate(target, input_ids, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
-                            stop_strings: list[str] | None = None) -> GenerationResult:
-    """One token per target forward, with the KV / recurrent cache (the reference for speculative)."""
+                            stop_strings: list[str] | None = None, top_p: float = 1.0,
+                            on_tokens=None) -> GenerationResult:
+    """One token per target forward, with the KV / recurrent cache (the reference for speculative).
+    `on_tokens(new)`: called with each step's committed tokens (a server streams them)."""
     ids = prompt_ids(input_ids)
     generator, eos = _generator(seed), set(target.eos_token_ids)
     session = target_session(target)
     started = time.perf_counter()
     logits, _ = session.feed(ids)
-    tokens = [int(choose(logits[-1], temperature, generator))]
+    tokens = [int(choose(logits[-1], temperature, generator, top_p))]
     synchronize(target.device)
     prefill = time.perf_counter() - started
     tokens, reason = _stop(tokens, eos, stop_strings, target.tokenizer, max_new_tokens)
+    _emit(on_tokens, tokens, 0)
     while reason is None:
         logits, _ = session.feed(tokens[-1:])
-        tokens, reason = _stop(tokens + [int(choose(logits[-1], temperature, generator))], eos, stop_strings,
-                               target.tokenizer, max_new_tokens, checked=len(tokens))
+        done = len(tokens)
+        tokens, reason = _stop(tokens + [int(choose(logits[-1], temperature, generator, top_p))], eos, stop_strings,
+                               target.tokenizer, max_new_tokens, checked=done)
+        _emit(on_tokens, tokens, done)
     synchronize(target.device)
     return GenerationResult(tokens, stop_reason=reason, prefill_seconds=prefill, seconds=time.perf_counter() - started)
 
 
 def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: int, temperature: float = 0.0,
                          seed: int | None = None, stop_strings: list[str] | None = None,
-                         window: int | None = None) -> GenerationResult:
-    """DFlash speculative decoding (module docstring); `window`: the drafter's sliding window."""
+                         window: int | None = None, top_p: float = 1.0, on_tokens=None) -> GenerationResult:
+    """DFlash speculative decoding (module docstring); `window`: the drafter's sliding window;
+    `top_p`: nucleus sampling (the target's filtered distribution is what is kept exactly);
+    `on_tokens(new)`: called with each round's committed tokens (a server streams them)."""
     ids = prompt_ids(input_ids)
     generator, eos = _generator(seed), set(target.eos_token_ids)
     b = drafter.block_size
@@ -270,10 +288,11 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     started = time.perf_counter()
     logits, features = session.feed(ids)
     context.append(features, 0)
-    tokens = [int(choose(logits[-1], temperature, generator))]
+    tokens = [int(choose(logits[-1], temperature, generator, top_p))]
     synchronize(target.device)
     prefill = time.perf_counter() - started
     tokens, reason = _stop(tokens, eos, stop_strings, target.tokenizer, max_new_tokens)
+    _emit(on_tokens, tokens, 0)
     lengths: list[int] = []
     recurrent = session.has_recurrent_state()
     while reason is None:
@@ -282,7 +301,7 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
         snapshot = session.snapshot() if recurrent else None
         block = [tokens[-1], *draft.tolist()]
         logits, features = session.feed(block)
-        chosen = choose(logits, temperature, generator)  # the target's token after each block position
+        chosen = choose(logits, temperature, generator, top_p)  # the target's token after each block position
         n = accepted_prefix(draft, chosen[: b - 1])
         if n < b - 1:  # roll back what the target fed past the accepted drafts
             if recurrent:
@@ -294,7 +313,9 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
         context.append(features[: n + 1], p)
         new = [*draft[:n].tolist(), int(chosen[n])]
         lengths.append(len(new))
-        tokens, reason = _stop(tokens + new, eos, stop_strings, target.tokenizer, max_new_tokens, checked=len(tokens))
+        done = len(tokens)
+        tokens, reason = _stop(tokens + new, eos, stop_strings, target.tokenizer, max_new_tokens, checked=done)
+        _emit(on_tokens, tokens, done)
     synchronize(target.device)
     return GenerationResult(tokens, lengths, reason, prefill, time.perf_counter() - started)
 

@@ -1,0 +1,222 @@
+"""The OpenAI-compatible server (qdflash.serve) on a tiny target + untrained drafter, through the official
+`openai` client: temperature 0 gives exactly the target's greedy tokens (plain and streamed,
+completions and chat); bad requests get OpenAI-shaped 4xx and the server keeps serving; a full queue
+answers 503 (made deterministic by a generation that waits on an event)."""
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from qdflash.data.chat import render_prompt_ids
+from qdflash.drafter import init_drafter
+from qdflash.serve import Stack, build_app, selected_variant
+from qdflash.spec import autoregressive_generate, choose
+
+uvicorn = pytest.importorskip("uvicorn")
+
+PROMPT = "The quick brown fox"
+NEW = 12
+
+
+class Running:
+    """A uvicorn server of `app` in a thread on a free port; stopped by close()."""
+
+    def __init__(self, app):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def stack(varied_llama):
+    drafter = init_drafter(varied_llama, block_size=4, num_layers=1, mask_token_id=3).eval()
+    return Stack("tiny", varied_llama, drafter, window=None, mode="spec", context=256)
+
+
+@pytest.fixture(scope="module")
+def server(stack):
+    running = Running(build_app(stack, max_queue=4))
+    yield running
+    running.close()
+
+
+def reference(target, ids, n=NEW):
+    return autoregressive_generate(target, [ids], n).tokens
+
+
+def text_of(target, tokens):
+    return target.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_completions_plain_and_streamed_are_the_targets_greedy_tokens(server, stack):
+    ids = stack.target.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    expected = reference(stack.target, ids)
+    assert len(set(expected)) > 1
+    out = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0)
+    choice = out.choices[0]
+    assert choice.model_extra["token_ids"] == expected and choice.text == text_of(stack.target, expected)
+    assert out.usage.completion_tokens == NEW and out.usage.prompt_tokens == len(ids)
+    assert out.usage.model_extra["tau"] >= 1 and sum(out.usage.model_extra["acceptance_lengths"]) == NEW - 1
+    tokens, text, reasons = [], "", []
+    for chunk in server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0, stream=True):
+        tokens += chunk.choices[0].model_extra["token_ids"]
+        text += chunk.choices[0].text
+        reasons.append(chunk.choices[0].finish_reason)
+    assert tokens == expected and text == choice.text and reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    # token ids as the prompt give the same
+    again = server.client.completions.create(model="tiny", prompt=ids, max_tokens=NEW, temperature=0)
+    assert again.choices[0].model_extra["token_ids"] == expected
+
+
+def test_chat_plain_and_streamed_use_the_chat_template(server, stack):
+    messages = [{"role": "user", "content": "Write a haiku about rain."}]
+    expected = reference(stack.target, render_prompt_ids(stack.target.tokenizer, messages[0]["content"]))
+    out = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=NEW, temperature=0)
+    assert out.choices[0].model_extra["token_ids"] == expected
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == text_of(stack.target, expected)
+    stream = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=NEW, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks if c.choices), []) == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == NEW
+
+
+def test_stop_strings_cut_the_text(server, stack):
+    full = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop and full.find(stop) > 0
+    out = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0, stop=[stop])
+    assert out.choices[0].text == full[: full.find(stop)] and out.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0, stop=stop, stream=True))
+    assert streamed == out.choices[0].text
+
+
+def test_sampling_follows_the_seed(server):
+    def sample(seed):
+        return server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=1.5, top_p=0.9,
+                                                seed=seed).choices[0].model_extra["token_ids"]
+
+    assert sample(1) == sample(1)
+    assert len({tuple(sample(s)) for s in range(2, 6)}) > 1
+
+
+def test_top_p_keeps_the_nucleus_only():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    g = torch.Generator().manual_seed(0)
+    # the top token holds ~64% of the mass: top_p 0.5 keeps it alone, 0.8 the top two
+    assert {int(choose(logits, 1.0, g, top_p=0.5)) for _ in range(50)} == {0}
+    assert {int(choose(logits, 1.0, g, top_p=0.8)) for _ in range(200)} == {0, 1}
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, stack):
+    c = server.client
+    with pytest.raises(openai.NotFoundError) as err:
+        c.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="tiny", prompt=PROMPT, max_tokens=-1)
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="tiny", prompt="word " * 300, max_tokens=4)
+    assert err.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"best_of": 3})
+    assert "best_of" in err.value.body["message"]
+    raw = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    out = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0)
+    ids = stack.target.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    assert out.choices[0].model_extra["token_ids"] == reference(stack.target, ids)
+
+
+class Gated(Stack):
+    """A stack whose generation waits until the test opens the gate: the queue fills deterministically."""
+
+    gate: threading.Event = None
+
+    def generate(self, *args, **kwargs):
+        assert self.gate.wait(60)
+        return super().generate(*args, **kwargs)
+
+
+def test_a_full_queue_answers_503_and_then_serves(stack):
+    gated = Gated("tiny", stack.target, stack.drafter, context=256)
+    gated.gate = threading.Event()
+    app = build_app(gated, max_queue=2)
+    running = Running(app)
+    try:
+        results = []
+
+        def ask():
+            results.append(running.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0))
+
+        threads = []
+        for admitted in (1, 2):  # one decoding (held at the gate), one waiting
+            threads.append(threading.Thread(target=ask))
+            threads[-1].start()
+            deadline = time.monotonic() + 60
+            while app.state.scheduler.admitted < admitted:
+                assert time.monotonic() < deadline, "request was not admitted"
+                time.sleep(0.01)
+        with pytest.raises(openai.InternalServerError) as err:
+            running.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0)
+        assert err.value.status_code == 503 and err.value.body["code"] == "queue_full"
+        gated.gate.set()
+        for t in threads:
+            t.join(60)
+        assert len(results) == 2 and all(len(r.choices[0].model_extra["token_ids"]) == 3 for r in results)
+        assert httpx.get(f"{running.url}/health").json()["admitted"] == 0
+        running.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
+    finally:
+        gated.gate.set()
+        running.close()
+
+
+def test_hf_baseline_mode_gives_the_same_greedy_tokens(varied_llama):
+    running = Running(build_app(Stack("base", varied_llama, mode="hf", context=256)))
+    try:
+        ids = varied_llama.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+        out = running.client.completions.create(model="base", prompt=PROMPT, max_tokens=NEW, temperature=0)
+        assert out.choices[0].model_extra["token_ids"] == reference(varied_llama, ids)
+    finally:
+        running.close()
+
+
+def test_selected_variant_reads_the_summary(tmp_path):
+    from qdflash.errors import QdflashError
+
+    (tmp_path / "tables").mkdir()
+    header = "variant,target,target_bits,drafter,drafter_bits,window,passes_gates,selected\n"
+    (tmp_path / "tables" / "summary.csv").write_text(header + "a+b+win256,qad_x,4,gptq_w4g64,4,256,1,1\nc,qad_x,4,stage2,16,,1,0\n")
+    chosen = selected_variant(tmp_path)
+    assert chosen == {"variant": "a+b+win256", "window": 256, "target": tmp_path / "target/qad_x/model",
+                      "drafter": tmp_path / "drafter/gptq_w4g64/drafter"}
+    (tmp_path / "tables" / "summary.csv").write_text(header + "c,qad_x,4,stage2,16,,0,0\n")
+    with pytest.raises(QdflashError, match="found 0"):
+        selected_variant(tmp_path)
