@@ -1,10 +1,10 @@
-"""The `qdflash` command: `qdflash serve ...` (qdflash.serve)."""
+"""The `qdflash` command: `qdflash serve ...` (qdflash.serve), `qdflash latency ...` (qdflash.bench_latency)."""
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = {"serve": "qdflash.serve"}
+COMMANDS = {"serve": "qdflash.serve", "latency": "qdflash.bench_latency"}
 
 
 def main(argv: list[str] | None = None) -> None:
