@@ -134,3 +134,25 @@ def test_export_refuses_what_dflash_cannot_represent(tiny_llama, tmp_path):
     with pytest.raises(QdflashError, match="window=3 is smaller than block_size=4"):
         export_dflash(drafter_for(tiny_llama), tiny_llama, tmp_path / "b", window=3)
     assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+def test_export_command_writes_the_selected_variants_drafter(tiny_llama, tmp_path):
+    """python -m qdflash.drafter.export --results: the selected row's drafter, with its window (the
+    export_drafter rule's command)."""
+    from qdflash.drafter import save_drafter
+    from qdflash.drafter.export import main
+
+    results = tmp_path / "results"
+    tiny_llama.model.save_pretrained(results / "target" / "qad_x" / "model")
+    tiny_llama.tokenizer.save_pretrained(results / "target" / "qad_x" / "model")
+    drafter = drafter_for(tiny_llama)
+    save_drafter(drafter, results / "drafter" / "stage2" / "drafter")
+    (results / "tables").mkdir()
+    (results / "tables" / "summary.csv").write_text(
+        "variant,target,target_bits,drafter,drafter_bits,window,passes_gates,selected\n"
+        "qad_x+stage2+win8,qad_x,4,stage2,16,8,1,1\nqad_x+stage2+winnone,qad_x,4,stage2,16,,1,0\n")
+    main(["--results", str(results), "--out", str(tmp_path / "out"), "--dtype", "float32"])
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["sliding_window"] == 8 and config["qdflash"]["variant"] == "qad_x+stage2+win8"
+    model = load_dflash(tmp_path / "out")
+    assert torch.equal(model.fc.weight, drafter.fc.weight)

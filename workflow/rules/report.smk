@@ -52,3 +52,25 @@ rule figures:
     resources: **rule_resources("figures")
     shell:
         "{params.python} -m qdflash.stages.figures {params.args} > {log} 2>&1"
+
+
+rule export_drafter:
+    """The selected variant's drafter in the DFlash checkpoint format (qdflash.drafter.export), which
+    z-lab's dflash, vLLM and SGLang load. Not part of `all`: a report may select no variant (the CPU
+    profiles' tiny targets pass no gate), and then this rule fails saying so."""
+    input:
+        tables=TABLES,
+        target=QAD_MAIN,
+        drafters=[STAGE2, *DRAFTER_VARIANTS],
+    output:
+        directory(f"{RESULTS}/export/drafter-dflash"),
+    log:
+        log_file("export_drafter"),
+    conda:
+        ENV
+    params:
+        python=PYTHON,
+        results=lambda wc, input: os.path.dirname(input.tables),  # the experiment folder the tables are of
+    resources: **rule_resources("export_drafter")
+    shell:
+        "{params.python} -m qdflash.drafter.export --results {params.results} --out {output} > {log} 2>&1"

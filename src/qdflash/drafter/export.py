@@ -166,4 +166,51 @@ def export_dflash(drafter: Drafter, target, out_dir, *, window: int | None = Non
     return out_dir
 
 
+def main(argv: list[str] | None = None) -> None:
+    """python -m qdflash.drafter.export --results R --out O (the selected variant's drafter), or
+    --target T --drafter D [--window W] --out O; --dtype of the dense tensors (default bfloat16)."""
+    import argparse
+    import sys
+
+    from ..models import load_target
+    from .model import load_drafter
+
+    p = argparse.ArgumentParser(prog="python -m qdflash.drafter.export", description="a drafter in the DFlash checkpoint format")
+    p.add_argument("--results", help="an experiment folder: export its selected variant's drafter (with its window)")
+    p.add_argument("--target", help="or: the target the drafter was trained for (preset, folder)")
+    p.add_argument("--drafter", help="and the drafter folder (drafter/<name>/drafter)")
+    p.add_argument("--window", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16", help="the dense tensors' dtype (bfloat16, float16, float32)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    try:
+        extra = {}
+        if args.results:
+            from ..serve import selected_variant
+
+            chosen = selected_variant(args.results)
+            target_path, drafter_path = chosen["target"], chosen["drafter"]
+            window = chosen["window"] if args.window is None else args.window
+            extra["variant"] = chosen["variant"]
+        elif args.target and args.drafter:
+            target_path, drafter_path, window = args.target, args.drafter, args.window
+        else:
+            raise QdflashError("export: give --results, or --target and --drafter")
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise QdflashError(f"export: --dtype {args.dtype!r} is not a torch floating dtype (bfloat16, float16, float32)")
+        target = load_target(str(target_path), device="cpu", dtype="float32")
+        drafter = load_drafter(drafter_path, target)
+        extra.update(target=str(target_path), drafter=str(drafter_path))
+        out = export_dflash(drafter, target, args.out, window=window, dtype=dtype, extra=extra)
+    except QdflashError as err:
+        print(f"\nqdflash export failed: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {out} (DFlash format: dflash.DFlashDraftModel.from_pretrained, vLLM / SGLang speculators)")
+
+
 __all__ = ["ARCHITECTURE", "check_exportable", "dflash_config", "dflash_module_name", "dflash_state_dict", "export_dflash"]
+
+
+if __name__ == "__main__":
+    main()
