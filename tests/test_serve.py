@@ -220,3 +220,17 @@ def test_selected_variant_reads_the_summary(tmp_path):
     (tmp_path / "tables" / "summary.csv").write_text(header + "c,qad_x,4,stage2,16,,0,0\n")
     with pytest.raises(QdflashError, match="found 0"):
         selected_variant(tmp_path)
+
+
+def test_serve_command_says_what_is_wrong(tmp_path, capsys):
+    from qdflash import cli, serve
+
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["serve", "--results", str(tmp_path)])
+    assert exit.value.code == 2 and "tables/summary.csv not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        serve.main(["--target", "tiny-llama", "--mode", "spec", "--device", "cpu"])
+    assert exit.value.code == 2 and "needs a drafter" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["nope"])
+    assert exit.value.code == 2 and "usage: qdflash" in capsys.readouterr().err

@@ -136,6 +136,8 @@ def load_stack(*, results=None, target=None, drafter=None, window=None, mode="sp
         window = chosen["window"] if window is None else window
     if target is None:
         raise QdflashError("serve: nothing to serve; give --results <experiment folder> or --target <preset or path>")
+    if mode == "spec" and drafter is None:  # said before minutes of loading
+        raise QdflashError("serve: mode 'spec' needs a drafter (--drafter or --results); use --mode ar or hf without one")
     loaded = load_target(str(target), dtype=dtype, device=device)
     draft = load_drafter(drafter, loaded).eval() if drafter is not None and mode == "spec" else None
     stack = Stack(name or Path(str(target)).name, loaded, draft, window, mode, context)
