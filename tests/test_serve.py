@@ -234,3 +234,22 @@ def test_serve_command_says_what_is_wrong(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["nope"])
     assert exit.value.code == 2 and "usage: qdflash" in capsys.readouterr().err
+
+
+def test_engine_path_serves_the_same_tokens(varied_llama):
+    """--engine: the lean target engine and the static drafter (the GPU speed path) give the same tokens."""
+    from qdflash.serve import _build_engines
+
+    drafter = init_drafter(varied_llama, block_size=4, num_layers=1, mask_token_id=3).eval()
+    stack = Stack("fast", varied_llama, drafter, context=128)
+    _build_engines(stack)
+    running = Running(build_app(stack))
+    try:
+        assert varied_llama.engine is not None and drafter.engine is not None
+        ids = varied_llama.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+        out = running.client.completions.create(model="fast", prompt=PROMPT, max_tokens=NEW, temperature=0)
+        varied_llama.engine = None  # the reference on transformers' forward
+        assert out.choices[0].model_extra["token_ids"] == reference(varied_llama, ids)
+    finally:
+        varied_llama.engine = drafter.engine = None  # a session fixture: leave it as found
+        running.close()
