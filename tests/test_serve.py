@@ -113,6 +113,17 @@ def test_stop_strings_cut_the_text(server, stack):
     streamed = "".join(c.choices[0].text for c in server.client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0, stop=stop, stream=True))
     assert streamed == out.choices[0].text
+    # chat: while a possible stop string holds text back, the rounds' token ids wait with it (none lost)
+    messages = [{"role": "user", "content": "Write a haiku about rain."}]
+    full = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=NEW, temperature=0)
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2: len(text) // 2 + 4]
+    # the long second stop never matches, but its length holds the first rounds' text back
+    args = dict(model="tiny", messages=messages, max_tokens=NEW, temperature=0, stop=[stop, "#" * 30])
+    cut = server.client.chat.completions.create(**args)
+    chunks = [c for c in server.client.chat.completions.create(**args, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut.choices[0].message.content == text[: text.find(stop)]
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == cut.choices[0].model_extra["token_ids"]
 
 
 def test_sampling_follows_the_seed(server):

@@ -495,6 +495,7 @@ def build_app(stack: Stack, max_queue: int = 8):
                 choice["text"] = delta_text or ""
             return sse({"id": rid, "object": obj, "created": created, "model": stack.name, "choices": [choice]})
 
+        held: list[int] = []  # chat: token ids of rounds that released no text yet go with the next chunk
         try:
             if chat:
                 yield chunk(None, [], first=True)
@@ -502,14 +503,16 @@ def build_app(stack: Stack, max_queue: int = 8):
                 kind, value = await job.events.get()
                 if kind == "tokens":
                     piece = detok.add(value)
+                    held += value
                     if piece or not chat:
-                        yield chunk(piece, value)
+                        yield chunk(piece, held)
+                        held = []
                     continue
                 if kind == "error":
                     yield sse(value.body())
                     break
                 rest = detok.add([], final=True)
-                yield chunk(rest if rest or not chat else None, [], finish_reason(value, detok))
+                yield chunk(rest if rest or not chat else None, held, finish_reason(value, detok))
                 use = usage(job.params, value, job)
                 log_request(rid, use, value)
                 if job.params.include_usage:
