@@ -1,5 +1,6 @@
 """Batched generation on the lean engine (qdflash.engine.batched): row for row the batch-1 output,
-greedy and seeded sampling, with rows of different lengths that stop early and slots refilled."""
+greedy and seeded sampling, with rows of different lengths that stop early and slots refilled
+(llama, Qwen2 and the Qwen3.5 hybrid, whose Gated DeltaNet state is per row)."""
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def early_stops(references, rows=(0, 3, 6), at=(2, 7, 12)):
     return {references[r][k] for r, k in zip(rows, at)}
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen"])
 def test_batched_greedy_equals_batch1_row_for_row(fixture, request):
     target = request.getfixturevalue(fixture)
     batch = prompts(0, 11)
@@ -46,7 +47,7 @@ def test_batched_greedy_equals_batch1_row_for_row(fixture, request):
     assert stats.new_tokens == sum(map(len, expected))
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen"])
 def test_batched_sampling_equals_keyed_batch1_sampling(fixture, request):
     """Each prompt's sample depends on (seed, key, step) only: the engine's batch with refills gives
     what transformers' generate with KeyedSampler gives that prompt alone."""

@@ -261,12 +261,13 @@ BACKENDS = ("auto", "engine", "transformers")
 
 def resolve_backend(target, backend: str, max_len: int):
     """("engine", its engine) where batched generation on the lean engine can run, else
-    ("transformers", None). `auto`: the engine on a GPU where the target's family has one (on the CPU
-    transformers' generate is kept: the engine is not faster there for small batches, and a batch of
-    this project's CPU sizes is small); `engine`: the engine or an error saying why not."""
+    ("transformers", None). `auto`: the engine wherever the target's family has a batched one (on the
+    GPU for its CUDA graphs; on the CPU too, where it was measured faster than transformers' generate
+    at the default and ci profiles' batches: results/published/2026-12-01-h200-generate/PROVENANCE.md), else
+    transformers; `engine`: the engine or an error saying why not."""
     if backend not in BACKENDS:
         raise QdflashError(f"data.generation.backend = {backend!r}: expected one of {', '.join(BACKENDS)}")
-    if backend == "transformers" or (backend == "auto" and target.device.type != "cuda"):
+    if backend == "transformers":
         return "transformers", None
     from ..engine import build_engine
     from ..engine.batched import batched_supported
@@ -274,7 +275,7 @@ def resolve_backend(target, backend: str, max_len: int):
     try:
         engine = build_engine(target, max_len=max_len)
         if not batched_supported(engine):
-            raise QdflashError(f"batched generation runs llama-layout engines, not {type(engine).__name__} yet")
+            raise QdflashError(f"no batched generation for {type(engine).__name__}")
     except QdflashError as err:
         if backend == "engine":
             raise

@@ -6,12 +6,17 @@
 The model code is a few hundred lines with nothing between the math and the tensors: fused q/k/v and
 gate/up projections, one static KV cache written in place (a rollback is a change of length: no copy),
 so that the decode step and the verify block can later be captured as CUDA graphs. Families: llama
-(`llama.py`) and the Qwen3.5 hybrid (`qwen3_5.py`: Gated DeltaNet with per-position recurrent states
-kept during a verify, so a rollback restores the exact state without feeding tokens again). Others
-get a clear error, and `qdflash.spec` then runs transformers' forward.
+and Qwen2 (`llama.py`; Qwen2 adds q/k/v biases) and the Qwen3.5 hybrid (`qwen3_5.py`: Gated DeltaNet
+with per-position recurrent states kept during a verify, so a rollback restores the exact state
+without feeding tokens again). Others get a clear error, and `qdflash.spec` then runs transformers'
+forward.
+
+`batched.BatchGenerator` runs the same weights over many rows at once (self-distillation data:
+continuous batching, one CUDA graph per batch bucket), for all three families.
 """
 
+from .batched import BatchGenerator
 from .llama import LeanLlama, build_engine
 from .qwen3_5 import LeanQwen35
 
-__all__ = ["LeanLlama", "LeanQwen35", "build_engine"]
+__all__ = ["BatchGenerator", "LeanLlama", "LeanQwen35", "build_engine"]

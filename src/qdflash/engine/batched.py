@@ -22,8 +22,10 @@ Sampling is `data.generate.sample_keyed`: each prompt's tokens depend on (seed, 
 exactly as transformers' generate with `KeyedSampler` draws them, so batching, refilling and
 sharding change nothing. Greedy decoding is the argmax of the same logits batch-1 decoding gets.
 
-Llama-layout engines (llama, Qwen2). The Qwen3.5 hybrid (per-row Gated DeltaNet state) is not
-batched yet: `batched_supported` says which engines are.
+Llama-layout engines (llama, Qwen2) and the Qwen3.5 hybrid: its Gated DeltaNet layers keep a
+recurrent state and a rolling conv input per row (`LeanQwen35.delta_net_rows`, the torch recurrence
+on every device), zeroed when a slot is refilled; a hybrid prompt is prefilled one row at a time
+(right padding would run the recurrence over pad tokens).
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from tqdm.auto import tqdm
 from ..data.generate import Generation, GenerationStats, Sampling, cut_at_stop, sample_keyed
 from ..errors import QdflashError
 from .llama import LeanLlama, rows_attention
+from .qwen3_5 import LeanQwen35
 
 
 def batched_supported(engine) -> bool:
-    return isinstance(engine, LeanLlama)
+    return isinstance(engine, (LeanLlama, LeanQwen35))
 
 
 def buckets(largest: int, smallest: int) -> list[int]:
@@ -56,7 +59,7 @@ class BatchGenerator:
                  sampling: Sampling, seed: int = 0, prefill_tokens: int = 8192, sync_every: int = 8,
                  cuda_graphs: bool | None = None, smallest_batch: int = 8, smallest_len: int = 128):
         if not batched_supported(engine):
-            raise QdflashError(f"batched generation runs llama-layout engines; not {type(engine).__name__} yet")
+            raise QdflashError(f"batched generation runs llama-layout and Qwen3.5 engines; not {type(engine).__name__}")
         if max_len > engine.max_len:
             raise QdflashError(f"batched max_len {max_len} > the engine's rope tables ({engine.max_len} positions)")
         self.engine, self.rows, self.max_len = engine, rows, max_len
@@ -65,9 +68,17 @@ class BatchGenerator:
         device, e = engine.device, engine
         self.device = device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        shape = (len(e.layers), rows, e.kv_heads, max_len, e.head_dim)
-        self.k_cache = torch.zeros(shape, device=device, dtype=e.dtype)
-        self.v_cache = torch.zeros(shape, device=device, dtype=e.dtype)
+        self.hybrid = isinstance(engine, LeanQwen35)
+        types = e.types if self.hybrid else ["full_attention"] * len(e.layers)
+        shape = (rows, e.kv_heads, max_len, e.head_dim)
+        self.k_cache = {i: torch.zeros(shape, device=device, dtype=e.dtype) for i, t in enumerate(types) if t == "full_attention"}
+        self.v_cache = {i: torch.zeros(shape, device=device, dtype=e.dtype) for i in self.k_cache}
+        self.conv_state, self.state = {}, {}  # Gated DeltaNet layers: per row
+        for i, t in enumerate(types):
+            if t == "linear_attention":
+                la = e.layers[i]["la"]
+                self.conv_state[i] = torch.zeros(rows, la.conv_kernel_size - 1, la.conv_dim, device=device, dtype=e.dtype)
+                self.state[i] = torch.zeros(rows, *e.state[i].shape, device=device)
         self.eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
         # per-slot state, read and written in place by the captured step
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)   # last token, not yet fed
@@ -99,9 +110,15 @@ class BatchGenerator:
             return rows_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len,
                                   kernel=self.kernel_attention)
 
-        h, _ = self.engine.decoder(self.tokens[:b, None], positions, attend)
+        h, _ = self.engine.decoder(self.tokens[:b, None], positions, attend, **self._mix(slice(0, b)))
         nxt = sample_keyed(self.engine.head(h[:, -1]), self.keys[:b], self.steps[:b], self.sampling, self.seed)
         self._record(self.slot_ids[:b], nxt)
+
+    def _mix(self, rows: slice) -> dict:
+        """The hybrid decoder's Gated DeltaNet layers over these slots' states (views: updated in place)."""
+        if not self.hybrid:
+            return {}
+        return {"mix": lambda i, w, x: self.engine.delta_net_rows(i, w, x, self.conv_state[i][rows], self.state[i][rows])}
 
     def _record(self, index: torch.Tensor, nxt: torch.Tensor) -> None:
         """Slots `index` take their sampled tokens `nxt`; stopped rows keep everything as it was."""
@@ -126,9 +143,10 @@ class BatchGenerator:
 
             # warm-up and capture run the step for real: keep the state, and let them write KV only
             # where the real step will (each row's own position, the same token)
-            saved = [t.clone() for t in (self.tokens, self.pos, self.steps, self.done, self.out)]
+            state = [self.tokens, self.pos, self.steps, self.done, self.out, *self.conv_state.values(), *self.state.values()]
+            saved = [t.clone() for t in state]  # (recurrent states too: a step reads them before writing)
             self.graphs[key] = capture(lambda: self._decode(b, attend_len), 2, self.device, self._pool)[0]
-            for t, s in zip((self.tokens, self.pos, self.steps, self.done, self.out), saved):
+            for t, s in zip(state, saved):
                 t.copy_(s)
         self.graphs[key].replay()
 
@@ -138,7 +156,7 @@ class BatchGenerator:
         return sum(p.nbytes for p in e.projections()) + e.lm_head.numel() * e.lm_head.element_size()
 
     def kv_bytes_per_position(self) -> int:
-        return self.k_cache[:, 0, :, 0].numel() * 2 * self.k_cache.element_size()
+        return sum(c[0, :, 0].numel() * 2 * c.element_size() for c in self.k_cache.values())
 
     # ------------------------------------------------------------------ prefill (eager, chunked)
 
@@ -146,7 +164,10 @@ class BatchGenerator:
     def _prefill(self, slots: list[int], prompts: list[list[int]], keys: list[int]) -> None:
         """Fill `slots` with new prompts: KV of every prompt token, first token sampled (step 0)."""
         device, e = self.device, self.engine
-        per_call = max(1, self.prefill_tokens // max(len(p) for p in prompts))
+        per_call = 1 if self.hybrid else max(1, self.prefill_tokens // max(len(p) for p in prompts))
+        for s in slots:  # a new sequence: zero recurrent state and conv history
+            for t in (*self.conv_state.values(), *self.state.values()):
+                t[s].zero_()
         for first in range(0, len(slots), per_call):
             group, batch = slots[first : first + per_call], prompts[first : first + per_call]
             lengths = torch.tensor([len(p) for p in batch], device=device)
@@ -165,7 +186,8 @@ class BatchGenerator:
                 def attend(i, q, k, v):
                     return rows_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, end, rows)
 
-                h, _ = e.decoder(ids[:, start:end], positions, attend)
+                mix = self._mix(slice(group[0], group[0] + 1)) if self.hybrid else {}  # hybrid: one row per call
+                h, _ = e.decoder(ids[:, start:end], positions, attend, **mix)
                 ends_here = ((lengths - 1 >= start) & (lengths - 1 < end)).nonzero()[:, 0]
                 if ends_here.numel():  # the LM head only where a prompt ends (not over every token)
                     last[ends_here] = e.head(h[ends_here, lengths[ends_here] - 1 - start])
@@ -245,9 +267,8 @@ class BatchGenerator:
         low_free = [s for s in range(len(running)) if occupant[s] is None]
         high = [s for s in running if s >= len(running)]
         for dst, src in zip(low_free, high):
-            for cache in (self.k_cache, self.v_cache):
-                cache[:, dst].copy_(cache[:, src])
-            for t in (self.tokens, self.pos, self.steps, self.keys, self.done, self.out):
+            for t in (*self.k_cache.values(), *self.v_cache.values(), *self.conv_state.values(), *self.state.values(),
+                      self.tokens, self.pos, self.steps, self.keys, self.done, self.out):
                 t[dst] = t[src]
             self.done[src] = True
             occupant[dst], occupant[src] = occupant[src], None

@@ -31,10 +31,10 @@ def recurrence_torch(q, k, v, g, beta, state, states=None):
     if states is not None:
         states[0].copy_(s)
     out = torch.empty(*v.shape, device=v.device, dtype=torch.float32)
-    for t in range(k.shape[0]):
-        s = s * g[t].exp()[:, None, None]
-        delta = (v[t] - (s * k[t][..., None]).sum(-2)) * beta[t][:, None]
-        s = s + k[t][..., None] * delta[:, None, :]
+    for t in range(k.shape[0]):  # time first; any leading dims after it (batched rows: [T, B, H, d])
+        s = s * g[t].exp()[..., None, None]
+        delta = (v[t] - (s * k[t][..., None]).sum(-2)) * beta[t][..., None]
+        s = s + k[t][..., None] * delta[..., None, :]
         out[t] = (s * q[t][..., None]).sum(-2)
         if states is not None:
             states[t + 1].copy_(s)
@@ -108,16 +108,15 @@ class LeanQwen35(EngineBase):
     def _rope(self, x, cos, sin):
         return torch.cat([apply_rope(x[..., : self.rot], cos, sin), x[..., self.rot :]], dim=-1)
 
-    def _attention(self, i, w, x, positions, cos, sin, attend_len, exact):
-        t = x.shape[0]
+    def _attention(self, i, w, x, cos, sin, attend):
+        *lead, t, _ = x.shape
         q_size, kv_size = self.heads * 2 * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = w["qkv"](x).split([q_size, kv_size, kv_size], dim=-1)
-        q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self._rope(w["q_norm"](q).transpose(0, 1), cos, sin)
-        k = self._rope(w["k_norm"](k.view(t, self.kv_heads, self.head_dim)).transpose(0, 1), cos, sin)
-        v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-        out = cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact)
-        return w["o"](out * torch.sigmoid(gate.reshape(t, -1)))
+        q, gate = q.view(*lead, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self._rope(w["q_norm"](q).transpose(-3, -2), cos, sin)
+        k = self._rope(w["k_norm"](k.view(*lead, t, self.kv_heads, self.head_dim)).transpose(-3, -2), cos, sin)
+        v = v.view(*lead, t, self.kv_heads, self.head_dim).transpose(-3, -2)
+        return w["o"](attend(i, q, k, v) * torch.sigmoid(gate.reshape(*lead, t, -1)))
 
     def _delta_net(self, i, w, x, positions):
         la, t = w["la"], x.shape[0]
@@ -127,14 +126,7 @@ class LeanQwen35(EngineBase):
         rows = positions[0] + self.conv_offsets[: t + kernel - 1]  # the block and the kernel-1 inputs before it
         window = self.conv_in[i][rows.clamp(min=0)] * (rows >= 0)[:, None]  # zero history before the sequence start
         mixed = F.silu(F.conv1d(window.T[None], w["conv"], groups=la.conv_dim)[0].T)
-        q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
-        rep = la.num_v_heads // la.num_k_heads
-        q = l2norm(q.reshape(t, la.num_k_heads, la.head_k_dim).float()).repeat_interleave(rep, 1) / la.head_k_dim ** 0.5
-        k = l2norm(k.reshape(t, la.num_k_heads, la.head_k_dim).float()).repeat_interleave(rep, 1)
-        v = v.reshape(t, la.num_v_heads, la.head_v_dim).float()
-        b, a = w["ba"](x).float().split([la.num_v_heads, la.num_v_heads], dim=-1)
-        beta = torch.sigmoid(b)
-        g = w["decay"] * F.softplus(a + w["dt_bias"])
+        q, k, v, g, beta = self._gdn_inputs(w, mixed, x)
         states = self.block_states[i] if t <= self.max_block else None
         if self.kernels:
             from ..kernels.gated_delta import gated_delta_recurrence
@@ -142,24 +134,70 @@ class LeanQwen35(EngineBase):
             out = gated_delta_recurrence(q, k, v, g, beta, self.state[i], states)
         else:
             out = recurrence_torch(q, k, v, g, beta, self.state[i], states)
-        z = z.reshape(t, la.num_v_heads, la.head_v_dim)
-        return w["out"](la.norm(out.to(x.dtype), z).reshape(t, -1))  # gated RMSNorm: norm(out) * silu(z)
+        return self._gdn_out(w, out, z)
+
+    def _gdn_inputs(self, w, mixed, x):
+        """q, k, v [..., T, heads, d] (fp32; q scaled), decay g and beta [..., T, heads] of the conv output."""
+        la = w["la"]
+        lead = mixed.shape[:-1]
+        q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
+        rep = la.num_v_heads // la.num_k_heads
+        q = l2norm(q.reshape(*lead, la.num_k_heads, la.head_k_dim).float()).repeat_interleave(rep, -2) / la.head_k_dim ** 0.5
+        k = l2norm(k.reshape(*lead, la.num_k_heads, la.head_k_dim).float()).repeat_interleave(rep, -2)
+        v = v.reshape(*lead, la.num_v_heads, la.head_v_dim).float()
+        b, a = w["ba"](x).float().split([la.num_v_heads, la.num_v_heads], dim=-1)
+        return q, k, v, w["decay"] * F.softplus(a + w["dt_bias"]), torch.sigmoid(b)
+
+    def _gdn_out(self, w, out, z):
+        la = w["la"]
+        lead = z.shape[:-1]
+        z = z.reshape(*lead, la.num_v_heads, la.head_v_dim)
+        return w["out"](la.norm(out.to(z.dtype), z).reshape(*lead, -1))  # gated RMSNorm: norm(out) * silu(z)
+
+    def delta_net_rows(self, i, w, x, conv_state, state):
+        """The Gated DeltaNet layer for a batch of rows (`engine.batched`): x [B, T, hidden], each
+        row's rolling conv input of its last kernel-1 positions `conv_state` [B, kernel-1, conv_dim]
+        and recurrent `state` [B, heads, dk, dv], both updated in place (no rollback: no per-position
+        copies). Zeroed, they are a sequence start (the zero history the batch-1 path masks in)."""
+        la = w["la"]
+        t = x.shape[1]
+        mixed_in, z = w["qkvz"](x).split([la.conv_dim, la.value_dim], dim=-1)
+        window = torch.cat([conv_state, mixed_in], dim=1)  # [B, kernel-1+T, conv_dim]
+        conv_state.copy_(window[:, t:])
+        mixed = F.silu(F.conv1d(window.transpose(1, 2), w["conv"], groups=la.conv_dim).transpose(1, 2))
+        q, k, v, g, beta = self._gdn_inputs(w, mixed, x)
+        out = recurrence_torch(*(a.transpose(0, 1) for a in (q, k, v, g, beta)), state).transpose(0, 1)
+        return self._gdn_out(w, out, z)
 
     def _step(self, ids, positions, attend_len, layer_ids, exact=False):
+        def attend(i, q, k, v):
+            return cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact)
+
+        def mix(i, w, x):
+            return self._delta_net(i, w, x, positions)
+
+        h, features = self.decoder(ids, positions, attend, layer_ids, mix)
+        return self.head(h), features
+
+    def decoder(self, ids, positions, attend, layer_ids=None, mix=None):
+        """LeanLlama.decoder's contract, plus `mix(layer, weights, x)`: the Gated DeltaNet layers (the
+        batch-1 path's per-position states, or the batched rows' states)."""
         dtype = self.dtype
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self.cos[positions].unsqueeze(-3), self.sin[positions].unsqueeze(-3)  # broadcast over heads
         h = F.embedding(ids, self.embed).to(self.residual_dtype)  # fp32 residual stream: EngineBase says why
         features = {}
         for i, w in enumerate(self.layers):
             x = w["norm1"](h).to(dtype)  # the model's norm computes in fp32 and returns its input's dtype
             if self.types[i] == "linear_attention":
-                h = h + self._delta_net(i, w, x, positions)
+                h = h + mix(i, w, x)
             else:
-                h = h + self._attention(i, w, x, positions, cos, sin, attend_len, exact)
+                h = h + self._attention(i, w, x, cos, sin, attend)
             x = w["norm2"](h).to(dtype)
             gate, up = w["w13"](x).chunk(2, dim=-1)
             h = h + w["w2"](F.silu(gate) * up)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
-        logits = dense_linear(self.final_norm(h).to(dtype), self.lm_head, self.kernels)
-        return logits, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)
+        return h, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)
+
+    def head(self, h):
+        return dense_linear(self.final_norm(h).to(self.dtype), self.lm_head, self.kernels)

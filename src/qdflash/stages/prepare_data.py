@@ -130,9 +130,10 @@ def split_metrics(run: NodeRun, split: str, items: list[PromptItem], gens: list[
     run.log({f"{split}/tokens_per_s": stats.tokens_per_s, f"{split}/new_tokens": stats.new_tokens})
 
 
-def measure_speed(cfg: DictConfig, target: Target, prompts: list[list[int]], run: NodeRun) -> None:
-    """Plain `generate` (fixed batch, file order, dynamic cache) vs this node's settings, on the same
-    prompts, in this process, one after the other (the model is already warm from the real run)."""
+def measure_speed(cfg: DictConfig, target: Target, prompts: list[list[int]], run: NodeRun, generate) -> None:
+    """Plain `generate` (fixed batch, file order, dynamic cache) vs this node's settings (`generate`:
+    its backend, engine or transformers), on the same prompts, in this process, one after the other
+    (the model is already warm from the real run)."""
     gen = cfg.data.generation
     subset = prompts[: gen.measure_speed.n_prompts]
     common = dict(
@@ -143,10 +144,7 @@ def measure_speed(cfg: DictConfig, target: Target, prompts: list[list[int]], run
         target.model, subset, batch_size=gen.measure_speed.baseline_batch_size, sort_by_length=False,
         desc="speed: plain generate", **common,
     )
-    _, ours = generate_batched(
-        target.model, subset, batch_size=gen.batch_size, sort_by_length=True,
-        static_cache_len=_static_len(cfg), desc="speed: prepare_data settings", **common,
-    )
+    _, ours = generate(subset, sampling=common["sampling"], seed=gen.seed, keys=None, desc="speed: prepare_data settings")
     run.metrics["speed.prompts"] = len(subset)
     run.metrics["speed.plain_generate.batch_size"] = gen.measure_speed.baseline_batch_size
     run.metrics["speed.plain_generate.tokens_per_s"] = round(plain.tokens_per_s, 1)
@@ -230,7 +228,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         split_metrics(run, split, items, gens, stats)
 
     if gen.measure_speed.enabled and train:
-        measure_speed(cfg, target, [prompt_ids[i.id] for i in train], run)
+        measure_speed(cfg, target, [prompt_ids[i.id] for i in train], run, generate)
 
 
 if __name__ == "__main__":
