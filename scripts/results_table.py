@@ -7,7 +7,7 @@ FOLDER is an experiment's results tree, or its published copy: tables/{summary,q
 tables/metrics.json, bench/speedup_winnone/metrics.json. The row is the selected variant: the
 fastest that passes every gate with no mismatch bug. When none qualifies, it is the fastest
 window-less variant, marked "none selected". The row gives its τ, tokens/s, speedups and its
-target's gate verdicts. Below it come the reference numbers of ../shared/RECIPE.md, for comparison
+target's gate verdicts. Below it come the reference numbers of docs/recipe.md, for comparison
 only, and a sentence on what differs. `--readme` replaces what stands between the lines
 `<!-- results-table:start -->` and `<!-- results-table:end -->`.
 """
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
-# ../shared/RECIPE.md, "Competition contract" and "Anchors": other setups, quoted for comparison
+# docs/recipe.md, "Competition contract" and "Anchors": other setups, quoted for comparison
 ANCHORS = [
     ("the paper: Qwen3.5-4B, quantized target + drafter, one A10G", "6.978× (average of 3 length categories, against its harness's baseline)", "all passed"),
     ("DFlash, Qwen3-4B drafter, B200 (τ 3.10–6.63)", "2.23–5.26× (Alpaca … HumanEval)", ""),
@@ -178,7 +178,7 @@ def table(folder: Path, model: str | None = None) -> str:
         *(["", caveat] if (caveat := compile_caveat(folder, row)) else []),
         *(["", agreement(folder)] if agreement(folder) else []),
         "",
-        "For comparison (../shared/RECIPE.md; other models, GPUs and baselines):",
+        "For comparison (docs/recipe.md; other models, GPUs and baselines):",
         "",
         "| setup | speedup | gates |",
         "|---|---|---|",

@@ -419,7 +419,7 @@ def test_drafter_scaling_study_on_ci(tmp_path):
 
 def test_slurm_profile_dry_run_lists_every_job_with_its_resources(tmp_path):
     """The qwen3.5-4b profile through the SLURM executor profile (dry run: no cluster needed):
-    every rule with RECIPE.md's resources, the multi-GPU training rules launched by torchrun."""
+    every rule with docs/recipe.md's resources, the multi-GPU training rules launched by torchrun."""
     pytest.importorskip("snakemake_executor_plugin_slurm")
     out = snakemake(tmp_path, "--profile", str(REPO_ROOT / "workflow" / "profiles" / "slurm"), "-n", "-p",
                     "--config", "profile=qwen3.5-4b")

@@ -1,4 +1,4 @@
-"""compressed-tensors pack-quantized export (DESIGN.md "Contracts"): round trips, the library's own
+"""compressed-tensors pack-quantized export (docs/design.md "Contracts"): round trips, the library's own
 decompressor, the dense twin, tied embeddings, Gated DeltaNet layers kept 16-bit, and clear errors."""
 
 import copy

@@ -3,7 +3,7 @@
     python scripts/gpu/bench_components.py --out $OUT/components.json          # the H200
     python scripts/gpu/bench_components.py --shape tiny --reps 3                # the CPU: the code path only
 
-Speed does not depend on weight values, so the target is built from RECIPE.md's text config with
+Speed does not depend on weight values, so the target is built from docs/recipe.md's text config with
 random weights, on the GPU (no download). Measured, each a CUDA graph replayed at a fixed position
 after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
 - the target's decode step (1 token) and verify block (`--block` tokens), 16-bit and W4A16 (RTN, the
@@ -47,7 +47,7 @@ from qdflash.quant.grid import GridSpec
 from qdflash.tracking import environment
 
 SHAPES = {
-    # RECIPE.md: the Qwen3.5-4B text config (4.21 B parameters with the tied head)
+    # docs/recipe.md: the Qwen3.5-4B text config (4.21 B parameters with the tied head)
     "qwen3.5-4b": dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
                        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,

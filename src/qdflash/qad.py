@@ -21,7 +21,7 @@ from .quant.quantlinear import QuantLinear
 
 def pack_sequences(examples: list[dict], seq_len: int, loss_on: str = "all") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Concatenate tokenized conversations into rows of `seq_len` tokens (the last partial row is
-    dropped). The mask marks tokens whose prediction is trained: every token ("all", RECIPE.md) or
+    dropped). The mask marks tokens whose prediction is trained: every token ("all", docs/recipe.md) or
     only assistant tokens ("assistant")."""
     if loss_on not in ("all", "assistant"):
         raise ValueError(f"qad.loss_on={loss_on!r}: expected all or assistant")

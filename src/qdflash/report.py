@@ -1,4 +1,4 @@
-"""The experiment's tables (DESIGN.md contract: results/{experiment}/tables/{quality,speed,training,summary}.csv)
+"""The experiment's tables (docs/design.md contract: results/{experiment}/tables/{quality,speed,training,summary}.csv)
 and the selection of the fastest variant that passes every gate.
 
 A *variant* is what a user would deploy: the speculative method on the quantized target (its target

@@ -1,4 +1,4 @@
-"""Autoregressive and DFlash speculative generation, batch 1 (DESIGN.md contract).
+"""Autoregressive and DFlash speculative generation, batch 1 (docs/design.md contract).
 
     autoregressive_generate(target, input_ids, max_new_tokens, temperature=0.0, seed=None)
     speculative_generate(target, drafter, input_ids, max_new_tokens, temperature=0.0, seed=None)

@@ -1,6 +1,6 @@
 """Prompt sources: ShareGPT (chat), GSM8K (math), MMLU (knowledge), HumanEval (code).
 
-A source resolves, in this order (DESIGN.md contract), from
+A source resolves, in this order (docs/design.md contract), from
 1. an explicit path (file or folder) given in the config,
 2. ``$QDFLASH_DATA_DIR/<source>/``,
 3. ``../shared/data/<source>/`` beside the checkout, when it exists,

@@ -1,4 +1,4 @@
-"""The block-diffusion training layout as pure functions (RECIPE.md "drafter training").
+"""The block-diffusion training layout as pure functions (docs/recipe.md "drafter training").
 
 For each anchor position a of a sequence, a block of B tokens is drafted: [x_a, MASK x (B-1)].
 Block position k (1..B-1) predicts token a+k. A block sees the target's features of the context
@@ -112,7 +112,7 @@ def acceptance_lengths(draft: torch.Tensor, target: torch.Tensor) -> torch.Tenso
 
 
 def default_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
-    """Evenly spaced from 1 to L-3 (RECIPE.md: [1, 8, 15, 22, 29] for 32 layers)."""
+    """Evenly spaced from 1 to L-3 (docs/recipe.md: [1, 8, 15, 22, 29] for 32 layers)."""
     last = max(1, num_target_layers - 3)
     if count <= 1:
         return [1]

@@ -1,5 +1,5 @@
 """Drafter compression: every linear of a trained drafter (`fc` included) onto a W-bit integer grid,
-by RTN or GPTQ (RECIPE.md "drafter compression").
+by RTN or GPTQ (docs/recipe.md "drafter compression").
 
 GPTQ needs the inputs each layer sees at inference. A drafter's inputs are not token ids but the
 target's hidden states (through `fc`) and blocks of [anchor token, mask x (B-1)], so calibration runs

@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter (RECIPE.md "drafter").
+"""The DFlash block-diffusion drafter (docs/recipe.md "drafter").
 
 A few non-causal Qwen3-style layers at the target's hidden size. The target's hidden states of the
 layers `target_layer_ids` are concatenated -> `fc` -> RMSNorm: these *context features* are injected
@@ -266,7 +266,7 @@ def _quantized_layers(drafter: Drafter, quant: dict, state: dict, path: Path) ->
 
 
 def init_drafter(target, **config_overrides) -> Drafter:
-    """An untrained drafter for `target`, seeded (contract in DESIGN.md)."""
+    """An untrained drafter for `target`, seeded (contract in docs/design.md)."""
     cfg = config_for_target(target, **config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -309,7 +309,7 @@ def save_drafter(drafter: Drafter, path: str | Path) -> None:
 
 
 def load_drafter(path: str | Path, target) -> Drafter:
-    """Load a drafter saved by save_drafter and bind it to `target` (contract in DESIGN.md)."""
+    """Load a drafter saved by save_drafter and bind it to `target` (contract in docs/design.md)."""
     from safetensors.torch import load_file
 
     path = Path(path)

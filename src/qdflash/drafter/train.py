@@ -1,4 +1,4 @@
-"""Training and teacher-forced acceptance of the DFlash drafter (RECIPE.md "drafter training").
+"""Training and teacher-forced acceptance of the DFlash drafter (docs/recipe.md "drafter training").
 
 Target hidden states are computed online by a frozen target forward. All blocks of one sequence are
 drafted in one drafter forward: their queries are concatenated and `blocks.block_attention_mask`

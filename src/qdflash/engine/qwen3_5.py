@@ -2,7 +2,7 @@
 
 Gated DeltaNet layers run the recurrent form token by token and keep the recurrent state after every
 position of the last block fed (up to `max_block` tokens), so a rollback to any accepted prefix
-restores the exact state without feeding anything again (RECIPE.md: "keep per-position states during
+restores the exact state without feeding anything again (docs/recipe.md: "keep per-position states during
 verify"). Their causal-conv inputs live in a per-position buffer like a KV cache, so a rollback there
 is a change of length too. Every cache is a fixed buffer updated in place and positions are a tensor,
 so a decode step and a verify block can be captured as CUDA graphs (`qdflash.engine.graphs`).

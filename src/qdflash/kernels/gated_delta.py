@@ -11,7 +11,7 @@ Per value head h, with the state S [dk, dv] (fp32) and for each token t in order
 slice of one head's state in registers for all T tokens, so a 16-token verify block is one launch per
 layer instead of ~10 small kernels per token. With `states` given, the state after each position is
 written to states[t + 1] (states[0] = the state before the block): a rejected draft is rolled back by
-copying one of them, with no token fed again (RECIPE.md: "keep per-position states during verify").
+copying one of them, with no token fed again (docs/recipe.md: "keep per-position states during verify").
 A decode step (T = 1) and a verify block run the same per-token arithmetic, so their outputs agree
 bit for bit.
 """

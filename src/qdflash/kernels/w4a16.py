@@ -2,7 +2,7 @@
 
 Why a kernel of our own: at batch 1 a decode step reads every weight once, so time = bytes / bandwidth
 and 4-bit weights should be ~3.5x cheaper than bf16. torch's built-in int4 op (tinygemm) is fast at
-M = 1 but 3x slower than bf16 at M = 16, the size of a speculative verify block (DESIGN.md). Here the
+M = 1 but 3x slower than bf16 at M = 16, the size of a speculative verify block (docs/design.md). Here the
 weight tile is loaded and unpacked once and multiplied with all (2-16) rows by one `tl.dot`, so 16
 rows cost about what 1 row costs: the kernel stays bound by the weight bytes. One row (a decode step)
 has a GEMV kernel of its own (`_w4a16_gemv_kernel`): FMAs with few instructions per weight byte.

@@ -19,7 +19,7 @@ from .quantlinear import QuantizedWeight, QuantLinear
 
 log = logging.getLogger(__name__)
 
-# RECIPE.md: 16-bit stay the embeddings / LM head, norms (not linears), Gated DeltaNet in_proj_a,
+# docs/recipe.md: 16-bit stay the embeddings / LM head, norms (not linears), Gated DeltaNet in_proj_a,
 # in_proj_b and conv1d (a Conv1d, not a Linear), and a vision tower if the checkpoint has one.
 DEFAULT_EXCLUDE = ("lm_head", "*embed*", "*.in_proj_a", "*.in_proj_b", "*visual*", "*vision*")
 

@@ -1,6 +1,6 @@
 """Export / import of quantized targets in the compressed-tensors `pack-quantized` format.
 
-DESIGN.md "Contracts": a quantized target is a folder that vLLM and SGLang load as W{bits}A16:
+docs/design.md "Contracts": a quantized target is a folder that vLLM and SGLang load as W{bits}A16:
 
     out_dir/
       config.json          model config (`architectures` always set) + `quantization_config`

@@ -1,6 +1,6 @@
 """The integer grid: pure functions (no modules, no state), so each can be unit-tested.
 
-Conventions (RECIPE.md "target quant"): weights ``w [out, in]`` are split into groups of
+Conventions (docs/recipe.md "target quant"): weights ``w [out, in]`` are split into groups of
 ``group_size`` consecutive input columns (``group_size = -1``: one group per output channel).
 - symmetric: ints in [-2^(b-1), 2^(b-1) - 1] (4-bit: [-8, 7]), scale = amax / (2^(b-1) - 1) (= amax/7),
   no zero point: w ≈ q * scale;
@@ -110,7 +110,7 @@ def in_range_mask(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | Non
 
 def ste_fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: GridSpec) -> torch.Tensor:
     """Straight-through estimator with clipping: forward = fake_quantize(w); backward = identity where
-    w is inside the grid's range and zero where it is clipped (RECIPE.md: zero gradient where |w| > amax)."""
+    w is inside the grid's range and zero where it is clipped (docs/recipe.md: zero gradient where |w| > amax)."""
     fq = fake_quantize(w.detach(), scale, zero, spec)
     mask = in_range_mask(w.detach(), scale, zero, spec).to(w.dtype)
     return fq + (w - w.detach()) * mask

@@ -8,7 +8,7 @@ the offline data: `mmlu` (the MMLU items reserved for gates; multiple choice, lo
 qdflash.evaluation.ifeval; per item the fraction of its instructions followed, strict), and, behind
 `allow_code_execution: true`, `humaneval` (the answers' code run against the tests). Any other
 task key names one of lm-eval's standard tasks (`lm_eval_task: mmlu_pro`, with its metric, filter,
-shots): the Hub path, for users who have it (the qwen3.5-4b profile: RECIPE.md's gates).
+shots): the Hub path, for users who have it (the qwen3.5-4b profile: docs/recipe.md's gates).
 
 Two modes, so the 16-bit target is evaluated once per DAG run and not once per variant:
 - `variant=null`: the 16-bit target's per-item scores -> `scores.json` (the reference);
@@ -77,7 +77,7 @@ class LocalTask:
 LOCAL_TASKS = {
     "mmlu": LocalTask(write_mmlu_task, False, (), floor=0.25),  # 4 options
     "gsm8k": LocalTask(write_gsm8k_task, True, ("max_gen_toks",)),
-    # RECIPE.md's IFEval gate is instruction-level strict accuracy: per item, the share of its instructions followed
+    # docs/recipe.md's IFEval gate is instruction-level strict accuracy: per item, the share of its instructions followed
     "ifeval": LocalTask(write_ifeval_task, True, ("max_gen_toks",), metric="inst_level_strict_acc"),
     # runs the model's code: only with gates.tasks.humaneval.allow_code_execution: true (the writer refuses otherwise)
     "humaneval": LocalTask(write_humaneval_task, True, ("max_gen_toks", "allow_code_execution"), metric="pass_at_1"),
