@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import random
 import sys
@@ -25,6 +24,7 @@ import types
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from ..data.jsonl import read_jsonl_lines
 from ..errors import QdflashError, SourceNotFound
 from ..paths import shared_data_dir
 from .tasks import greedy_generation, scoring_module, write_task
@@ -84,22 +84,15 @@ def load_ifeval_items(path: str | Path | None = None) -> list[dict]:
     file and line: a silently dropped prompt would change what the gate measures."""
     file = ifeval_data_file(path)
     items = []
-    with open(file) as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise QdflashError(f"{file}, line {line_no}: not valid JSON ({err.msg})") from None
-            missing = [field for field in FIELDS if not isinstance(row, dict) or field not in row]
-            if missing:
-                raise QdflashError(f"{file}, line {line_no}: missing {', '.join(missing)} "
-                                   f"(each IFEval row needs {', '.join(FIELDS)})")
-            if len(row["kwargs"]) != len(row["instruction_id_list"]):
-                raise QdflashError(f"{file}, line {line_no}: {len(row['instruction_id_list'])} instructions but "
-                                   f"{len(row['kwargs'])} kwargs (one dict per instruction is expected)")
-            items.append({field: row[field] for field in FIELDS})
+    for line_no, row in read_jsonl_lines(file):  # not UTF-8 / not a JSON object: an error naming the line
+        missing = [field for field in FIELDS if field not in row]
+        if missing:
+            raise QdflashError(f"{file}, line {line_no}: missing {', '.join(missing)} "
+                               f"(each IFEval row needs {', '.join(FIELDS)})")
+        if len(row["kwargs"]) != len(row["instruction_id_list"]):
+            raise QdflashError(f"{file}, line {line_no}: {len(row['instruction_id_list'])} instructions but "
+                               f"{len(row['kwargs'])} kwargs (one dict per instruction is expected)")
+        items.append({field: row[field] for field in FIELDS})
     if not items:
         raise QdflashError(f"{file} holds no IFEval prompts")
     return items
