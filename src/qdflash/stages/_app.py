@@ -37,22 +37,24 @@ def stage(name: str) -> Callable[[Callable[[DictConfig, NodeRun], None]], Callab
                 teardown()
 
         def entry() -> None:
+            overrides = {key: value for key, _, value in (a.lstrip("+~").partition("=") for a in sys.argv[1:])}
+
+            def refuse(reason: str) -> None:
+                print(f"\nqdflash {name} failed: {reason}", file=sys.stderr)
+                sys.exit(2)
+
             # Hydra writes into its run dir before the body runs, and the node renames that folder to
             # out_dir: a folder that already exists (a user's) must not become it (qdflash.tracking)
-            for arg in sys.argv[1:]:
-                key, _, value = arg.lstrip("+~").partition("=")
-                if key == "hydra.run.dir" and value and Path(value).expanduser().exists():
-                    print(f"\nqdflash {name} failed: hydra.run.dir={value} already exists; the run folder is a fresh "
-                          f"staging folder renamed to out_dir on success. Leave hydra.run.dir at its default.", file=sys.stderr)
-                    sys.exit(2)
+            run_dir = overrides.get("hydra.run.dir")
+            if run_dir and Path(run_dir).expanduser().exists():
+                refuse(f"hydra.run.dir={run_dir} already exists; the run folder is a fresh staging folder renamed "
+                       "to out_dir on success. Leave hydra.run.dir at its default.")
             # out_dir is mandatory (???) and Hydra resolves its run dir from it before any code of ours
             # runs: without it Hydra fails inside its own error formatting, naming no key
             asks_for_help = any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--cfg") for a in sys.argv[1:])
-            if not asks_for_help and not any(a.lstrip("+~").partition("=")[0] == "out_dir" for a in sys.argv[1:]):
-                print(f"\nqdflash {name} failed: out_dir=<folder> is required (the folder the node writes its "
-                      f"outputs to), e.g. python -m qdflash.stages.{name} out_dir=results/by-hand/{name} ...; "
-                      f"every key: python -m qdflash.stages.{name} --cfg job", file=sys.stderr)
-                sys.exit(2)
+            if not asks_for_help and "out_dir" not in overrides:
+                refuse(f"out_dir=<folder> is required (the folder the node writes its outputs to), e.g. python -m "
+                       f"qdflash.stages.{name} out_dir=results/by-hand/{name} ...; every key: python -m qdflash.stages.{name} --cfg job")
             if not world().main:  # under torchrun: Hydra's own folder for ranks > 0 goes to scratch, not beside out_dir
                 sys.argv += [f"hydra.run.dir={tempfile.mkdtemp(prefix=f'qdflash-hydra-rank{world().rank}-')}",
                              "hydra.output_subdir=null"]
