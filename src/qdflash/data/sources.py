@@ -44,6 +44,9 @@ class PromptItem:
     prompt: str
     eval_item: bool = False
     reference: str | None = None  # gold answer where the source has one (used by the gates)
+    # the later user turns of a conversation (ShareGPT), in order: the data stage may answer them turn
+    # by turn (data.max_turns); they are not part of the prompt's identity (id, content_key)
+    followups: tuple[str, ...] = ()
 
 
 @dataclass
@@ -114,7 +117,16 @@ def _sharegpt_rows(conversations, file: Path) -> tuple[list[PromptItem], int]:
                                "(expected {'conversations': [{'from': ..., 'value': ...}, ...]})")
         prompt = str(turns[0].get("value") or "").strip() if turns and turns[0].get("from") == "human" else ""
         if prompt:
-            items.append(_item("sharegpt", "chat", prompt, eval_item=False))
+            item = _item("sharegpt", "chat", prompt, eval_item=False)
+            # the human turns after the first, up to the first empty one (the conversation stops there)
+            for turn in turns[1:]:
+                if turn.get("from") != "human":
+                    continue
+                text = str(turn.get("value") or "").strip()
+                if not text:
+                    break
+                item.followups += (text,)
+            items.append(item)
         else:
             skipped += 1
     return items, skipped

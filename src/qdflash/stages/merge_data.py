@@ -70,7 +70,9 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             run.metrics[f"{split}.{key}"] = round(sum(m.get(f"{split}.{key}", 0) for m in metrics), 3)
         # shards run side by side or one after another: report the sum of per-shard generation time
         run.metrics[f"{split}.shard_tokens_per_s"] = [m.get(f"{split}.tokens_per_s", 0) for m in metrics]
-    run.metrics["train.mean_response_tokens"] = round(run.metrics["train.new_tokens"] / max(run.metrics["train.prompts"], 1), 2)
+    # multi-turn data (data.max_turns > 1) have more answers than prompts; single-turn shards have one each
+    run.metrics["train.answers"] = sum(m.get("train.answers", m.get("train.prompts", 0)) for m in metrics)
+    run.metrics["train.mean_response_tokens"] = round(run.metrics["train.new_tokens"] / max(run.metrics["train.answers"], 1), 2)
 
 
 if __name__ == "__main__":

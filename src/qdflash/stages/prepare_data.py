@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import validate_section
 from ..data.chat import render_prompt_ids, training_example
+from ..data.conversation import Conversation, answer_conversations
 from ..data.generate import Generation, GenerationStats, Sampling, generate_batched, generate_on_engine, resolve_backend
 from ..data.jsonl import write_jsonl
 from ..data.sources import LoadedSource, PromptItem, load_source
@@ -159,14 +160,67 @@ def measure_speed(cfg: DictConfig, target: Target, prompts: list[list[int]], run
     )
 
 
-def _static_len(cfg: DictConfig) -> int | None:
-    gen = cfg.data.generation
-    return cfg.data.max_prompt_tokens + gen.max_new_tokens if gen.static_cache else None
+def _static_len(cfg: DictConfig, max_len: int) -> int | None:
+    return max_len if cfg.data.generation.static_cache else None
 
 
 def prompt_key(item_id: str) -> int:
     """The sampling key of a prompt: its id hashed to 60 bits (same prompt, same samples, any shard)."""
     return int(hashlib.sha256(item_id.encode()).hexdigest()[:15], 16)
+
+
+def turn_key(item_id: str, turn: int) -> int:
+    """The sampling key of a conversation's turn: turn 1 is the prompt's own key (single-turn data
+    are the first turns of multi-turn data), later turns key on (id, turn)."""
+    return prompt_key(item_id if turn == 1 else f"{item_id}#turn-{turn}")
+
+
+def total_stats(parts: list[GenerationStats]) -> GenerationStats:
+    total = GenerationStats()
+    for part in parts:
+        total.prompts += part.prompts
+        total.new_tokens += part.new_tokens
+        total.padded_slots += part.padded_slots
+        total.seconds += part.seconds
+    return total
+
+
+def conversation_records(items: list[PromptItem], convs: list[Conversation], target: Target):
+    """train.jsonl rows (every turn's messages; `response` is the first answer, as in single-turn
+    data) and train.tokens.jsonl rows (the whole sequence, loss on every answer)."""
+    rows, tokenized = [], []
+    eos = set(target.eos_token_ids)
+    for item, conv in zip(items, convs):
+        answers = [target.tokenizer.decode([t for t in a.token_ids if t not in eos], skip_special_tokens=True) for a in conv.answers]
+        messages = []
+        for user, answer in zip(conv.users, answers):
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        rows.append({
+            "id": item.id, "source": item.source, "category": item.category, "messages": messages,
+            "response": answers[0], "finish_reason": conv.answers[0].finish_reason,
+            "n_prompt_tokens": conv.prompt_tokens, "n_response_tokens": sum(len(a.token_ids) for a in conv.answers),
+            "turns": len(conv.answers), "n_tokens": len(conv.input_ids), "decoding": "sampled",
+        })
+        tokenized.append({"id": item.id, "input_ids": conv.input_ids, "loss_mask": conv.loss_mask})
+    return rows, tokenized
+
+
+def conversation_metrics(run: NodeRun, convs: list[Conversation], turn_stats: list[GenerationStats], max_turns: int) -> None:
+    """How far the conversations went: answers per turn, sequence lengths, why each one stopped."""
+    lengths = sorted(len(c.input_ids) for c in convs)
+    run.metrics["train.max_turns"] = max_turns
+    run.metrics["train.answers"] = sum(len(c.answers) for c in convs)
+    for turn, stats in enumerate(turn_stats, start=1):
+        run.metrics[f"train.turn.{turn}.answers"] = stats.prompts
+        run.metrics[f"train.turn.{turn}.new_tokens"] = stats.new_tokens
+    if lengths:
+        run.metrics["train.sequence_tokens.mean"] = round(sum(lengths) / len(lengths), 1)
+        run.metrics["train.sequence_tokens.median"] = lengths[len(lengths) // 2]
+        run.metrics["train.sequence_tokens.max"] = lengths[-1]
+        run.metrics["train.sequences_over_2048_tokens"] = sum(n > 2048 for n in lengths)
+    if max_turns > 1:
+        for reason, count in sorted(Counter(c.stopped for c in convs).items()):
+            run.metrics[f"train.stopped.{reason}"] = count
 
 
 @stage("prepare_data")
@@ -199,7 +253,13 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         raise QdflashError("no prompts selected: every source is empty, skipped or has n_train = n_heldout = 0")
     log.info("selected %d training and %d held-out prompts", len(train), len(heldout))
 
+    max_turns = int(data.get("max_turns", 1))
+    # one turn: prompt + answer; more: the conversation's whole sequence (data.max_sequence_tokens)
     max_len = data.max_prompt_tokens + gen.max_new_tokens
+    if max_turns > 1:
+        if data.get("max_sequence_tokens") is None:
+            raise QdflashError(f"data.max_turns={max_turns} needs data.max_sequence_tokens (the longest conversation, in tokens)")
+        max_len = max(max_len, int(data.max_sequence_tokens))
     backend, engine = resolve_backend(target, gen.get("backend", "auto"), max_len)
     run.metrics.update({"generation.backend": backend, "generation.batch_size": int(gen.batch_size)})
     log.info("generating with %s (batch %d)", "the lean engine" if engine else "transformers' generate", gen.batch_size)
@@ -212,20 +272,27 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         def generate(prompts, **kwargs):
             return generate_batched(target.model, prompts, pad_id=target.tokenizer.pad_token_id, eos_ids=target.eos_token_ids,
                                     max_new_tokens=gen.max_new_tokens, batch_size=gen.batch_size,
-                                    static_cache_len=_static_len(cfg), **kwargs)
-    splits = (
-        ("train", train, Sampling(gen.temperature, gen.top_p, gen.top_k), "sampled"),
-        ("heldout", heldout, Sampling(0.0), "greedy"),
+                                    static_cache_len=_static_len(cfg, max_len), **kwargs)
+    # training answers: whole conversations, turn by turn (data.max_turns; 1 = the first turn only)
+    sampled = Sampling(gen.temperature, gen.top_p, gen.top_k)
+    convs, turn_stats = answer_conversations(
+        train, prompt_ids, generate, tokenizer=target.tokenizer, max_turns=max_turns, max_sequence_tokens=max_len,
+        max_new_tokens=gen.max_new_tokens, sampling=sampled, seed=gen.seed, key_of=turn_key,
+        accept_user=lambda text: not data.english_only or mostly_ascii(text), template_kwargs=template_kwargs,
+        desc="train (sampled)",
     )
-    for split, items, sampling, decoding in splits:
-        gens, stats = generate(
-            [prompt_ids[i.id] for i in items], sampling=sampling, seed=gen.seed,
-            keys=[prompt_key(i.id) for i in items], desc=f"{split} ({decoding})",
-        )
-        rows, tokenized = records(items, prompt_ids, gens, target, decoding)
-        write_jsonl(run.dir / f"{split}.jsonl", rows)
-        write_jsonl(run.dir / f"{split}.tokens.jsonl", tokenized)
-        split_metrics(run, split, items, gens, stats)
+    rows, tokenized = conversation_records(train, convs, target)
+    write_jsonl(run.dir / "train.jsonl", rows)
+    write_jsonl(run.dir / "train.tokens.jsonl", tokenized)
+    split_metrics(run, "train", train, [a for c in convs for a in c.answers], total_stats(turn_stats))
+    conversation_metrics(run, convs, turn_stats, max_turns)
+    # held-out answers: first turns, greedy (what teacher-forced acceptance and the benchmark read)
+    gens, stats = generate([prompt_ids[i.id] for i in heldout], sampling=Sampling(0.0), seed=gen.seed,
+                           keys=[prompt_key(i.id) for i in heldout], desc="heldout (greedy)")
+    rows, tokenized = records(heldout, prompt_ids, gens, target, "greedy")
+    write_jsonl(run.dir / "heldout.jsonl", rows)
+    write_jsonl(run.dir / "heldout.tokens.jsonl", tokenized)
+    split_metrics(run, "heldout", heldout, gens, stats)
 
     if gen.measure_speed.enabled and train:
         measure_speed(cfg, target, [prompt_ids[i.id] for i in train], run, generate)

@@ -1,0 +1,227 @@
+"""The drafter recipe on the Qwen2.5-Coder-0.5B-Instruct target, measured on the H200 (issue 21):
+multi-turn self-distilled data, stage-1 training for several epochs with tau-hat after each, and
+greedy speculative decoding against this project's autoregressive decoding, batch 1.
+
+Every step runs the real node (prepare_data, train_drafter) with the `gpu` profile's overrides
+(qdflash.config.node_overrides) and the study's settings below on top, so a later profile with these
+settings reproduces it; the benchmark uses qdflash.bench as bench_speedup does. Steps (each fits one
+device call; the folder ROOT survives between calls while the machine stays warm):
+
+    python scripts/gpu/study_drafter.py data ROOT                       # the 16-bit target's answers
+    python scripts/gpu/study_drafter.py probe ROOT                      # training sequences per second
+    python scripts/gpu/study_drafter.py train ROOT NAME --epochs 4 --budget-s 480   # sized by the probe
+    python scripts/gpu/study_drafter.py bench ROOT NAME                 # tau, speedup, mismatches
+
+`train` trains on as many examples as `epochs` passes fit in `budget-s` seconds at the probe's rate
+(all of them if they fit; `--max-examples` fixes the number instead). Results: ROOT/<step>/ (each
+node's folder) and ROOT/study.json (one entry per step), copied to $OUT when it is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "src"))
+
+from qdflash.config import node_overrides  # noqa: E402
+
+# the study's settings over the gpu profile (config/config.yaml): Qwen target, multi-turn answers,
+# long training sequences, several epochs
+STUDY = {
+    "model": "qwen2.5-coder-0.5b",
+    "data": {
+        "sources": {
+            "sharegpt": {"n_train": 12000, "n_heldout": 128, "optional": False, "path": None},
+            "gsm8k": {"n_train": 7000, "n_heldout": 64, "optional": False, "path": None},
+            "mmlu": {"n_train": 6000, "n_heldout": 64, "optional": False, "path": None},
+            "humaneval": {"n_train": 0, "n_heldout": 64, "optional": False, "path": None},
+        },
+        "max_prompt_tokens": 1024,
+        "max_turns": 4,
+        "max_sequence_tokens": 3072,
+        "generation": {"max_new_tokens": 384, "batch_size": 1024, "prefill_tokens": 32768, "static_cache": False},
+    },
+    "drafter": {"num_layers": 2, "block_size": 16},
+    "drafter_train": {"batch_size": 16, "anchors_per_seq": 128, "max_length": 3072, "lr": 6.0e-4, "warmup_ratio": 0.04,
+                      "gamma": 7.0, "eval_every": 1000000, "eval_anchors_per_seq": 64, "heldout_samples": 256,
+                      "cache_features": False, "attention": "sdpa"},
+}
+PROBE_STEPS = 40
+# `--rehearse`: the same steps on the CPU at toy sizes (tiny-qwen2), before device time is spent
+REHEARSAL = {
+    "model": "tiny-qwen2", "device": "cpu", "dtype": "float32",
+    "data": {"sources": {"sharegpt": {"n_train": 8, "n_heldout": 4}, "gsm8k": {"n_train": 4, "n_heldout": 2},
+                         "mmlu": {"n_train": 4, "n_heldout": 2}, "humaneval": {"n_heldout": 2}},
+             "max_prompt_tokens": 256, "max_sequence_tokens": 400, "generation": {"max_new_tokens": 24, "batch_size": 8}},
+    "drafter_train": {"batch_size": 2, "anchors_per_seq": 8, "max_length": 256, "eval_anchors_per_seq": 8, "heldout_samples": 4},
+    "drafter": {"block_size": 4},
+}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def study_config() -> dict:
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["profile"] = "gpu"
+    config["experiment"] = "study"
+    config["profiles"]["gpu"] = merge(config["profiles"]["gpu"], STUDY)
+    return config
+
+
+def record(root: Path, step: str, entry: dict) -> None:
+    path = root / "study.json"
+    study = json.loads(path.read_text()) if path.is_file() else {}
+    study[step] = entry
+    path.write_text(json.dumps(study, indent=1))
+    if os.environ.get("OUT"):
+        shutil.copy2(path, Path(os.environ["OUT"]) / "study.json")
+    print(json.dumps({step: entry}, indent=1), flush=True)
+
+
+def run_node(root: Path, node: str, out: Path, sections: list[str], extra: dict, timeout: float | None = None) -> dict:
+    """One node with the study's overrides; its log beside it (and in $OUT); its metrics.json."""
+    args = node_overrides(study_config(), node, out, sections, extra)
+    log = root / f"{out.name}.log"
+    cmd = [sys.executable, "-m", f"qdflash.stages.{node}", *args]
+    print(" ".join(cmd), flush=True)
+    started = time.perf_counter()
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            code = proc.wait()
+    wall = time.perf_counter() - started
+    if os.environ.get("OUT"):
+        shutil.copy2(log, Path(os.environ["OUT"]) / log.name)
+    print(f"{node} -> {out}: exit {code} after {wall:.1f} s", flush=True)
+    if code != 0:
+        print(log.read_text()[-4000:], flush=True)
+        raise SystemExit(code)
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["study.wall_s"] = round(wall, 1)
+    return metrics
+
+
+def step_data(root: Path, _args) -> None:
+    m = run_node(root, "prepare_data", root / "data", ["data"], {})
+    keep = {k: v for k, v in m.items() if k.startswith(("train.", "heldout.", "generation.", "study.", "model."))}
+    record(root, "data", keep)
+
+
+def step_probe(root: Path, _args) -> None:
+    m = run_node(root, "train_drafter", root / "probe", ["drafter", "drafter_train"],
+                 {"stage": 1, "data_dir": str(root / "data"), "drafter_train.steps": PROBE_STEPS, "drafter_train.epochs": None,
+                  "drafter_train.heldout_samples": 16})
+    # the first step compiles / allocates: the rate is of the other steps
+    steady = m["train.seconds"] - m.get("train.first_step_seconds", 0.0)
+    per_s = (PROBE_STEPS - 1) * m["train.batch_size"] / max(steady, 1e-9)
+    record(root, "probe", {"sequences_per_s": round(per_s, 2), "train.seconds": m["train.seconds"],
+                           "first_step_seconds": m.get("train.first_step_seconds"), "examples": m["train.examples"],
+                           "tokens": m["train.tokens"], "study.wall_s": m["study.wall_s"]})
+
+
+def step_train(root: Path, args) -> None:
+    study = json.loads((root / "study.json").read_text())
+    examples = study["probe"]["examples"]
+    if args.max_examples:
+        n = min(args.max_examples, examples)
+    else:
+        n = min(examples, int(args.budget_s * study["probe"]["sequences_per_s"] / args.epochs))
+    extra = {"stage": 1, "data_dir": str(root / "data"), "drafter_train.epochs": args.epochs,
+             "drafter_train.max_examples": n, "drafter.num_layers": args.layers}
+    m = run_node(root, "train_drafter", root / args.name, ["drafter", "drafter_train"], extra)
+    keep = {k: v for k, v in m.items() if k.startswith(("train.", "final.", "drafter.", "study."))
+            and k not in ("train.loss_curve",)}
+    keep["train.loss_curve_every_50"] = m["train.loss_curve"][::50]
+    record(root, f"train.{args.name}", keep)
+
+
+def step_bench(root: Path, args) -> None:
+    import torch
+
+    from qdflash import bench
+    from qdflash.drafter import load_drafter
+    from qdflash.drafter.static import DrafterEngine
+    from qdflash.engine import build_engine
+    from qdflash.models import load_target
+
+    dtype = args.dtype
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = load_target(STUDY["model"], dtype=dtype, device=device)
+    drafter = load_drafter(root / args.name / "drafter", target)
+    tok = target.tokenizer
+    data = root / "data"
+    cases = bench.category_cases(data, tok, args.per_category, args.max_new_tokens)
+    cases += bench.bucket_cases(data, tok, [[args.long, args.max_new_tokens]], target.config.max_position_embeddings, True)
+    longest = max(len(c.ids) + c.max_new_tokens for c in cases) + drafter.block_size + 1
+    target.engine = build_engine(target, max_len=longest)
+    if device == "cuda":  # as bench_speedup: tuned kernels, decode steps and verify blocks as CUDA graphs
+        target.engine.tune_kernels()
+        target.engine.capture([1], None)
+        target.engine.capture([1, drafter.block_size], drafter.config.target_layer_ids)
+    drafter.engine = DrafterEngine(drafter, max_len=longest)
+    drafter.engine.capture(None)
+    methods = {"ar16": bench.ar(target), "spec16": bench.spec(target, drafter, None)}
+    results = bench.run_interleaved(methods, cases, warmup=2)
+    fp32 = target.dtype == torch.float32
+    out = {"dtype": str(target.dtype), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "prompts": len(cases),
+           "block_size": drafter.block_size, "drafter": args.name}
+    groups = {"all": None, "chat+math+code": ("chat", "math", "code"), **{c.label: (c.label,) for c in cases}}
+    for label, members in groups.items():
+        keep = [members is None or c.label in members for c in cases]
+        if not any(keep):
+            continue
+        ar, sp = results["ar16"].subset(keep), results["spec16"].subset(keep)
+        check = bench.compare(target, [c for c, k in zip(cases, keep) if k], ar, sp, fp32)
+        tau = sum(sp.acceptance) / max(len(sp.acceptance), 1)
+        speedup = sp.tokens_per_s / max(ar.tokens_per_s, 1e-9)
+        out[label] = {"prompts": sum(keep), "tokens": sp.tokens, "ar16.tokens_per_s": round(ar.tokens_per_s, 1),
+                      "spec16.tokens_per_s": round(sp.tokens_per_s, 1), "tau": round(tau, 3),
+                      "speedup_vs_ar16": round(speedup, 3), "round_cost_in_ar_steps": round(tau / max(speedup, 1e-9), 3),
+                      "mismatches": check["mismatches"], "mismatch_bugs": check["mismatch_bugs"],
+                      "divergence_margins": check["divergence_margins"],
+                      "tau_histogram": [sp.acceptance.count(k) for k in range(1, drafter.block_size + 1)]}
+    record(root, f"bench.{args.name}.{dtype}", out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step", choices=["data", "probe", "train", "bench"])
+    parser.add_argument("root", type=Path)
+    parser.add_argument("name", nargs="?", default="stage1")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--budget-s", type=float, default=480)
+    parser.add_argument("--max-examples", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=STUDY["drafter"]["num_layers"])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--per-category", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--long", type=int, default=2048, help="the long prompt's tokens (and the filler prompt's)")
+    parser.add_argument("--rehearse", action="store_true", help="toy sizes on the CPU (tiny-qwen2)")
+    args = parser.parse_args()
+    if args.rehearse:
+        STUDY.update(merge(STUDY, REHEARSAL))
+    args.root.mkdir(parents=True, exist_ok=True)
+    {"data": step_data, "probe": step_probe, "train": step_train, "bench": step_bench}[args.step](args.root, args)
+
+
+if __name__ == "__main__":
+    main()
