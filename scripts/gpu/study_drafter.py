@@ -53,7 +53,7 @@ STUDY = {
         "generation": {"max_new_tokens": 384, "batch_size": 1024, "prefill_tokens": 32768, "static_cache": False},
     },
     "drafter": {"num_layers": 2, "block_size": 16},
-    "drafter_train": {"batch_size": 16, "anchors_per_seq": 128, "max_length": 3072, "lr": 6.0e-4, "warmup_ratio": 0.04,
+    "drafter_train": {"batch_size": 16, "anchors_per_seq": 64, "max_length": 3072, "lr": 6.0e-4, "warmup_ratio": 0.04,
                       "gamma": 7.0, "eval_every": 1000000, "eval_anchors_per_seq": 64, "heldout_samples": 256,
                       "cache_features": False, "attention": "sdpa"},
 }
