@@ -30,24 +30,60 @@ def print_table(title, one, two):
         print(f"| {step} | {a:.7f} | {b:.7f} | {abs(a - b) / max(abs(a), 1e-12):.1e} |")
 
 
-def run_node(module, args, processes, tmp_path, name):
+def free_port() -> int:
+    """A port no other run holds (a fixed one per name collided when two 2-process runs overlapped)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_node(module, args, processes, folder, name):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-                str(29500 + random.Random(name).randrange(400))] if processes > 1 else [sys.executable]
-    out = tmp_path / name
+                str(free_port())] if processes > 1 else [sys.executable]
+    out = folder / name
     cmd = [*launcher, "-m", module, *args, f"out_dir={out}", "tracking.wandb.mode=offline"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "metrics.json").read_text()), out
 
 
+# The 1-process reference runs once per node and serves both parametrizations: at world size 1 the
+# `parallel` key is not read (train_drafter: parallel "none" unless distributed; qad: fsdp only when
+# distributed), so the ddp and the fsdp 1-process runs were the same computation.
+DRAFTER_ARGS = ["model=tiny-llama", "device=cpu", "dtype=float32", "stage=1", "drafter.num_layers=1",
+                "drafter_train.steps=4", "drafter_train.batch_size=4", "drafter_train.anchors_per_seq=4",
+                "drafter_train.eval_every=100", "drafter_train.heldout_samples=4", "drafter_train.cache_features=false"]
+QAD_ARGS = ["qad.steps=4", "qad.batch_size=4", "qad.seq_len=32", "qad.eval_every=100", "qad.checkpoint_every=100", "qad.lr=1e-3"]
+
+
+@pytest.fixture(scope="module")
+def drafter_one_process(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafter-1p")
+    data = tiny_data(root / "data", tiny_llama.config.vocab_size)
+    one, _ = run_node("qdflash.stages.train_drafter", [*DRAFTER_ARGS, f"data_dir={data}"], 1, root, "one")
+    assert one["train.world_size"] == 1 and one["train.parallel"] == "none"
+    return data, one
+
+
+@pytest.fixture(scope="module")
+def qad_one_process(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("qad-1p")
+    data = tiny_data(root / "data", tiny_llama.config.vocab_size, n_train=12, length=64)
+    common = ["model=tiny-llama", "device=cpu", "dtype=float32", f"data_dir={data}", "eval.heldout_samples=4"]
+    _, ptq = run_node("qdflash.stages.quantize_target", [*common, "quant.method=rtn", "quant.bits=4", "quant.group_size=32"],
+                      1, root, "ptq")
+    args = [*common, f"ptq_dir={ptq}", *QAD_ARGS]
+    one, _ = run_node("qdflash.stages.qad", args, 1, root, "one")
+    assert one["qad.world_size"] == 1 and one["qad.parallel"] == "none"
+    return args, one
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_drafter_training_on_two_processes_follows_one_process(parallel, tiny_llama, tmp_path):
-    data = tiny_data(tmp_path / "data", tiny_llama.config.vocab_size)
-    args = ["model=tiny-llama", "device=cpu", "dtype=float32", "stage=1", f"data_dir={data}", "drafter.num_layers=1",
-            "drafter_train.steps=4", "drafter_train.batch_size=4", "drafter_train.anchors_per_seq=4",
-            "drafter_train.eval_every=100", "drafter_train.heldout_samples=4", "drafter_train.cache_features=false",
-            f"drafter_train.parallel={parallel}"]
-    one, _ = run_node("qdflash.stages.train_drafter", args, 1, tmp_path, "one")
+def test_drafter_training_on_two_processes_follows_one_process(parallel, drafter_one_process, tmp_path):
+    data, one = drafter_one_process
+    args = [*DRAFTER_ARGS, f"data_dir={data}", f"drafter_train.parallel={parallel}"]
     two, out = run_node("qdflash.stages.train_drafter", args, 2, tmp_path, "two")
     assert one["train.world_size"] == 1 and two["train.world_size"] == 2 and two["train.parallel"] == parallel
     assert one["train.sequences_per_process"] == 16 and two["train.sequences_per_process"] == 8  # each rank half a batch
@@ -56,20 +92,14 @@ def test_drafter_training_on_two_processes_follows_one_process(parallel, tiny_ll
     assert two["train.loss_curve"] == pytest.approx(one["train.loss_curve"], rel=1e-4)
     assert two["final.tau"] == pytest.approx(one["final.tau"], rel=1e-4)
     # rank 0 alone wrote the node's folder; nothing of rank 1 is left beside it
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "one", "two"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["two"]
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_qad_on_two_processes_follows_one_process(parallel, tiny_llama, tmp_path):
-    data = tiny_data(tmp_path / "data", tiny_llama.config.vocab_size, n_train=12, length=64)
-    common = ["model=tiny-llama", "device=cpu", "dtype=float32", f"data_dir={data}", "eval.heldout_samples=4"]
-    _, ptq = run_node("qdflash.stages.quantize_target", [*common, "quant.method=rtn", "quant.bits=4", "quant.group_size=32"],
-                      1, tmp_path, "ptq")
-    args = [*common, f"ptq_dir={ptq}", "qad.steps=4", "qad.batch_size=4", "qad.seq_len=32", "qad.eval_every=100",
-            "qad.checkpoint_every=100", "qad.lr=1e-3", f"qad.parallel={parallel}"]
-    one, _ = run_node("qdflash.stages.qad", args, 1, tmp_path, "one")
-    two, _ = run_node("qdflash.stages.qad", args, 2, tmp_path, "two")
+def test_qad_on_two_processes_follows_one_process(parallel, qad_one_process, tmp_path):
+    args, one = qad_one_process
+    two, _ = run_node("qdflash.stages.qad", [*args, f"qad.parallel={parallel}"], 2, tmp_path, "two")
     assert one["qad.world_size"] == 1 and two["qad.world_size"] == 2 and two["qad.parallel"] == parallel
     print_table(f"QAD ({parallel.upper()}), training KL", one["qad.train_kl_curve"], two["qad.train_kl_curve"])
     assert two["qad.train_kl_curve"] == pytest.approx(one["qad.train_kl_curve"], rel=1e-4)
