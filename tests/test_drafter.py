@@ -331,3 +331,43 @@ def test_epoch_ends_mark_each_pass_over_the_data():
     assert epoch_ends(7, 32, 16) == [2, 4, 6, 7]      # a fractional last epoch ends at the last step
     assert epoch_ends(3, 100, 16) == [3]              # less than one epoch: the final evaluation only
     assert epoch_ends(12, 30, 8) == [4, 8, 12]        # 3.75 steps per epoch
+
+
+def test_the_batch_mask_is_each_sequences_mask():
+    """The batch mask, built in a few tensor ops on the anchors' device, is the per-sequence mask of
+    every row (the rule `test_mask_blocks_see_only_their_prefix_and_themselves` checks)."""
+    from qdflash.drafter.blocks import batch_attention_mask
+
+    anchors = torch.tensor([[3, 7, 8], [1, 2, 11], [5, 5, 5]])
+    mask = batch_attention_mask(anchors, 4, 13)
+    assert mask.shape == (3, 12, 13 + 12) and mask.dtype == torch.bool
+    for row, a in zip(mask, anchors):
+        assert torch.equal(row, block_attention_mask(a, 4, 13))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen", "tiny_qwen2"])
+def test_features_without_the_lm_head_are_the_full_forwards(fixture, request):
+    target = request.getfixturevalue(fixture)
+    ids = torch.randint(5, 1000, (2, 23), generator=torch.Generator().manual_seed(1))
+    layer_ids = default_layer_ids(target.config.num_hidden_layers)
+    with_head, greedy = target_pass(target, ids, layer_ids)
+    features, none = target_pass(target, ids, layer_ids, greedy=False)
+    assert none is None and greedy.shape == (2, 23)
+    assert torch.equal(features, with_head)
+
+
+def test_length_grouped_batches_cover_each_epoch_and_hold_similar_lengths():
+    import itertools
+
+    from qdflash.stages.train_drafter import epoch_batches
+
+    lengths = [int(x) for x in torch.randint(50, 3000, (96,), generator=torch.Generator().manual_seed(0))]
+    batches = list(itertools.islice(epoch_batches(96, 8, 0, lengths, group=4), 24))  # two epochs
+    for epoch in (batches[:12], batches[12:]):
+        assert sorted(i for b in epoch for i in b) == list(range(96))  # every sequence once per epoch
+    spread = lambda bs: sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in bs) / len(bs)
+    plain = list(itertools.islice(epoch_batches(96, 8, 0), 24))
+    assert spread(batches) < 0.5 * spread(plain)  # sorted runs: far less padding to each batch's longest
+    assert batches[:12] != sorted(batches[:12], key=lambda b: lengths[b[0]])  # batch order still random
+    # off (the default): the original stream of batches, unchanged
+    assert plain == list(itertools.islice(epoch_batches(96, 8, 0, lengths, group=0), 24))

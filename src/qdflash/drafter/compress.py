@@ -47,7 +47,7 @@ def calibration_hessians(drafter: Drafter, target, examples: list[dict], anchors
             if not anchors.numel():
                 continue
             input_ids, loss_masks, anchor_rows, valid = padded_batch([ex], [anchors])
-            features = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)[0]
+            features = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids, greedy=False)[0]
             draft_blocks(drafter, features, input_ids, loss_masks, anchor_rows, valid)
             blocks += int(anchors.numel())
     drafter.train(was_training)
@@ -67,7 +67,7 @@ def draft_agreement(reference: Drafter, other: Drafter, target, examples: list[d
         if not anchors.numel():
             continue
         input_ids, loss_masks, anchor_rows, valid = padded_batch([ex], [anchors])
-        features = target_pass(target, input_ids.to(device), reference.config.target_layer_ids)[0]
+        features = target_pass(target, input_ids.to(device), reference.config.target_layer_ids, greedy=False)[0]
         a = draft_blocks(reference, features, input_ids, loss_masks, anchor_rows, valid)[0][:, :, 1:].argmax(-1)
         b = draft_blocks(other, features, input_ids, loss_masks, anchor_rows, valid)[0][:, :, 1:].argmax(-1)
         same += int((a == b).sum())

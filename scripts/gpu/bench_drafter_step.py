@@ -1,0 +1,143 @@
+"""Where a drafter training step's time goes at the Qwen2.5-Coder-0.5B shape, side by side in one
+process (random weights: speed does not depend on their values; core wheels only, no download).
+
+    python3 scripts/gpu/bench_drafter_step.py --out $OUT/drafter_step.json     # the H200
+    python3 scripts/gpu/bench_drafter_step.py --layers 2 --steps 2 --batch 2 --max-length 256   # CPU: the code path
+
+Training sequences get the lengths of the H200 study's multi-turn data (lognormal, median 387, mean
+550 tokens, cut at --max-length; results/published/2026-12-01-h200-qwen-drafter-recipe). Timed,
+each synchronized, median over --steps batches:
+- the target forward of a random batch with its LM head (what training ran before: [n, L, vocab]
+  logits it never used) and without it (`target_pass(greedy=False)`);
+- the block mask built on the CPU and copied, against built on the GPU;
+- whole steps (batch_loss, backward, AdamW) on random batches and on length-grouped ones
+  (drafter_train.group_by_length), with the padded tokens per step: sequences per second is what
+  sets how much data a training minute sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+from qdflash.drafter import init_drafter  # noqa: E402
+from qdflash.drafter.blocks import batch_attention_mask, loss_weights  # noqa: E402
+from qdflash.drafter.train import batch_anchors, batch_loss, padded_batch, target_pass  # noqa: E402
+from qdflash.models import synchronize  # noqa: E402
+from qdflash.stages.train_drafter import epoch_batches  # noqa: E402
+from qdflash.tracking import environment  # noqa: E402
+
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  rope_theta=1000000.0)
+
+
+class Target:
+    def __init__(self, model):
+        self.model, self.config = model, model.config
+        self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
+
+
+def timed(fn, device, reps):
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(statistics.median(times), 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--drafter-layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--anchors", type=int, default=64)
+    parser.add_argument("--max-length", type=int, default=3072)
+    parser.add_argument("--group", type=int, default=32, help="group_by_length runs (batches)")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--examples", type=int, default=2048)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    target = Target(Qwen2ForCausalLM(Qwen2Config(**{**QWEN25_05B, "num_hidden_layers": args.layers})).to(device=device, dtype=dtype).eval())
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    drafter = init_drafter(target, block_size=16, num_layers=args.drafter_layers).to(dtype).train()
+    g = torch.Generator().manual_seed(0)
+    mu, sigma = math.log(387), math.sqrt(2 * math.log(550 / 387))  # median 387, mean 550 (the study's data)
+    lengths = [int(min(args.max_length, max(64, math.exp(mu + sigma * torch.randn(1, generator=g).item())))) for _ in range(args.examples)]
+    examples = []
+    for i, n in enumerate(lengths):
+        prompt = max(8, n // 3)
+        examples.append({"id": f"s{i}", "input_ids": torch.randint(100, 150000, (n,), generator=g).tolist(),
+                         "loss_mask": [0] * prompt + [1] * (n - prompt)})
+    layer_ids = drafter.config.target_layer_ids
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
+              "config": vars(args), "mean_length": round(sum(lengths) / len(lengths), 1),
+              "median_length": sorted(lengths)[len(lengths) // 2], "env": environment()}
+
+    random_batches = list(itertools.islice(epoch_batches(len(examples), args.batch, 0), args.steps + 2))
+    grouped_batches = list(itertools.islice(epoch_batches(len(examples), args.batch, 0, lengths, args.group), args.steps + 2))
+    batch = [examples[i] for i in random_batches[0]]
+    anchors = batch_anchors(batch, args.anchors, torch.Generator().manual_seed(0))
+    input_ids, _, anchor_t, _ = padded_batch(batch, anchors)
+    ids = input_ids.to(device)
+    target_pass(target, ids, layer_ids)  # warm-up
+    result["target_forward_with_lm_head_ms"] = timed(lambda: target_pass(target, ids, layer_ids), device, 5)
+    result["target_forward_features_only_ms"] = timed(lambda: target_pass(target, ids, layer_ids, greedy=False), device, 5)
+    result["first_batch_padded_tokens"] = int(ids.numel())
+    length = ids.shape[1]
+    result["mask_cpu_and_copy_ms"] = timed(lambda: batch_attention_mask(anchor_t, 16, length).to(device), device, 5)
+    result["mask_on_device_ms"] = timed(lambda: batch_attention_mask(anchor_t.to(device), 16, length), device, 5)
+
+    weights = loss_weights(16, 7.0)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    for name, batches in (("random", random_batches), ("grouped", grouped_batches)):
+        gen = torch.Generator().manual_seed(0)
+        times, padded, real = [], [], []
+        for k, idx in enumerate(batches):
+            chunk = [examples[i] for i in idx]
+            synchronize(device)
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = batch_loss(drafter, target, chunk, weights, args.anchors, gen)
+            loss.backward()
+            optimizer.step()
+            synchronize(device)
+            if k >= 2:  # the first two allocate
+                times.append((time.perf_counter() - start) * 1e3)
+                padded.append(len(chunk) * max(len(ex["input_ids"]) for ex in chunk))
+                real.append(sum(len(ex["input_ids"]) for ex in chunk))
+        ms = statistics.median(times)
+        result[f"step_{name}"] = {"ms_median": round(ms, 1), "ms_mean": round(sum(times) / len(times), 1),
+                                  "sequences_per_s": round(args.batch * 1e3 / (sum(times) / len(times)), 1),
+                                  "padded_tokens_per_step": round(sum(padded) / len(padded)),
+                                  "real_tokens_per_step": round(sum(real) / len(real))}
+        print(name, result[f"step_{name}"], flush=True)
+    result["grouped_vs_random_sequences_per_s"] = round(result["step_grouped"]["sequences_per_s"] / result["step_random"]["sequences_per_s"], 3)
+    if device.type == "cuda":
+        result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
