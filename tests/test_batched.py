@@ -127,8 +127,10 @@ def test_prepare_data_on_the_engine_writes_what_transformers_writes(tmp_path):
     the same rows (sampled training responses and greedy held-out ones), token for token; the
     metrics say which backend generated."""
     import json
+    import os
     import subprocess
     import sys
+    from concurrent.futures import ThreadPoolExecutor
 
     import yaml
 
@@ -139,10 +141,17 @@ def test_prepare_data_on_the_engine_writes_what_transformers_writes(tmp_path):
     config["profile"] = "ci"
     config["profiles"]["ci"]["model"] = "tiny-qwen2"
     folders = {}
-    for backend in ("engine", "transformers"):
+
+    def node(backend):
         out = tmp_path / backend
         args = node_overrides(config, "prepare_data", out, ["data"], {"data.generation.backend": backend}) + ["tracking.wandb.mode=disabled"]
-        done = subprocess.run([sys.executable, "-m", "qdflash.stages.prepare_data", *args], capture_output=True, text=True, timeout=600)
+        return out, subprocess.run([sys.executable, "-m", "qdflash.stages.prepare_data", *args], capture_output=True, text=True,
+                                   timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    # the two nodes are independent: side by side on 2 cores, one thread each
+    with ThreadPoolExecutor(2) as pool:
+        runs = dict(zip(("engine", "transformers"), pool.map(node, ("engine", "transformers"))))
+    for backend, (out, done) in runs.items():
         assert done.returncode == 0, done.stderr[-3000:]
         assert json.loads((out / "metrics.json").read_text())["generation.backend"] == backend
         folders[backend] = out

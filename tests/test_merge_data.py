@@ -39,6 +39,7 @@ def test_a_shard_without_its_files_names_the_file(tmp_path):
 def test_sharded_generation_writes_what_one_job_writes(tmp_path):
     """The ci profile's data stage as one job, and as 2 shards joined by merge_data: the same rows
     (prompts, sampled training responses, greedy held-out responses, tokens), in the same order."""
+    import os
     import subprocess
     import sys
 
@@ -50,15 +51,23 @@ def test_sharded_generation_writes_what_one_job_writes(tmp_path):
     config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
     config["profile"] = "ci"
 
-    def node(module, out, sections, extra=None):
+    def start(module, out, sections, extra=None):
         args = node_overrides(config, module, out, sections, extra) + ["tracking.wandb.mode=disabled"]
-        done = subprocess.run([sys.executable, "-m", f"qdflash.stages.{module}", *args], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+        # one thread each: the three data nodes are independent and run side by side on 2 cores
+        with open(tmp_path / f"{out.name}.log", "w") as log:  # a file, not a pipe: no process waits on a full pipe
+            return out, subprocess.Popen([sys.executable, "-m", f"qdflash.stages.{module}", *args], stdout=log,
+                                         stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def wait(started):
+        out, process = started
+        process.wait(timeout=600)
+        assert process.returncode == 0, (tmp_path / f"{out.name}.log").read_text()[-3000:]
         return out
 
-    whole = node("prepare_data", tmp_path / "whole", ["data"])
-    shards = [node("prepare_data", tmp_path / f"shard-{i}", ["data"], {"shard.index": i, "shard.count": 2}) for i in range(2)]
-    merged = node("merge_data", tmp_path / "merged", [], {"shards": [str(s) for s in shards]})
+    started = [start("prepare_data", tmp_path / "whole", ["data"])]
+    started += [start("prepare_data", tmp_path / f"shard-{i}", ["data"], {"shard.index": i, "shard.count": 2}) for i in range(2)]
+    whole, *shards = [wait(s) for s in started]
+    merged = wait(start("merge_data", tmp_path / "merged", [], {"shards": [str(s) for s in shards]}))
     for name in ("train.jsonl", "heldout.jsonl", "train.tokens.jsonl", "heldout.tokens.jsonl"):
         one = [json.loads(line) for line in open(whole / name)]
         two = [json.loads(line) for line in open(merged / name)]

@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -199,11 +200,17 @@ def test_a_qad_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(qad_in
     from qdflash.stages.qad import KILL_AFTER_STEP
 
     data, ptq = qad_inputs
-    assert qad(data, ptq, tmp_path / "whole").returncode == 0
-    killed = qad(data, ptq, tmp_path / "resumed", env={KILL_AFTER_STEP: "2"})
+    # the uninterrupted run and the one that gets killed are independent: side by side, one thread each
+    # (and the resumed run on one thread too, so all three compute alike)
+    one = {"OMP_NUM_THREADS": "1"}
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(qad, data, ptq, tmp_path / "whole", env=one)
+        killed = pool.submit(qad, data, ptq, tmp_path / "resumed", env={**one, KILL_AFTER_STEP: "2"})
+        whole, killed = whole.result(), killed.result()
+    assert whole.returncode == 0, whole.stderr[-3000:]
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]  # kill -9 after step 2's checkpoint
     assert (tmp_path / "resumed.ckpt" / "state.pt").is_file() and not (tmp_path / "resumed").exists()
-    done = qad(data, ptq, tmp_path / "resumed")
+    done = qad(data, ptq, tmp_path / "resumed", env=one)
     assert done.returncode == 0, done.stderr[-3000:]
     (whole, whole_weights), (resumed, resumed_weights) = outcome(tmp_path / "whole"), outcome(tmp_path / "resumed")
     for key in ("quant.kl", "quant.top1_agreement", "quant.ppl", "qad.rows_per_process"):
