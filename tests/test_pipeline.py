@@ -387,7 +387,11 @@ def test_drafter_scaling_study_on_ci(tmp_path):
     """Sharded data -> merged -> one stage-1 run per (size, depth) -> the table; greedy held-out
     responses of the sharded run equal the unsharded prepare_data node's, token for token."""
     scaling = CONFIG["profiles"]["ci"]["scaling"]
-    out = snakemake(tmp_path, "drafter_scaling", "results/sc/data/bf16", "--config", "profile=ci", "experiment=sc")
+    # one core per node, so two of its independent nodes run side by side on 2 cores (every ci node holds all
+    # cores by default, one node at a time); the nodes and their outputs are the same
+    one_core = [f"{rule}=1" for rule in ("prepare_data", "scaling_data_shard", "scaling_drafter")]
+    out = snakemake(tmp_path, "drafter_scaling", "results/sc/data/bf16", "--config", "profile=ci", "experiment=sc",
+                    "--set-threads", *one_core)
     assert out.returncode == 0, out.stderr[-3000:]
     results = tmp_path / "results" / "sc"
     merged = results / "scaling" / "data" / "merged"
