@@ -355,3 +355,99 @@ def test_static_drafter_graph_path_drafts_what_the_eager_session_drafts(fixture,
         assert speculative_generate(target, drafter, ids[:, :20], 20, window=5).tokens == reference
     finally:
         drafter.engine = None
+
+
+
+_REFERENCES = {}  # (fixture, prompt seed, length, tokens) -> autoregressive tokens: one reference per target
+
+
+def reference_tokens(fixture, target, ids, n):
+    key = (fixture, ids.sum().item(), ids.shape[1], n)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = autoregressive_generate(target, ids, n).tokens
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen", "tiny_qwen2"])
+@pytest.mark.parametrize("verify", [2, 3, None])
+@pytest.mark.parametrize("path", ["eager", "lean", "lean_graphs"])
+def test_verify_length_keeps_the_greedy_output(fixture, verify, path, request, monkeypatch):
+    """A round that verifies the committed token + V-1 drafts (V = 2, 3, the whole block) emits the
+    autoregressive tokens: on transformers' forward (Gated DeltaNet: snapshot + re-feed), on the lean
+    engine with a V-token feed of no captured size (the eager step) and with the V-token step
+    captured (the graph path, run eagerly: every verify replays it). Rounds commit at most V tokens;
+    with drafts that are always right every round commits exactly V."""
+    import dataclasses
+
+    from qdflash.engine import build_engine
+
+    target = request.getfixturevalue(fixture)
+    block, new = 5, 16
+    v = verify or block
+    drafter = init_drafter(target, block_size=block, num_layers=1, seed=1).eval()
+    ids = prompt(2, 9)
+    reference = reference_tokens(fixture, target, ids, new)
+    hits = []
+    if path != "eager":
+        engine = build_engine(target, max_len=48)
+        if path == "lean_graphs":
+            engine.capture([1, v], drafter.config.target_layer_ids, cuda_graphs=False, lengths=[16, 48])
+            find = engine.graph_for
+            engine.graph_for = lambda t, layer_ids, end: hits.append(t) or find(t, layer_ids, end)
+        target = dataclasses.replace(target, engine=engine)
+    with monkeypatch.context() as m:
+        oracle(m, reference, ids.shape[1])
+        full = speculative_generate(target, drafter, ids, new, verify_tokens=verify)
+    with monkeypatch.context() as m:
+        oracle(m, reference, ids.shape[1], wrong_rate=0.4, seed=3)
+        partly = speculative_generate(target, drafter, ids, new, verify_tokens=verify)
+    for result in (full, partly):
+        assert result.tokens == reference
+        assert max(result.acceptance_lengths) <= v
+    assert all(n == v for n in full.acceptance_lengths[:-1]) and len(full.acceptance_lengths) == -(-(new - 1) // v)
+    assert len(set(partly.acceptance_lengths)) > 1  # accepted and rejected drafts: rollbacks inside the block
+    if path == "lean_graphs":
+        assert hits.count(v) == len(full.acceptance_lengths) + len(partly.acceptance_lengths)
+        assert all(engine.graph_for(v, drafter.config.target_layer_ids, n) is not None for n in (12, 48))
+
+
+@pytest.mark.parametrize("verify", [2, 3])
+def test_sampling_with_a_shorter_verify_keeps_the_target_distribution(tiny_vocab_target, verify, monkeypatch):
+    """test_sampling_keeps_the_target_distribution with a block of 4 of which the first `verify`
+    positions are verified: 3-token continuations still follow the target's exact distribution
+    (half the trials, to stay fast: the bound is the same mean + 4 sd of chi-square)."""
+    target = tiny_vocab_target
+    rng = random.Random(verify)
+    monkeypatch.setattr(spec.DrafterSession, "draft",
+                        lambda self, last, position: torch.tensor([rng.randrange(4) for _ in range(self.drafter.block_size - 1)]))
+    ids = [0, 1, 2, 3, 1]
+    outcomes = [(a, b, c) for a in range(4) for b in range(4) for c in range(4)]
+    with torch.no_grad():
+        p = torch.softmax(target.model(torch.tensor([ids + list(o) for o in outcomes])).logits.float(), -1)
+    n = len(ids)
+    exact = {o: (p[row, n - 1, o[0]] * p[row, n, o[1]] * p[row, n + 1, o[2]]).item() for row, o in enumerate(outcomes)}
+    drafter = init_drafter(target, block_size=4, num_layers=1)
+    counts = {k: 0 for k in exact}
+    trials, accepted = 400, 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 4-token forwards: a second thread only waits (10x slower on a busy machine)
+    try:
+        for s in range(trials):
+            out = speculative_generate(target, drafter, [ids], 3, temperature=1.0, seed=s, verify_tokens=verify)
+            counts[tuple(out.tokens)] += 1
+            accepted += sum(out.acceptance_lengths) - len(out.acceptance_lengths)
+            assert max(out.acceptance_lengths) <= verify
+    finally:
+        torch.set_num_threads(threads)
+    assert accepted > 25  # drafts were accepted: the test exercises acceptance, not only bonuses
+    chi2 = sum((counts[k] - trials * p) ** 2 / (trials * p) for k, p in exact.items() if trials * p >= 5)
+    cells = sum(1 for p in exact.values() if trials * p >= 5)
+    assert chi2 < cells + 4 * (2 * cells) ** 0.5, (chi2, cells)
+
+
+@pytest.mark.parametrize("bad", [1, 0, -3, 5, 16, True, 2.0])
+def test_a_verify_length_outside_the_block_is_an_error_naming_it(tiny_llama, bad):
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=1)
+    with pytest.raises(QdflashError, match=r"verify_tokens = .*1 < verify_tokens <= the drafter's block size \(4\)"):
+        speculative_generate(tiny_llama, drafter, prompt(0, 6), 4, verify_tokens=bad)
+    assert spec.verify_length(drafter, None) == 4 and spec.verify_length(drafter, 4) == 4

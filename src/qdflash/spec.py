@@ -1,13 +1,17 @@
 """Autoregressive and DFlash speculative generation, batch 1 (docs/design.md contract).
 
     autoregressive_generate(target, input_ids, max_new_tokens, temperature=0.0, seed=None)
-    speculative_generate(target, drafter, input_ids, max_new_tokens, temperature=0.0, seed=None)
+    speculative_generate(target, drafter, input_ids, max_new_tokens, temperature=0.0, seed=None,
+                         verify_tokens=None)
 
 One speculative round, with p the position of the last committed token x_p (not yet fed to the
 target; the target's cache holds positions < p):
 1. the drafter fills the block [x_p, MASK x (B-1)] at positions p..p+B-1 in one forward, reading the
    target's features of the context (positions < p) from its own incremental K/V cache;
-2. the target verifies [x_p, d_1..d_{B-1}] in one forward: its logits at p+k-1 give the token at p+k;
+2. the target verifies [x_p, d_1..d_{V-1}] in one forward: its logits at p+k-1 give the token at p+k.
+   V (`verify_tokens`, 1 < V <= B; default B) is the verify length: drafts past d_{V-1} are not
+   verified (a trained drafter's late drafts are rarely accepted, and every verified position costs
+   target compute); everything below follows from the V-token block;
 3. greedy: d_k is accepted while it equals the target's argmax; sampling: while it equals the token
    the target samples there. The first target token that differs (or the one after the last draft)
    is the bonus, so every committed token is the target's own choice: the output equals
@@ -29,6 +33,7 @@ import torch
 
 from .drafter.blocks import acceptance_lengths
 from .drafter.model import Drafter
+from .errors import QdflashError
 from .models import synchronize
 
 
@@ -274,15 +279,31 @@ def autoregressive_generate(target, input_ids, max_new_tokens: int, temperature:
     return GenerationResult(tokens, stop_reason=reason, prefill_seconds=prefill, seconds=time.perf_counter() - started)
 
 
+def verify_length(drafter: Drafter, verify_tokens: int | None = None) -> int:
+    """The verify length V of a speculative round: `verify_tokens` (None: the drafter's block size),
+    checked to be 1 < V <= block size (the committed token and at least one draft, at most a block)."""
+    b = drafter.block_size
+    if verify_tokens is None:
+        return b
+    if isinstance(verify_tokens, bool) or not isinstance(verify_tokens, int) or not 1 < verify_tokens <= b:
+        raise QdflashError(f"verify_tokens = {verify_tokens!r}: the verify length must be an integer with "
+                           f"1 < verify_tokens <= the drafter's block size ({b}), or null for the whole block")
+    return verify_tokens
+
+
 def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: int, temperature: float = 0.0,
                          seed: int | None = None, stop_strings: list[str] | None = None,
-                         window: int | None = None, top_p: float = 1.0, on_tokens=None) -> GenerationResult:
+                         window: int | None = None, top_p: float = 1.0, on_tokens=None,
+                         verify_tokens: int | None = None) -> GenerationResult:
     """DFlash speculative decoding (module docstring); `window`: the drafter's sliding window;
     `top_p`: nucleus sampling (the target's filtered distribution is what is kept exactly);
-    `on_tokens(new)`: called with each round's committed tokens (a server streams them)."""
+    `on_tokens(new)`: called with each round's committed tokens (a server streams them);
+    `verify_tokens`: the target verifies the committed token + the first verify_tokens - 1 drafts
+    (None: the whole block; `verify_length`). On the lean engine a verify replays the graph captured
+    for that many tokens (`engine.capture([1, V], layer_ids)`), else runs the same step eagerly."""
     ids = prompt_ids(input_ids)
     generator, eos = _generator(seed), set(target.eos_token_ids)
-    b = drafter.block_size
+    v = verify_length(drafter, verify_tokens)
     session = target_session(target, drafter.config.target_layer_ids)
     context = drafter_session(drafter, window)
     started = time.perf_counter()
@@ -297,13 +318,13 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     recurrent = session.has_recurrent_state()
     while reason is None:
         p = session.length  # position of tokens[-1], the committed token not yet fed
-        draft = context.draft(tokens[-1], p)
+        draft = context.draft(tokens[-1], p)[: v - 1]  # the drafter fills its whole block; V-1 are verified
         snapshot = session.snapshot() if recurrent else None
         block = [tokens[-1], *draft.tolist()]
         logits, features = session.feed(block)
         chosen = choose(logits, temperature, generator, top_p)  # the target's token after each block position
-        n = accepted_prefix(draft, chosen[: b - 1])
-        if n < b - 1:  # roll back what the target fed past the accepted drafts
+        n = accepted_prefix(draft, chosen[: v - 1])
+        if n < v - 1:  # roll back what the target fed past the accepted drafts
             if recurrent:
                 session.rollback(p, snapshot)
                 _, features = session.feed(block[: n + 1])  # the recurrence over the accepted tokens only
@@ -320,4 +341,5 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     return GenerationResult(tokens, lengths, reason, prefill, time.perf_counter() - started)
 
 
-__all__ = ["GenerationResult", "accepted_prefix", "autoregressive_generate", "choose", "speculative_generate"]
+__all__ = ["GenerationResult", "accepted_prefix", "autoregressive_generate", "choose", "speculative_generate",
+           "verify_length"]
