@@ -82,3 +82,31 @@ def test_summary_reports_achieved_bandwidth_and_working_memory():
     assert row["ar16.tokens_per_s"] == 5.0 and row["ar16.gb_per_s"] == 5.0 and row["ar16.of_bandwidth"] == 0.5
     assert row["ar16.peak_working_mib"] == 3.0
     assert "ar16.gb_per_s" not in bench.summary("ar16", MethodResult([GenerationResult([1], seconds=1.0)]))
+
+
+
+def test_verify_tokens_setting_is_checked_before_anything_runs(tiny_llama):
+    """bench.verify_tokens: the schema asks for null or an integer >= 2, validate_config (block_problems)
+    for at most drafter.block_size; bench.spec refuses a bad value when the method is built, naming it."""
+    import pytest
+
+    from qdflash.config import block_problems, validate_section
+    from qdflash.drafter import init_drafter
+    from qdflash.errors import QdflashError
+
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=1)
+    with pytest.raises(QdflashError, match="verify_tokens = 5"):
+        bench.spec(tiny_llama, drafter, None, 5)
+    assert bench.spec(tiny_llama, drafter, None, 2)([11, 12, 13], 3).tokens == autoregressive_generate(tiny_llama, [[11, 12, 13]], 3).tokens
+    section = {"prompts_per_category": 1, "max_new_tokens": 8, "buckets": [[64, 8]], "filler": False, "warmup": 0}
+    for value in (None, 2, 16):
+        validate_section({**section, "verify_tokens": value}, "bench", "bench")
+    for value in (1, 2.5, "4"):
+        with pytest.raises(QdflashError, match="verify_tokens"):
+            validate_section({**section, "verify_tokens": value}, "bench", "bench")
+    profile = {"drafter": {"block_size": 4}, "drafter_train": {"max_length": 64}}
+    assert block_problems("profiles.p", {**profile, "bench": {"verify_tokens": 4}}) == []
+    assert block_problems("profiles.p", {**profile, "bench": {"verify_tokens": None}}) == []
+    assert block_problems("profiles.p", {**profile, "bench": {"verify_tokens": 5}}) == [
+        "profiles.p.bench.verify_tokens = 5 exceeds drafter.block_size = 4: a round verifies at most the block "
+        "(2 <= verify_tokens <= 4, or null for the whole block)"]

@@ -18,7 +18,7 @@ import torch
 from .data.chat import render_prompt_ids
 from .data.jsonl import read_jsonl
 from .models import synchronize
-from .spec import GenerationResult, autoregressive_generate, speculative_generate, target_session
+from .spec import GenerationResult, autoregressive_generate, speculative_generate, target_session, verify_length
 
 MARGIN_BUG = 1e-2  # relative top-2 logit margin above which a bf16 divergence is a bug
 FILLER = "the cat sat on the mat. "  # the repetitive prompt: drafters look best on it, so it is its own row
@@ -183,8 +183,11 @@ def ar(target):
     return lambda ids, n: autoregressive_generate(target, [ids], n)
 
 
-def spec(target, drafter, window=None):
-    return lambda ids, n: speculative_generate(target, drafter, [ids], n, window=window)
+def spec(target, drafter, window=None, verify_tokens=None):
+    """Speculative decoding with the drafter `window` and the verify length `verify_tokens` (None:
+    the whole block; qdflash.spec.verify_length checks it now, not at the first prompt)."""
+    verify_length(drafter, verify_tokens)
+    return lambda ids, n: speculative_generate(target, drafter, [ids], n, window=window, verify_tokens=verify_tokens)
 
 
 def weight_bytes(module: torch.nn.Module) -> int:

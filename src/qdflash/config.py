@@ -102,13 +102,19 @@ def scaling_problems(where: str, profile: dict) -> list[str]:
 def block_problems(where: str, profile: dict) -> list[str]:
     """What the schema cannot say: a training sequence cut to max_length must hold a drafter block
     after its first token (drafter.blocks: anchor a >= 1, then block_size - 1 tokens), or the drafter
-    trains on nothing. A real cut must be far longer (the prompt comes first); the node checks that."""
+    trains on nothing. A real cut must be far longer (the prompt comes first); the node checks that.
+    And a speculative round verifies at most one block: bench.verify_tokens <= drafter.block_size."""
     block = profile["drafter"]["block_size"]
     lengths = {"drafter_train.max_length": profile["drafter_train"]["max_length"]}
     if (profile.get("scaling") or {}).get("drafter_train", {}).get("max_length") is not None:
         lengths["scaling.drafter_train.max_length"] = profile["scaling"]["drafter_train"]["max_length"]
-    return [f"{where}.{key} = {n} leaves no room for a block of drafter.block_size = {block}: it must be >= {block + 1}"
-            for key, n in lengths.items() if n < block + 1]
+    problems = [f"{where}.{key} = {n} leaves no room for a block of drafter.block_size = {block}: it must be >= {block + 1}"
+                for key, n in lengths.items() if n < block + 1]
+    verify = (profile.get("bench") or {}).get("verify_tokens")
+    if verify is not None and verify > block:  # the schema says >= 2
+        problems.append(f"{where}.bench.verify_tokens = {verify} exceeds drafter.block_size = {block}: a round verifies "
+                        f"at most the block (2 <= verify_tokens <= {block}, or null for the whole block)")
+    return problems
 
 
 def validate_section(section: Any, definition: str, where: str) -> None:

@@ -2,7 +2,7 @@
 lossless speculative loop (qdflash.spec), batch 1.
 
     python -m qdflash.serve --results results/<experiment>          # its `selected` variant
-    python -m qdflash.serve --target tiny-llama --drafter PATH [--window N]
+    python -m qdflash.serve --target tiny-llama --drafter PATH [--window N] [--verify-tokens V]
     python -m qdflash.serve --target tiny-llama --mode hf           # the baseline: transformers' generate
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the target's
@@ -42,7 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .errors import QdflashError
-from .spec import GenerationResult, autoregressive_generate, speculative_generate
+from .spec import GenerationResult, autoregressive_generate, speculative_generate, verify_length
 
 log = logging.getLogger("qdflash.serve")
 
@@ -82,6 +82,7 @@ class Stack:
     window: int | None = None
     mode: str = "spec"
     context: int = 0  # prompt + new tokens, at most
+    verify_tokens: int | None = None  # tokens a speculative round verifies (None: the drafter's block)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -90,12 +91,15 @@ class Stack:
             raise QdflashError("serve: mode 'spec' needs a drafter (--drafter or --results); use --mode ar or hf without one")
         if self.context <= 0:
             self.context = int(getattr(self.target.config, "max_position_embeddings", 0) or 4096)
+        if self.mode == "spec":
+            verify_length(self.drafter, self.verify_tokens)  # a bad --verify-tokens fails at start, not per request
 
     def generate(self, ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int,
                  stop: list[str], on_tokens: Callable[[list[int]], None]) -> GenerationResult:
         common = dict(temperature=temperature, top_p=top_p, seed=seed, stop_strings=stop or None, on_tokens=on_tokens)
         if self.mode == "spec":
-            return speculative_generate(self.target, self.drafter, [ids], max_tokens, window=self.window, **common)
+            return speculative_generate(self.target, self.drafter, [ids], max_tokens, window=self.window,
+                                        verify_tokens=self.verify_tokens, **common)
         if self.mode == "ar":
             return autoregressive_generate(self.target, [ids], max_tokens, **common)
         return self._hf_generate(ids, max_tokens, temperature, top_p, seed, stop, on_tokens)
@@ -123,7 +127,7 @@ class Stack:
 
 
 def load_stack(*, results=None, target=None, drafter=None, window=None, mode="spec", name=None, device=None,
-               dtype=None, context=0, engine=False) -> Stack:
+               dtype=None, context=0, engine=False, verify_tokens=None) -> Stack:
     """A Stack from a results folder's selected variant or from a target (+ drafter + window)."""
     from .drafter import load_drafter
     from .models import load_target
@@ -140,7 +144,7 @@ def load_stack(*, results=None, target=None, drafter=None, window=None, mode="sp
         raise QdflashError("serve: mode 'spec' needs a drafter (--drafter or --results); use --mode ar or hf without one")
     loaded = load_target(str(target), dtype=dtype, device=device)
     draft = load_drafter(drafter, loaded).eval() if drafter is not None and mode == "spec" else None
-    stack = Stack(name or Path(str(target)).name, loaded, draft, window, mode, context)
+    stack = Stack(name or Path(str(target)).name, loaded, draft, window, mode, context, verify_tokens)
     if engine:
         _build_engines(stack)
     return stack
@@ -157,7 +161,7 @@ def _build_engines(stack: Stack) -> None:
     if target.device.type == "cuda":
         target.engine.capture([1], None)
         if drafter is not None:
-            target.engine.capture([1, drafter.block_size], drafter.config.target_layer_ids)
+            target.engine.capture([1, verify_length(drafter, stack.verify_tokens)], drafter.config.target_layer_ids)
     if drafter is not None:
         drafter.engine = DrafterEngine(drafter, max_len=stack.context + extra)
         drafter.engine.capture(stack.window)
@@ -555,6 +559,9 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--target", help="a target: preset name, Hub id or folder (a quantized export's model/)")
     what.add_argument("--drafter", help="a drafter folder written by the pipeline (drafter/<name>/drafter)")
     what.add_argument("--window", type=int, default=None, help="the drafter's sliding window (default: the variant's, else none)")
+    what.add_argument("--verify-tokens", type=int, default=None,
+                      help="tokens a speculative round verifies: the committed one + V-1 drafts, 1 < V <= block size "
+                           "(default: the whole block)")
     what.add_argument("--mode", choices=MODES, default="spec", help="spec: speculative (default); ar: the target alone; "
                       "hf: transformers' generate (the latency harness's baseline)")
     what.add_argument("--name", help="the model id clients ask for (default: the variant or target name)")
@@ -579,13 +586,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         stack = load_stack(results=args.results, target=args.target, drafter=args.drafter, window=args.window,
                            mode=args.mode, name=args.name, device=args.device, dtype=args.dtype,
-                           context=args.context, engine=args.engine)
+                           context=args.context, engine=args.engine, verify_tokens=args.verify_tokens)
         app = build_app(stack, args.max_queue)
     except QdflashError as err:
         print(f"\nqdflash serve failed: {err}", file=sys.stderr)
         sys.exit(2)
-    log.info("serving %s (%s, window %s, context %d) on http://%s:%d/v1", stack.name, stack.mode, stack.window,
-             stack.context, args.host, args.port)
+    log.info("serving %s (%s, window %s, verify %s, context %d) on http://%s:%d/v1", stack.name, stack.mode, stack.window,
+             stack.verify_tokens or "block", stack.context, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

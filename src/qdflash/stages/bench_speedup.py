@@ -12,6 +12,9 @@ Methods, on the same prompts, side by side in this process (qdflash.bench):
 The drafter of every speculative method the job measures drafts through its static engine
 (qdflash.drafter.static: one CUDA graph per context bucket on a GPU, captured before measuring;
 `drafter_engine.<method>.graphs` in metrics.json).
+Every speculative method verifies `bench.verify_tokens` tokens per round (the committed token and
+that many - 1 drafts; null: the whole block), recorded as `verify_tokens` in metrics.json; on a GPU
+the verify step of that many tokens is captured as a CUDA graph.
 The drafter window (`bench.window`) is one per job: the sweep runs one job per window. A job with a
 window measures only prompts longer than it (where it can engage; from `bench.window_buckets` when
 set, e.g. up to the model's context, else `bench.buckets`), with this project's autoregressive
@@ -39,6 +42,7 @@ from ..drafter.static import DrafterEngine
 from ..engine import build_engine
 from ..errors import QdflashError
 from ..models import load_target
+from ..spec import verify_length
 from ..tracking import NodeRun
 from ._app import stage
 
@@ -57,6 +61,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     tok = target16.tokenizer
     context_len = getattr(target16.config, "max_position_embeddings", 4096)
     window = b.window
+    verify = verify_length(stage1_16, b.get("verify_tokens"))  # every speculative method's verify length
     # a window job may measure longer buckets than the window-less one (the window engages on long contexts only)
     chosen = b.buckets if window is None or b.get("window_buckets") is None else b.window_buckets
     buckets = OmegaConf.to_container(chosen, resolve=True)
@@ -76,7 +81,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             if target.device.type == "cuda":  # decode steps and verify blocks replay CUDA graphs
                 run.metrics[f"engine.{key}.kernel_tuning"] = tuning_summary(target.engine.tune_kernels())
                 target.engine.capture([1], None)
-                target.engine.capture([1, stage1_16.block_size], stage1_16.config.target_layer_ids)
+                target.engine.capture([1, verify], stage1_16.config.target_layer_ids)  # the verify block
                 run.metrics[f"engine.{key}.graphs"] = len(target.engine.graphs)
         except QdflashError as err:
             log.info("%s runs on transformers' forward: %s", key, err)
@@ -84,11 +89,11 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
         "ar16": bench.ar(target16),
-        "spec16_stage1": bench.spec(target16, stage1_16, window),
+        "spec16_stage1": bench.spec(target16, stage1_16, window, verify),
         "ar_qad": bench.ar(qad),
-        "spec_qad_stage1": bench.spec(qad, stage1_qad, window),
-        "spec_qad_stage2": bench.spec(qad, stage2_qad, window),
-        **{name: bench.spec(qad, drafter, window) for name, drafter in compressed.items()},
+        "spec_qad_stage1": bench.spec(qad, stage1_qad, window, verify),
+        "spec_qad_stage2": bench.spec(qad, stage2_qad, window, verify),
+        **{name: bench.spec(qad, drafter, window, verify) for name, drafter in compressed.items()},
     }
     cuda = target16.device.type == "cuda"
     if cuda and b.compiled_baseline:
@@ -157,7 +162,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     if cuda:
         run.metrics["cuda.device"] = torch.cuda.get_device_name()
     run.metrics.update({"prompts": len(cases), "dtype": str(target16.dtype), "window": -1 if window is None else int(window),
-                        "block_size": stage1_16.block_size})
+                        "block_size": stage1_16.block_size, "verify_tokens": verify})
     bugs = sum(v for k, v in run.metrics.items() if k.startswith("all.") and k.endswith(".mismatch_bugs"))
     log.info("speculative vs autoregressive: %d mismatch bugs (%s)", bugs, "float32: any mismatch" if fp32 else f"margin > {bench.MARGIN_BUG}")
 
