@@ -10,7 +10,7 @@ device call; the folder ROOT survives between calls while the machine stays warm
     python scripts/gpu/study_drafter.py data ROOT                       # the 16-bit target's answers
     python scripts/gpu/study_drafter.py probe ROOT                      # training sequences per second
     python scripts/gpu/study_drafter.py train ROOT NAME --epochs 4 --budget-s 480   # sized by the probe
-    python scripts/gpu/study_drafter.py bench ROOT NAME                 # tau, speedup, mismatches
+    python scripts/gpu/study_drafter.py bench ROOT NAME [--verify-tokens V]   # tau, speedup, mismatches
 
 `train` trains on as many examples as `epochs` passes fit in `budget-s` seconds at the probe's rate
 (all of them if they fit; `--max-examples` fixes the number instead). Results: ROOT/<step>/ (each
@@ -162,11 +162,13 @@ def step_bench(root: Path, args) -> None:
     from qdflash.drafter.static import DrafterEngine
     from qdflash.engine import build_engine
     from qdflash.models import load_target
+    from qdflash.spec import verify_length
 
     dtype = args.dtype
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(STUDY["model"], dtype=dtype, device=device)
     drafter = load_drafter(root / args.name / "drafter", target)
+    verify = verify_length(drafter, args.verify_tokens)  # tokens a round verifies (default: the block)
     tok = target.tokenizer
     data = root / "data"
     cases = bench.category_cases(data, tok, args.per_category, args.max_new_tokens)
@@ -176,14 +178,14 @@ def step_bench(root: Path, args) -> None:
     if device == "cuda":  # as bench_speedup: tuned kernels, decode steps and verify blocks as CUDA graphs
         target.engine.tune_kernels()
         target.engine.capture([1], None)
-        target.engine.capture([1, drafter.block_size], drafter.config.target_layer_ids)
+        target.engine.capture([1, verify], drafter.config.target_layer_ids)
     drafter.engine = DrafterEngine(drafter, max_len=longest)
     drafter.engine.capture(None)
-    methods = {"ar16": bench.ar(target), "spec16": bench.spec(target, drafter, None)}
+    methods = {"ar16": bench.ar(target), "spec16": bench.spec(target, drafter, None, verify)}
     results = bench.run_interleaved(methods, cases, warmup=2)
     fp32 = target.dtype == torch.float32
     out = {"dtype": str(target.dtype), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "prompts": len(cases),
-           "block_size": drafter.block_size, "drafter": args.name}
+           "block_size": drafter.block_size, "verify_tokens": verify, "drafter": args.name}
     groups = {"all": None, "chat+math+code": ("chat", "math", "code"), **{c.label: (c.label,) for c in cases}}
     for label, members in groups.items():
         keep = [members is None or c.label in members for c in cases]
@@ -199,7 +201,7 @@ def step_bench(root: Path, args) -> None:
                       "mismatches": check["mismatches"], "mismatch_bugs": check["mismatch_bugs"],
                       "divergence_margins": check["divergence_margins"],
                       "tau_histogram": [sp.acceptance.count(k) for k in range(1, drafter.block_size + 1)]}
-    record(root, f"bench.{args.name}.{dtype}", out)
+    record(root, f"bench.{args.name}.{dtype}" + ("" if args.verify_tokens is None else f".verify{verify}"), out)
 
 
 def main() -> None:
@@ -215,6 +217,8 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--long", type=int, default=2048, help="the long prompt's tokens (and the filler prompt's)")
+    parser.add_argument("--verify-tokens", type=int, default=None,
+                        help="bench: tokens a speculative round verifies, 1 < V <= block size (default: the whole block)")
     parser.add_argument("--rehearse", action="store_true", help="toy sizes on the CPU (tiny-qwen2)")
     args = parser.parse_args()
     if args.rehearse:
