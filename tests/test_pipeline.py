@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -94,20 +95,26 @@ def test_ci_profile_end_to_end(tmp_path):
 
     again = run_as_written(command, clone)  # nothing to redo
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
-    check_logs(results)
-    check_target_stage(results, data)
-    check_drafter_stage(results)
-    check_bench(results)
-    check_gates(results)
-    check_report(results)
-    check_figures_and_notebook(results, tmp_path)
-    check_exports_in_transformers_and_for_vllm(results)
-    check_lm_eval_command_line(results, clone)
-    report = run_as_written(readme_command(r"--report report.html --config profile=ci"), clone)
+    # the README's commands that read the outputs (lm_eval, the report, the targets table) run one after
+    # another in a second thread while this one checks the outputs: they only read them and write files of
+    # their own (results/ci/lm_eval, report.html), and 2 cores run both
+    readers = [readme_command(r"^lm_eval "), readme_command(r"--report report.html --config profile=ci"),
+               readme_command(r"qdflash.tables target results/ci")]
+    with ThreadPoolExecutor(1) as pool:
+        runs = [pool.submit(run_as_written, c, clone, timeout=900) for c in readers]
+        check_logs(results)
+        check_target_stage(results, data)
+        check_drafter_stage(results)
+        check_bench(results)
+        check_gates(results)
+        check_report(results)
+        check_figures_and_notebook(results, tmp_path)
+        check_exports_in_transformers_and_for_vllm(results)
+        lm_eval, report, table = [r.result() for r in runs]
+    check_lm_eval_command_line(results, clone, lm_eval)
     assert report.returncode == 0, report.stderr[-2000:]
     html = (clone / "report.html").read_text(errors="replace")
     assert "summary.csv" in html and "pareto.png" in html
-    table = run_as_written(readme_command(r"qdflash.tables target results/ci"), clone)
     assert table.returncode == 0 and "qad_gptq_w4g32" in table.stdout, table.stderr[-2000:]
 
 
@@ -142,14 +149,13 @@ def check_exports_in_transformers_and_for_vllm(results):
             torch.testing.assert_close(hf(input_ids=ids).logits, ours.model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def check_lm_eval_command_line(results, clone):
-    """lm-eval's own command line (`--model hf`) on a gate folder's tasks, as the README writes it: the
-    node's per-item scores, and the log-likelihoods of this project's lm-eval model on the same requests."""
+def check_lm_eval_command_line(results, clone, out):
+    """lm-eval's own command line (`--model hf`) on a gate folder's tasks, as the README writes it (`out`:
+    its run): the node's per-item scores, and the log-likelihoods of this project's lm-eval model on the
+    same requests."""
     from qdflash.evaluation.lm import QdflashLM
     from qdflash.models import load_target
 
-    command = readme_command(r"^lm_eval ")
-    out = run_as_written(command, clone, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     (samples,) = (clone / "results" / "ci" / "lm_eval").rglob("samples_qdflash_mmlu_*.jsonl")
     docs = sorted(read(samples), key=lambda s: s["doc_id"])
