@@ -48,3 +48,14 @@ def test_mostly_ascii():
     assert mostly_ascii("Write a poem about the sea.")
     assert not mostly_ascii("写一首关于大海的诗")
     assert not mostly_ascii("")
+
+
+def test_normalize_is_the_regex_whitespace_collapse():
+    """normalize joins str.split() (fast); content keys and splits were defined by the regex form."""
+    import re
+
+    from qdflash.data.split import normalize
+
+    texts = ["  Hello\tWORLD \n", "a\u00a0b\u2003c\u3000d", "x\x1cy\x1fz\x85w", "", " \n\t ", "no-space", "É  é\u2028ß"]
+    for text in texts:
+        assert normalize(text) == re.sub(r"\s+", " ", text).strip().lower()

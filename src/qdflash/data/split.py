@@ -7,16 +7,16 @@ asked for: raising a sample count adds items and never moves one between splits.
 from __future__ import annotations
 
 import hashlib
-import re
 from typing import Callable, Iterable, Sequence, TypeVar
 
-_SPACE = re.compile(r"\s+")
 T = TypeVar("T")
 
 
 def normalize(text: str) -> str:
-    """Case- and whitespace-insensitive form used for dedupe and overlap checks."""
-    return _SPACE.sub(" ", text).strip().lower()
+    """Case- and whitespace-insensitive form used for dedupe and overlap checks. `str.split()` splits
+    on exactly the characters `\\s` matches (str.isspace), so this is `re.sub(r"\\s+", " ", text).strip()`,
+    several times faster on long texts (the data stage normalizes ~50 K prompts)."""
+    return " ".join(text.split()).lower()
 
 
 def content_key(text: str) -> str:
