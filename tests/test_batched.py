@@ -132,12 +132,9 @@ def test_prepare_data_on_the_engine_writes_what_transformers_writes(tmp_path):
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
-    import yaml
+    from qdflash.config import load_config, node_overrides
 
-    from qdflash.config import node_overrides
-    from qdflash.paths import REPO_ROOT
-
-    config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+    config = load_config()
     config["profile"] = "ci"
     config["profiles"]["ci"]["model"] = "tiny-qwen2"
     folders = {}

@@ -4,13 +4,23 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from qdflash.config import node_overrides, validate_config, validate_section
+from qdflash.config import GROUP_SECTIONS, load_config, node_overrides, redundant_keys, validate_config, validate_section
 from qdflash.errors import QdflashError
 from qdflash.paths import REPO_ROOT, config_dir
+
+# every node and the profile sections it reads (workflow/rules/*.smk: hydra_args)
+NODE_SECTIONS = {"prepare_data": ["data"], "quality_gate": ["data", "gates"], "quantize_target": ["quant", "eval"],
+                 "qad": ["qad", "eval"], "train_drafter": ["drafter", "drafter_train"], "compress_drafter": ["compress"],
+                 "bench_speedup": ["bench"], "merge_data": [], "report": [], "figures": []}
 
 
 @pytest.fixture
 def config():
+    """config/config.yaml with its profiles merged over the base (what the rules read)."""
+    return load_config()
+
+
+def raw_config():
     return yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
 
 
@@ -131,3 +141,57 @@ def test_scaling_sizes_must_fit_its_data(config):
     scaling["sizes"] = [100]
     scaling["n_train"]["wikipedia"] = 5
     assert "profiles.gpu.scaling.n_train: ['wikipedia'] are not sources" in error_of(config)
+
+
+def differences(want, got, path=""):
+    """Where `got` (a composed Hydra section) differs from `want` (a profile's section): every leaf of
+    `want`; gates.tasks compared whole (the profile's tasks replace the node's)."""
+    if isinstance(want, dict) and isinstance(got, dict) and path != "gates.tasks":
+        return [d for key, sub in want.items() for d in differences(sub, got.get(key, "<missing>"), f"{path}.{key}" if path else key)]
+    return [] if want == got else [f"{path}: by hand {got!r}, default profile {want!r}"]
+
+
+def test_a_node_run_by_hand_runs_with_the_default_profile(config):
+    """Every node composed by Hydra with no overrides (as the README runs one by hand) has the
+    `default` profile's value for every key of every section it reads, and its model, device, dtype:
+    the DAG of the default profile and a node run by hand agree."""
+    from omegaconf import OmegaConf
+
+    default = config["profiles"]["default"]
+    assert set(GROUP_SECTIONS) == {s for sections in NODE_SECTIONS.values() for s in sections}
+    problems = []
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        for node, sections in NODE_SECTIONS.items():
+            cfg = OmegaConf.to_container(compose(config_name=f"node/{node}", overrides=["out_dir=by-hand"]), resolve=True)
+            for section in sections:
+                problems += [f"{node}: {d}" for d in differences(default[section], cfg[section], section)]
+            problems += [f"{node}: {d}" for d in differences({k: default[k] for k in ("device", "dtype")}, cfg)]
+            if cfg["model"]["name"] != default["model"]:
+                problems.append(f"{node}: model {cfg['model']['name']!r}, default profile {default['model']!r}")
+    assert problems == []
+
+
+def test_profiles_are_overlays_of_what_differs():
+    """A profile says only what differs from the base: no overlay key repeats the base's value (a
+    repeated value is a second copy that could drift), and `default` is the base itself."""
+    raw = raw_config()
+    assert redundant_keys(raw) == []
+    assert raw["profiles"]["default"] == {}
+
+
+def test_merged_profiles_are_resolved_once_and_for_all(config):
+    """Merging is idempotent (a merged config comes back equal), so every reader may merge again."""
+    from qdflash.config import resolve_profiles
+
+    assert resolve_profiles(config) == config
+    assert config["profiles"]["ci"]["quant"]["exclude"] == config["profiles"]["default"]["quant"]["exclude"]  # from the base
+    assert config["profiles"]["ci"]["gates"]["tasks"] == {"mmlu": {"ratio": 0.9, "max_items": 8}}  # replaced whole
+
+
+def test_any_profile_name_validates_through_one_definition(config):
+    """A new profile is one more overlay: the schema checks it through the one profile definition."""
+    config["profiles"]["laptop"] = {"device": "cpu", "drafter": {"num_layers": 2}}
+    config["profile"] = "laptop"
+    assert validate_config(config)["profiles"]["laptop"]["drafter"] == {**config["profiles"]["default"]["drafter"], "num_layers": 2}
+    config["profiles"]["laptop"]["drafter"]["num_layerz"] = 2
+    assert "unknown key profiles.laptop.drafter.num_layerz" in error_of(config)

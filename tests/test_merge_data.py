@@ -43,12 +43,9 @@ def test_sharded_generation_writes_what_one_job_writes(tmp_path):
     import subprocess
     import sys
 
-    import yaml
+    from qdflash.config import load_config, node_overrides
 
-    from qdflash.config import node_overrides
-    from qdflash.paths import REPO_ROOT
-
-    config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+    config = load_config()
     config["profile"] = "ci"
 
     def start(module, out, sections, extra=None):

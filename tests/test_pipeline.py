@@ -10,13 +10,14 @@ import pytest
 import torch
 import yaml
 
+from qdflash.config import load_config
 from qdflash.data.sources import load_source
 from qdflash.data.split import content_key
 from qdflash.paths import REPO_ROOT
 from readme import clone_like_copy, readme_command, run_as_written
 
 pytestmark = pytest.mark.slow
-CONFIG = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+CONFIG = load_config()  # profiles merged over the base, as the rules read them
 
 
 def snakemake(workdir, *args):
@@ -86,9 +87,17 @@ def test_ci_profile_end_to_end(tmp_path):
         tokens = {r["id"]: r for r in read(data / f"{split}.tokens.jsonl")}
         for row in rows:
             t = tokens[row["id"]]
-            assert len(t["input_ids"]) == len(t["loss_mask"]) == row["n_prompt_tokens"] + row["n_response_tokens"]
+            # a multi-turn sequence (data.max_turns) also holds the later user turns between its answers
+            turns = row.get("turns", 1)
+            assert len(t["input_ids"]) == len(t["loss_mask"]) == row.get("n_tokens", len(t["input_ids"]))
+            assert len(t["input_ids"]) == row["n_prompt_tokens"] + row["n_response_tokens"] if turns == 1 else \
+                len(t["input_ids"]) > row["n_prompt_tokens"] + row["n_response_tokens"]
             assert sum(t["loss_mask"]) == row["n_response_tokens"]
             assert t["loss_mask"][: row["n_prompt_tokens"]] == [0] * row["n_prompt_tokens"]
+            assert len(row["messages"]) == 2 * turns
+    # the ci profile answers ShareGPT follow-ups: some conversations went to a second turn
+    assert metrics["train.max_turns"] == 2 and any(r.get("turns") == 2 for r in train)
+    assert metrics["train.answers"] == sum(r["turns"] for r in train)
 
     cfg = yaml.safe_load((data / "config.yaml").read_text())
     assert cfg["data"] == CONFIG["profiles"]["ci"]["data"] and cfg["model"]["name"] == "tiny-qwen3.5"
@@ -361,7 +370,7 @@ def test_adding_a_drafter_bit_width_adds_exactly_its_job(tmp_path):
     """The sweep axis expands through Snakemake: one more value in variants.drafter_bits is one more
     compress_drafter job in a dry run, and 16 (the uncompressed drafter) is none."""
     def planned(bits):
-        config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+        config = load_config()
         config["profiles"]["ci"]["variants"]["drafter_bits"] = bits
         path = tmp_path / f"config-{len(bits)}.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -376,7 +385,7 @@ def test_adding_a_drafter_bit_width_adds_exactly_its_job(tmp_path):
 
 
 def test_failed_node_leaves_no_output(tmp_path):
-    config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+    config = load_config()
     config["profiles"]["ci"]["data"]["sources"]["gsm8k"]["path"] = str(tmp_path / "no-such-gsm8k")
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
     out = snakemake(tmp_path, "--configfile", str(tmp_path / "bad.yaml"), "--config", "profile=ci", "--show-failed-logs")
@@ -452,7 +461,7 @@ def test_slurm_profile_dry_run_lists_every_job_with_its_resources(tmp_path):
 
 
 def test_a_resources_entry_for_no_rule_is_refused(tmp_path):
-    config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+    config = load_config()
     config["profiles"]["ci"]["resources"] = {"qda": {"gpu": 2}}
     (tmp_path / "typo.yaml").write_text(yaml.safe_dump(config))
     out = snakemake(tmp_path, "-n", "--configfile", str(tmp_path / "typo.yaml"), "--config", "profile=ci")

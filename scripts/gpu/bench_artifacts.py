@@ -19,11 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
-from qdflash.config import node_overrides  # noqa: E402
+from qdflash.config import load_config, node_overrides  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +38,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. 'bench.buckets=[[64,128],[2048,256],[8192,256]]'")
     args = parser.parse_args()
 
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = load_config()  # profiles merged over the base, as the rules read them
     config["profile"], config["experiment"] = args.profile, args.name
     profile = config["profiles"][args.profile]
     profile["device"], profile["dtype"] = args.device, args.dtype

@@ -12,15 +12,12 @@ import subprocess
 import sys
 import time
 
-import yaml
-
-from qdflash.config import node_overrides
-from qdflash.paths import REPO_ROOT
+from qdflash.config import load_config, node_overrides
 
 
 def main() -> None:
     profile, node, out, sections, *extra = sys.argv[1:]
-    config = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+    config = load_config()  # profiles merged over the base, as the rules read them
     config["profile"] = profile
     args = node_overrides(config, node, out, [s for s in sections.split(",") if s], dict(e.split("=", 1) for e in extra))
     print(" ".join([sys.executable, "-m", f"qdflash.stages.{node}", *args]), flush=True)

@@ -29,12 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 
-from qdflash.config import node_overrides  # noqa: E402
+from qdflash.config import load_config, node_overrides  # noqa: E402
 
 # the study's settings over the gpu profile (config/config.yaml): Qwen target, multi-turn answers,
 # long training sequences, several epochs
@@ -77,7 +75,7 @@ def merge(base: dict, over: dict) -> dict:
 
 
 def study_config() -> dict:
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = load_config()  # profiles merged over the base, as the rules read them
     config["profile"] = "gpu"
     config["experiment"] = "study"
     config["profiles"]["gpu"] = merge(config["profiles"]["gpu"], STUDY)

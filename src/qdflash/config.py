@@ -1,8 +1,22 @@
-"""The experiment config (config/config.yaml): validation with clear errors, and the translation of a
-profile into Hydra overrides for each node (one function, so paths and overrides cannot drift)."""
+"""The experiment config (config/config.yaml): profiles merged over one base, validation with clear
+errors, and the translation of a profile into Hydra overrides for each node (one function, so paths and
+overrides cannot drift).
+
+One source per value: a profile in config/config.yaml is an overlay, deep-merged over the base. The
+base's node sections (GROUP_SECTIONS) are not written in config.yaml: they are the Hydra group defaults
+themselves, config/<section>/default.yaml, read here. So a node run by hand with no overrides runs with
+the `default` profile's values (an empty overlay), and the base cannot drift from the Hydra defaults:
+there is no copy to generate or to check (tests/test_config.py still checks the composed result).
+config.yaml's `base:` holds the rest (model, device, dtype, variants). A key that only some jobs or
+profiles set (quant.bits, bench.verify_tokens, drafter_train.parallel, ...) is not in the base: its node
+default sits in config/node/<node>.yaml, so a profile that does not name it passes nothing for it.
+Everything that reads a profile goes through `resolve_profiles` / `load_config` / `active_profile` and
+sees it merged."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 from pathlib import Path
 from typing import Any, Iterable
@@ -11,9 +25,12 @@ import jsonschema
 import yaml
 
 from .errors import QdflashError
-from .paths import REPO_ROOT
+from .paths import REPO_ROOT, config_dir
 
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+CONFIG_PATH = REPO_ROOT / "config" / "config.yaml"
+# profile sections that are Hydra config groups: their base is config/<section>/default.yaml
+GROUP_SECTIONS = ("data", "quant", "qad", "eval", "drafter", "drafter_train", "compress", "gates", "bench")
 PRESET_MODELS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen2.5-coder-0.5b", "qwen3.5-4b")
 
 
@@ -70,9 +87,67 @@ def model_problem(key: str, model: str) -> str | None:
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _group_defaults(folder: str, section: str) -> dict:
+    return yaml.safe_load((Path(folder) / section / "default.yaml").read_text()) or {}
+
+
+def profile_base(config: dict) -> dict:
+    """What every profile is merged over: config.yaml's `base` plus, for each of GROUP_SECTIONS, the
+    Hydra group's defaults file (config/<section>/default.yaml, under $QDFLASH_CONFIG_DIR if set)."""
+    base = copy.deepcopy(config.get("base") or {})
+    for section in GROUP_SECTIONS:
+        base[section] = copy.deepcopy(_group_defaults(str(config_dir()), section))
+    return base
+
+
+def deep_merge(base: dict, overlay: dict, prefix: str = "") -> dict:
+    """`overlay` over `base`, map by map (a new dict; neither input changes). A non-map value, and a
+    map whose keys the profile chooses (REPLACED_WHOLE: gates.tasks), replaces base's value whole."""
+    out = copy.deepcopy(base)
+    for key, value in overlay.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and path not in REPLACED_WHOLE:
+            out[key] = deep_merge(out[key], value, path)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def resolve_profiles(config: dict) -> dict:
+    """A copy of `config` with every profile merged over the base (idempotent: a config already
+    resolved comes back equal, so callers need not know which one they hold)."""
+    base = profile_base(config)
+    out = dict(config)
+    out["profiles"] = {name: deep_merge(base, overlay or {}) for name, overlay in (config.get("profiles") or {}).items()}
+    return out
+
+
+def load_config(path: str | Path = CONFIG_PATH) -> dict:
+    """config/config.yaml with every profile merged over the base (what Snakemake's rules see)."""
+    return resolve_profiles(yaml.safe_load(Path(path).read_text()))
+
+
+def redundant_keys(config: dict) -> list[str]:
+    """Overlay keys that repeat the base's value (a profile should say only what differs)."""
+    base = profile_base(config)
+
+    def walk(over: Any, under: Any, path: str) -> list[str]:
+        if isinstance(over, dict) and isinstance(under, dict) and path not in REPLACED_WHOLE:
+            return [k for key, sub in over.items() if key in under
+                    for k in walk(sub, under[key], f"{path}.{key}" if path else str(key))]
+        return [path] if over == under else []
+
+    return [f"profiles.{name}.{k}" for name, overlay in config["profiles"].items() for k in walk(overlay or {}, base, "")]
+
+
 def validate_config(config: dict, where: str = "config/config.yaml") -> dict:
-    """Validate the whole experiment config; raise one QdflashError listing every problem."""
+    """Validate the whole experiment config, every profile merged over the base; raise one
+    QdflashError listing every problem. Returns the config with its profiles merged."""
+    config = resolve_profiles(config)
     problems = validation_errors(config, load_schema())
+    if isinstance(config.get("profile"), str) and config["profile"] not in (config.get("profiles") or {}):
+        problems.append(f"profile = {config['profile']!r} is not allowed; allowed values: {', '.join(sorted(config['profiles']))}")
     if not problems:
         for name, profile in config["profiles"].items():
             problem = model_problem(f"profiles.{name}.model", profile["model"])
@@ -146,7 +221,8 @@ def resolved_inputs(values: dict) -> dict[str, str]:
 
 
 def active_profile(config: dict) -> dict:
-    return config["profiles"][config["profile"]]
+    """The profile that runs, merged over the base."""
+    return deep_merge(profile_base(config), config["profiles"][config["profile"]])
 
 
 def experiment_name(config: dict) -> str:

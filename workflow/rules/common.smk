@@ -8,8 +8,11 @@ import sys
 from qdflash.config import active_profile, node_overrides, resolved_inputs, results_root, validate_config
 from qdflash.errors import QdflashError
 
+# config/config.yaml's profiles are overlays (qdflash.config): from here on every rule reads them merged
+# over the base (the Hydra group defaults config/<section>/default.yaml plus `base:`), after any
+# --configfile (e.g. config/gpu-rehearsal.yaml) and --config Snakemake merged into the overlays
 try:
-    validate_config(config)
+    config["profiles"] = validate_config(config)["profiles"]
 except QdflashError as err:
     raise WorkflowError(str(err)) from None
 
