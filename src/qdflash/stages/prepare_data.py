@@ -24,7 +24,7 @@ from collections import Counter
 from omegaconf import DictConfig, OmegaConf
 
 from ..config import validate_section
-from ..data.chat import render_prompt_ids, training_example
+from ..data.chat import render_prompt_ids
 from ..data.conversation import Conversation, answer_conversations
 from ..data.generate import Generation, GenerationStats, Sampling, generate_batched, generate_on_engine, resolve_backend
 from ..data.jsonl import write_jsonl
@@ -95,30 +95,6 @@ def choose_prompts(
     return train, heldout
 
 
-def records(items: list[PromptItem], prompt_ids: dict[str, list[int]], gens: list[Generation], target: Target, decoding: str):
-    rows, tokenized = [], []
-    eos = set(target.eos_token_ids)
-    for item, gen in zip(items, gens):
-        ids = prompt_ids[item.id]
-        body = [t for t in gen.token_ids if t not in eos]
-        response = target.tokenizer.decode(body, skip_special_tokens=True)
-        rows.append(
-            {
-                "id": item.id,
-                "source": item.source,
-                "category": item.category,
-                "messages": [{"role": "user", "content": item.prompt}, {"role": "assistant", "content": response}],
-                "response": response,
-                "finish_reason": gen.finish_reason,
-                "n_prompt_tokens": len(ids),
-                "n_response_tokens": len(gen.token_ids),
-                "decoding": decoding,
-            }
-        )
-        tokenized.append({"id": item.id, **training_example(ids, gen.token_ids)})
-    return rows, tokenized
-
-
 def split_metrics(run: NodeRun, split: str, items: list[PromptItem], gens: list[Generation], stats: GenerationStats) -> None:
     run.metrics[f"{split}.prompts"] = len(items)
     run.metrics[f"{split}.new_tokens"] = stats.new_tokens
@@ -185,9 +161,9 @@ def total_stats(parts: list[GenerationStats]) -> GenerationStats:
     return total
 
 
-def conversation_records(items: list[PromptItem], convs: list[Conversation], target: Target):
-    """train.jsonl rows (every turn's messages; `response` is the first answer, as in single-turn
-    data) and train.tokens.jsonl rows (the whole sequence, loss on every answer)."""
+def conversation_records(items: list[PromptItem], convs: list[Conversation], target: Target, decoding: str):
+    """<split>.jsonl rows (every turn's messages; `response` is the first answer) and
+    <split>.tokens.jsonl rows (the whole sequence as generated, loss on every answer)."""
     rows, tokenized = [], []
     eos = set(target.eos_token_ids)
     for item, conv in zip(items, convs):
@@ -199,7 +175,7 @@ def conversation_records(items: list[PromptItem], convs: list[Conversation], tar
             "id": item.id, "source": item.source, "category": item.category, "messages": messages,
             "response": answers[0], "finish_reason": conv.answers[0].finish_reason,
             "n_prompt_tokens": conv.prompt_tokens, "n_response_tokens": sum(len(a.token_ids) for a in conv.answers),
-            "turns": len(conv.answers), "n_tokens": len(conv.input_ids), "decoding": "sampled",
+            "turns": len(conv.answers), "n_tokens": len(conv.input_ids), "decoding": decoding,
         })
         tokenized.append({"id": item.id, "input_ids": conv.input_ids, "loss_mask": conv.loss_mask})
     return rows, tokenized
@@ -273,26 +249,23 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             return generate_batched(target.model, prompts, pad_id=target.tokenizer.pad_token_id, eos_ids=target.eos_token_ids,
                                     max_new_tokens=gen.max_new_tokens, batch_size=gen.batch_size,
                                     static_cache_len=_static_len(cfg, max_len), **kwargs)
-    # training answers: whole conversations, turn by turn (data.max_turns; 1 = the first turn only)
-    sampled = Sampling(gen.temperature, gen.top_p, gen.top_k)
-    convs, turn_stats = answer_conversations(
-        train, prompt_ids, generate, tokenizer=target.tokenizer, max_turns=max_turns, max_sequence_tokens=max_len,
-        max_new_tokens=gen.max_new_tokens, sampling=sampled, seed=gen.seed, key_of=turn_key,
-        accept_user=lambda text: not data.english_only or mostly_ascii(text), template_kwargs=template_kwargs,
-        desc="train (sampled)",
-    )
-    rows, tokenized = conversation_records(train, convs, target)
-    write_jsonl(run.dir / "train.jsonl", rows)
-    write_jsonl(run.dir / "train.tokens.jsonl", tokenized)
-    split_metrics(run, "train", train, [a for c in convs for a in c.answers], total_stats(turn_stats))
-    conversation_metrics(run, convs, turn_stats, max_turns)
+    # training answers: whole conversations, turn by turn (data.max_turns; 1 = the first turn only);
     # held-out answers: first turns, greedy (what teacher-forced acceptance and the benchmark read)
-    gens, stats = generate([prompt_ids[i.id] for i in heldout], sampling=Sampling(0.0), seed=gen.seed,
-                           keys=[prompt_key(i.id) for i in heldout], desc="heldout (greedy)")
-    rows, tokenized = records(heldout, prompt_ids, gens, target, "greedy")
-    write_jsonl(run.dir / "heldout.jsonl", rows)
-    write_jsonl(run.dir / "heldout.tokens.jsonl", tokenized)
-    split_metrics(run, "heldout", heldout, gens, stats)
+    splits = (("train", train, Sampling(gen.temperature, gen.top_p, gen.top_k), max_turns, "sampled"),
+              ("heldout", heldout, Sampling(0.0), 1, "greedy"))
+    for split, items, sampling, turns, decoding in splits:
+        convs, turn_stats = answer_conversations(
+            items, prompt_ids, generate, tokenizer=target.tokenizer, max_turns=turns, max_sequence_tokens=max_len,
+            max_new_tokens=gen.max_new_tokens, sampling=sampling, seed=gen.seed, key_of=turn_key,
+            accept_user=lambda text: not data.english_only or mostly_ascii(text), template_kwargs=template_kwargs,
+            desc=f"{split} ({decoding})",
+        )
+        rows, tokenized = conversation_records(items, convs, target, decoding)
+        write_jsonl(run.dir / f"{split}.jsonl", rows)
+        write_jsonl(run.dir / f"{split}.tokens.jsonl", tokenized)
+        split_metrics(run, split, items, [a for c in convs for a in c.answers], total_stats(turn_stats))
+        if split == "train":
+            conversation_metrics(run, convs, turn_stats, max_turns)
 
     if gen.measure_speed.enabled and train:
         measure_speed(cfg, target, [prompt_ids[i.id] for i in train], run, generate)
