@@ -37,15 +37,8 @@ from qdflash.models import synchronize  # noqa: E402
 from qdflash.stages.train_drafter import epoch_batches  # noqa: E402
 from qdflash.tracking import environment  # noqa: E402
 
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                  vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  rope_theta=1000000.0)
-
-
-class Target:
-    def __init__(self, model):
-        self.model, self.config = model, model.config
-        self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_round import QWEN25_05B, Target  # noqa: E402  (the shape and the target stand-in, one definition)
 
 
 def timed(fn, device, reps):

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 
-from qdflash.config import load_config, node_overrides  # noqa: E402
+from qdflash.config import deep_merge, load_config, node_overrides  # noqa: E402
 
 # the study's settings over the gpu profile (config/config.yaml): Qwen target, multi-turn answers,
 # long training sequences, several epochs
@@ -67,18 +67,11 @@ REHEARSAL = {
 }
 
 
-def merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def study_config() -> dict:
     config = load_config()  # profiles merged over the base, as the rules read them
     config["profile"] = "gpu"
     config["experiment"] = "study"
-    config["profiles"]["gpu"] = merge(config["profiles"]["gpu"], STUDY)
+    config["profiles"]["gpu"] = deep_merge(config["profiles"]["gpu"], STUDY)
     return config
 
 
@@ -220,7 +213,7 @@ def main() -> None:
     parser.add_argument("--rehearse", action="store_true", help="toy sizes on the CPU (tiny-qwen2)")
     args = parser.parse_args()
     if args.rehearse:
-        STUDY.update(merge(STUDY, REHEARSAL))
+        STUDY.update(deep_merge(STUDY, REHEARSAL))
     args.root.mkdir(parents=True, exist_ok=True)
     {"data": step_data, "probe": step_probe, "train": step_train, "bench": step_bench}[args.step](args.root, args)
 
