@@ -3,7 +3,8 @@ import torch
 
 from qdflash.drafter import init_drafter, load_drafter, save_drafter
 from qdflash.drafter.blocks import (
-    IGNORE, acceptance_lengths, block_attention_mask, block_inputs, default_layer_ids, loss_weights, sample_anchors,
+    IGNORE, acceptance_lengths, block_attention_mask, block_inputs, default_layer_ids, linear_argmax, loss_weights,
+    sample_anchors, weighted_block_loss_parts, weighted_linear_block_loss_parts,
 )
 from qdflash.drafter.train import batch_loss, draft_blocks, estimate_acceptance, pad_anchors, pad_right, target_pass
 from qdflash.errors import QdflashError
@@ -105,12 +106,15 @@ def test_oracle_drafter_gets_tau_equal_to_block_size(tiny_llama):
     _, greedy = target_pass(tiny_llama, torch.tensor([ex["input_ids"]]), drafter.config.target_layer_ids)
     vocab = tiny_llama.vocab_size
 
-    def oracle(block_ids, context, q_pos, k_pos, mask, target_hidden=None):
+    def oracle(block_ids, context, q_pos, k_pos, mask, target_hidden=None, head=True):
         logits = torch.zeros(*q_pos.shape, vocab)
         want = greedy.gather(1, (q_pos - 1).clamp_min(0))  # position p predicts the target's argmax at p-1
         logits.scatter_(-1, want[..., None], 1.0)
         return logits
 
+    # the acceptance estimate reads the drafter's states through its LM head: an identity head
+    # makes the oracle's one-hot "states" its logits
+    drafter.head_weight = lambda: torch.eye(vocab)
     drafter.forward = oracle
     result = estimate_acceptance(drafter, tiny_llama, [ex], anchors_per_seq=8)
     assert result["tau"] == b and result["accept_rate_by_position"] == [1.0] * (b - 1)
@@ -139,6 +143,55 @@ def test_round_cost_terms(tiny_llama):
     assert f["total"] == f["fc"] + f["layers"] + f["lm_head"]
     assert drafter_round_flops(c, context_len=200, new_tokens=2)["layers"] > f["layers"]  # attention grows with context
     assert target_token_flops(tiny_llama.model) > 2 * c.hidden_size * c.vocab_size  # at least the LM head
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 4096])
+def test_chunked_head_loss_equals_the_loss_over_whole_logits(chunk_rows):
+    """The LM head + cross-entropy a chunk of trained rows at a time gives the loss over the whole
+    [n, B, V] logits, its weight and its gradient (IGNORE rows and the anchor position included)."""
+    g = torch.Generator().manual_seed(0)
+    n, b, h, v = 7, 4, 16, 50
+    hidden = torch.randn(n, b, h, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(v, h, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, v, (n, b), generator=g)
+    targets[:, 0] = IGNORE
+    targets[2] = IGNORE  # a padding anchor
+    targets[4, 3] = IGNORE  # past the sequence's end
+    weights = loss_weights(b, 7.0).double()
+    total, weight = weighted_linear_block_loss_parts(hidden, head, targets, weights, chunk_rows)
+    (total / weight).backward()
+    grad, hidden.grad = hidden.grad, None
+    want_total, want_weight = weighted_block_loss_parts(torch.nn.functional.linear(hidden, head), targets, weights)
+    (want_total / want_weight).backward()
+    torch.testing.assert_close(total.double(), want_total)
+    torch.testing.assert_close(weight.double(), want_weight)
+    torch.testing.assert_close(grad, hidden.grad)
+    assert grad[2].abs().max() == 0 and grad[:, 0].abs().max() == 0  # untrained rows get no gradient
+    assert torch.equal(linear_argmax(hidden, head, chunk_rows), torch.nn.functional.linear(hidden, head).argmax(-1))
+
+
+def test_batch_loss_equals_the_loss_of_the_drafters_logits(tiny_llama):
+    """batch_loss (states -> chunked head loss) is the weighted loss of the drafter's own logits, with
+    the same gradient in every drafter weight."""
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=1)
+    batch = [example(tiny_llama, 30, seed=3, id="a"), example(tiny_llama, 45, seed=4, id="b")]
+    w = loss_weights(4, 7.0)
+    loss = batch_loss(drafter, tiny_llama, batch, w, 6, torch.Generator().manual_seed(0))
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    from qdflash.drafter.train import batch_anchors, padded_batch
+
+    anchors = batch_anchors(batch, 6, torch.Generator().manual_seed(0))
+    input_ids, masks, anchor_t, valid = padded_batch(batch, anchors)
+    features = target_pass(tiny_llama, input_ids, drafter.config.target_layer_ids)[0]
+    logits, targets = draft_blocks(drafter, features, input_ids, masks, anchor_t, valid)
+    total, weight = weighted_block_loss_parts(logits.flatten(0, 1), targets.flatten(0, 1), w)
+    want = total / weight
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    for k, p in drafter.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, msg=k)
 
 
 def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path):

@@ -10,10 +10,14 @@ each synchronized, median over --steps batches:
 - the target forward of a random batch with its LM head (what training ran before: [n, L, vocab]
   logits it never used) and without it (`target_pass(greedy=False)`);
 - the block mask built on the CPU and copied, against built on the GPU;
-- whole steps (batch_loss, backward, AdamW) on random batches and on length-grouped ones
-  (drafter_train.group_by_length), taking turns step by step after a warm-up on both, with the
-  padded tokens per step: sequences per second is what sets how much data a training minute sees;
-- with `--profile`, three grouped steps under torch.profiler: the top kernels by GPU time.
+- whole steps (loss, backward, AdamW; fp32 drafter weights, as the node) on length-grouped batches
+  (drafter_train.group_by_length), the variants taking turns batch by batch: the step as the node
+  ran it before (fp32 forward, loss over the whole [rows, vocab] logits), with the chunked LM head +
+  cross-entropy on the trained rows only, and with that with TF32 matmuls (the node's step now,
+  drafter_train.tf32) or with the drafter's forward under bf16 autocast; `--anchor-sweep 128,256`
+  also times the node's step with more anchors per sequence. Sequences per second is what sets how
+  much data a training minute sees;
+- with `--profile`, three steps before and now under torch.profiler: the top kernels by GPU time.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from qdflash.drafter import init_drafter  # noqa: E402
-from qdflash.drafter.blocks import batch_attention_mask, loss_weights  # noqa: E402
-from qdflash.drafter.train import batch_anchors, batch_loss, padded_batch, target_pass  # noqa: E402
+from qdflash.drafter.blocks import batch_attention_mask, loss_weights, weighted_block_loss_parts  # noqa: E402
+from qdflash.drafter.train import batch_anchors, batch_loss, draft_blocks, padded_batch, target_pass  # noqa: E402
 from qdflash.models import synchronize  # noqa: E402
 from qdflash.stages.train_drafter import epoch_batches  # noqa: E402
 from qdflash.tracking import environment  # noqa: E402
@@ -62,7 +66,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=32, help="group_by_length runs (batches)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--examples", type=int, default=2048)
-    parser.add_argument("--profile", action="store_true", help="also profile 3 grouped steps (torch.profiler, by kernel)")
+    parser.add_argument("--anchor-sweep", type=lambda t: [int(x) for x in t.split(",") if x], default=[],
+                        help="also time the node's step with these anchors per sequence (e.g. 128,256)")
+    parser.add_argument("--profile", action="store_true", help="also profile 3 steps before / now (torch.profiler, by kernel)")
+    parser.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -73,7 +80,7 @@ def main() -> None:
     target = Target(Qwen2ForCausalLM(Qwen2Config(**{**QWEN25_05B, "num_hidden_layers": args.layers})).to(device=device, dtype=dtype).eval())
     for p in target.model.parameters():
         p.requires_grad_(False)
-    drafter = init_drafter(target, block_size=16, num_layers=args.drafter_layers).to(dtype).train()
+    drafter = init_drafter(target, block_size=16, num_layers=args.drafter_layers).train()  # fp32 weights, as the node
     g = torch.Generator().manual_seed(0)
     mu, sigma = math.log(387), math.sqrt(2 * math.log(550 / 387))  # median 387, mean 550 (the study's data)
     lengths = [int(min(args.max_length, max(64, math.exp(mu + sigma * torch.randn(1, generator=g).item())))) for _ in range(args.examples)]
@@ -87,7 +94,7 @@ def main() -> None:
               "config": vars(args), "mean_length": round(sum(lengths) / len(lengths), 1),
               "median_length": sorted(lengths)[len(lengths) // 2], "env": environment()}
 
-    random_batches = list(itertools.islice(epoch_batches(len(examples), args.batch, 0), args.steps + 5))
+    random_batches = list(itertools.islice(epoch_batches(len(examples), args.batch, 0), 1))
     grouped_batches = list(itertools.islice(epoch_batches(len(examples), args.batch, 0, lengths, args.group), args.steps + 5))
     batch = [examples[i] for i in random_batches[0]]
     anchors = batch_anchors(batch, args.anchors, torch.Generator().manual_seed(0))
@@ -105,44 +112,78 @@ def main() -> None:
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
     gen = torch.Generator().manual_seed(0)
 
-    def step(idx):
+    def autocast_forward(*a, **k):  # the drafter's forward (only) in bf16 under autocast, weights fp32
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            return drafter(*a, **k)
+
+    def old_loss(chunk, anchors_per_seq):  # what the node ran before: fp32 forward, loss over whole [.., V] logits
+        anchor_lists = batch_anchors(chunk, anchors_per_seq, gen)
+        input_ids, loss_masks, anchor_t, valid = padded_batch(chunk, anchor_lists)
+        features = target_pass(target, input_ids.to(device), layer_ids, greedy=False)[0]
+        logits, targets = draft_blocks(drafter, features, input_ids, loss_masks, anchor_t, valid)
+        total, weight = weighted_block_loss_parts(logits.flatten(0, 1), targets.flatten(0, 1), weights)
+        return total / weight
+
+    # name -> (loss of a batch, TF32 fp32 matmuls): fp32 = exact fp32 matmuls (no tensor cores), tf32 =
+    # fp32 weights and activations with tensor-core matmuls, autocast = bf16 matmuls and attention
+    variants = {
+        "fp32+whole-logits": (lambda chunk: old_loss(chunk, args.anchors), False),
+        "fp32+chunked-head": (lambda chunk: batch_loss(drafter, target, chunk, weights, args.anchors, gen), False),
+        "tf32+chunked-head": (lambda chunk: batch_loss(drafter, target, chunk, weights, args.anchors, gen), True),
+        "autocast+chunked-head": (lambda chunk: batch_loss(drafter, target, chunk, weights, args.anchors, gen, module=autocast_forward), False),
+    }
+    for more in args.anchor_sweep:
+        variants[f"tf32+chunked-head@{more}anchors"] = (
+            lambda chunk, more=more: batch_loss(drafter, target, chunk, weights, more, gen), True)
+
+    def step(idx, variant):
+        loss_fn, tf32 = variant
+        torch.backends.cuda.matmul.allow_tf32 = tf32
         chunk = [examples[i] for i in idx]
         optimizer.zero_grad(set_to_none=True)
-        loss = batch_loss(drafter, target, chunk, weights, args.anchors, gen)
+        loss = loss_fn(chunk)
         loss.backward()
         optimizer.step()
+        torch.backends.cuda.matmul.allow_tf32 = False
         return chunk
 
-    for idx in random_batches[:2] + grouped_batches[:2]:  # allocate for the largest shapes first
-        step(idx)
-    # the two kinds of batches take turns, step by step, so neither runs on a colder allocator
-    timing = {"random": [], "grouped": []}
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k in args.only.split(",") or k == "fp32+whole-logits"}
+    for name, fn in variants.items():  # allocate for the largest shapes first
+        for idx in sorted(grouped_batches[: args.steps + 2], key=lambda b: -max(lengths[i] for i in b))[:1]:
+            step(idx, fn)
+    # the variants take turns, batch by batch (length-grouped batches, as the node trains), so none
+    # runs on a colder allocator or on other batches
+    timing = {name: [] for name in variants}
     for k in range(2, args.steps + 2):
-        for name, batches in (("random", random_batches), ("grouped", grouped_batches)):
+        for name, fn in variants.items():
             synchronize(device)
             start = time.perf_counter()
-            chunk = step(batches[k])
+            chunk = step(grouped_batches[k], fn)
             synchronize(device)
             timing[name].append(((time.perf_counter() - start) * 1e3, len(chunk) * max(len(ex["input_ids"]) for ex in chunk),
                                  sum(len(ex["input_ids"]) for ex in chunk)))
+    result["steps"] = {}
     for name, rows in timing.items():
         times = [t for t, _, _ in rows]
-        result[f"step_{name}"] = {"ms_median": round(statistics.median(times), 1), "ms_mean": round(sum(times) / len(times), 1),
-                                  "sequences_per_s": round(args.batch * 1e3 / (sum(times) / len(times)), 3),
-                                  "padded_tokens_per_step": round(sum(p for _, p, _ in rows) / len(rows)),
-                                  "real_tokens_per_step": round(sum(r for _, _, r in rows) / len(rows))}
-        print(name, result[f"step_{name}"], flush=True)
-    if args.profile and device.type == "cuda":  # where a grouped step's GPU time goes, by kernel
+        result["steps"][name] = {"ms_median": round(statistics.median(times), 1), "ms_mean": round(sum(times) / len(times), 1),
+                                 "sequences_per_s": round(args.batch * 1e3 / (sum(times) / len(times)), 3),
+                                 "padded_tokens_per_step": round(sum(p for _, p, _ in rows) / len(rows)),
+                                 "real_tokens_per_step": round(sum(r for _, _, r in rows) / len(rows))}
+        print(name, result["steps"][name], flush=True)
+    if args.profile and device.type == "cuda":  # where a step's GPU time goes, by kernel, before and now
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for idx in grouped_batches[2:5]:
-                step(idx)
-            synchronize(device)
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-        print(table, flush=True)
-        result["profile_top_ops"] = table.splitlines()
-    result["grouped_vs_random_sequences_per_s"] = round(result["step_random"]["ms_mean"] / result["step_grouped"]["ms_mean"], 3)
+        for name in ("fp32+whole-logits", "tf32+chunked-head"):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for idx in grouped_batches[2:5]:
+                    step(idx, variants[name])
+                synchronize(device)
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+            print(name, "\n", table, flush=True)
+            result[f"profile_top_ops[{name}]"] = table.splitlines()
+    base = result["steps"]["fp32+whole-logits"]["ms_mean"]
+    result["speedup_vs_fp32_whole_logits"] = {name: round(base / r["ms_mean"], 3) for name, r in result["steps"].items()}
     if device.type == "cuda":
         result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     text = json.dumps(result, indent=1)

@@ -218,17 +218,25 @@ class Drafter(nn.Module):
         """Id written at mask positions of a block (-1 = the learned mask vector)."""
         return -1 if self.config.mask_token_id is None else self.config.mask_token_id
 
-    def forward(self, block_ids, context, q_pos, k_pos, mask, target_hidden=None) -> torch.Tensor:
+    def head_weight(self) -> torch.Tensor:
+        """The target's LM head [V, H], frozen (detached: never a gradient into it)."""
+        return self._target.model.get_output_embeddings().weight.detach()
+
+    def forward(self, block_ids, context, q_pos, k_pos, mask, target_hidden=None, head: bool = True) -> torch.Tensor:
         """Logits [B, Tq, V] for block tokens `block_ids` [B, Tq] given context features [B, Tc, H],
         or the target's hidden states `target_hidden` (context=None): then `fc` runs inside forward,
-        which FSDP needs (it gathers a module's weights only for its forward)."""
+        which FSDP needs (it gathers a module's weights only for its forward). With `head=False`, the
+        normed states [B, Tq, H] that the LM head would read (training applies the head itself, on
+        the trained rows only: drafter.blocks.weighted_linear_block_loss_parts)."""
         if context is None:
             context = self.context_features(target_hidden)
         h = self.embed_block(block_ids).to(self.norm.weight.dtype)
         for layer in self.layers:
             h = layer(h, context, q_pos, k_pos, mask)
-        head = self._target.model.get_output_embeddings().weight.detach()  # frozen target LM head
-        return F.linear(self.norm(h).to(head.dtype), head)
+        if not head:
+            return self.norm(h)
+        weight = self.head_weight()
+        return F.linear(self.norm(h).to(weight.dtype), weight)
 
     def forward_block(self, block_ids, q_pos, ctx_keys, ctx_values, ctx_pos, window: int | None = None) -> torch.Tensor:
         """Inference: logits [1, B, V] of one block over the cached context K/V of every layer.

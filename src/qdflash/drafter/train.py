@@ -20,8 +20,8 @@ import torch
 
 from ..distill import pad_right
 from ..errors import QdflashError
-from .blocks import (IGNORE, acceptance_lengths, batch_attention_mask, block_inputs, block_mask_mod, sample_anchors,
-                     weighted_block_loss_parts)
+from .blocks import (IGNORE, acceptance_lengths, batch_attention_mask, block_inputs, block_mask_mod, linear_argmax,
+                     sample_anchors, weighted_linear_block_loss_parts)
 from .model import Drafter
 
 
@@ -64,9 +64,10 @@ def round_up(value: int, multiple: int) -> int:
 
 def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_masks: torch.Tensor,
                  anchors: torch.Tensor, valid: torch.Tensor | None = None,
-                 attention: str = "sdpa", module=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 attention: str = "sdpa", module=None, head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [n, A, B, V] of every block of a (right-padded) batch in one drafter forward, and the
     targets [n, A, B] (IGNORE where no trained token is, and for padding anchors: `valid` False).
+    With `head=False`, the normed states [n, A, B, H] the LM head would read instead of the logits.
 
     input_ids / loss_masks [n, L], features [n, L, k*H], anchors [n, A] (CPU tensors except features).
     attention: "sdpa" (a dense boolean mask) or "flex" (flex_attention's block-sparse mask).
@@ -92,9 +93,9 @@ def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tens
         mask = batch_attention_mask(anchors.to(device), b, length)  # built where it is used: no host copy
     else:
         raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'flex'")
-    logits = (module or drafter)(ids.reshape(n, -1).to(device), None, q_pos.to(device), k_pos.to(device), mask,
-                                 target_hidden=features.to(drafter.norm.weight.dtype))
-    return logits.reshape(n, anchors.shape[1], b, -1), targets.to(device)
+    out = (module or drafter)(ids.reshape(n, -1).to(device), None, q_pos.to(device), k_pos.to(device), mask,
+                              target_hidden=features.to(drafter.norm.weight.dtype), head=head)
+    return out.reshape(n, anchors.shape[1], b, -1), targets.to(device)
 
 
 class FeatureCache:
@@ -164,8 +165,9 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
     `pad_length` (and `anchors_per_seq` anchors always) gives every batch one shape, so a compiled
     flex_attention is compiled once instead of once per batch shape. `anchor_lists`: anchors drawn
     beforehand (batch_anchors; else drawn here from `generator`); `module`: the drafter's DDP
-    wrapper; `parts`: return (weighted loss sum, weight sum) instead of their ratio. None when no
-    sequence has an anchor."""
+    wrapper; `parts`: return (weighted loss sum, weight sum) instead of their ratio. The LM head and
+    cross-entropy run on the trained rows only, a chunk at a time (blocks.weighted_linear_block_loss_parts).
+    None when no sequence has an anchor."""
     device = next(drafter.parameters()).device
     if anchor_lists is None:
         anchor_lists = batch_anchors(examples, anchors_per_seq, generator)
@@ -186,8 +188,8 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
         features = pad_right([r.to(device) for r in rows], 0, pad_length)
     else:
         features = target_pass(target, input_ids.to(device), layer_ids, greedy=False)[0]
-    logits, targets = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, module)
-    total, weight = weighted_block_loss_parts(logits.flatten(0, 1), targets.flatten(0, 1), weights)
+    hidden, targets = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, module, head=False)
+    total, weight = weighted_linear_block_loss_parts(hidden.flatten(0, 1), drafter.head_weight(), targets.flatten(0, 1), weights)
     return (total, weight) if parts else total / weight.clamp_min(1e-9)
 
 
@@ -223,8 +225,8 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
         chunk = drawn[start : start + batch_size]
         input_ids, loss_masks, anchors, valid = padded_batch([ex for ex, _ in chunk], [a for _, a in chunk], length, width)
         features, greedy = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)
-        logits, _ = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention)
-        draft = logits[:, :, 1:].argmax(-1).cpu()  # [n, A, B-1]
+        hidden, _ = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, head=False)
+        draft = linear_argmax(hidden[:, :, 1:], drafter.head_weight()).cpu()  # [n, A, B-1], no [.., V] logits held
         greedy = greedy.cpu()
         for i, (ex, a) in enumerate(chunk):
             want = greedy[i][a[:, None] + offsets[None, :]]

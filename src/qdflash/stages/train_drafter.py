@@ -132,6 +132,16 @@ def attention_kind(setting: str, device: torch.device) -> str:
     return setting
 
 
+def use_tf32(setting: bool, device: torch.device) -> bool:
+    """drafter_train.tf32 on a GPU: the fp32 drafter's matmuls run on tensor cores (TF32, 10-bit
+    mantissa products, fp32 sums) instead of exact fp32 SIMT kernels, for this process; its weights,
+    gradients and AdamW state stay fp32. (bf16 autocast measured slower than either on the H200:
+    scripts/gpu/bench_drafter_step.py.) The CPU has no TF32: the setting does nothing there."""
+    on = setting and device.type == "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = on
+    return on
+
+
 @stage("train_drafter")
 def main(cfg: DictConfig, run: NodeRun) -> None:
     train_cfg = cfg.drafter_train
@@ -168,10 +178,12 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     train = training_examples(cfg.data_dir, train_cfg.max_length, train_cfg.max_examples)
     steps = training_steps(train_cfg, len(train))
     attention = attention_kind(train_cfg.attention, drafter.norm.weight.device)
+    tf32 = use_tf32(bool(train_cfg.tf32), drafter.norm.weight.device)
     ends = epoch_ends(steps, len(train), int(train_cfg.batch_size))
     run.metrics.update({"train.examples": len(train), "train.steps": steps, "train.attention": attention,
                         "train.epochs": round(steps * int(train_cfg.batch_size) / len(train), 4),
                         "train.batch_size": int(train_cfg.batch_size), "train.anchors_per_seq": int(train_cfg.anchors_per_seq),
+                        "train.tf32": int(tf32),
                         "train.tokens": sum(len(ex["input_ids"]) for ex in train)})
     log.info("%d training sequences (%d tokens), %d steps of %d sequences, %s attention", len(train),
              run.metrics["train.tokens"], steps, train_cfg.batch_size, attention)
