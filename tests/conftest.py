@@ -54,3 +54,36 @@ def varied_llama(tiny_llama):
             if p.dim() == 2 and "embed" not in name:
                 p.mul_(4.0)
     return target
+
+
+@pytest.fixture(scope="session")
+def lm_eval_task_index():
+    """lm-eval's own task YAMLs parsed once per session: every TaskManager (one per evaluate() call)
+    indexes all ~14,000 of them again (~10 s each on 2 cores). The index is built as before, only each
+    file of the installed lm_eval package is read once and handed out as a fresh copy (pickled); a
+    test's own task files (include_path) are read every time, as they may change between calls."""
+    import pickle
+    from pathlib import Path
+
+    from lm_eval.tasks import _index
+
+    package = str(Path(_index.__file__).parent) + os.sep
+    read = _index.load_yaml
+    parsed = {}
+
+    def load_yaml(path, **options):
+        if not str(path).startswith(package):
+            return read(path, **options)
+        key = (str(path), tuple(sorted(options.items())))
+        if key not in parsed:
+            try:
+                parsed[key] = pickle.dumps(read(path, **options))
+            except Exception as error:  # the index skips such a file: it is skipped every time
+                parsed[key] = error
+        if isinstance(parsed[key], Exception):
+            raise parsed[key]
+        return pickle.loads(parsed[key])
+
+    _index.load_yaml = load_yaml
+    yield
+    _index.load_yaml = read

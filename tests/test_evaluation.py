@@ -6,6 +6,7 @@ import pytest
 import torch
 
 lm_eval = pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.usefixtures("lm_eval_task_index")  # conftest: lm-eval's task files parsed once
 
 from qdflash.data.sources import PromptItem  # noqa: E402
 from qdflash.evaluation.gates import judge, passes_all  # noqa: E402

