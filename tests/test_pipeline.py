@@ -402,7 +402,10 @@ def test_failed_node_leaves_no_output(tmp_path):
     config = load_config()
     config["profiles"]["ci"]["data"]["sources"]["gsm8k"]["path"] = str(tmp_path / "no-such-gsm8k")
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
-    out = snakemake(tmp_path, "--configfile", str(tmp_path / "bad.yaml"), "--config", "profile=ci", "--show-failed-logs")
+    # the data node's output as the target: the whole DAG would first run nodes that do not read the data
+    # (quality_reference: ~18 s) before the data node fails
+    out = snakemake(tmp_path, "results/ci/data/bf16", "--configfile", str(tmp_path / "bad.yaml"), "--config", "profile=ci",
+                    "--show-failed-logs")
     assert out.returncode != 0
     assert not (tmp_path / "results" / "ci" / "data" / "bf16").exists()
     # the node's error is in the rule's log (kept, outside the removed output), and Snakemake shows it
