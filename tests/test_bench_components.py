@@ -2,18 +2,50 @@
 mean nothing here, but every part is measured and the captured-step check holds."""
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from qdflash.paths import REPO_ROOT
 
 
-def test_component_bench_runs_on_the_cpu(tmp_path):
-    out = tmp_path / "components.json"
-    run = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gpu" / "bench_components.py"), "--shape", "tiny",
-                          "--reps", "1", "--context", "32", "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    r = json.loads(out.read_text())
+class Started:
+    """One script run started in the background: its output file, and its process (stdout + stderr to a log file,
+    not a pipe, so no process waits on a full pipe)."""
+
+    def __init__(self, folder, name, script, *args):
+        self.out, self.log = folder / f"{name}.json", folder / f"{name}.log"
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen([sys.executable, str(REPO_ROOT / "scripts" / "gpu" / script), *args, "--out", str(self.out)],
+                                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def result(self):
+        try:
+            self.process.wait(timeout=600)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+        assert self.process.returncode == 0, self.log.read_text()[-2000:]
+        return json.loads(self.out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The two scripts are independent: side by side on 2 cores, one thread each (each test reads its own)."""
+    folder = tmp_path_factory.mktemp("bench-scripts")
+    started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32"),
+               "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1")}
+    yield started
+    for s in started.values():  # a test that failed before waiting leaves no process behind
+        if s.process.poll() is None:
+            s.process.kill()
+            s.process.wait()
+
+
+def test_component_bench_runs_on_the_cpu(runs):
+    r = runs["components"].result()
     for label in ("target16", "target_w4"):
         assert r[f"{label}.decode_ms"] > 0 and r[f"{label}.verify_ms"] > 0 and r[f"{label}.bound_ms"] > 0
         assert r[f"{label}.graph_vs_eager_max_abs"] == 0.0
@@ -22,15 +54,10 @@ def test_component_bench_runs_on_the_cpu(tmp_path):
     assert {k for k in r if k.startswith("implied_speedup.tau6.5")}
 
 
-def test_round_bench_runs_on_the_cpu(tmp_path):
+def test_round_bench_runs_on_the_cpu(runs):
     """scripts/gpu/bench_round.py (a speculative round's parts, eager vs static drafter) on a 2-layer
     SmolLM2-shaped target: every part timed, and the static drafter drafts the eager one's tokens."""
-    out = tmp_path / "round.json"
-    run = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gpu" / "bench_round.py"), "--layers", "2",
-                          "--context", "40", "--block", "4", "--reps", "1", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    r = json.loads(out.read_text())
+    r = runs["round"].result()
     assert r["drafts_equal"] and r["rounds_equal"] == [True] * 5
     for part in ("target_decode_ms", "target_verify_ms", "draft_eager_ms", "draft_static_ms", "append2_eager_ms",
                  "append2_static_ms"):
