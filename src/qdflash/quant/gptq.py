@@ -19,17 +19,23 @@ from .quantlinear import QuantizedWeight
 class HessianAccumulator:
     """Running H = 2/n * sum x x^T over the rows x of a linear layer's inputs."""
 
-    def __init__(self, in_features: int, device="cpu"):
-        self.h = torch.zeros(in_features, in_features, dtype=torch.float64, device=device)
+    def __init__(self, in_features: int, device=None):
+        """`device`: where H lives; None = where the first inputs are (no host copy per batch on a GPU)."""
+        self.in_features, self.device = in_features, device
+        self.h: torch.Tensor | None = None
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
         # one batch in fp32 (fast GEMM), accumulated across batches in fp64 (no drift over many)
         x = x.reshape(-1, x.shape[-1]).float()
+        if self.h is None:
+            self.h = torch.zeros(self.in_features, self.in_features, dtype=torch.float64, device=self.device or x.device)
         self.h += (x.T @ x).to(self.h.device, torch.float64)
         self.n += x.shape[0]
 
     def hessian(self) -> torch.Tensor:
+        if self.h is None:  # never called: H = 0 (every input "dead"), as before
+            return torch.zeros(self.in_features, self.in_features, dtype=torch.float64, device=self.device)
         return (2.0 / max(self.n, 1)) * self.h
 
 
@@ -58,12 +64,12 @@ def gptq_quantize(
     col_scale = scale.double().repeat_interleave(group, dim=1)  # [out, in]
     col_zero = zero.double().repeat_interleave(group, dim=1) if zero is not None else None
 
-    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_features)
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_features, device=w.device)
     w, h = w[:, perm], h[perm][:, perm]
     col_scale = col_scale[:, perm]
     col_zero = col_zero[:, perm] if col_zero is not None else None
 
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_features, dtype=h.dtype)
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_features, dtype=h.dtype, device=h.device)
     # upper Cholesky factor of H^-1: row i holds the weights for spreading column i's error
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
 
