@@ -164,9 +164,9 @@ def node(module, *args, env=None):
                           text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
-def quantize(data, out, *args):
+def quantize(data, out, *args, env=None):
     done = node("quantize_target", f"data_dir={data}", f"out_dir={out}", "quant.method=rtn", "quant.bits=4",
-                "quant.group_size=32", "quant.calibration.samples=4", *args)
+                "quant.group_size=32", "quant.calibration.samples=4", *args, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -196,10 +196,31 @@ def outcome(out):
     return json.loads((out / "metrics.json").read_text()), load_file(out / "model" / "model.safetensors")
 
 
-def test_a_qad_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(qad_inputs, tmp_path):
+def another_ptq_artifact_in_the_same_folder(data, ptq, folder):
+    """A QAD killed after step 2's checkpoint, then PTQ re-run with another setting into the same folder,
+    then QAD again (its checks: test_a_checkpoint_of_another_ptq_artifact_in_the_same_folder_is_not_resumed).
+    One thread per node: it runs beside the other node test's runs."""
     from qdflash.stages.qad import KILL_AFTER_STEP
 
-    data, ptq = qad_inputs
+    one = {"OMP_NUM_THREADS": "1"}
+    ptq = Path(shutil.copytree(ptq, folder / "ptq"))
+    killed = qad(data, ptq, folder / "qad", env={**one, KILL_AFTER_STEP: "2"})
+    quantize(data, ptq, "quant.group_size=64", "overwrite=true", env=one)  # PTQ re-ran with another setting: same path
+    return ptq, killed, qad(data, ptq, folder / "qad", env=one)
+
+
+@pytest.fixture(scope="module")
+def another_ptq_run(qad_inputs, tmp_path_factory):
+    """another_ptq_artifact_in_the_same_folder, started in the background (a future): its three nodes run one
+    after another, so the killed-and-resumed test's nodes run beside them on the second core."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(another_ptq_artifact_in_the_same_folder, *qad_inputs, tmp_path_factory.mktemp("another-ptq"))
+
+
+def test_a_qad_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(qad_inputs, another_ptq_run, tmp_path):
+    from qdflash.stages.qad import KILL_AFTER_STEP
+
+    data, ptq = qad_inputs  # (another_ptq_run: only started here, checked by its own test below)
     # the uninterrupted run and the one that gets killed are independent: side by side, one thread each
     # (and the resumed run on one thread too, so all three compute alike)
     one = {"OMP_NUM_THREADS": "1"}
@@ -222,16 +243,11 @@ def test_a_qad_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(qad_in
     assert not (tmp_path / "resumed.ckpt").exists()  # finished: the checkpoint is gone
 
 
-def test_a_checkpoint_of_another_ptq_artifact_in_the_same_folder_is_not_resumed(qad_inputs, tmp_path):
-    from qdflash.stages.qad import KILL_AFTER_STEP
-
-    data, ptq = qad_inputs
-    ptq = Path(shutil.copytree(ptq, tmp_path / "ptq"))
-    assert qad(data, ptq, tmp_path / "qad", env={KILL_AFTER_STEP: "2"}).returncode == -signal.SIGKILL
-    quantize(data, ptq, "quant.group_size=64", "overwrite=true")  # PTQ re-ran with another setting: same path
-    done = qad(data, ptq, tmp_path / "qad")
+def test_a_checkpoint_of_another_ptq_artifact_in_the_same_folder_is_not_resumed(another_ptq_run):
+    ptq, killed, done = another_ptq_run.result()
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert done.returncode == 0, done.stderr[-3000:]
-    metrics = json.loads((tmp_path / "qad" / "metrics.json").read_text())
+    metrics = json.loads((ptq.parent / "qad" / "metrics.json").read_text())
     assert len(metrics["qad.train_kl_curve"]) == 4 and metrics["qad.resumed_from_step"] == 0
     assert metrics["ptq.kl"] == json.loads((ptq / "metrics.json").read_text())["quant.kl"]
 
