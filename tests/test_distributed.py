@@ -58,19 +58,15 @@ DRAFTER_ARGS = ["model=tiny-llama", "device=cpu", "dtype=float32", "stage=1", "d
 QAD_ARGS = ["qad.steps=4", "qad.batch_size=4", "qad.seq_len=32", "qad.eval_every=100", "qad.checkpoint_every=100", "qad.lr=1e-3"]
 
 
-@pytest.fixture(scope="module")
-def drafter_one_process(tiny_llama, tmp_path_factory):
-    root = tmp_path_factory.mktemp("drafter-1p")
-    data = tiny_data(root / "data", tiny_llama.config.vocab_size)
+def run_drafter_one_process(root, vocab):
+    data = tiny_data(root / "data", vocab)
     one, _ = run_node("qdflash.stages.train_drafter", [*DRAFTER_ARGS, f"data_dir={data}"], 1, root, "one")
     assert one["train.world_size"] == 1 and one["train.parallel"] == "none"
     return data, one
 
 
-@pytest.fixture(scope="module")
-def qad_one_process(tiny_llama, tmp_path_factory):
-    root = tmp_path_factory.mktemp("qad-1p")
-    data = tiny_data(root / "data", tiny_llama.config.vocab_size, n_train=12, length=64)
+def run_qad_one_process(root, vocab):
+    data = tiny_data(root / "data", vocab, n_train=12, length=64)
     common = ["model=tiny-llama", "device=cpu", "dtype=float32", f"data_dir={data}", "eval.heldout_samples=4"]
     _, ptq = run_node("qdflash.stages.quantize_target", [*common, "quant.method=rtn", "quant.bits=4", "quant.group_size=32"],
                       1, root, "ptq")
@@ -78,6 +74,28 @@ def qad_one_process(tiny_llama, tmp_path_factory):
     one, _ = run_node("qdflash.stages.qad", args, 1, root, "one")
     assert one["qad.world_size"] == 1 and one["qad.parallel"] == "none"
     return args, one
+
+
+@pytest.fixture(scope="module")
+def one_process_references(tiny_llama, tmp_path_factory):
+    """The drafter's and QAD's 1-process references are independent 1-thread runs: side by side on 2 cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    vocab = tiny_llama.config.vocab_size
+    with ThreadPoolExecutor(2) as pool:
+        drafter = pool.submit(run_drafter_one_process, tmp_path_factory.mktemp("drafter-1p"), vocab)
+        qad = pool.submit(run_qad_one_process, tmp_path_factory.mktemp("qad-1p"), vocab)
+        return {"drafter": drafter.result(), "qad": qad.result()}
+
+
+@pytest.fixture(scope="module")
+def drafter_one_process(one_process_references):
+    return one_process_references["drafter"]
+
+
+@pytest.fixture(scope="module")
+def qad_one_process(one_process_references):
+    return one_process_references["qad"]
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
