@@ -65,9 +65,22 @@ def clone(tmp_path_factory):
     return clone_like_copy(tmp_path_factory.mktemp("readme") / "qdflash")
 
 
-@pytest.mark.parametrize("command", RUN + sorted(set(DRY.values())))
-def test_readme_command_runs(clone, command):
-    out = run_as_written(command, clone)
+COMMANDS = RUN + sorted(set(DRY.values()))
+
+
+@pytest.fixture(scope="module")
+def runs(clone):
+    """Every command run as written, two at a time in the one clone (the by-hand data node beside the
+    Snakemake dry runs and lint, which only read the tree); each test checks its own command's run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        yield {command: pool.submit(run_as_written, command, clone) for command in COMMANDS}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_command_runs(runs, clone, command):
+    out = runs[command].result()
     assert out.returncode == 0, (command, out.stdout[-2000:], out.stderr[-3000:])
     if "--lint" in command:
         assert "Congratulations, your workflow is in a good condition" in out.stdout + out.stderr
