@@ -170,6 +170,27 @@ def test_chunked_head_loss_equals_the_loss_over_whole_logits(chunk_rows):
     assert torch.equal(linear_argmax(hidden, head, chunk_rows), torch.nn.functional.linear(hidden, head).argmax(-1))
 
 
+def test_chunked_head_loss_in_bf16_follows_fp64():
+    """With a bf16 head (the GPU case), loss and gradient stay what fp64 gives, to bf16 accuracy."""
+    g = torch.Generator().manual_seed(1)
+    n, b, h, v = 16, 4, 32, 300
+    hidden = torch.randn(n, b, h, generator=g, dtype=torch.float64)
+    head = torch.randn(v, h, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, v, (n, b), generator=g)
+    targets[:, 0] = IGNORE
+    weights = loss_weights(b, 7.0).double()
+    results = []
+    for dtype in (torch.float64, torch.bfloat16):
+        x = hidden.clone().requires_grad_(True)
+        total, weight = weighted_linear_block_loss_parts(x, head.to(dtype), targets, weights, chunk_rows=7)
+        (total / weight).backward()
+        results.append((total.double() / weight.double(), x.grad))
+    (exact, grad64), (approx, grad16) = results
+    assert abs(approx.item() - exact.item()) < 0.02 * exact.item()
+    cosine = torch.nn.functional.cosine_similarity(grad64.flatten(), grad16.double().flatten(), dim=0)
+    assert cosine > 0.999, cosine
+
+
 def test_batch_loss_equals_the_loss_of_the_drafters_logits(tiny_llama):
     """batch_loss (states -> chunked head loss) is the weighted loss of the drafter's own logits, with
     the same gradient in every drafter weight."""

@@ -111,7 +111,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     Why: autograd over the whole [rows, vocab] logits keeps them, their fp32 copy and the softmax
     alive for the backward; for 16 x 64 blocks of 16 on Qwen2.5's 151,936 tokens that is ~30 GB
     written and read several times per step. Here only one chunk's logits exist at a time, and the
-    backward is a scale of the stored [rows, H] gradient."""
+    backward is a scale of the stored [rows, H] gradient. A chunk makes few passes over its
+    [rows, vocab] values: the logits in W's dtype, one softmax into fp32 (accumulated in fp32 for
+    16-bit logits), the one-hot subtracted at the targets, a cast for the matmul back to [rows, H];
+    the row weight is applied on [rows, H] (d/dh_i = w_i (p_i - e_t_i) W). A separate logsumexp and
+    in-place exp / scale over the fp32 chunk measured ~53 ms of a 140 ms step on the H200."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, row_weights, chunk):
@@ -121,14 +125,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk].to(weight.dtype)
             t, w = targets[start : start + chunk], row_weights[start : start + chunk].to(acc)
-            logits = torch.nn.functional.linear(h, weight).to(acc)
-            lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, t[:, None])[:, 0]) * w).sum()
-            if grad is not None:  # d/dlogits = w * (softmax - onehot), in place over the logits
-                probs = logits.sub_(lse[:, None]).exp_()
-                probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
-                probs.mul_(w[:, None])
-                grad[start : start + chunk] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+            probs = torch.softmax(torch.nn.functional.linear(h, weight), dim=-1, dtype=acc)
+            rows = torch.arange(t.numel(), device=t.device)
+            p_t = probs[rows, t]
+            # CE = -log p_t; a p_t that underflowed (a logit gap over ~87) counts as the smallest normal
+            total += (-torch.log(p_t.clamp_min(torch.finfo(acc).tiny)) * w).sum()
+            if grad is not None:
+                probs[rows, t] = p_t - 1.0  # softmax - onehot: d CE / d logits
+                g = torch.nn.functional.linear(probs.to(weight.dtype), weight.t())  # [rows, H]
+                grad[start : start + chunk] = (g.to(acc) * w[:, None]).to(hidden.dtype)
         ctx.save_for_backward(grad)
         return total
 
