@@ -6,6 +6,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_MODE", "offline")
+# One torch thread in this process and the processes it starts (Snakemake's nodes get their rule's threads):
+# the tiny test models gain nothing from a second thread on 2 cores, and where the machine is shared each op
+# waits for the busier core (4 in-process test files back to back at load ~4.5: 414 s on 2 threads, 84 s on 1;
+# on a quiet machine 51 s vs 48 s). Read when torch is first imported, which is after this file.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Triton kernels run on the CPU through Triton's interpreter (read when triton is first imported).
 # Engines only use them when asked (kernels=True) or on CUDA, so this changes nothing else here.
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
