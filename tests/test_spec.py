@@ -451,3 +451,31 @@ def test_a_verify_length_outside_the_block_is_an_error_naming_it(tiny_llama, bad
     with pytest.raises(QdflashError, match=r"verify_tokens = .*1 < verify_tokens <= the drafter's block size \(4\)"):
         speculative_generate(tiny_llama, drafter, prompt(0, 6), 4, verify_tokens=bad)
     assert spec.verify_length(drafter, None) == 4 and spec.verify_length(drafter, 4) == 4
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_round_timer_times_every_round_without_changing_the_output(fixture, request, monkeypatch):
+    """speculative_generate(phases=RoundTimer) gives the same tokens, one timed round per verify,
+    and the parts add up to the loop's time; bench.round_parts reports them per round and in decode
+    steps of the autoregressive run."""
+    from qdflash import bench
+    from qdflash.spec import RoundTimer
+
+    target = request.getfixturevalue(fixture)
+    ids = prompt(3, 9)
+    reference = autoregressive_generate(target, ids, 20)
+    drafter = init_drafter(target, block_size=4, seed=1)
+    with monkeypatch.context() as m:
+        oracle(m, reference.tokens, ids.shape[1], wrong_rate=0.3, seed=2)
+        timer = RoundTimer(target.device)
+        timed = speculative_generate(target, drafter, ids, 20, phases=timer)
+        assert timed.tokens == reference.tokens
+        assert timer.rounds == len(timed.acceptance_lengths) > 1
+        assert all(timer.seconds[p] > 0 for p in RoundTimer.PARTS)
+        assert sum(timer.seconds.values()) <= timed.seconds - timed.prefill_seconds
+        case = bench.PromptCase("chat", ids[0].tolist(), 20)
+        oracle(m, reference.tokens, ids.shape[1], wrong_rate=0.3, seed=2)  # the same drafts again
+        parts = bench.round_parts(target, drafter, [case], bench.MethodResult([reference]))
+    assert parts["rounds"] == len(timed.acceptance_lengths)
+    assert parts["ms"] == pytest.approx(sum(parts[f"{p}_ms"] for p in RoundTimer.PARTS), abs=1e-3)
+    assert parts["in_decode_steps"] == pytest.approx(parts["ms"] / parts["decode_step_ms"], rel=1e-2)

@@ -18,7 +18,7 @@ import torch
 from .data.chat import render_prompt_ids
 from .data.jsonl import read_jsonl
 from .models import synchronize
-from .spec import GenerationResult, autoregressive_generate, speculative_generate, target_session, verify_length
+from .spec import GenerationResult, RoundTimer, autoregressive_generate, speculative_generate, target_session, verify_length
 
 MARGIN_BUG = 1e-2  # relative top-2 logit margin above which a bf16 divergence is a bug
 FILLER = "the cat sat on the mat. "  # the repetitive prompt: drafters look best on it, so it is its own row
@@ -181,6 +181,24 @@ def plain_generate(target, ids: list[int], max_new_tokens: int, static: bool = F
 
 def ar(target):
     return lambda ids, n: autoregressive_generate(target, [ids], n)
+
+
+def round_parts(target, drafter, cases: list[PromptCase], reference: MethodResult, window=None,
+                verify_tokens=None) -> dict[str, float]:
+    """Where a speculative round's time goes on `cases` (a profiling pass after the timed runs: its
+    synchronizations cost time): ms per round of draft / verify / append / host, their sum, and that
+    sum in decode steps of the target's autoregressive run `reference` on the same cases (its time
+    after the prefill per token after the first)."""
+    timer = RoundTimer(target.device)
+    for case in cases:
+        speculative_generate(target, drafter, [case.ids], case.max_new_tokens, window=window,
+                             verify_tokens=verify_tokens, phases=timer)
+    parts = {f"{part}_ms": round(ms, 4) for part, ms in timer.ms_per_round().items()}
+    decode_ms = 1e3 * sum(r.seconds - r.prefill_seconds for r in reference.runs) / max(
+        sum(len(r.tokens) - 1 for r in reference.runs), 1)
+    total = sum(timer.ms_per_round().values())
+    return {**parts, "ms": round(total, 4), "decode_step_ms": round(decode_ms, 4),
+            "in_decode_steps": round(total / max(decode_ms, 1e-9), 3), "rounds": timer.rounds}
 
 
 def spec(target, drafter, window=None, verify_tokens=None):

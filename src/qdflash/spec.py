@@ -291,16 +291,48 @@ def verify_length(drafter: Drafter, verify_tokens: int | None = None) -> int:
     return verify_tokens
 
 
+class RoundTimer:
+    """Where a speculative round's time goes: `speculative_generate(..., phases=RoundTimer(device))`
+    adds the synchronized wall time of each part of every round: draft (the drafter's block), verify
+    (the target's forward of the block and its choice), append (a rollback and the drafter's context
+    update) and host (the stop checks and the rest). The synchronizations themselves cost time, so
+    this is a profiling run beside the timed ones, never the timed one."""
+
+    PARTS = ("draft", "verify", "append", "host")
+
+    def __init__(self, device):
+        self.device, self.rounds, self._last = device, 0, 0.0
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self._last = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[part] += now - self._last
+        self._last = now
+
+    def ms_per_round(self) -> dict[str, float]:
+        return {part: 1e3 * seconds / max(self.rounds, 1) for part, seconds in self.seconds.items()}
+
+
+def _no_lap(part: str) -> None:
+    return None
+
+
 def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: int, temperature: float = 0.0,
                          seed: int | None = None, stop_strings: list[str] | None = None,
                          window: int | None = None, top_p: float = 1.0, on_tokens=None,
-                         verify_tokens: int | None = None) -> GenerationResult:
+                         verify_tokens: int | None = None, phases: RoundTimer | None = None) -> GenerationResult:
     """DFlash speculative decoding (module docstring); `window`: the drafter's sliding window;
     `top_p`: nucleus sampling (the target's filtered distribution is what is kept exactly);
     `on_tokens(new)`: called with each round's committed tokens (a server streams them);
     `verify_tokens`: the target verifies the committed token + the first verify_tokens - 1 drafts
     (None: the whole block; `verify_length`). On the lean engine a verify replays the graph captured
-    for that many tokens (`engine.capture([1, V], layer_ids)`), else runs the same step eagerly."""
+    for that many tokens (`engine.capture([1, V], layer_ids)`), else runs the same step eagerly.
+    `phases`: a RoundTimer that times each part of every round (a profiling run: it synchronizes)."""
     ids = prompt_ids(input_ids)
     generator, eos = _generator(seed), set(target.eos_token_ids)
     v = verify_length(drafter, verify_tokens)
@@ -316,14 +348,19 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     _emit(on_tokens, tokens, 0)
     lengths: list[int] = []
     recurrent = session.has_recurrent_state()
+    lap = phases.lap if phases is not None else _no_lap
+    if phases is not None:
+        phases.start()
     while reason is None:
         p = session.length  # position of tokens[-1], the committed token not yet fed
         draft = context.draft(tokens[-1], p)[: v - 1]  # the drafter fills its whole block; V-1 are verified
+        lap("draft")
         snapshot = session.snapshot() if recurrent else None
         block = [tokens[-1], *draft.tolist()]
         logits, features = session.feed(block)
         chosen = choose(logits, temperature, generator, top_p)  # the target's token after each block position
         n = accepted_prefix(draft, chosen[: v - 1])
+        lap("verify")
         if n < v - 1:  # roll back what the target fed past the accepted drafts
             if recurrent:
                 session.rollback(p, snapshot)
@@ -332,14 +369,18 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
                 session.rollback(p + n + 1, None)
                 features = features[: n + 1]
         context.append(features[: n + 1], p)
+        lap("append")
         new = [*draft[:n].tolist(), int(chosen[n])]
         lengths.append(len(new))
         done = len(tokens)
         tokens, reason = _stop(tokens + new, eos, stop_strings, target.tokenizer, max_new_tokens, checked=done)
         _emit(on_tokens, tokens, done)
+        lap("host")
+        if phases is not None:
+            phases.rounds += 1
     synchronize(target.device)
     return GenerationResult(tokens, lengths, reason, prefill, time.perf_counter() - started)
 
 
-__all__ = ["GenerationResult", "accepted_prefix", "autoregressive_generate", "choose", "speculative_generate",
-           "verify_length"]
+__all__ = ["GenerationResult", "RoundTimer", "accepted_prefix", "autoregressive_generate", "choose",
+           "speculative_generate", "verify_length"]

@@ -149,6 +149,20 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                 row.update({"mismatches": check["mismatches"], "mismatch_bugs": check["mismatch_bugs"]})
                 run.metrics.update({f"{label}.{name}.{k}": v for k, v in check.items()})
             rows.append(row)
+    # what a round costs, part by part, for the drafter the stack serves and its 16-bit counterpart: one
+    # profiling pass per prompt kind after the timed runs (it synchronizes between parts)
+    for name, target, drafter, reference in (("spec16_stage1", target16, stage1_16, "ar16"),
+                                             ("spec_qad_stage2", qad, stage2_qad, "ar_qad")):
+        if name not in methods:
+            continue
+        for label in dict.fromkeys(c.label for c in cases):
+            keep = [c.label == label for c in cases]
+            parts = bench.round_parts(target, drafter, [c for c, k in zip(cases, keep) if k], results[reference].subset(keep),
+                                      window, verify)
+            run.metrics.update({f"{label}.{name}.round.{k}": v for k, v in parts.items()})
+            log.info("%s %s: a round %.2f ms = %.2f decode steps (draft %.2f, verify %.2f, append %.2f, host %.2f ms)",
+                     label, name, parts["ms"], parts["in_decode_steps"], parts["draft_ms"], parts["verify_ms"],
+                     parts["append_ms"], parts["host_ms"])
     columns = ["prompts", "method", "tokens", "seconds", "tokens_per_s", "tau", "speedup_vs_plain16", "speedup_vs_ar16",
                "speedup_vs_ar_qad", "mismatches", "mismatch_bugs", "gb_per_s", "peak_working_mib"]
     with open(run.dir / "speed.csv", "w", newline="") as handle:
