@@ -98,6 +98,19 @@ def test_local_mmlu_task_runs_through_lm_eval(tiny_llama, tmp_path):
         assert score == float("ABCD"[max(range(4), key=lls.__getitem__)] == item.reference)
 
 
+def test_local_tasks_skip_lm_evals_own_index_and_standard_tasks_keep_it(tmp_path):
+    """Gate tasks written here are found without indexing lm-eval's ~14,000 task files; a standard task
+    name (a Hub user's lm_eval_task) still gets lm-eval's index."""
+    from qdflash.evaluation.tasks import task_manager
+
+    items = [PromptItem("m0", "mmlu", "knowledge", "Q?\nA. a\nB. b\nC. c\nD. d\n\nAnswer with the letter.", True, "A")]
+    name = write_mmlu_task(tmp_path, items)
+    local = task_manager(tmp_path, [name])
+    assert name in local.all_tasks and "gsm8k" not in local.all_tasks
+    both = task_manager(tmp_path, [name, "gsm8k"])
+    assert {name, "gsm8k"} <= set(both.all_tasks)
+
+
 class ScriptedLM(lm_eval.api.model.LM):
     """An lm-eval model that answers each generation request by the first script key its prompt
     contains (lm-eval may reorder requests) and records the prompts."""

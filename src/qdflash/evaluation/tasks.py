@@ -105,6 +105,18 @@ def write_gsm8k_task(folder: Path, items: list[PromptItem], name: str = "qdflash
     ])
 
 
+def task_manager(task_folder: Path, tasks: list[str]):
+    """lm-eval's task index for `tasks`: the gate folder's tasks alone when it defines every one of them
+    (indexing lm-eval's own ~14,000 task files takes ~10 s per call: every gate job paid it for nothing),
+    else those with lm-eval's standard tasks (a Hub user's `lm_eval_task`)."""
+    from lm_eval.tasks import TaskManager
+
+    local = TaskManager(include_path=str(task_folder), include_defaults=False)
+    if all(task in local.all_tasks for task in tasks):
+        return local
+    return TaskManager(include_path=str(task_folder))
+
+
 def evaluate(lm, task_folder: Path, tasks: list[str], limit: int | None = None, chat: bool = False,
              metric: str | None = None, num_fewshot: int | None = None, filter_name: str | None = None
              ) -> dict[str, tuple[list[str], list[float]]]:
@@ -116,10 +128,8 @@ def evaluate(lm, task_folder: Path, tasks: list[str], limit: int | None = None, 
     several (e.g. GPQA's strict-match / flexible-extract). `chat`: send the prompts through the
     model's chat template (generation tasks: the targets are chat models)."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(task_folder))
-    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager(task_folder, tasks), limit=limit, log_samples=True,
                                   bootstrap_iters=0, random_seed=0, apply_chat_template=chat, num_fewshot=num_fewshot)
     groups = out.get("group_subtasks", {})
     scores = {}
