@@ -21,6 +21,11 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from qdflash.variants import window_name  # noqa: E402  (one source of the variant names)
+
+WINDOWLESS = f"speedup_{window_name(None)}"  # the benchmark job without a drafter window: bench/speedup_winnone
+
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
 # docs/recipe.md, "Competition contract" and "Anchors": other setups, quoted for comparison
 ANCHORS = [
@@ -60,7 +65,7 @@ def gate_text(quality: list[dict], target: str) -> str:
 
 
 def device_of(folder: Path) -> str:
-    bench = folder / "bench" / "speedup_winnone" / "metrics.json"
+    bench = folder / "bench" / WINDOWLESS / "metrics.json"
     if bench.is_file():
         m = json.loads(bench.read_text())
         return m.get("cuda.device") or m.get("env.device", "?")
@@ -111,7 +116,7 @@ def compile_caveat(folder: Path, row: dict) -> str | None:
     prompt at over 10x its median seconds per token. Runs before `qdflash.bench.warmup_lengths` (the
     two-length warm-up) had this. The sentence gives the shown variant's ratio without those prompts,
     for both methods, from the same benchmark's per-prompt rows."""
-    path = folder / "bench" / "speedup_winnone" / "speed.csv"
+    path = folder / "bench" / WINDOWLESS / "speed.csv"
     if row["speedup_vs_hf_compiled"] in ("", None) or not path.is_file():
         return None
     rows = [r for r in read_csv(path) if r["prompts"] != "all" and int(r["tokens"]) > 0]

@@ -15,6 +15,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from .errors import QdflashError
+from .variants import window_label
 
 TABLES = ("summary", "speed", "quality", "training")
 
@@ -37,10 +38,6 @@ def _num(value) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
-
-
-def _window_label(value) -> str:
-    return "none" if value in ("", None) else str(int(float(value)))
 
 
 def _window_order(label: str) -> float:
@@ -73,7 +70,7 @@ def long_bucket(speed: list[dict]) -> str | None:
     """The longest length bucket (p<N>) measured by every window job: where windows are compared."""
     by_window: dict[str, set[str]] = {}
     for r in speed:
-        by_window.setdefault(_window_label(r["window"]), set()).add(r["prompts"])
+        by_window.setdefault(window_label(r["window"]), set()).add(r["prompts"])
     common = set.intersection(*by_window.values()) if by_window else set()
     buckets = [p for p in common if re.match(r"p\d+", p)]
     return max(buckets, key=lambda p: int(re.match(r"p(\d+)", p).group(1))) if buckets else None
@@ -87,13 +84,13 @@ def window_figure(speed: list[dict]) -> Figure | None:
     of jobs run at different times on a shared machine are not comparable."""
     bucket = long_bucket(speed)
     rows = [r for r in speed if r["prompts"] == bucket and r["method"].startswith("spec_qad_") and r["method"] != "spec_qad_stage1"]
-    windows = sorted({_window_label(r["window"]) for r in rows}, key=_window_order)
+    windows = sorted({window_label(r["window"]) for r in rows}, key=_window_order)
     if bucket is None or len(windows) < 2:
         return None
     fig = Figure(figsize=(8, 3.2), layout="constrained")
     axes = fig.subplots(1, 2)
     for method in sorted({r["method"] for r in rows}):
-        mine = {_window_label(r["window"]): r for r in rows if r["method"] == method}
+        mine = {window_label(r["window"]): r for r in rows if r["method"] == method}
         xs = [w for w in windows if w in mine]
         label = method.removeprefix("spec_qad_")
         axes[0].plot(xs, [float(mine[w]["tau"]) for w in xs], marker="o", label=label)

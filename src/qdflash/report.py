@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 from pathlib import Path
 
 from .errors import QdflashError
+from .variants import parse_drafter, stack_name
 
 SUMMARY_COLUMNS = ["variant", "target", "target_bits", "drafter", "drafter_bits", "window", "passes_gates", "selected",
                    "tau_mean", "tokens_per_s", "speedup_vs_hf", "speedup_vs_hf_compiled", "speedup_vs_ar16",
@@ -32,9 +32,7 @@ def read_metrics(folder: Path) -> dict:
 def drafter_bits(method: str) -> tuple[str, int]:
     """(drafter name, bits) of a speculative method on the QAD target: spec_qad_stage2 -> (stage2, 16),
     spec_qad_gptq_w4g64 -> (gptq_w4g64, 4)."""
-    name = method.removeprefix("spec_qad_")
-    match = re.match(r"(rtn|gptq)_w(\d+)g", name)
-    return name, int(match.group(2)) if match else 16
+    return parse_drafter(method.removeprefix("spec_qad_"))
 
 
 def summary_rows(bench_dirs: list[Path], target: str, target_bits: int, passes_gates: int) -> list[dict]:
@@ -53,7 +51,7 @@ def summary_rows(bench_dirs: list[Path], target: str, target_bits: int, passes_g
             key = f"all.{method}"
             static = m.get("all.static16.tokens_per_s")
             rows.append({
-                "variant": f"{target}+{drafter}+win{'none' if window < 0 else window}", "target": target,
+                "variant": stack_name(target, drafter, window), "target": target,
                 "target_bits": target_bits, "drafter": drafter, "drafter_bits": bits, "window": "" if window < 0 else window,
                 "passes_gates": passes_gates, "selected": 0, "tau_mean": round(m[f"{key}.tau"], 4),
                 "tokens_per_s": m[f"{key}.tokens_per_s"], "speedup_vs_hf": m.get(f"{key}.speedup_vs_plain16", ""),

@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+from .variants import group_label, parse_target
+
 TARGET_COLUMNS = ["variant", "method", "bits", "group_size", "kl", "top1_agreement", "ppl", "qad_kl_recovered"]
 
 
@@ -21,17 +23,17 @@ def target_quality_rows(results: Path) -> list[dict]:
     rows: list[dict] = []
     for folder in sorted((results / "target").glob("*/")):
         path = folder / "metrics.json"
-        match = re.match(r"(ptq|qad)_(\w+)_w(\d+)g(\d+|ch)$", folder.name)
-        if not path.is_file() or not match:  # e.g. a *.partial-* folder of a node cut off
+        variant = parse_target(folder.name)
+        if not path.is_file() or variant is None:  # e.g. a *.partial-* folder of a node cut off
             continue
         m = json.loads(path.read_text())
         if not rows and "bf16.ppl" in m:
             rows.append({"variant": "bf16", "method": "-", "bits": 16, "group_size": "-", "kl": 0.0,
                          "top1_agreement": 1.0, "ppl": m["bf16.ppl"], "qad_kl_recovered": ""})
-        kind, start, bits, group = match.groups()
+        start = variant["method"]
         rows.append({
-            "variant": folder.name, "method": f"qad (from {start})" if kind == "qad" else start, "bits": int(bits),
-            "group_size": group, "kl": m["quant.kl"], "top1_agreement": m["quant.top1_agreement"],
+            "variant": folder.name, "method": f"qad (from {start})" if variant["kind"] == "qad" else start,
+            "bits": variant["bits"], "group_size": group_label(variant["group_size"]), "kl": m["quant.kl"], "top1_agreement": m["quant.top1_agreement"],
             "ppl": m["quant.ppl"], "qad_kl_recovered": m.get("qad.kl_recovered_fraction", ""),
         })
     return rows

@@ -1,6 +1,6 @@
 # Speed: batch-1 speculative decoding against the baselines (qdflash.bench).
 
-BENCH_ONE = f"{RESULTS}/bench/speedup_win{{window}}"
+BENCH_ONE = f"{RESULTS}/bench/speedup_{window_name('{window}')}"
 
 
 # one benchmark job per drafter window of the sweep; each runs every drafter variant and the baselines
@@ -19,9 +19,9 @@ rule bench_speedup:
     output:
         directory(BENCH_ONE),
     wildcard_constraints:
-        window=r"none|\d+",
+        window=WINDOW_PATTERN,
     log:
-        log_file("bench_speedup", "win{window}"),
+        log_file("bench_speedup", window_name("{window}")),
     conda:
         ENV
     params:
@@ -31,7 +31,7 @@ rule bench_speedup:
             lambda wc, input: {"data_dir": input.data, "qad_model": f"{input.qad}/model",
                                "stage1": f"{input.stage1}/drafter", "stage2": f"{input.stage2}/drafter",
                                "compressed": [f"{d}/drafter" for d in input.compressed],
-                               "bench.window": None if wc.window == "none" else int(wc.window)},
+                               "bench.window": parse_window(wc.window)},
         ),
         config=fingerprint(["bench"]),
     threads: rule_threads("bench_speedup")

@@ -7,6 +7,9 @@ import sys
 
 from qdflash.config import active_profile, node_overrides, resolved_inputs, results_root, validate_config
 from qdflash.errors import QdflashError
+# variant names (target / drafter / window): built and parsed in one place, qdflash.variants
+from qdflash.variants import (GROUP_PATTERN, METHOD_PATTERN, TARGET_PATTERN, WINDOW_PATTERN, drafter_name, group_label,
+                              group_size, parse_window, target_name, window_label, window_name)
 
 # config/config.yaml's profiles are overlays (qdflash.config): from here on every rule reads them merged
 # over the base (the Hydra group defaults config/<section>/default.yaml plus `base:`), after any
@@ -36,10 +39,6 @@ def log_file(rule_name, name=None):
     """The rule's `log:` file (the node's whole stdout and stderr), outside its output folder so that
     a failed node's log survives the removal of its output (`--show-failed-logs` prints it)."""
     return os.path.join(RESULTS, "logs", rule_name, *([name] if name else [])) + ".log"
-
-
-def window_label(window):
-    return "none" if window is None else str(window)
 
 
 # What each job asks a cluster for (profiles.<name>.resources; workflow/profiles/slurm): GPUs, CPUs,
@@ -85,14 +84,6 @@ def launcher(rule_name):
     if gpus > 1:
         return f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node {gpus} -m"
     return f"{PYTHON} -m"
-
-
-def group_label(group_size):
-    return "ch" if int(group_size) == -1 else str(group_size)
-
-
-def group_size(label):
-    return -1 if label == "ch" else int(label)
 
 
 def hydra_args(node, sections, extra=None):

@@ -6,7 +6,8 @@ DATA_QAD = f"{RESULTS}/data/qad"
 STAGE1 = f"{RESULTS}/drafter/stage1"
 STAGE2 = f"{RESULTS}/drafter/stage2"
 COMPRESS = PROFILE["compress"]
-DRAFTER_COMPRESSED = f"{RESULTS}/drafter/{{dmethod}}_w{{dbits}}g{{dgroup}}"
+DRAFTER_NAME = drafter_name("{dmethod}", "{dbits}", "{dgroup}")
+DRAFTER_COMPRESSED = f"{RESULTS}/drafter/{DRAFTER_NAME}"
 # one compress_drafter job per compressed grid of the sweep (16 bits = the uncompressed stage-2 drafter)
 DRAFTER_VARIANTS = expand(DRAFTER_COMPRESSED, dmethod=COMPRESS["method"], dgroup=group_label(COMPRESS["group_size"]),
                           dbits=[b for b in VARIANTS["drafter_bits"] if b != 16])
@@ -91,11 +92,11 @@ rule compress_drafter:
     output:
         directory(DRAFTER_COMPRESSED),
     wildcard_constraints:
-        dmethod="rtn|gptq",
+        dmethod=METHOD_PATTERN,
         dbits=r"\d+",
-        dgroup=r"\d+|ch",
+        dgroup=GROUP_PATTERN,
     log:
-        log_file("compress_drafter", "{dmethod}_w{dbits}g{dgroup}"),
+        log_file("compress_drafter", DRAFTER_NAME),
     conda:
         ENV
     params:

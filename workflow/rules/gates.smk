@@ -33,7 +33,7 @@ rule quality_gate:
     output:
         directory(GATE),
     wildcard_constraints:
-        tvariant=r"(ptq|qad)_(rtn|gptq)_w\d+g(\d+|ch)",
+        tvariant=TARGET_PATTERN,
     log:
         log_file("quality_gate", "{tvariant}"),
     conda:

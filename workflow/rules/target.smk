@@ -1,8 +1,9 @@
 # Target: post-training quantization (RTN | GPTQ) and QAD on the same grid.
 
 GROUP = group_label(PROFILE["quant"]["group_size"])
-PTQ = f"{RESULTS}/target/ptq_{{method}}_w{{bits}}g{{group}}"
-QAD = f"{RESULTS}/target/qad_{{method}}_w{{bits}}g{{group}}"
+PTQ_NAME, QAD_NAME = (target_name(kind, "{method}", "{bits}", "{group}") for kind in ("ptq", "qad"))
+PTQ = f"{RESULTS}/target/{PTQ_NAME}"
+QAD = f"{RESULTS}/target/{QAD_NAME}"
 PTQ_VARIANTS = expand(PTQ, method=VARIANTS["ptq_methods"], bits=VARIANTS["target_bits"], group=GROUP)
 QAD_VARIANTS = expand(QAD, method=VARIANTS["qad_from"], bits=VARIANTS["target_bits"], group=GROUP)
 
@@ -14,7 +15,7 @@ rule quantize_target:
     output:
         directory(PTQ),
     log:
-        log_file("quantize_target", "ptq_{method}_w{bits}g{group}"),
+        log_file("quantize_target", PTQ_NAME),
     conda:
         ENV
     params:
@@ -41,7 +42,7 @@ rule qad:
     output:
         directory(QAD),
     log:
-        log_file("qad", "qad_{method}_w{bits}g{group}"),
+        log_file("qad", QAD_NAME),
     conda:
         ENV
     params:
