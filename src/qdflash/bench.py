@@ -193,10 +193,11 @@ def round_parts(target, drafter, cases: list[PromptCase], reference: MethodResul
     for case in cases:
         speculative_generate(target, drafter, [case.ids], case.max_new_tokens, window=window,
                              verify_tokens=verify_tokens, phases=timer)
-    parts = {f"{part}_ms": round(ms, 4) for part, ms in timer.ms_per_round().items()}
+    per_round = timer.ms_per_round()
+    parts = {f"{part}_ms": round(ms, 4) for part, ms in per_round.items()}
     decode_ms = 1e3 * sum(r.seconds - r.prefill_seconds for r in reference.runs) / max(
         sum(len(r.tokens) - 1 for r in reference.runs), 1)
-    total = sum(timer.ms_per_round().values())
+    total = sum(per_round.values())
     return {**parts, "ms": round(total, 4), "decode_step_ms": round(decode_ms, 4),
             "in_decode_steps": round(total / max(decode_ms, 1e-9), 3), "rounds": timer.rounds}
 

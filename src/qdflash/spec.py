@@ -314,12 +314,25 @@ class RoundTimer:
         self.seconds[part] += now - self._last
         self._last = now
 
+    def end_round(self) -> None:
+        self.lap("host")
+        self.rounds += 1
+
     def ms_per_round(self) -> dict[str, float]:
         return {part: 1e3 * seconds / max(self.rounds, 1) for part, seconds in self.seconds.items()}
 
 
-def _no_lap(part: str) -> None:
-    return None
+class _NoTimer:
+    """What speculative_generate times with when no RoundTimer is given: nothing (no synchronization)."""
+
+    def start(self) -> None:
+        pass
+
+    def lap(self, part: str) -> None:
+        pass
+
+    def end_round(self) -> None:
+        pass
 
 
 def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: int, temperature: float = 0.0,
@@ -348,19 +361,18 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     _emit(on_tokens, tokens, 0)
     lengths: list[int] = []
     recurrent = session.has_recurrent_state()
-    lap = phases.lap if phases is not None else _no_lap
-    if phases is not None:
-        phases.start()
+    timer = phases if phases is not None else _NoTimer()
+    timer.start()
     while reason is None:
         p = session.length  # position of tokens[-1], the committed token not yet fed
         draft = context.draft(tokens[-1], p)[: v - 1]  # the drafter fills its whole block; V-1 are verified
-        lap("draft")
+        timer.lap("draft")
         snapshot = session.snapshot() if recurrent else None
         block = [tokens[-1], *draft.tolist()]
         logits, features = session.feed(block)
         chosen = choose(logits, temperature, generator, top_p)  # the target's token after each block position
         n = accepted_prefix(draft, chosen[: v - 1])
-        lap("verify")
+        timer.lap("verify")
         if n < v - 1:  # roll back what the target fed past the accepted drafts
             if recurrent:
                 session.rollback(p, snapshot)
@@ -369,15 +381,13 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
                 session.rollback(p + n + 1, None)
                 features = features[: n + 1]
         context.append(features[: n + 1], p)
-        lap("append")
+        timer.lap("append")
         new = [*draft[:n].tolist(), int(chosen[n])]
         lengths.append(len(new))
         done = len(tokens)
         tokens, reason = _stop(tokens + new, eos, stop_strings, target.tokenizer, max_new_tokens, checked=done)
         _emit(on_tokens, tokens, done)
-        lap("host")
-        if phases is not None:
-            phases.rounds += 1
+        timer.end_round()  # host: the stop checks and the rest
     synchronize(target.device)
     return GenerationResult(tokens, lengths, reason, prefill, time.perf_counter() - started)
 

@@ -19,13 +19,13 @@ METHODS = ("rtn", "gptq")
 GROUP_PATTERN = r"\d+|ch"
 METHOD_PATTERN = "|".join(METHODS)
 _GROUP = rf"({GROUP_PATTERN})"
-TARGET_PATTERN = rf"({'|'.join(TARGET_KINDS)})_({'|'.join(METHODS)})_w(\d+)g{_GROUP}"  # a rule's wildcard constraint
-DRAFTER_PATTERN = rf"({'|'.join(METHODS)})_w(\d+)g{_GROUP}"
+DRAFTER_PATTERN = rf"({METHOD_PATTERN})_w(\d+)g{_GROUP}"
+TARGET_PATTERN = rf"({'|'.join(TARGET_KINDS)})_{DRAFTER_PATTERN}"  # a rule's wildcard constraint
 WINDOW_PATTERN = r"none|\d+"
 
 
 def group_label(group_size) -> str:
-    """A group size as it stands in a name: "ch" for per-channel scales (-1)."""
+    """A group size as it stands in a name: "ch" for per-channel scales (-1); a placeholder stays."""
     return "ch" if str(group_size) == "-1" else str(group_size)
 
 
@@ -33,9 +33,13 @@ def group_size(label: str) -> int:
     return -1 if label == "ch" else int(label)
 
 
+def _grid(method: str, bits, group) -> str:
+    return f"{method}_w{bits}g{group_label(group)}"
+
+
 def target_name(kind: str, method: str, bits, group) -> str:
     """ptq_gptq_w4g32: `group` is a group size (or a wildcard placeholder)."""
-    return f"{kind}_{method}_w{bits}g{group if str(group).startswith('{') else group_label(group)}"
+    return f"{kind}_{_grid(method, bits, group)}"
 
 
 def parse_target(name: str) -> dict | None:
@@ -50,7 +54,7 @@ def parse_target(name: str) -> dict | None:
 
 def drafter_name(method: str, bits, group) -> str:
     """gptq_w4g128: a compressed drafter (16 bits is the uncompressed stage-2 drafter: `stage2`)."""
-    return f"{method}_w{bits}g{group if str(group).startswith('{') else group_label(group)}"
+    return _grid(method, bits, group)
 
 
 def parse_drafter(name: str) -> tuple[str, int]:

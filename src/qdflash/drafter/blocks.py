@@ -94,13 +94,18 @@ def block_mask_mod(anchors: torch.Tensor, block_size: int, context_len: int):
     return mask_mod
 
 
+def target_weights(targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each block target's loss weight [n, B]: its position's weight, 0 where there is no trained target."""
+    return weights.to(targets.device)[None, :] * (targets != IGNORE)
+
+
 def weighted_block_loss_parts(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of position-weighted cross-entropies, sum of the weights) over the trained targets: the
     parts of the loss, so data-parallel ranks can divide by the whole batch's weight."""
     n, b, v = logits.shape
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, v).float(), targets.reshape(-1), ignore_index=IGNORE,
                                            reduction="none").reshape(n, b)
-    w = weights.to(logits.device)[None, :] * (targets != IGNORE)
+    w = target_weights(targets, weights)
     return (ce * w).sum(), w.sum()
 
 
@@ -114,8 +119,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     backward is a scale of the stored [rows, H] gradient. A chunk makes few passes over its
     [rows, vocab] values: the logits in W's dtype, one softmax into fp32 (accumulated in fp32 for
     16-bit logits), the one-hot subtracted at the targets, a cast for the matmul back to [rows, H];
-    the row weight is applied on [rows, H] (d/dh_i = w_i (p_i - e_t_i) W). A separate logsumexp and
-    in-place exp / scale over the fp32 chunk measured ~53 ms of a 140 ms step on the H200."""
+    the row weight is applied on [rows, H] (d/dh_i = w_i (p_i - e_t_i) W): every extra pass over an
+    fp32 chunk is a visible part of a training step (results/published/2026-12-01-h200-drafter-step)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, row_weights, chunk):
@@ -148,7 +153,7 @@ def weighted_linear_block_loss_parts(hidden: torch.Tensor, head: torch.Tensor, t
     """`weighted_block_loss_parts` of the logits `hidden @ head^T`, without ever holding them whole:
     hidden [n, B, H] (the drafter's normed states), head [V, H] (frozen), targets [n, B]. Only rows
     with a positive weight (a trained target at a drafted position) reach the LM head."""
-    w = weights.to(hidden.device)[None, :] * (targets != IGNORE)
+    w = target_weights(targets, weights)
     rows = torch.nonzero(w.flatten() > 0, as_tuple=False).flatten()
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
     total = _LinearCrossEntropy.apply(picked, head.detach(), targets.flatten()[rows], w.flatten()[rows], chunk_rows)

@@ -95,10 +95,9 @@ def quantize_weights(
     hessians = dict(hessians or {})
     out = {}
     for name in tqdm(names, desc=f"{method} {spec.name}", unit="linear"):
-        # on the weight's own device: GPTQ's column loop is ~10 small ops per input column (~250 K
-        # columns for Qwen2.5-0.5B); in fp64 on the CPU cores of a shared GPU machine it took 338 s
-        # (results/published/2026-12-01-h200-qwen-dag), and one layer of 896 x 896 takes 1.2 s on one
-        # core but 23 s on two contended ones here. The results go back to the CPU, as before.
+        # on the weight's own device: GPTQ's column loop is ~10 small ops per input column, which in fp64
+        # on a GPU machine's few shared CPU cores dominated the whole node
+        # (results/published/2026-12-01-h200-qwen-dag). The results go back to the CPU, as before.
         w = modules[name].weight.detach().float()
         clip = mse_clip_search(w, spec, scale_dtype=scale_dtype) if clip_search else 1.0
         if method == "rtn":
