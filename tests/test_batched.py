@@ -70,6 +70,27 @@ def test_batched_sampling_equals_keyed_batch1_sampling(fixture, request):
     assert [r.token_ids for r in other] != references
 
 
+@pytest.mark.parametrize("fixture,sampling", [("tiny_llama", Sampling(0.0)), ("tiny_qwen", Sampling(0.9, 0.8, 20))])
+def test_a_compiled_decode_step_gives_the_same_rows(fixture, sampling, request):
+    """`compile`: the decode step through torch.compile (here its trace with the aot_eager backend:
+    dynamo's capture of the in-place state updates and the hybrid's per-row states, which inductor's
+    kernels then run on the GPU, checked there by scripts/gpu/check_batched.py --compile) decodes the
+    same tokens as the uncompiled step, with refills and early stops."""
+    target = request.getfixturevalue(fixture)
+    batch = prompts(2, 9)
+    engine = build_engine(target, max_len=64)
+
+    def run(compile, eos):
+        gen = BatchGenerator(engine, rows=3, max_len=64, eos_ids=sorted(eos), max_new_tokens=12, sampling=sampling,
+                             seed=3, sync_every=2, compile=compile)
+        return [r.token_ids for r in gen.generate(batch, progress=False)[0]]
+
+    eos = early_stops(run(False, [-1]), rows=(1, 4), at=(3, 8))
+    plain = run(False, eos)
+    assert min(map(len, plain)) < 12 and max(map(len, plain)) == 12  # some rows stop early, slots are refilled
+    assert run("aot_eager", eos) == plain
+
+
 def test_batched_sampling_follows_the_target_distribution():
     """A tiny-vocabulary model, one prompt, 3,000 keys: the first token (sampled after the prefill)
     and the second (sampled by the decode step) follow the target's tempered, top-k / top-p filtered

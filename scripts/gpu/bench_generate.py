@@ -10,7 +10,9 @@ max_new_tokens, through
 - transformers: `generate_batched` with a static cache of max_prompt + max_new positions, prompts
   sorted by length, every batch padded to the full size (its decode step is compiled once); one
   untimed run on one batch compiles it;
-- engine: `BatchGenerator` with `batch` rows; one untimed run on the same prompts captures its graphs.
+- engine: `BatchGenerator` with `batch` rows; one untimed run on the same prompts captures its graphs;
+- with --compile, also the engine with its decode step compiled by torch.compile (inductor) inside
+  the graphs (`engine_compiled`; its untimed run compiles, and its `warmup_s` says what that cost).
 Then --repeats timed runs of each, alternating, synchronized; the median is reported. --engine-batches
 run the engine alone (batches where transformers' static generate is too slow to wait for). Bytes
 per second count what the engine's decode steps read: every weight once per step, plus the KV
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--prefill-tokens", type=int, default=32768, help="the engine's rows x chunk per prefill forward")
     parser.add_argument("--profile", type=int, default=0, help="profile one decode step at this batch")
+    parser.add_argument("--compile", action="store_true", help="also the engine with its decode step compiled (torch.compile inside the graph)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -94,14 +97,14 @@ def main() -> None:
         synchronize(device)
         return out, time.perf_counter() - start
 
+    engines = ["engine"] + (["engine_compiled"] if args.compile else [])
     for batch in side + alone:
         prompts = all_prompts[: args.prompts_per_row * batch]
         keys = list(range(len(prompts)))
-        gen = BatchGenerator(engine, rows=batch, max_len=max_len, eos_ids=target.eos_token_ids,
-                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=0, prefill_tokens=args.prefill_tokens)
-
-        def run_engine():
-            return gen.generate(prompts, keys, progress=False)
+        gens = {name: BatchGenerator(engine, rows=batch, max_len=max_len, eos_ids=target.eos_token_ids,
+                                     max_new_tokens=args.max_new_tokens, sampling=sampling, seed=0,
+                                     prefill_tokens=args.prefill_tokens, compile=name == "engine_compiled")
+                for name in engines}
 
         def run_transformers(subset=prompts):
             return generate_batched(target.model, subset, pad_id=tok.pad_token_id, eos_ids=target.eos_token_ids,
@@ -109,60 +112,73 @@ def main() -> None:
                                     static_cache_len=max_len, keys=list(range(len(subset))), progress=False)
 
         with_hf = batch in side
-        (eng_out, _), warm_engine = timed(run_engine)  # captures the graphs this run needs
-        warm_hf = timed(lambda: run_transformers(prompts[:batch]))[1] if with_hf else None  # compiles
-        runs = {"engine": [], "transformers": []}
-        for _ in range(args.repeats):
-            (out, stats), seconds = timed(run_engine)
-            runs["engine"].append({"seconds": seconds, "new_tokens": stats.new_tokens, "steps": gen.decode_steps,
+        # untimed: the engine's run captures (and, compiled, compiles) the graphs that run needs;
+        # transformers' compiles its step
+        warm = {name: timed(lambda: gen.generate(prompts, keys, progress=False))[1] for name, gen in gens.items()}
+        warm_hf = timed(lambda: run_transformers(prompts[:batch]))[1] if with_hf else None
+        runs = {name: [] for name in [*engines, "transformers"]}
+        outs = {}
+        for _ in range(args.repeats):  # alternating, so drifts of the machine hit every backend alike
+            for name, gen in gens.items():
+                (outs[name], stats), seconds = timed(lambda: gen.generate(prompts, keys, progress=False))
+                runs[name].append({"seconds": seconds, "new_tokens": stats.new_tokens, "steps": gen.decode_steps,
                                    "kv_read": gen.kv_read})
             if with_hf:
                 (hf_out, hf_stats), seconds = timed(run_transformers)
                 runs["transformers"].append({"seconds": seconds, "new_tokens": hf_stats.new_tokens})
-        row = {"batch": batch, "prompts": len(prompts), "warmup_engine_s": round(warm_engine, 2)}
-        e_runs = runs["engine"]
-        med = statistics.median(r["seconds"] for r in e_runs)
-        new_tokens = e_runs[0]["new_tokens"]
-        steps, kv_read = e_runs[0]["steps"], e_runs[0]["kv_read"]
-        read = steps * gen.weight_bytes() + kv_read * gen.kv_bytes_per_position()
-        row["engine"] = {"tokens_per_s": round(new_tokens / med, 1), "new_tokens": new_tokens, "median_s": round(med, 3),
+        row = {"batch": batch, "prompts": len(prompts)}
+        for name, gen in gens.items():
+            e_runs = runs[name]
+            med = statistics.median(r["seconds"] for r in e_runs)
+            new_tokens = e_runs[0]["new_tokens"]
+            steps, kv_read = e_runs[0]["steps"], e_runs[0]["kv_read"]
+            read = steps * gen.weight_bytes() + kv_read * gen.kv_bytes_per_position()
+            row[name] = {"tokens_per_s": round(new_tokens / med, 1), "new_tokens": new_tokens, "median_s": round(med, 3),
                          "seconds": [round(r["seconds"], 3) for r in e_runs], "decode_steps": steps,
                          "ms_per_step": round(1000 * med / max(steps, 1), 3), "gb_read": round(read / 1e9, 2),
                          "gb_per_s": round(read / med / 1e9, 1), "graphs": len(gen.graphs),
-                         "kernel_attention": gen.kernel_attention}
+                         "kernel_attention": gen.kernel_attention, "warmup_s": round(warm[name], 2)}
+        if "engine_compiled" in gens:
+            row["compiled_vs_engine"] = round(row["engine_compiled"]["tokens_per_s"] / row["engine"]["tokens_per_s"], 2)
+            row["identical_compiled_engine"] = f"{sum(a.token_ids == b.token_ids for a, b in zip(outs['engine'], outs['engine_compiled']))}/{len(prompts)}"
         if with_hf:
             h_runs = runs["transformers"]
             hmed = statistics.median(r["seconds"] for r in h_runs)
-            same = sum(a.token_ids == b.token_ids for a, b in zip(out, hf_out))
             row["transformers_static_compiled"] = {"tokens_per_s": round(h_runs[0]["new_tokens"] / hmed, 1),
                                                    "new_tokens": h_runs[0]["new_tokens"], "median_s": round(hmed, 3),
                                                    "seconds": [round(r["seconds"], 3) for r in h_runs],
                                                    "warmup_s": round(warm_hf, 2)}
-            row["engine_vs_transformers"] = round(row["engine"]["tokens_per_s"] / row["transformers_static_compiled"]["tokens_per_s"], 2)
-            row["identical_responses"] = f"{same}/{len(prompts)}"
+            for name in engines:
+                hf_tps = row["transformers_static_compiled"]["tokens_per_s"]
+                row[f"{name}_vs_transformers"] = round(row[name]["tokens_per_s"] / hf_tps, 2)
+                row[f"identical_{name}_transformers"] = f"{sum(a.token_ids == b.token_ids for a, b in zip(outs[name], hf_out))}/{len(prompts)}"
         rows.append(row)
         save()
         print(json.dumps(row), flush=True)
-        del gen
+        del gens
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
     if args.profile:
         record["profile"] = profile_step(engine, target, all_prompts, args.profile, max_len, sampling, args.max_new_tokens)
+        if args.compile:
+            record["profile_compiled"] = profile_step(engine, target, all_prompts, args.profile, max_len, sampling,
+                                                      args.max_new_tokens, compile=True)
         save()
-    print(f"{'batch':>6} {'engine tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {'ms/step':>8} {'GB/s':>6}  identical")
+    print(f"{'batch':>6} {'backend':>16} {'tok/s':>10} {'hf tok/s':>10} {'ratio':>6} {'ms/step':>8} {'GB/s':>6}")
     for r in rows:
         hf = r.get("transformers_static_compiled", {}).get("tokens_per_s", "-")
-        print(f"{r['batch']:>6} {r['engine']['tokens_per_s']:>13} {hf:>10} {r.get('engine_vs_transformers', '-'):>6} "
-              f"{r['engine']['ms_per_step']:>8} {r['engine']['gb_per_s']:>6}  {r.get('identical_responses', '-')}")
+        for name in engines:
+            print(f"{r['batch']:>6} {name:>16} {r[name]['tokens_per_s']:>10} {hf:>10} {r.get(f'{name}_vs_transformers', '-'):>6} "
+                  f"{r[name]['ms_per_step']:>8} {r[name]['gb_per_s']:>6}")
 
 
-def profile_step(engine, target, prompts, batch, max_len, sampling, max_new_tokens) -> dict:
+def profile_step(engine, target, prompts, batch, max_len, sampling, max_new_tokens, compile=False) -> dict:
     """One decode step at `batch` rows (slots filled by a real prefill): graph replay time against the
     eager kernels' device time, grouped by kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
     gen = BatchGenerator(engine, rows=batch, max_len=max_len, eos_ids=[-1], max_new_tokens=max_new_tokens,
-                         sampling=sampling, seed=0)
+                         sampling=sampling, seed=0, compile=compile)
     gen._prefill(list(range(batch)), prompts[:batch], list(range(batch)))
     attend_len = next(n for n in gen.len_buckets if n >= int(gen.pos.max()) + 64)
     kv_read = int(gen.pos[:batch].sum()) + batch if gen.kernel_attention else batch * attend_len
@@ -189,7 +205,7 @@ def profile_step(engine, target, prompts, batch, max_len, sampling, max_new_toke
         by_name.setdefault(e.name[:80], []).append(e.device_time_total / 1000)
     total = sum(sum(v) for v in by_name.values()) / 2
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
-    out = {"batch": batch, "attend_len": attend_len, "graph_replay_ms_median": round(statistics.median(times), 3),
+    out = {"batch": batch, "compiled": compile, "attend_len": attend_len, "graph_replay_ms_median": round(statistics.median(times), 3),
            "kernels_per_step": len(kernels) // 2, "kernel_device_ms_per_step": round(total, 3),
            "weight_bytes": gen.weight_bytes(), "kv_bytes_read": kv_read * gen.kv_bytes_per_position(),
            "kernel_attention": gen.kernel_attention,

@@ -2,9 +2,10 @@
 rows equal batch-1 autoregressive decoding, keyed sampling equals transformers' generate with
 KeyedSampler at batch 1, for tiny-llama and tiny-qwen2 (refills, early stops, chunked prefill).
 `--random`: seeded random llama / Qwen2 / Qwen3.5-hybrid models of a 512-token vocabulary instead
-(no tokenizer: needs only torch and transformers, e.g. the core wheels).
+(no tokenizer: needs only torch and transformers, e.g. the core wheels). `--compile`: the decode step
+compiled by torch.compile (inductor) inside the graphs.
 
-    python scripts/gpu/check_batched.py --out $OUT/check_batched.json [--random]
+    python scripts/gpu/check_batched.py --out $OUT/check_batched.json [--random] [--compile]
 
 Prints and writes counts; exits 1 on any mismatch.
 """
@@ -54,7 +55,7 @@ def cut(tokens, eos):
     return tokens
 
 
-def check(name: str, n: int = 40, new: int = 24) -> dict:
+def check(name: str, n: int = 40, new: int = 24, compile: bool = False) -> dict:
     target = random_target(name) if name in ("llama", "qwen2", "qwen3_5") else load_target(name, device="cuda", dtype=torch.float32)
     batch = prompts(0, n, min(2000, target.config.vocab_size))
     greedy = [autoregressive_generate(target, p, new).tokens for p in batch]
@@ -67,7 +68,7 @@ def check(name: str, n: int = 40, new: int = 24) -> dict:
     out = {}
     for label, s, ref in (("greedy", Sampling(0.0), greedy), ("sampled", sampling, sampled)):
         gen = BatchGenerator(engine, rows=16, max_len=128, eos_ids=sorted(eos), max_new_tokens=new, sampling=s, seed=3,
-                             prefill_tokens=64, smallest_batch=4, smallest_len=32)
+                             prefill_tokens=64, smallest_batch=4, smallest_len=32, compile=compile)
         results, _ = gen.generate(batch, list(range(n)), progress=False)
         out[label] = {"rows": n, "mismatches": sum(r.token_ids != cut(e, eos) for r, e in zip(results, ref)),
                       "graphs": len(gen.graphs), "early_stops": sum(r.finish_reason == "stop" for r in results)}
@@ -78,15 +79,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--random", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     names = ("llama", "qwen2", "qwen3_5") if args.random else ("tiny-llama", "tiny-qwen2", "tiny-qwen3.5")
-    result = {name: check(name) for name in names}
-    result["gpu"] = torch.cuda.get_device_name(0)
+    result = {name: check(name, compile=args.compile) for name in names}
+    result["gpu"], result["compile"] = torch.cuda.get_device_name(0), args.compile
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         open(args.out, "w").write(text + "\n")
-    bad = sum(r[k]["mismatches"] for name, r in result.items() if name != "gpu" for k in r)
+    bad = sum(r[k]["mismatches"] for name, r in result.items() if name not in ("gpu", "compile") for k in r)
     sys.exit(1 if bad else 0)
 
 

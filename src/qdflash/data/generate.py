@@ -286,7 +286,7 @@ def resolve_backend(target, backend: str, max_len: int):
 
 def generate_on_engine(engine, prompts: list[list[int]], *, eos_ids: list[int], max_new_tokens: int, batch_size: int,
                        sampling: Sampling, seed: int, keys: list[int] | None, max_len: int, prefill_tokens: int = 8192,
-                       desc: str = "generate", progress: bool = True) -> tuple[list[Generation], GenerationStats]:
+                       compile: bool = False, desc: str = "generate", progress: bool = True) -> tuple[list[Generation], GenerationStats]:
     """`generate_batched`'s contract on the lean engine (qdflash.engine.batched): the same tokens
     (greedy: the target's argmax; sampling: the same keyed noise), `batch_size` rows kept full by
     refilling finished ones."""
@@ -294,7 +294,7 @@ def generate_on_engine(engine, prompts: list[list[int]], *, eos_ids: list[int], 
 
     rows = max(1, min(batch_size, len(prompts)))
     gen = BatchGenerator(engine, rows=rows, max_len=max_len, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
-                         sampling=sampling, seed=seed, prefill_tokens=prefill_tokens)
+                         sampling=sampling, seed=seed, prefill_tokens=prefill_tokens, compile=compile)
     results, stats = gen.generate(prompts, keys, progress=progress, desc=desc)
     log.info("%s: %d prompts, %d new tokens in %.1f s (%.0f tokens/s, engine, %d rows)",
              desc, stats.prompts, stats.new_tokens, stats.seconds, stats.tokens_per_s, rows)

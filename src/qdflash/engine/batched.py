@@ -57,7 +57,8 @@ def buckets(largest: int, smallest: int) -> list[int]:
 class BatchGenerator:
     def __init__(self, engine, rows: int, max_len: int, eos_ids: list[int], max_new_tokens: int,
                  sampling: Sampling, seed: int = 0, prefill_tokens: int = 8192, sync_every: int = 8,
-                 cuda_graphs: bool | None = None, smallest_batch: int = 8, smallest_len: int = 128):
+                 cuda_graphs: bool | None = None, smallest_batch: int = 8, smallest_len: int = 128,
+                 compile: bool | str = False):
         if not batched_supported(engine):
             raise QdflashError(f"batched generation runs llama-layout and Qwen3.5 engines; not {type(engine).__name__}")
         if max_len > engine.max_len:
@@ -97,6 +98,18 @@ class BatchGenerator:
         # one memory pool for all of them: a step's intermediates die with it (the state lives in
         # the buffers above), so the graphs can share it instead of holding one pool each
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        # torch.compile fuses the step's ~10 elementwise launches per layer (norms, rope, residual adds,
+        # SiLU x up, the cache writes, the sampler's bookkeeping) into a few kernels; the graph then
+        # records the compiled step. The batch size is a Python int of the step, so dynamo compiles
+        # once for the first bucket and once more with a symbolic batch for all the others.
+        # `compile`: True (inductor) or a torch.compile backend name (the tests trace with "aot_eager").
+        self.compile = compile
+        self._step = self._decode
+        if compile:
+            from .llama import allow_compiles
+
+            allow_compiles(2)
+            self._step = torch.compile(self._decode, dynamic=None, backend="inductor" if compile is True else compile)
         self.decode_steps = 0   # decode steps run by the last generate()
         self.kv_read = 0        # sum over its steps of rows x cache positions read (bandwidth accounting)
 
@@ -135,7 +148,7 @@ class BatchGenerator:
     def _run_decode(self, b: int, attend_len: int) -> None:
         if not self.cuda_graphs:
             with torch.no_grad():
-                self._decode(b, attend_len)
+                self._step(b, attend_len)
             return
         key = (b, attend_len)
         if key not in self.graphs:
@@ -145,7 +158,7 @@ class BatchGenerator:
             # where the real step will (each row's own position, the same token)
             state = [self.tokens, self.pos, self.steps, self.done, self.out, *self.conv_state.values(), *self.state.values()]
             saved = [t.clone() for t in state]  # (recurrent states too: a step reads them before writing)
-            self.graphs[key] = capture(lambda: self._decode(b, attend_len), 2, self.device, self._pool)[0]
+            self.graphs[key] = capture(lambda: self._step(b, attend_len), 2, self.device, self._pool)[0]
             for t, s in zip(state, saved):
                 t.copy_(s)
         self.graphs[key].replay()

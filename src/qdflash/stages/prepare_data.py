@@ -237,13 +237,15 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             raise QdflashError(f"data.max_turns={max_turns} needs data.max_sequence_tokens (the longest conversation, in tokens)")
         max_len = max(max_len, int(data.max_sequence_tokens))
     backend, engine = resolve_backend(target, gen.get("backend", "auto"), max_len)
-    run.metrics.update({"generation.backend": backend, "generation.batch_size": int(gen.batch_size)})
+    run.metrics.update({"generation.backend": backend, "generation.batch_size": int(gen.batch_size),
+                        "generation.compile": int(engine is not None and bool(gen.get("compile", False)))})
     log.info("generating with %s (batch %d)", "the lean engine" if engine else "transformers' generate", gen.batch_size)
     if engine is not None:
         def generate(prompts, **kwargs):
             return generate_on_engine(engine, prompts, eos_ids=target.eos_token_ids, max_new_tokens=gen.max_new_tokens,
                                       batch_size=gen.batch_size, max_len=max_len,
-                                      prefill_tokens=gen.get("prefill_tokens", 8192), **kwargs)
+                                      prefill_tokens=gen.get("prefill_tokens", 8192),
+                                      compile=bool(gen.get("compile", False)), **kwargs)
     else:
         def generate(prompts, **kwargs):
             return generate_batched(target.model, prompts, pad_id=target.tokenizer.pad_token_id, eos_ids=target.eos_token_ids,
