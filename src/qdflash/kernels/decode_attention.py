@@ -49,6 +49,7 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 s = tl.dot(q, tl.trans(k)) * scale
+            s = s.to(tl.float32)  # torch.compile passes `scale` (a Python float) as fp64
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
