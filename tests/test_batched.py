@@ -91,6 +91,26 @@ def test_a_compiled_decode_step_gives_the_same_rows(fixture, sampling, request):
     assert run("aot_eager", eos) == plain
 
 
+@pytest.mark.parametrize("compile", [False, "aot_eager"])
+def test_a_generator_is_freed_as_soon_as_it_is_dropped(compile, tiny_llama):
+    """No reference cycle keeps a used generator (and its KV cache for all rows) alive until the
+    garbage collector runs: the multi-turn data stage builds one per turn, and two turns' caches of
+    1,024 rows x 3,072 positions did not fit on the H200 beside each other."""
+    import gc
+    import weakref
+
+    engine = build_engine(tiny_llama, max_len=64)
+    gen = BatchGenerator(engine, rows=3, max_len=64, eos_ids=[-1], max_new_tokens=4, sampling=Sampling(0.0), compile=compile)
+    gen.generate(prompts(3, 4), progress=False)
+    alive = weakref.ref(gen.k_cache[0])
+    gc.disable()
+    try:
+        del gen
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
 def test_batched_sampling_follows_the_target_distribution():
     """A tiny-vocabulary model, one prompt, 3,000 keys: the first token (sampled after the prefill)
     and the second (sampled by the decode step) follow the target's tempered, top-k / top-p filtered

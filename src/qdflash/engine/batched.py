@@ -103,13 +103,15 @@ class BatchGenerator:
         # records the compiled step. The batch size is a Python int of the step, so dynamo compiles
         # once for the first bucket and once more with a symbolic batch for all the others.
         # `compile`: True (inductor) or a torch.compile backend name (the tests trace with "aot_eager").
+        # The compiled function is the class's, shared by every generator (`_compiled_decode`): one
+        # stored on the instance (a bound method) would make the generator a reference cycle that
+        # outlives its last use until the garbage collector runs, with its whole KV cache (a
+        # multi-turn data stage ran out of GPU memory holding two turns' caches that way).
         self.compile = compile
-        self._step = self._decode
         if compile:
             from .llama import allow_compiles
 
             allow_compiles(2)
-            self._step = torch.compile(self._decode, dynamic=None, backend="inductor" if compile is True else compile)
         self.decode_steps = 0   # decode steps run by the last generate()
         self.kv_read = 0        # sum over its steps of rows x cache positions read (bandwidth accounting)
 
@@ -144,6 +146,12 @@ class BatchGenerator:
         self.pos[index] = self.pos[index] + live
         self.steps[index] = steps + live
         self.done[index] = done | stop
+
+    def _step(self, b: int, attend_len: int) -> None:
+        if self.compile:
+            _compiled_decode("inductor" if self.compile is True else self.compile)(self, b, attend_len)
+        else:
+            self._decode(b, attend_len)
 
     def _run_decode(self, b: int, attend_len: int) -> None:
         if not self.cuda_graphs:
@@ -286,6 +294,15 @@ class BatchGenerator:
             self.done[src] = True
             occupant[dst], occupant[src] = occupant[src], None
         return [s for s in range(self.rows) if occupant[s] is not None]
+
+
+_COMPILED: dict = {}  # backend -> BatchGenerator._decode through torch.compile (one per process)
+
+
+def _compiled_decode(backend: str):
+    if backend not in _COMPILED:
+        _COMPILED[backend] = torch.compile(BatchGenerator._decode, dynamic=None, backend=backend)
+    return _COMPILED[backend]
 
 
 def _sync(device) -> None:
