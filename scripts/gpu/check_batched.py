@@ -80,8 +80,11 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--random", action="store_true")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--families", default=None, help="comma-separated subset of the models to check")
     args = parser.parse_args()
     names = ("llama", "qwen2", "qwen3_5") if args.random else ("tiny-llama", "tiny-qwen2", "tiny-qwen3.5")
+    if args.families:
+        names = tuple(n for n in names if n in args.families.split(","))
     result = {name: check(name, compile=args.compile) for name in names}
     result["gpu"], result["compile"] = torch.cuda.get_device_name(0), args.compile
     text = json.dumps(result, indent=1)
