@@ -71,13 +71,18 @@ def test_generate_until_is_autoregressive_greedy(tiny_llama):
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
 def test_batched_generation_gives_the_batch_1_text(fixture, request):
-    """gates.batch_size > 1: greedy batches (sorted, left-padded; per-request budgets and stop
-    strings) give what batch-1 generation gives, in fp32, on llama and on the hybrid."""
+    """gates.batch_size > 1: greedy batches (per-request budgets and stop strings) give what batch-1
+    generation gives, in fp32, on llama and on the hybrid, through the engine's batched generator
+    (rows refilled) and through transformers' generate (sorted, left-padded)."""
     target = request.getfixturevalue(fixture)
     prompts = ["What is the capital of France?", "Write a haiku about rain.", "2+2=", "List three colors", "Once"]
     requests = [Req(p, {"until": ["\n\n", "e"] if i == 2 else ["\n\n"], "max_gen_toks": 10 + 4 * (i % 2)})
                 for i, p in enumerate(prompts)]
-    assert QdflashLM(target, batch_size=3).generate_until(requests) == QdflashLM(target).generate_until(requests)
+    one = QdflashLM(target).generate_until(requests)
+    for backend in ("engine", "transformers"):
+        lm = QdflashLM(target, batch_size=2, backend=backend)
+        assert lm.generate_until(requests) == one, backend
+        assert lm.backends_used == {backend}
     with pytest.raises(ValueError, match="not with a drafter"):
         QdflashLM(target, drafter=object(), batch_size=2)
 

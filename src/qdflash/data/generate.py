@@ -259,14 +259,14 @@ def generate_batched(
 BACKENDS = ("auto", "engine", "transformers")
 
 
-def resolve_backend(target, backend: str, max_len: int):
+def resolve_backend(target, backend: str, max_len: int, key: str = "data.generation.backend"):
     """("engine", its engine) where batched generation on the lean engine can run, else
     ("transformers", None). `auto`: the engine wherever the target's family has a batched one (on the
     GPU for its CUDA graphs; on the CPU too, where it was measured faster than transformers' generate
     at the default and ci profiles' batches: results/published/2026-12-01-h200-generate/PROVENANCE.md), else
     transformers; `engine`: the engine or an error saying why not."""
     if backend not in BACKENDS:
-        raise QdflashError(f"data.generation.backend = {backend!r}: expected one of {', '.join(BACKENDS)}")
+        raise QdflashError(f"{key} = {backend!r}: expected one of {', '.join(BACKENDS)}")
     if backend == "transformers":
         return "transformers", None
     from ..engine import build_engine

@@ -10,12 +10,16 @@ Log-likelihoods are scored one request (or one shared context) at a time by defa
 depend on batching or padding; with `batch_size > 1` the shared contexts of multiple-choice items
 go through the forward in batches (sorted by length, right-padded: a causal model's logits at a
 row's last token cannot see the padding after it). Generation is batch 1 through this project's
-loop by default; `batch_size > 1` (no drafter) generates greedily in batches through transformers'
-`generate` instead (qdflash.data.generate.generate_batched: sorted by length, left padding). Both
-are what make full test sets affordable on a GPU, where one forward costs the same host time at
-batch 1 and batch 64. Same results in fp32 either way (tests); batched rows may round differently
-from batch 1 in 16-bit, so a gate's reference and variants must use the same setting (they share
-`gates.batch_size`).
+loop by default; `batch_size > 1` (no drafter) generates greedily in batches instead: on the lean
+engine's batched generator where the target's family has one (`backend` "auto" or "engine";
+qdflash.engine.batched, rows refilled as they finish), else through transformers' `generate`
+(qdflash.data.generate.generate_batched: sorted by length, left padding). Batches are what make full
+test sets affordable on a GPU, where one forward costs the same host time at batch 1 and batch 64;
+the engine's continuous batching and captured steps are several times faster than `generate` there
+(results/published/2026-12-01-h200-generate*).
+Same results in fp32 every way (tests); batched rows may round differently from batch 1 in 16-bit,
+so a gate's reference and variants must use the same setting (they share `gates.batch_size` and
+`gates.backend`).
 """
 
 from __future__ import annotations
@@ -26,18 +30,20 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
-from ..data.generate import Sampling, generate_batched
+from ..data.generate import Sampling, generate_batched, generate_on_engine, resolve_backend
 from ..spec import autoregressive_generate, speculative_generate
 
 
 @register_model("qdflash")
 class QdflashLM(LM):
-    def __init__(self, target, drafter=None, max_gen_toks: int = 256, window: int | None = None, batch_size: int = 1):
+    def __init__(self, target, drafter=None, max_gen_toks: int = 256, window: int | None = None, batch_size: int = 1,
+                 backend: str = "auto"):
         super().__init__()
         if batch_size > 1 and drafter is not None:
-            raise ValueError("batch_size > 1 generates through transformers' generate: not with a drafter (batch 1)")
+            raise ValueError("batch_size > 1 generates greedy batches without speculation: not with a drafter (batch 1)")
         self.target, self.drafter, self.max_gen_toks, self.window = target, drafter, max_gen_toks, window
-        self.batch_size = batch_size
+        self.batch_size, self.backend = batch_size, backend
+        self.backends_used: set[str] = set()  # what batched generation ran on (metrics)
         self.tok = target.tokenizer
         self._model_device = next(target.model.parameters()).device
 
@@ -174,9 +180,19 @@ class QdflashLM(LM):
         out: list[list[int] | None] = [None] * len(asks)
         for max_new in sorted({m for _, m, _ in asks}):
             members = [i for i, (_, m, _) in enumerate(asks) if m == max_new]
-            results, _ = generate_batched(self.target.model, [asks[i][0] for i in members], pad_id=pad, eos_ids=eos,
-                                          max_new_tokens=max_new, batch_size=self.batch_size, sampling=Sampling(),
-                                          desc="generate_until (batched)")
+            prompts = [asks[i][0] for i in members]
+            max_len = max(map(len, prompts)) + max_new
+            backend, engine = resolve_backend(self.target, self.backend, max_len, key="gates.backend")
+            self.backends_used.add(backend)
+            if engine is not None:
+                results, _ = generate_on_engine(engine, prompts, eos_ids=eos, max_new_tokens=max_new,
+                                                batch_size=self.batch_size, sampling=Sampling(), seed=0, keys=None,
+                                                max_len=max_len, desc="generate_until (batched, engine)")
+                del engine  # its fused weights and caches before the next budget's
+            else:
+                results, _ = generate_batched(self.target.model, prompts, pad_id=pad, eos_ids=eos,
+                                              max_new_tokens=max_new, batch_size=self.batch_size, sampling=Sampling(),
+                                              desc="generate_until (batched)")
             for i, result in zip(members, results):
                 out[i] = result.token_ids
         return out  # type: ignore[return-value]

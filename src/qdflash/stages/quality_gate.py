@@ -135,16 +135,18 @@ def plan_tasks(cfg: DictConfig, folder: Path, run: NodeRun) -> list[GateTask]:
     return plans
 
 
-def score(model: str, cfg: DictConfig, folder: Path, plans: list[GateTask]) -> dict[str, tuple[list[str], list[float]]]:
-    """Item ids and per-item scores of one model on every task."""
+def score(model: str, cfg: DictConfig, folder: Path, plans: list[GateTask], run: NodeRun) -> dict[str, tuple[list[str], list[float]]]:
+    """Item ids and per-item scores of one model on every task; `generation.backend` in the run's
+    metrics says what generated its answers (engine / transformers batches, or the batch-1 loop)."""
     target = load_target(model, dtype=cfg.dtype, device=cfg.device)
     log.info("evaluating %s on %s", target.source, ", ".join(p.name for p in plans))
-    lm = QdflashLM(target, batch_size=int(cfg.gates.batch_size))
+    lm = QdflashLM(target, batch_size=int(cfg.gates.batch_size), backend=cfg.gates.get("backend", "auto"))
     scores = {}
     for plan in plans:
         ids, values = evaluate(lm, folder, [plan.name], plan.limit, plan.chat, plan.metric, plan.num_fewshot,
                                plan.filter_name)[plan.name]
         scores[plan.key] = (plan.ids if plan.ids is not None else ids, values)
+    run.metrics["generation.backend"] = ",".join(sorted(lm.backends_used)) or "batch-1 loop"
     return scores
 
 
@@ -172,7 +174,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     folder = run.dir / "tasks"
     plans = plan_tasks(cfg, folder, run)
     if cfg.variant is None:  # the reference: the 16-bit target's scores, for every variant's gate
-        scores = score(cfg.model.name, cfg, folder, plans)
+        scores = score(cfg.model.name, cfg, folder, plans, run)
         write_scores(run.dir, scores)
         for task, (_, values) in scores.items():
             run.metrics.update({f"{task}.n": len(values), f"{task}.score": round(sum(values) / max(len(values), 1), 4)})
@@ -182,7 +184,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     if cfg.reference is None:
         raise QdflashError("reference: the 16-bit target's quality_gate folder (variant=null) is required to judge a variant")
     reference = read_reference(Path(cfg.reference), {p.key: p.ids for p in plans})
-    variant = score(cfg.variant, cfg, folder, plans)
+    variant = score(cfg.variant, cfg, folder, plans, run)
     write_scores(run.dir, variant)
     results = []
     for plan in plans:
