@@ -7,6 +7,9 @@ from hydra import compose, initialize_config_dir
 from qdflash.config import GROUP_SECTIONS, load_config, node_overrides, redundant_keys, validate_config, validate_section
 from qdflash.errors import QdflashError
 from qdflash.paths import REPO_ROOT, config_dir
+from qdflash.registry import hydra_model_group
+
+hydra_model_group()  # the `model` group the nodes compose (what every node's app registers)
 
 # every node and the profile sections it reads (workflow/rules/*.smk: hydra_args)
 NODE_SECTIONS = {"prepare_data": ["data"], "quality_gate": ["data", "gates"], "quantize_target": ["quant", "eval"],

