@@ -203,7 +203,7 @@ def test_decode_attention_kernel_reads_each_rows_own_length():
     very different lengths, grouped-query heads (rep 3, padded to the kernel's 16 rows); positions
     past each row's length hold garbage that must not be read."""
     pytest.importorskip("triton")
-    from qdflash.engine.llama import rows_attention
+    from qdflash.engine.base import rows_attention
 
     g = torch.Generator().manual_seed(0)
     b, kv_heads, rep, d, max_len = 5, 2, 3, 16, 200

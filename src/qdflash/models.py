@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import QdflashError
+from .ops import tap_features
 from .paths import cache_dir
 from .registry import PRESETS as PRESET_TABLE
 
@@ -101,7 +102,7 @@ class Target:
         if bad:
             raise QdflashError(f"layer ids {bad} out of range: {self.name} has layers 0..{self.num_layers - 1}")
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        return tap_features(out.hidden_states, layer_ids)
 
 
 # ----------------------------------------------------------------------------------------------

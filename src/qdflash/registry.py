@@ -4,7 +4,7 @@ Everything that needs to know a preset reads this table: `models.load_target` (w
 come from), the config validation (`config.PRESET_MODELS`), the Hydra `model` group every node
 composes (`hydra_model_group`: `model=<preset>` on a node's command line; there are no per-model YAML
 files), and docs/models.md (a test keeps its table equal to this one). Adding a model of a family the
-lean engine builds (`family`: the transformers model_type, a key of `engine.llama.build_engine`'s
+lean engine builds (`family`: the transformers model_type, a key of `engine.build_engine`'s
 builders) is one row here, plus a profile overlay in config/config.yaml if a DAG should run on it.
 
 Light on purpose (no torch): the config validation imports it.

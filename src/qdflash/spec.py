@@ -35,6 +35,7 @@ from .drafter.blocks import acceptance_lengths
 from .drafter.model import Drafter
 from .errors import QdflashError
 from .models import synchronize
+from .ops import tap_features
 
 
 @dataclass
@@ -94,7 +95,7 @@ class TargetSession:
         self.length += len(ids)
         features = None
         if self.layer_ids is not None:
-            features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)[0]
+            features = tap_features(out.hidden_states, self.layer_ids)[0]
         return out.logits[0], features
 
     def has_recurrent_state(self) -> bool:

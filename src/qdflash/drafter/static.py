@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cudagraph import capture as capture_graph
-from ..engine.llama import cache_buckets
+from ..engine.base import cache_buckets
 from ..errors import QdflashError
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ..distill import pad_right
 from ..errors import QdflashError
+from ..ops import tap_features
 from .blocks import (IGNORE, acceptance_lengths, batch_attention_mask, block_inputs, block_mask_mod, linear_argmax,
                      sample_anchors, weighted_linear_block_loss_parts)
 from .model import Drafter
@@ -35,7 +36,7 @@ def target_pass(target, input_ids: torch.Tensor, layer_ids: list[int], greedy: b
         out = target.model(input_ids=input_ids, output_hidden_states=True)
     else:
         out = target.model.get_decoder()(input_ids=input_ids, output_hidden_states=True)
-    features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    features = tap_features(out.hidden_states, layer_ids)
     return features, (out.logits.argmax(-1) if greedy else None)
 
 

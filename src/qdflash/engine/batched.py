@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 
 from ..data.generate import Generation, GenerationStats, Sampling, cut_at_stop, sample_keyed
 from ..errors import QdflashError
-from .llama import LeanLlama, rows_attention
+from .base import allow_compiles, rows_attention
+from .llama import LeanLlama
 from .qwen3_5 import LeanQwen35
 
 
@@ -109,8 +110,6 @@ class BatchGenerator:
         # multi-turn data stage ran out of GPU memory holding two turns' caches that way).
         self.compile = compile
         if compile:
-            from .llama import allow_compiles
-
             allow_compiles(2)
         self.decode_steps = 0   # decode steps run by the last generate()
         self.kv_read = 0        # sum over its steps of rows x cache positions read (bandwidth accounting)

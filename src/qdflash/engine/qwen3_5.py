@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError
 from .linear import Projection, dense_linear
-from .llama import EngineBase, apply_rope, cached_attention
+from ..ops import apply_rope, tap_features
+from .base import EngineBase, cached_attention
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -197,7 +198,7 @@ class LeanQwen35(EngineBase):
             h = h + w["w2"](F.silu(gate) * up)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
-        return h, (torch.cat([features[i] for i in layer_ids], dim=-1) if layer_ids is not None else None)
+        return h, (tap_features(features, layer_ids) if layer_ids is not None else None)
 
     def head(self, h):
         return dense_linear(self.final_norm(h).to(self.dtype), self.lm_head, self.kernels)

@@ -1,0 +1,193 @@
+"""What every lean engine shares (`EngineBase`): rope tables, the feed / rollback bookkeeping, CUDA
+graphs, and the attention over a static KV cache (batch 1: `cached_attention`; many rows:
+`rows_attention`). The families build on it: `llama.LeanLlama` (llama, SmolLM2, Qwen2) and
+`qwen3_5.LeanQwen35` (the Qwen3.5 hybrid)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import QdflashError
+from ..kernels import kernels_usable
+from ..ops import rope_tables
+from .linear import Concat, Projection, tune_projections
+
+
+def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int | None,
+                     exact: bool = False) -> torch.Tensor:
+    """Write k, v [kv_heads, T, D] at `positions` [T] of a static cache [kv_heads, max_len, D] and
+    attend q [heads, T, D] over every cached position up to its own (causal inside the block).
+    `attend_len`: how much of the cache to read (None: all of it); `exact`: it ends at the last
+    position fed (the eager path: no mask needed for one token). A captured graph reads a fixed length
+    for many positions, so everything past each query's position is masked. Returns [T, heads*D]."""
+    t = q.shape[1]
+    k_cache.index_copy_(1, positions, k)
+    v_cache.index_copy_(1, positions, v)
+    n = attend_len or k_cache.shape[1]
+    rep = q.shape[0] // k.shape[0]
+    keys, values = k_cache[:, :n], v_cache[:, :n]
+    mask = None
+    if t > 1 or not exact:
+        mask = torch.arange(n, device=q.device)[None, :] <= positions[:, None]
+    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=rep > 1)
+    return out[0].transpose(0, 1).reshape(t, -1)
+
+
+def rows_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int,
+                   rows: torch.Tensor | None = None, kernel: bool = False) -> torch.Tensor:
+    """`cached_attention` for a batch: q [B, heads, T, D], k / v [B, kv_heads, T, D] of cache rows
+    `rows` [B] (None: rows 0..B-1 of the cache, which is then read without a copy) at positions
+    [B, T], each row its own sequence from position 0. Cache [rows, kv_heads, max_len, D]. Every row
+    reads `attend_len` positions, masked past its own position, so rows of different lengths share one
+    fixed-shape step. `kernel`: a decode step (T = 1, rows 0..B-1) reads each row's own length only
+    (kernels.decode_attention; `attend_len` is then not read). Returns [B, T, heads*D]."""
+    b, heads, t, d = q.shape
+    kv_heads = k.shape[1]
+    index = rows if rows is not None else torch.arange(b, device=q.device)
+    k_cache[index[:, None], :, positions] = k.transpose(1, 2)  # [B, T, kv_heads, D] at (row, position)
+    v_cache[index[:, None], :, positions] = v.transpose(1, 2)
+    if kernel and t == 1 and rows is None:
+        from ..kernels.decode_attention import decode_attention
+
+        return decode_attention(q[:, :, 0], k_cache, v_cache, positions[:, 0] + 1).reshape(b, 1, heads * d)
+    keys = k_cache[:b, :, :attend_len] if rows is None else k_cache[rows, :, :attend_len]
+    values = v_cache[:b, :, :attend_len] if rows is None else v_cache[rows, :, :attend_len]
+    # grouped-query attention without repeating the cache: the `rep` query heads of one KV head are
+    # stacked on the query axis ([B, kv_heads, rep*T, D] against [B, kv_heads, n, D])
+    rep = heads // kv_heads
+    mask = torch.arange(attend_len, device=q.device)[None, None, :] <= positions[:, :, None]  # [B, T, n]
+    out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, rep * t, d), keys, values,
+                                         attn_mask=mask.repeat(1, rep, 1)[:, None])
+    return out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
+
+
+
+class EngineBase:
+    """Batch 1. Subclasses build their weights and implement `_step(ids, positions, attend_len,
+    layer_ids, exact=False) -> (logits, features)` with tensor positions and in-place cache updates only, so that a
+    step can be captured as a CUDA graph (`capture`)."""
+
+    def __init__(self, model, max_len: int, kernels: bool | str = "auto", fp32_residual: bool = True):
+        c = model.config
+        self.config, self.max_len = c, max_len
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.kernels = kernels_usable(self.device, kernels)  # Triton W4A16 matmul and GDN recurrence
+        # The residual stream (the running sum of every layer's output) is kept in fp32 while the
+        # matmuls read 16-bit activations and weights: rounding it to 16 bits after every layer is
+        # where a decode step (1 row) and a verify block (16 rows) drift apart most, because their
+        # kernels round differently and the residual carries each difference to the next layer.
+        # fp32 costs nothing measurable at batch 1 (one [T, hidden] vector) and makes greedy
+        # speculative decoding in bf16 diverge from autoregressive decoding far more rarely.
+        self.residual_dtype = torch.float32 if fp32_residual else self.dtype
+        self.embed = model.model.embed_tokens.weight
+        self.lm_head = model.get_output_embeddings().weight
+        self.graphs = {}  # (tokens per step, layer ids, cache length read) -> CapturedStep
+
+    def projections(self):
+        """Every Projection of the layers (the parts of a Concat one by one)."""
+        for w in self.layers:
+            for p in w.values():
+                if isinstance(p, Concat):
+                    yield from p.parts
+                elif isinstance(p, Projection):
+                    yield p
+
+    def tune_kernels(self) -> dict:
+        """On CUDA with the kernels on: pick the W4A16 tiles and the 16-bit GEMV (where it beats cuBLAS)
+        for this model's shapes by timing them (kernels.w4a16.tune, kernels.gemv.tune). Call before
+        `capture`: a captured graph keeps the kernels it was captured with. Returns the timings."""
+        if not self.kernels or self.device.type != "cuda":
+            return {}
+        return tune_projections(self.projections(), [self.lm_head.shape], self.dtype)
+
+    def _rope_tables(self, dims: int, theta: float) -> None:
+        self.cos, self.sin = rope_tables(dims, self.max_len, theta, self.device, self.dtype)
+
+    def _check_feed(self, start: int, t: int) -> None:
+        """Raise if `t` tokens cannot be fed from `start`."""
+
+    def _after_feed(self, start: int, end: int) -> None:
+        """Bookkeeping after tokens start..end-1 were fed."""
+
+    def reset(self) -> None:
+        """A new generation."""
+
+    def rollback(self, keep: int) -> None:
+        """Forget positions from `keep` on."""
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, start: int, layer_ids: list[int] | None = None):
+        """Logits [T, V] for tokens `ids` [T] at positions start..start+T-1, and the hidden states after
+        `layer_ids` concatenated [T, k*H] (None without layer_ids). A captured graph runs the step where
+        one exists for T tokens and these layer ids (the one reading the shortest cache that holds them)."""
+        t = ids.shape[0]
+        end = start + t
+        if end > self.max_len:
+            raise QdflashError(f"engine cache holds {self.max_len} positions; asked for {end} (build_engine(max_len=...))")
+        self._check_feed(start, t)
+        graph = self.graph_for(t, layer_ids, end)
+        if graph is not None:
+            out = graph(ids, start)
+        else:
+            positions = torch.arange(start, end, device=ids.device)
+            out = self._step(ids, positions, end, layer_ids, exact=True)
+        self._after_feed(start, end)
+        return out
+
+    def graph_for(self, t: int, layer_ids, end: int):
+        """The captured step for `t` tokens and these layer ids that reads the shortest cache length
+        holding `end` positions, or None."""
+        key = _key(layer_ids)
+        fit = [n for (tokens, ids, n) in self.graphs if tokens == t and ids == key and n >= end]
+        return self.graphs[(t, key, min(fit))] if fit else None
+
+    def capture(self, token_counts: list[int], layer_ids: list[int] | None = None, cuda_graphs: bool = True,
+                compile: bool = False, lengths: list[int] | None = None) -> None:
+        """Capture one CUDA graph per number of tokens (e.g. [1, block size]) and cache length for
+        steps that return the features of `layer_ids` (before a generation: see CapturedStep).
+        `lengths`: how much of the cache each graph's attention reads (default: cache_buckets(), powers
+        of two up to max_len: a step reads at most twice the KV it needs, not the whole cache).
+        cuda_graphs=False runs the same static-shape step eagerly (the CPU; a check of the graph path).
+        compile=True captures the step as compiled by torch.compile (fused elementwise work)."""
+        from .graphs import CapturedStep, StaticStep
+
+        lengths = sorted(lengths or cache_buckets(self.max_len))
+        step = self._step
+        if compile:
+            step = torch.compile(self._step, dynamic=False)
+            allow_compiles(len(token_counts) * len(lengths))
+        for t in token_counts:
+            for n in lengths:
+                self.graphs[(t, _key(layer_ids), n)] = (CapturedStep(self, t, layer_ids, n, step=step) if cuda_graphs
+                                                        else StaticStep(self, t, layer_ids, n, step=step))
+
+
+_COMPILES = [0]  # compiled steps asked for in this process (allow_compiles)
+
+
+def allow_compiles(count: int) -> None:
+    """Raise dynamo's recompile limit for `count` more compiled steps. Every (tokens, cache length)
+    graph and every engine is one more compile of the same `_step` code, and past the limit (8 by
+    default) dynamo silently runs the rest uncompiled: a 4-length, 2-size capture of two engines
+    already needs 16."""
+    import torch._dynamo.config as dynamo_config
+
+    _COMPILES[0] += count
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 + _COMPILES[0])
+
+
+def cache_buckets(max_len: int, smallest: int = 256) -> list[int]:
+    """Powers of two from `smallest`, then max_len itself."""
+    out, n = [], smallest
+    while n < max_len:
+        out.append(n)
+        n *= 2
+    return out + [max_len]
+
+
+def _key(layer_ids: list[int] | None) -> tuple[int, ...] | None:
+    return None if layer_ids is None else tuple(layer_ids)
