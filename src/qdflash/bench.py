@@ -137,8 +137,8 @@ def warmup_lengths(max_new_tokens: int) -> list[int]:
     """New-token counts a warm-up runs a prompt with: a short run, then the measured length. Two cache
     lengths, because `generate`'s compiled static cache compiles once per shape and then, at the
     second shape, again with dynamic shapes; only after that does a new prompt reuse the graph.
-    With one short warm-up that second compilation fell into the first measured prompt on the
-    H200 (12.5 s and 27.7 s for 80 tokens, against ~0.5 s per prompt after it)."""
+    With one short warm-up that second compilation fell into the first measured prompt (seconds
+    against a fraction of a second per prompt after it: results/published/2026-11-30-h200-static-warmup)."""
     return sorted({min(max_new_tokens, 8), max_new_tokens})
 
 

@@ -80,8 +80,8 @@ def compare_to_teacher(teacher, student, examples: list[dict], *, chunk_tokens: 
 
     Examples go through the models in right-padded batches of up to `batch_tokens` (a causal model's
     states at real positions never see the padding after them), and the sums stay on the device
-    until the end: one forward and three syncs per example made this host-bound on the H200, 15-30 s
-    for 256 SmolLM2 examples (the PTQ nodes' logs in results/published/2026-11-30-h200-gpu-dag)."""
+    until the end: one forward and three syncs per example made this host-bound on a GPU (the PTQ
+    nodes' logs in results/published/2026-11-30-h200-gpu-dag)."""
     device = device or next(student.parameters()).device
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # KL, agreement, NLL
     count = 0

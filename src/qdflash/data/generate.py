@@ -192,7 +192,7 @@ def generate_batched(
     device = next(model.parameters()).device
     if len(prompts) < batch_size:
         # fewer prompts than one batch (a small held-out split): compiling a static cache for a new,
-        # one-off batch shape costs more than it saves (H200: 40 greedy prompts took 50 s that way)
+        # one-off batch shape costs more than it saves (its compile takes longer than the generation)
         static_cache_len = None
     batch_size = max(1, min(batch_size, len(prompts)))  # no filler rows when there are fewer prompts
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i])) if sort_by_length else list(range(len(prompts)))

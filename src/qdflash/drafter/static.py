@@ -2,16 +2,15 @@
 (qdflash.engine.graphs).
 
 Run eagerly, one draft is a few dozen small kernels per drafter layer, each launched from Python,
-plus a `torch.cat` of the whole context K/V every round (qdflash.spec.DrafterSession). On SmolLM2 on
-the H200 that made a speculative round cost 3.2 autoregressive decode steps at tau 1.2
+plus a `torch.cat` of the whole context K/V every round (qdflash.spec.DrafterSession): on a GPU that
+made a speculative round cost several autoregressive decode steps
 (results/published/2026-11-30-h200-gpu-dag). Here the context K/V of every layer lives in buffers
 of `max_len` positions, written in place as tokens are accepted. A draft attends to the first
 `bucket` positions: the smallest of powers of two that holds the context, as the target's graphs do.
 Positions past the context, and outside the sliding window, are masked. So one graph per (bucket,
 window) serves every round. The accepted positions' K/V are written by one graph per count (1..B),
-at positions held in a tensor (`index_copy_`). Measured on the H200, SmolLM2 shape, context 1,024
-(scripts/gpu/bench_round.py, results/published/2026-11-30-h200-smollm2-round): a draft takes
-3.5-4.3 ms eager and 0.55-0.57 ms as a graph. On CUDA each graph is captured on first use, or up
+at positions held in a tensor (`index_copy_`). As a graph a draft costs a fraction of the eager one
+(scripts/gpu/bench_round.py; results/published/2026-11-30-h200-smollm2-round). On CUDA each graph is captured on first use, or up
 front with `capture`. Elsewhere the same static step runs eagerly, which is how the CPU tests check
 the graph path.
 

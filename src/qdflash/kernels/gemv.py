@@ -1,7 +1,7 @@
 """A 16-bit GEMV (one row: y = x @ W.T) for the decode step, used only where it beats cuBLAS.
 
-Why: a 16-bit decode step is bound by reading the weights once, and cuBLAS at one row read them at
-about 73% of the H200's copy bandwidth (results/published/2026-11-30-h200-engine-components), which
+Why: a 16-bit decode step is bound by reading the weights once, and cuBLAS at one row read them
+well below the device's copy bandwidth (results/published/2026-11-30-h200-engine-components), which
 caps the step below the 80% the engine aims for whatever the rest costs. A GEMV has no reuse to
 exploit: each program streams a [BN, BK] tile of weight rows, multiplies it with x in fp32 FMAs and
 reduces once at the end; wide layers split K over programs (partial sums reduced by torch, in fp32).

@@ -101,7 +101,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     if window is not None:
         # the window sweep is about the adapted (stage-2) drafters: the rest are in the window-less job;
         # so are transformers' baselines (a) and (a'), which no drafter window changes and which are the
-        # slowest methods by far (SmolLM2 on the H200: 13 and 22 tokens/s against 185 for ar16)
+        # slowest methods by far (results/published/2026-11-30-h200-gpu-dag)
         methods = {k: v for k, v in methods.items()
                    if not k.startswith(("spec16_", "spec_qad_stage1")) and k not in ("plain16", "static16")}
     # the drafter of each speculative method this job measures

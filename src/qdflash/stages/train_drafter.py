@@ -121,10 +121,11 @@ def epoch_batches(count: int, batch_size: int, seed: int, lengths: list[int] | N
 
 
 def attention_kind(setting: str, device: torch.device) -> str:
-    """sdpa: a dense boolean mask through SDPA's fused kernels (the default: on the H200 one training
-    step of the gpu-profile shape took 51 ms with it and 62 ms with flex_attention, whose compile adds
-    15 s, because the LM head, not attention, dominates a drafter step); flex: the block-sparse
-    mask, for long contexts where attention does dominate; auto: flex on a GPU, sdpa on the CPU."""
+    """sdpa: a dense boolean mask through SDPA's fused kernels (the default: at the gpu profile's
+    shape it measured faster than flex_attention, whose compile also costs seconds, because the LM
+    head, not attention, dominates a drafter step: results/published/2026-12-01-h200-drafter-step);
+    flex: the block-sparse mask, for long contexts where attention does dominate; auto: flex on a
+    GPU, sdpa on the CPU."""
     if setting == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     if setting not in ("flex", "sdpa"):
@@ -135,8 +136,8 @@ def attention_kind(setting: str, device: torch.device) -> str:
 def use_tf32(setting: bool, device: torch.device) -> bool:
     """drafter_train.tf32 on a GPU: the fp32 drafter's matmuls run on tensor cores (TF32, 10-bit
     mantissa products, fp32 sums) instead of exact fp32 SIMT kernels, for this process; its weights,
-    gradients and AdamW state stay fp32. (bf16 autocast measured slower than either on the H200:
-    scripts/gpu/bench_drafter_step.py.) The CPU has no TF32: the setting does nothing there."""
+    gradients and AdamW state stay fp32. (bf16 autocast measured slower than either:
+    results/published/2026-12-01-h200-drafter-step.) The CPU has no TF32: the setting does nothing there."""
     on = setting and device.type == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = on
     return on
