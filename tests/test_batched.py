@@ -74,7 +74,7 @@ def test_batched_sampling_equals_keyed_batch1_sampling(fixture, request):
 def test_a_compiled_decode_step_gives_the_same_rows(fixture, sampling, request):
     """`compile`: the decode step through torch.compile (here its trace with the aot_eager backend:
     dynamo's capture of the in-place state updates and the hybrid's per-row states, which inductor's
-    kernels then run on the GPU, checked there by scripts/gpu/check_batched.py --compile) decodes the
+    kernels then run on the GPU, checked there by scripts/bench/check_batched.py --compile) decodes the
     same tokens as the uncompiled step, with refills and early stops."""
     target = request.getfixturevalue(fixture)
     batch = prompts(2, 9)

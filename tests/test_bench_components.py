@@ -1,4 +1,4 @@
-"""scripts/gpu/bench_components.py runs its whole code path on the CPU (tiny shape): the numbers
+"""scripts/bench/bench_components.py runs its whole code path on the CPU (tiny shape): the numbers
 mean nothing here, but every part is measured and the captured-step check holds."""
 
 import json
@@ -18,7 +18,7 @@ class Started:
     def __init__(self, folder, name, script, *args):
         self.out, self.log = folder / f"{name}.json", folder / f"{name}.log"
         with open(self.log, "w") as log:
-            self.process = subprocess.Popen([sys.executable, str(REPO_ROOT / "scripts" / "gpu" / script), *args, "--out", str(self.out)],
+            self.process = subprocess.Popen([sys.executable, str(REPO_ROOT / "scripts" / "bench" / script), *args, "--out", str(self.out)],
                                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def result(self):
@@ -55,7 +55,7 @@ def test_component_bench_runs_on_the_cpu(runs):
 
 
 def test_round_bench_runs_on_the_cpu(runs):
-    """scripts/gpu/bench_round.py (a speculative round's parts, eager vs static drafter) on a 2-layer
+    """scripts/bench/bench_round.py (a speculative round's parts, eager vs static drafter) on a 2-layer
     SmolLM2-shaped target: every part timed, and the static drafter drafts the eager one's tokens."""
     r = runs["round"].result()
     assert r["drafts_equal"] and r["rounds_equal"] == [True] * 5

@@ -40,7 +40,7 @@ def test_dry_run_lists_the_dag(tmp_path):
 
 def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
     """config/gpu-rehearsal.yaml still validates over the gpu profile: the same 19 jobs, on the CPU,
-    at toy sizes (a run of it is the check before device time is spent; docs/gpu.md)."""
+    at toy sizes (a run of it is the check before device time is spent; docs/airgap.md)."""
     out = snakemake(tmp_path, "-n", "-p", "--configfile", str(REPO_ROOT / "config" / "gpu-rehearsal.yaml"),
                     "--config", "profile=gpu", "experiment=rehearsal")
     assert out.returncode == 0, out.stderr[-3000:]

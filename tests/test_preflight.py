@@ -1,10 +1,10 @@
-"""scripts/gpu/preflight.py: the modules a hand-provisioned GPU machine must have, read from the sources."""
+"""scripts/airgap/preflight.py: the modules a hand-provisioned GPU machine must have, read from the sources."""
 
 import importlib.util
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "airgap"))
 import preflight  # noqa: E402
 
 

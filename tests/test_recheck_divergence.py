@@ -1,4 +1,4 @@
-"""scripts/recheck_divergence.py: the first H200 whole-DAG benchmark's bf16 divergences, re-measured in fp32."""
+"""scripts/investigations/recheck_divergence.py: the first H200 whole-DAG benchmark's bf16 divergences, re-measured in fp32."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 from qdflash.paths import REPO_ROOT
 
-SCRIPT = REPO_ROOT / "scripts" / "recheck_divergence.py"
+SCRIPT = REPO_ROOT / "scripts" / "investigations" / "recheck_divergence.py"
 RUN = REPO_ROOT / "results" / "published" / "2026-11-30-h200-3521bb7"  # the run with the divergence counted as a bug
 
 

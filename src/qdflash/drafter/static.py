@@ -10,7 +10,7 @@ of `max_len` positions, written in place as tokens are accepted. A draft attends
 Positions past the context, and outside the sliding window, are masked. So one graph per (bucket,
 window) serves every round. The accepted positions' K/V are written by one graph per count (1..B),
 at positions held in a tensor (`index_copy_`). As a graph a draft costs a fraction of the eager one
-(scripts/gpu/bench_round.py; results/published/2026-11-30-h200-smollm2-round). On CUDA each graph is captured on first use, or up
+(scripts/bench/bench_round.py; results/published/2026-11-30-h200-smollm2-round). On CUDA each graph is captured on first use, or up
 front with `capture`. Elsewhere the same static step runs eagerly, which is how the CPU tests check
 the graph path.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the H200: keep one carried piece outside the checkout.  bash scripts/gpu/receive.sh .gpu-stage/part-NN
+# On the H200: keep one carried piece outside the checkout.  bash scripts/airgap/receive.sh .gpu-stage/part-NN
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 part=${1:?usage: receive.sh .gpu-stage/part-NN}

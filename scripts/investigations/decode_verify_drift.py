@@ -1,6 +1,6 @@
 """How far a decode step (1 row) and a verify block (16 rows) of the lean engine drift apart in 16 bits.
 
-    python scripts/decode_verify_drift.py --model smollm2-135m --dtype bfloat16 --prompts 6
+    python scripts/investigations/decode_verify_drift.py --model smollm2-135m --dtype bfloat16 --prompts 6
 
 Per held-out ShareGPT prompt (the first 200 tokens): the engine's greedy continuation of 16 tokens,
 fed one token per step, then the same 16 tokens fed again as one block from the same cache. Printed

@@ -1,8 +1,8 @@
 """Where a drafter training step's time goes at the Qwen2.5-Coder-0.5B shape, side by side in one
 process (random weights: speed does not depend on their values; core wheels only, no download).
 
-    python3 scripts/gpu/bench_drafter_step.py --out $OUT/drafter_step.json     # the H200
-    python3 scripts/gpu/bench_drafter_step.py --layers 2 --steps 2 --batch 2 --max-length 256   # CPU: the code path
+    python3 scripts/bench/bench_drafter_step.py --out $OUT/drafter_step.json     # the H200
+    python3 scripts/bench/bench_drafter_step.py --layers 2 --steps 2 --batch 2 --max-length 256   # CPU: the code path
 
 Training sequences get the lengths of the H200 study's multi-turn data (lognormal, median 387, mean
 550 tokens, cut at --max-length; results/published/2026-12-01-h200-qwen-drafter-recipe). Timed,

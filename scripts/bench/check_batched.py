@@ -5,7 +5,7 @@ KeyedSampler at batch 1, for tiny-llama and tiny-qwen2 (refills, early stops, ch
 (no tokenizer: needs only torch and transformers, e.g. the core wheels). `--compile`: the decode step
 compiled by torch.compile (inductor) inside the graphs.
 
-    python scripts/gpu/check_batched.py --out $OUT/check_batched.json [--random] [--compile]
+    python scripts/bench/check_batched.py --out $OUT/check_batched.json [--random] [--compile]
 
 Prints and writes counts; exits 1 on any mismatch.
 """

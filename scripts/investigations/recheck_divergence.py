@@ -1,7 +1,7 @@
 """Re-measure, at another precision, where a benchmark's speculative greedy output left the
 autoregressive one: is it a near-tie of the target's top two tokens, or a real disagreement?
 
-    python scripts/recheck_divergence.py results/published/2026-11-30-h200-3521bb7/bench/speedup_winnone \
+    python scripts/investigations/recheck_divergence.py results/published/2026-11-30-h200-3521bb7/bench/speedup_winnone \
         --data results/published/2026-11-30-h200-3521bb7/data/bf16 --dtype float32
 
 The bench node (qdflash.bench.compare) measures the reference's top-2 margin in the benchmark's own

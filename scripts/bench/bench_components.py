@@ -1,7 +1,7 @@
 """What one speculative round costs at the Qwen3.5-4B shape, part by part, against the bandwidth bound.
 
-    python scripts/gpu/bench_components.py --out $OUT/components.json          # the H200
-    python scripts/gpu/bench_components.py --shape tiny --reps 3                # the CPU: the code path only
+    python scripts/bench/bench_components.py --out $OUT/components.json          # the H200
+    python scripts/bench/bench_components.py --shape tiny --reps 3                # the CPU: the code path only
 
 Speed does not depend on weight values, so the target is built from docs/recipe.md's text config with
 random weights, on the GPU (no download). Measured, each a CUDA graph replayed at a fixed position

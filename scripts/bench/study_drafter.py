@@ -7,10 +7,10 @@ Every step runs the real node (prepare_data, train_drafter) with the `gpu` profi
 settings reproduces it; the benchmark uses qdflash.bench as bench_speedup does. Steps (each fits one
 device call; the folder ROOT survives between calls while the machine stays warm):
 
-    python scripts/gpu/study_drafter.py data ROOT                       # the 16-bit target's answers
-    python scripts/gpu/study_drafter.py probe ROOT                      # training sequences per second
-    python scripts/gpu/study_drafter.py train ROOT NAME --epochs 4 --budget-s 480   # sized by the probe
-    python scripts/gpu/study_drafter.py bench ROOT NAME [--verify-tokens V]   # tau, speedup, mismatches
+    python scripts/bench/study_drafter.py data ROOT                       # the 16-bit target's answers
+    python scripts/bench/study_drafter.py probe ROOT                      # training sequences per second
+    python scripts/bench/study_drafter.py train ROOT NAME --epochs 4 --budget-s 480   # sized by the probe
+    python scripts/bench/study_drafter.py bench ROOT NAME [--verify-tokens V]   # tau, speedup, mismatches
 
 `train` trains on as many examples as `epochs` passes fit in `budget-s` seconds at the probe's rate
 (all of them if they fit; `--max-examples` fixes the number instead). Results: ROOT/<step>/ (each

@@ -1,7 +1,7 @@
 """The GPU fast path is still lossless: on CUDA, with the Triton kernels and captured CUDA graphs,
 speculative decoding emits exactly the autoregressive tokens of transformers' own forward (fp32).
 
-    python scripts/gpu/check_engine.py --out $OUT/check_engine.json
+    python scripts/bench/check_engine.py --out $OUT/check_engine.json
 
 For tiny-llama and tiny-qwen3.5 (hybrid: the Gated DeltaNet kernel keeps per-position states and a
 rollback copies one back): prompts x block sizes x a drafter that is right 70% of the time (rollbacks

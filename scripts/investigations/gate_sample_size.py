@@ -1,6 +1,6 @@
 """How many items a quality gate would need to decide, from per-item scores already measured.
 
-    python scripts/gate_sample_size.py results/default/gates
+    python scripts/investigations/gate_sample_size.py results/default/gates
 
 For every variant folder beside the 16-bit reference (`bf16/scores.json`) and every task with a
 `gates.tasks.<task>.ratio` (given here as task=ratio, default mmlu=0.9 gsm8k=0.9 ifeval=0.95): the

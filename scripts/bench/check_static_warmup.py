@@ -1,6 +1,6 @@
 """Does the benchmark's warm-up keep `generate`'s compiled static cache out of the measurement? (GPU)
 
-    python scripts/gpu/check_static_warmup.py --out $OUT/static_warmup.json
+    python scripts/bench/check_static_warmup.py --out $OUT/static_warmup.json
 
 The benchmark's `static16` method (transformers' `generate` with its static cache, compiled on a
 GPU) through `qdflash.bench.run_interleaved`, on prompts of several lengths and new-token counts like

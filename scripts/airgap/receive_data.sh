@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: put a data folder brought back earlier by pack_data.sh into the results tree, so that
 # a later session trains on exactly the same data instead of generating it again.
-#   bash scripts/gpu/receive_data.sh CARRIED_DIR NAME RESULTS_SUBDIR
+#   bash scripts/airgap/receive_data.sh CARRIED_DIR NAME RESULTS_SUBDIR
 #   e.g. receive_data.sh .gpu-stage/scaling-data scaling-data h200/scaling/data/merged
 # then run Snakemake with `--allowed-rules` naming only the rules downstream of that folder.
 set -euo pipefail

@@ -2,9 +2,9 @@
 # On the H200: run a long job in its own process session, so that it outlives the call that starts it
 # (the machine keeps it running while it stays warm, i.e. while calls follow each other), and no
 # call's time limit cuts a node in the middle.
-#   bash scripts/gpu/detach.sh start NAME COMMAND...   # returns at once; the job runs from a snapshot
+#   bash scripts/airgap/detach.sh start NAME COMMAND...   # returns at once; the job runs from a snapshot
 #                                                      # of this checkout (later calls re-copy the tree)
-#   bash scripts/gpu/detach.sh wait NAME SECONDS       # until the job ends or SECONDS pass: its log's
+#   bash scripts/airgap/detach.sh wait NAME SECONDS       # until the job ends or SECONDS pass: its log's
 #                                                      # tail, results packed into $OUT, its $OUT files
 # The job's own $OUT is $QDFLASH_GPU_ROOT/jobs/NAME/out; `wait` copies it into the call's $OUT, and
 # packs the results tree as it is (pack.sh), so a call returns what exists even if the job is not done.
