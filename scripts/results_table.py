@@ -61,7 +61,8 @@ def gate_text(quality: list[dict], target: str) -> str:
         return "not run"
     tasks = sorted({k.split(".")[0] for k in row if k.endswith(".verdict") and row[k]})
     return "; ".join(f"{t} {float(row[t + '.variant']):.3f} vs {float(row[t + '.reference']):.3f} (n {row[t + '.n']}): "
-                     f"{row[t + '.verdict']}" for t in tasks) or "none"
+                     f"{row[t + '.verdict']}{' (reported, not required)' if str(row.get(t + '.counts', 1)) == '0' else ''}"
+                     for t in tasks) or "none"
 
 
 def device_of(folder: Path) -> str:

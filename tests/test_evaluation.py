@@ -170,6 +170,21 @@ def test_gate_verdicts():
         judge("t", [1.0], [1.0, 0.0], 0.9, 1)
 
 
+def test_an_uninformative_task_blocks_unless_reported_and_something_else_passes():
+    """when_uninformative: report excuses that task's `uninformative` verdict only: its fail still
+    blocks, other tasks still count, and a variant judged on nothing but excused tasks does not pass."""
+    chance, able = [1.0, 0.0, 0.0, 0.0] * 250, [1.0, 1.0, 0.0, 0.0] * 250
+    mmlu = judge("mmlu", chance, chance, 0.9, min_samples=50, floor=0.25)
+    gsm8k = judge("gsm8k", able, able, 0.9, min_samples=50)
+    assert (mmlu.verdict, gsm8k.verdict) == ("uninformative", "pass")
+    assert not passes_all([mmlu, gsm8k])  # the default: a task the target cannot do blocks
+    assert passes_all([mmlu, gsm8k], {"mmlu"})
+    assert not passes_all([mmlu], {"mmlu"})  # nothing really passed
+    failing = judge("gsm8k", [0.0] * 1000, able, 0.9, min_samples=50)
+    assert failing.verdict == "fail" and not passes_all([mmlu, failing], {"mmlu"})
+    assert not passes_all([mmlu, failing], {"mmlu", "gsm8k"})  # only `uninformative` is excused, never a fail
+
+
 def test_a_gate_on_a_task_the_reference_cannot_do_is_uninformative():
     zeros = [0.0] * 500  # SmolLM2-135M on GSM8K: 0 for the 16-bit target and for the variant
     result = judge("gsm8k", zeros, zeros, 0.9, min_samples=50)

@@ -77,3 +77,17 @@ def test_a_compilation_inside_the_static_compiled_measurement_is_flagged_with_th
     out = run(copy, "--model", "smollm2-135m")
     assert out.returncode == 0, out.stderr
     assert "Caveat" not in out.stdout and "| 1.36 | 148.7 |" in out.stdout
+
+
+def test_a_reported_uninformative_gate_says_it_is_not_required():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    row = {"variant": "qad_x", "mmlu.verdict": "uninformative", "mmlu.variant": 0.25, "mmlu.reference": 0.254,
+           "mmlu.n": 2000, "mmlu.counts": "0", "gsm8k.verdict": "pass", "gsm8k.variant": 0.25, "gsm8k.reference": 0.254,
+           "gsm8k.n": 1319, "gsm8k.counts": "1"}
+    text = module.gate_text([row], "qad_x")
+    assert "mmlu 0.250 vs 0.254 (n 2000): uninformative (reported, not required)" in text
+    assert "gsm8k 0.250 vs 0.254 (n 1319): pass" in text and "pass (reported" not in text

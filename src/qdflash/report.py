@@ -112,7 +112,9 @@ def quality_rows(target_rows: list[dict], gate_dirs: list[Path]) -> list[dict]:
         m = read_metrics(folder)
         tasks = sorted({k.split(".")[0] for k in m if k.endswith(".verdict")})
         gates[Path(folder).name] = {"passes_gates": m["passes_gates"],
-                                    **{f"{t}.{f}": m[f"{t}.{f}"] for t in tasks for f in ("n", "reference", "variant", "low", "high", "verdict")}}
+                                    **{f"{t}.{f}": m[f"{t}.{f}"] for t in tasks for f in ("n", "reference", "variant", "low", "high", "verdict")},
+                                    # 0: an uninformative verdict only reported (gates.tasks.<t>.when_uninformative)
+                                    **{f"{t}.counts": m.get(f"{t}.counts", 1) for t in tasks}}
     return [{**row, **gates.get(row["variant"], {})} for row in target_rows]
 
 

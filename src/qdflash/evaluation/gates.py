@@ -16,7 +16,9 @@ approximation, the items' own variance):
   GSM8K and chance on MMLU.)
 Only `pass` passes: a tiny or noisy sample can neither pass nor fail a variant by luck, a variant
 that is not shown to be good enough is never selected, and neither is one judged on a task the
-16-bit target cannot do.
+16-bit target cannot do. One exception, opted into per task (`when_uninformative: report`) for a
+target measured unable to do a task: that task's `uninformative` verdict is reported and neither
+passes nor blocks; every other verdict of it still counts, and at least one task must pass.
 """
 
 from __future__ import annotations
@@ -80,5 +82,9 @@ def judge(task: str, variant_scores: list[float], reference_scores: list[float],
     return GateResult(task, n, reference, sum(variant_scores) / n, ratio, mean, low, high, verdict, floor, reference_low)
 
 
-def passes_all(results: list[GateResult]) -> bool:
-    return bool(results) and all(r.passes for r in results)
+def passes_all(results: list[GateResult], report_uninformative: frozenset[str] | set[str] = frozenset()) -> bool:
+    """Every task passes, except that a task in `report_uninformative` may be `uninformative` (the
+    16-bit target cannot do it: it cannot show a loss there); at least one task must really pass."""
+    excused = [r for r in results if r.verdict == "uninformative" and r.task in report_uninformative]
+    return (any(r.passes for r in results)
+            and all(r.passes or r in excused for r in results))

@@ -205,7 +205,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         writer = csv.DictWriter(handle, fieldnames=[f.name for f in dataclasses.fields(results[0])])
         writer.writeheader()
         writer.writerows(dataclasses.asdict(r) for r in results)
-    run.metrics["passes_gates"] = int(passes_all(results))  # 1 / 0 (metrics.json holds numbers)
+    report_only = {p.key for p in plans if cfg.gates.tasks[p.key].get("when_uninformative", "block") == "report"}
+    for r in results:  # whether this task's verdict decided passes_gates (1) or was only reported (0)
+        run.metrics[f"{r.task}.counts"] = int(not (r.verdict == "uninformative" and r.task in report_only))
+    run.metrics["passes_gates"] = int(passes_all(results, report_only))  # 1 / 0 (metrics.json holds numbers)
     run.metrics["variant"] = str(cfg.variant)
     if cfg.gates.strict and not run.metrics["passes_gates"]:
         raise QdflashError(f"{cfg.variant} does not pass every gate (gates.strict): "
