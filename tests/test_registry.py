@@ -9,11 +9,17 @@ from qdflash.config import PRESET_MODELS, model_problem
 from qdflash.engine import build_engine
 from qdflash.models import OFFLINE_SOURCES, PRESETS as LOADABLE
 from qdflash.paths import REPO_ROOT, config_dir
-from qdflash.registry import PRESETS, hydra_model_group, markdown_table
+from qdflash.registry import PRESETS, hydra_model_group, markdown_table, write_docs
 
 
-def test_the_docs_show_the_registry():
-    assert markdown_table() in (REPO_ROOT / "docs" / "models.md").read_text()
+def test_the_docs_show_the_registry(tmp_path):
+    """docs/models.md holds the table of the rows, and `python -m qdflash.registry` writes it there."""
+    docs = (REPO_ROOT / "docs" / "models.md").read_text()
+    assert markdown_table() in docs, "the presets changed: run python -m qdflash.registry"
+    stale = tmp_path / "models.md"
+    stale.write_text(docs.replace(markdown_table(), "| old | table |"))
+    write_docs(stale)
+    assert stale.read_text() == docs
 
 
 def test_every_preset_is_a_model_every_part_knows():

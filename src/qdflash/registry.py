@@ -61,6 +61,9 @@ def hydra_model_group() -> None:
                     node={"name": preset.name, "chat_template_kwargs": dict(preset.chat_template_kwargs)})
 
 
+DOCS_START, DOCS_END = "<!-- presets:start", "<!-- presets:end -->"
+
+
 def markdown_table() -> str:
     """The presets as docs/models.md shows them."""
     rows = ["| preset | family | Hub | offline | license | notes |", "|---|---|---|---|---|---|"]
@@ -68,3 +71,21 @@ def markdown_table() -> str:
         rows.append(f"| `{p.name}` | {p.family} | {f'`{p.hub_id}`' if p.hub_id else '—'} | {p.offline or '—'} | "
                     f"{p.license or '—'} | {p.notes} |")
     return "\n".join(rows)
+
+
+def write_docs(path) -> None:
+    """Rewrite the table between docs/models.md's presets markers from the rows."""
+    from pathlib import Path
+
+    path = Path(path)
+    text = path.read_text()
+    start = text.index("\n", text.index(DOCS_START)) + 1
+    end = text.index(DOCS_END)
+    path.write_text(text[:start] + markdown_table() + "\n" + text[end:])
+
+
+if __name__ == "__main__":  # python -m qdflash.registry: docs/models.md's table from the rows
+    from .paths import REPO_ROOT
+
+    write_docs(REPO_ROOT / "docs" / "models.md")
+    print(f"wrote the presets table of {REPO_ROOT / 'docs' / 'models.md'}")
