@@ -2,6 +2,8 @@
 text equals autoregressive greedy decoding, a local multiple-choice task runs through lm-eval, and the
 gate verdicts follow the confidence interval and the minimum sample count."""
 
+import random
+
 import pytest
 import torch
 
@@ -277,3 +279,28 @@ def test_an_optional_gate_task_whose_items_are_found_nowhere_is_skipped_and_reco
     with pytest.raises(QdflashError, match="does not exist") as given:  # a path the user gave must work
         plan_tasks(cfg({"gsm8k": optional["gsm8k"]}, gsm8k_path=str(tmp_path / "nowhere")), tmp_path / "tasks", SimpleNamespace(metrics={}))
     assert not isinstance(given.value, SourceNotFound)
+
+
+def test_what_a_gate_can_resolve():
+    """needed_difference is the verdict read the other way (pass iff variant - reference reaches it),
+    and power_if_equal is the pass rate of variants as good as the reference on average, checked by
+    simulation: paired items drawn at random, the variant disagreeing on some of them."""
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randrange(50, 400)
+        y = [float(rng.random() < 0.4) for _ in range(n)]
+        x = [1.0 - v if rng.random() < rng.choice([0.05, 0.2]) else v for v in y]
+        r = judge("t", x, y, rng.choice([0.9, 0.95]), min_samples=10)
+        assert r.passes == (r.variant - r.reference >= r.needed_difference - 1e-12)
+    n, p, flip = 400, 0.4, 0.15  # flip ones at `flip`, zeros at a rate that keeps the mean
+    results = []
+    for _ in range(1000):
+        y = [float(rng.random() < p) for _ in range(n)]
+        x = [1.0 - v if rng.random() < (flip if v else flip * p / (1 - p)) else v for v in y]
+        results.append(judge("t", x, y, 0.9, min_samples=10))
+    rate = sum(r.passes for r in results) / len(results)
+    predicted = sum(r.power_if_equal for r in results) / len(results)
+    assert 0.2 < predicted < 0.8 and abs(rate - predicted) < 0.06, (rate, predicted)
+    same = [1.0, 0.0] * 100  # no disagreement: the spread is only (1 - ratio) x the reference's
+    assert judge("t", same, same, 0.9, 50).power_if_equal > 0.999
+    assert judge("t", [0.0] * 60, [0.0] * 60, 0.9, 50).power_if_equal == 1.0  # no spread at all: the margin decides

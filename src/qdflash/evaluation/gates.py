@@ -19,6 +19,14 @@ that is not shown to be good enough is never selected, and neither is one judged
 16-bit target cannot do. One exception, opted into per task (`when_uninformative: report`) for a
 target measured unable to do a task: that task's `uninformative` verdict is reported and neither
 passes nor blocks; every other verdict of it still counts, and at least one task must pass.
+
+What a gate can resolve, reported beside its verdict (the same interval, read the other way):
+- `needed_difference`: the variant - reference score difference that passing needs at the spread
+  measured here, (interval half-width) - (1 - ratio) * reference. Negative: the variant may lose
+  that much and still pass; positive: it must score *above* the 16-bit target to pass;
+- `power_if_equal`: the probability that a variant of the reference's mean score, with this spread
+  of per-item differences, passes. A gate whose power is low cannot certify even a lossless variant
+  on this many items: more items, or fewer items on which the two models disagree, are what raise it.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ class GateResult:
     verdict: str          # pass | fail | inconclusive | too_few | uninformative
     floor: float = 0.0    # the task's chance score
     reference_low: float = math.nan  # lower end of the 95% interval of the 16-bit target's mean
+    needed_difference: float = math.nan  # variant - reference that passing needs at this spread (module docstring)
+    power_if_equal: float = math.nan     # chance that a variant of equal mean and this spread passes
 
     @property
     def passes(self) -> bool:
@@ -79,7 +89,19 @@ def judge(task: str, variant_scores: list[float], reference_scores: list[float],
         verdict = "fail"
     else:
         verdict = "inconclusive"
-    return GateResult(task, n, reference, sum(variant_scores) / n, ratio, mean, low, high, verdict, floor, reference_low)
+    slack = (1.0 - ratio) * reference  # how far above ratio x reference a variant of equal mean sits
+    return GateResult(task, n, reference, sum(variant_scores) / n, ratio, mean, low, high, verdict, floor, reference_low,
+                      needed_difference=half - slack, power_if_equal=pass_probability(slack, half))
+
+
+def pass_probability(margin: float, half: float) -> float:
+    """Probability that a margin estimate of true value `margin`, whose 95% interval has half-width
+    `half`, comes out with its whole interval >= 0 (normal approximation): Phi(margin / se - z)."""
+    if math.isnan(half) or math.isinf(half):  # one item: no spread to judge by
+        return math.nan
+    if half == 0:  # every item's difference is the same: the estimate is the margin itself
+        return float(margin >= 0)
+    return 0.5 * (1.0 + math.erf((margin / (half / Z95) - Z95) / math.sqrt(2.0)))
 
 
 def passes_all(results: list[GateResult], report_uninformative: frozenset[str] | set[str] = frozenset()) -> bool:

@@ -18,7 +18,7 @@ Two modes, so the 16-bit target is evaluated once per DAG run and not once per v
   and only where the 16-bit target is shown to score above the task's chance floor (else
   `uninformative`); only `pass` passes. The reference must have scored the very same items (checked by id).
 
-Output (out_dir): `gates.csv` (task, n, scores, margin and its interval, verdict), `scores.json`,
+Output (out_dir): `gates.csv` (task, n, scores, margin and its interval, verdict, and what the gate can resolve: `needed_difference`, `power_if_equal`), `scores.json`,
 `tasks/`, metrics.json with the same and `passes_gates`. With `gates.strict`, a variant that does
 not pass fails the node (and so the DAG).
 """
@@ -199,8 +199,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             if key != "task":
                 run.metrics[f"{plan.key}.{key}"] = value
         log.info("%s: 16-bit %.3f (>= %.3f; floor %.2f), variant %.3f over %d items; variant - %.2f x 16-bit = %.3f "
-                 "[%.3f, %.3f]: %s", plan.key, result.reference, result.reference_low, result.floor, result.variant,
-                 result.n, result.ratio, result.margin, result.low, result.high, result.verdict)
+                 "[%.3f, %.3f]: %s (at this spread, passing needs variant - 16-bit >= %+.3f; a variant as good as the "
+                 "16-bit target would pass with probability %.2f)", plan.key, result.reference, result.reference_low,
+                 result.floor, result.variant, result.n, result.ratio, result.margin, result.low, result.high,
+                 result.verdict, result.needed_difference, result.power_if_equal)
     with open(run.dir / "gates.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=[f.name for f in dataclasses.fields(results[0])])
         writer.writeheader()
