@@ -113,11 +113,51 @@ def run_untrusted(program: str, *, timeout: float, memory_mb: int = 1024, file_m
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # unshare dies, --kill-child takes the namespace with it
-            proc.wait()
+            _end_namespace(proc)
             return Outcome(False, f"timed out after {timeout:g} s")
         if code == 0:
             return Outcome(True, "passed")
         stderr.seek(0)
         tail = stderr.read()[-1000:].decode("utf-8", "replace").strip()
         return Outcome(False, f"failed (exit code {code}): {tail}")
+
+
+def _end_namespace(proc: subprocess.Popen) -> None:
+    """Kill the program's PID namespace and return once none of its processes is left.
+
+    The namespace's init is unshare's child (the program itself). When an init dies, the kernel kills
+    every other process of its namespace, and the init's own exit completes only once they are all
+    gone; unshare waits for that exit. So: kill the init, then wait for unshare. Killing unshare
+    instead (--kill-child then kills the init) returns at once while the namespace is still dying: on a
+    loaded machine a process the program had forked was still running after that wait."""
+    children = _children(proc.pid)
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if not children:  # not forked yet, or gone already: the whole group, as a last resort
+        os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The live children of `pid` (Linux /proc; [] where it cannot tell)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        pass
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the parenthesized name
+                found.append(int(entry.name))
+    return found
