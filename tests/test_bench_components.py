@@ -36,7 +36,8 @@ def runs(tmp_path_factory):
     """The two scripts are independent: side by side on 2 cores, one thread each (each test reads its own)."""
     folder = tmp_path_factory.mktemp("bench-scripts")
     started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32"),
-               "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1")}
+               "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
+                               "--attention", "sdpa,kernel", "--kernels", "on")}
     yield started
     for s in started.values():  # a test that failed before waiting leaves no process behind
         if s.process.poll() is None:
@@ -66,3 +67,6 @@ def test_round_bench_runs_on_the_cpu(runs):
     assert r["loop_ar_ms_per_token"] > 0 and r["loop_static_ms_per_round"] > 0
     assert r["loop_static_tau"] >= 1.0 and r["loop_eager_tau"] == r["loop_static_tau"]  # same drafts, same acceptance
     assert r["loop_eager_same_tokens_as_ar"] and r["loop_static_same_tokens_as_ar"]  # fp32 on the CPU: exact
+    kernel = r["attention"]["kernel"]  # the attention kernel's steps beside SDPA's, on the same context
+    assert r["attention"]["used"] == "sdpa" and kernel["decode_ms"] > 0 and kernel["verify_ms"] > 0
+    assert kernel["same_argmax"] and kernel["max_logit_difference"] < 1e-4

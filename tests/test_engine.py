@@ -227,3 +227,45 @@ def test_compiled_capture_raises_the_recompile_limit(tiny_llama):
     before = dynamo_config.recompile_limit
     engine.capture([1, 4], None, cuda_graphs=False, compile=True)  # 4 lengths (256 .. 2048) x 2 sizes, compiled lazily
     assert dynamo_config.recompile_limit >= max(before, 8 + 8)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen", "tiny_qwen2"])
+def test_kernel_attention_is_the_sdpa_attention(fixture, request):
+    """attention='kernel' (kernels.decode_attention, Triton's interpreter here: each token of a step
+    reads its own positions only) gives the SDPA engine's logits and features for decode steps and
+    verify blocks, eagerly and through the static step a graph captures (one cache length), and
+    speculative decoding through it emits the autoregressive tokens (fp32)."""
+    pytest.importorskip("triton")
+    target = request.getfixturevalue(fixture)
+    drafter = init_drafter(target, block_size=4, seed=0)
+    layer_ids = drafter.config.target_layer_ids
+    sdpa = build_engine(target, max_len=96, kernels=True)
+    kernel = build_engine(target, max_len=96, kernels=True, attention="kernel")
+    static = build_engine(target, max_len=96, kernels=True, attention="kernel")
+    static.capture([1, 4], layer_ids, cuda_graphs=False)
+    assert sorted(n for _, _, n in static.graphs) == [96, 96]  # the kernel needs no cache-length buckets
+    x = ids(5, 40)
+    for engine in (sdpa, kernel, static):
+        engine.forward(x, 0, layer_ids)  # a prefill of 40: SDPA in every engine
+    for start, piece in ((40, [11, 12, 13, 14]), (44, [15]), (45, [16, 17, 18, 19]), (49, [20])):
+        a = sdpa.forward(torch.tensor(piece), start, layer_ids)
+        for engine in (kernel, static):
+            b = engine.forward(torch.tensor(piece), start, layer_ids)
+            torch.testing.assert_close(b[0], a[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(b[1], a[1], atol=1e-5, rtol=1e-5)
+    prompt = ids(6, 12)[None]
+    reference = autoregressive_generate(target, prompt, 20).tokens
+    fast = dataclasses.replace(target, engine=build_engine(target, max_len=96, kernels=True, attention="kernel"))
+    assert autoregressive_generate(fast, prompt, 20).tokens == reference
+    assert speculative_generate(fast, drafter, prompt, 20).tokens == reference
+
+
+def test_kernel_attention_says_what_it_needs(tiny_llama):
+    with pytest.raises(QdflashError, match="needs the engine's Triton kernels"):
+        build_engine(tiny_llama, max_len=32, kernels=False, attention="kernel")
+    with pytest.raises(QdflashError, match="expected 'sdpa' or 'kernel'"):
+        build_engine(tiny_llama, max_len=32, attention="flash")
+    engine = build_engine(tiny_llama, max_len=32)
+    engine.capture([1], None, cuda_graphs=False)
+    with pytest.raises(QdflashError, match="before capture"):
+        engine.set_attention("sdpa")

@@ -147,3 +147,35 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (w4_configs[1], 2.0)
     assert w4a16.default_config(16, 512, 32, rows=1, dtype=torch.float32) == w4_configs[1]
     assert (16, 512, 32, 1, torch.bfloat16) not in w4a16._TUNED  # a bf16 engine's tiles are its own
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_split_and_shared_row(dtype, splits):
+    """The decode attention kernel with its positions cut into chunks (flash-decoding: empty chunks
+    included, lengths not a multiple of the block) equals the softmax attention over each row's own
+    positions; T rows over one cache row of stride 0 (a verify block) give each row the result it
+    gets alone, i.e. what a one-token step at that position computes."""
+    from qdflash.kernels.decode_attention import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    kv_heads, rep, d, max_len = 2, 3, 16, 300
+    lengths = torch.tensor([1, 17, 64, 65, 200, 300])
+    b = lengths.numel()
+    k_cache, v_cache = (torch.randn(b, kv_heads, max_len, d, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(b, kv_heads * rep, d, generator=g).to(dtype)
+    got = decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), lengths.to(DEVICE), block_n=32,
+                           splits=splits).cpu().float()
+    for i, n in enumerate(lengths.tolist()):
+        keys = k_cache[i, :, :n].float().repeat_interleave(rep, 0)  # [heads, n, D]
+        values = v_cache[i, :, :n].float().repeat_interleave(rep, 0)
+        weights = torch.softmax(q[i].float()[:, None] @ keys.transpose(1, 2) * d ** -0.5, dim=-1)
+        expected = (weights @ values)[:, 0]
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(got[i], expected, atol=tol, rtol=tol)
+    shared = decode_attention(q.to(DEVICE), k_cache[-1:].expand(b, -1, -1, -1).to(DEVICE),
+                              v_cache[-1:].expand(b, -1, -1, -1).to(DEVICE), lengths.to(DEVICE), block_n=32, splits=splits)
+    for i in range(b):
+        alone = decode_attention(q[i : i + 1].to(DEVICE), k_cache[-1:].to(DEVICE), v_cache[-1:].to(DEVICE),
+                                 lengths[i : i + 1].to(DEVICE), block_n=32, splits=splits)
+        assert torch.equal(shared[i], alone[0])  # bit for bit: a row's result depends on its own inputs only

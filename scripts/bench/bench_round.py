@@ -16,6 +16,8 @@ Each is timed with the context holding `--context` positions (median of `--reps`
   Qwen2.5's 151,936 x 896 head that read is a large part of a draft);
 - appending the features of 2 accepted positions to the drafter's context, eager and static (one
   graph per count); then five rounds accepting 1..5 positions, checked to draft the same both ways.
+`--attention sdpa,kernel`: the decode step and the verify blocks again with each other attention of
+the engine (EngineBase.set_attention), on the same context, with their logits against the first's.
 A speculative round is draft + verify + append (+ host work); at acceptance length tau it beats
 autoregressive decoding when it costs less than tau decode steps. `--verify-tokens 2,3,...`: the
 verify step of each V tokens (the committed one + V-1 drafts; qdflash.spec's verify_tokens), each
@@ -92,6 +94,11 @@ def main() -> None:
                              "the W4A16 kernel): the round of a quantized target, as bench_speedup's spec_qad_* methods run it")
     parser.add_argument("--drafter-dtype", choices=["target", "float32"], default="target",
                         help="the drafter's weights: the target's dtype, or fp32 as load_drafter gives them to bench_speedup")
+    parser.add_argument("--attention", default="sdpa",
+                        help="comma-separated: the engine's attention (EngineBase.set_attention); the first runs everything, "
+                             "each other one times the decode step and the verify blocks again, side by side ('attention' in the JSON)")
+    parser.add_argument("--kernels", choices=["auto", "on"], default="auto",
+                        help="the engine's Triton kernels: auto (on CUDA) or on (also the CPU, under TRITON_INTERPRET=1)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -121,21 +128,42 @@ def main() -> None:
                     "context": args.context, "block": args.block, "target_layers": args.layers, "reps": args.reps,
                     "env": environment()}
 
-    engine = build_engine(target, max_len=max_len)
+    attentions = args.attention.split(",")
     cuda = device.type == "cuda"
-    # every verify length is captured here, before the context is fed (a capture runs the step at the
-    # end of each cache length it reads, which would overwrite the context's positions later)
-    engine.capture(sorted({1, args.block, *verify_counts}), layer_ids, cuda_graphs=cuda)
     ids = torch.randint(100, 40000, (args.context,), device=device)  # inside every shape's vocabulary
-    _, features = engine.forward(ids, 0, layer_ids)  # the context the drafter reads
     one = torch.tensor([7], device=device)
     block = torch.randint(100, 40000, (args.block,), device=device)
-    result["target_decode_ms"] = timed(lambda: engine.forward(one, args.context, layer_ids), device, args.reps)
-    result["target_verify_ms"] = timed(lambda: engine.forward(block, args.context, layer_ids), device, args.reps)
-    verify: dict[int, dict] = {}
-    for v in verify_counts:
-        piece = block[:v]
-        verify[v] = {"verify_ms": timed(lambda: engine.forward(piece, args.context, layer_ids), device, args.reps)}
+
+    def engine_with(attention):
+        """An engine with the context fed. Every verify length is captured first: a capture runs the
+        step at the end of each cache length it reads, which would overwrite the context's positions."""
+        built = build_engine(target, max_len=max_len, kernels=True if args.kernels == "on" else "auto", attention=attention)
+        built.capture(sorted({1, args.block, *verify_counts}), layer_ids, cuda_graphs=cuda)
+        _, context_features = built.forward(ids, 0, layer_ids)  # the context the drafter reads
+        return built, context_features
+
+    def step_times(built) -> tuple[float, float, dict[int, float]]:
+        """The decode step, the whole block's verify, and each V-token verify, in ms."""
+        return (timed(lambda: built.forward(one, args.context, layer_ids), device, args.reps),
+                timed(lambda: built.forward(block, args.context, layer_ids), device, args.reps),
+                {v: timed(lambda: built.forward(block[:v], args.context, layer_ids), device, args.reps) for v in verify_counts})
+
+    engine, features = engine_with(attentions[0])
+    result["attention"] = {"used": attentions[0]}
+    result["target_decode_ms"], result["target_verify_ms"], verify_ms = step_times(engine)
+    verify: dict[int, dict] = {v: {"verify_ms": ms} for v, ms in verify_ms.items()}
+    reference_logits = engine.forward(block, args.context, layer_ids)[0].float().clone()
+    for attention in attentions[1:]:  # the same steps with another attention, on the same context
+        other, _ = engine_with(attention)
+        decode_ms, verify_all_ms, other_verify = step_times(other)
+        logits = other.forward(block, args.context, layer_ids)[0].float()
+        result["attention"][attention] = {
+            "decode_ms": decode_ms, "verify_ms": verify_all_ms,
+            "verify": {str(v): {"verify_ms": ms, "verify_in_decode_steps": round(ms / decode_ms, 3)} for v, ms in other_verify.items()},
+            "max_logit_difference": round((logits - reference_logits).abs().max().item(), 5),  # the block's logits, vs the first
+            "same_argmax": bool(torch.equal(logits.argmax(-1), reference_logits.argmax(-1))),
+        }
+        del other
 
     eager = DrafterSession(drafter)
     eager.append(features, 0)

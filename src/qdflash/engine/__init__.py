@@ -21,18 +21,21 @@ from .llama import LeanLlama
 from .qwen3_5 import LeanQwen35
 
 
-def build_engine(target, max_len: int | None = None, kernels: bool | str = "auto"):
+def build_engine(target, max_len: int | None = None, kernels: bool | str = "auto", attention: str = "sdpa"):
     """The lean model for `target` (sharing its embedding, norms and LM head; fused copies of the
     projections, packed 4-bit where the target's layers are QuantLinear on the symmetric 4-bit grid).
-    `kernels`: the Triton kernels ("auto": on CUDA). Raises QdflashError for families not built yet."""
+    `kernels`: the Triton kernels ("auto": on CUDA); `attention`: EngineBase.set_attention. Raises
+    QdflashError for families not built yet."""
     model_type = getattr(target.config, "model_type", "?")
     builders = {"llama": LeanLlama, "qwen2": LeanLlama, "qwen3_5_text": LeanQwen35}  # qwen2: llama + q/k/v biases
     if model_type not in builders:
         raise QdflashError(f"no lean engine for model type {model_type!r} yet (built: {', '.join(builders)})")
     try:
-        return builders[model_type](target.model, max_len or getattr(target.config, "max_position_embeddings", 4096), kernels)
+        engine = builders[model_type](target.model, max_len or getattr(target.config, "max_position_embeddings", 4096), kernels)
     except TypeError as err:  # a projection the engine cannot run (Projection.of says which)
         raise QdflashError(f"lean engine: {err}") from err
+    engine.set_attention(attention)
+    return engine
 
 
 __all__ = ["BatchGenerator", "LeanLlama", "LeanQwen35", "build_engine"]

@@ -14,16 +14,29 @@ from ..ops import rope_tables
 from .linear import Concat, Projection, tune_projections
 
 
+KERNEL_TOKENS = 16  # tokens per step that the attention kernel takes (a verify block); a prefill runs SDPA
+KERNEL_SPLITS = 16  # chunks per token (flash-decoding): batch 1 is kv_heads x T rows, far fewer than the SMs
+
+
 def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int | None,
-                     exact: bool = False) -> torch.Tensor:
+                     exact: bool = False, kernel: bool = False) -> torch.Tensor:
     """Write k, v [kv_heads, T, D] at `positions` [T] of a static cache [kv_heads, max_len, D] and
     attend q [heads, T, D] over every cached position up to its own (causal inside the block).
     `attend_len`: how much of the cache to read (None: all of it); `exact`: it ends at the last
     position fed (the eager path: no mask needed for one token). A captured graph reads a fixed length
-    for many positions, so everything past each query's position is masked. Returns [T, heads*D]."""
+    for many positions, so everything past each query's position is masked. `kernel` (T <= 16):
+    kernels.decode_attention instead, each token reading its own positions only, whatever length a
+    graph was captured for, and exactly as a one-token step at its position would. Returns [T, heads*D]."""
     t = q.shape[1]
     k_cache.index_copy_(1, positions, k)
     v_cache.index_copy_(1, positions, v)
+    if kernel and t <= KERNEL_TOKENS:
+        from ..kernels.decode_attention import decode_attention
+
+        # T rows over the one cache row (stride 0), each as long as its own position + 1
+        out = decode_attention(q.transpose(0, 1), k_cache[None].expand(t, *k_cache.shape),
+                               v_cache[None].expand(t, *v_cache.shape), positions + 1, splits=KERNEL_SPLITS)
+        return out.reshape(t, -1)
     n = attend_len or k_cache.shape[1]
     rep = q.shape[0] // k.shape[0]
     keys, values = k_cache[:, :n], v_cache[:, :n]
@@ -86,6 +99,20 @@ class EngineBase:
         self.embed = model.model.embed_tokens.weight
         self.lm_head = model.get_output_embeddings().weight
         self.graphs = {}  # (tokens per step, layer ids, cache length read) -> CapturedStep
+        self.attention = "sdpa"  # set_attention
+
+    def set_attention(self, attention: str) -> None:
+        """How decode steps and verify blocks attend over the cache: "sdpa" (torch's attention over
+        the cache length a step reads, masked past each token's position) or "kernel" (the Triton
+        kernels.decode_attention: each token reads its own positions only; needs the engine's
+        kernels). Prefill always runs SDPA. Set before `capture`: a graph keeps what it captured."""
+        if attention not in ("sdpa", "kernel"):
+            raise QdflashError(f"attention={attention!r}: expected 'sdpa' or 'kernel'")
+        if attention == "kernel" and not self.kernels:
+            raise QdflashError("attention='kernel' needs the engine's Triton kernels (kernels=True, or 'auto' on CUDA)")
+        if self.graphs:
+            raise QdflashError("set_attention: graphs are captured already; set the attention before capture()")
+        self.attention = attention
 
     def projections(self):
         """Every Projection of the layers (the parts of a Concat one by one)."""
@@ -155,7 +182,8 @@ class EngineBase:
         compile=True captures the step as compiled by torch.compile (fused elementwise work)."""
         from .graphs import CapturedStep, StaticStep
 
-        lengths = sorted(lengths or cache_buckets(self.max_len))
+        # the kernel reads each token's own length whatever a graph was captured for: one length does
+        lengths = sorted(lengths or ([self.max_len] if self.attention == "kernel" else cache_buckets(self.max_len)))
         step = self._step
         if compile:
             step = torch.compile(self._step, dynamic=False)

@@ -41,7 +41,8 @@ class LeanLlama(EngineBase):
 
     def _step(self, ids, positions, attend_len, layer_ids, exact=False):
         def attend(i, q, k, v):
-            return cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact)
+            return cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact,
+                                    kernel=self.attention == "kernel")
 
         h, features = self.decoder(ids, positions, attend, layer_ids)
         return self.head(h), features

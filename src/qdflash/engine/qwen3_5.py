@@ -172,7 +172,8 @@ class LeanQwen35(EngineBase):
 
     def _step(self, ids, positions, attend_len, layer_ids, exact=False):
         def attend(i, q, k, v):
-            return cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact)
+            return cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact,
+                                    kernel=self.attention == "kernel")
 
         def mix(i, w, x):
             return self._delta_net(i, w, x, positions)

@@ -9,6 +9,14 @@ positions only, in blocks, with an online softmax (flash-decoding without the sp
 query heads of the KV head share each K / V block read (grouped-query attention, no copy).
 
 In fp32 the dots run in IEEE fp32 (not TF32), so greedy decoding stays the target's own.
+
+`splits` > 1 (flash-decoding): each row's positions are cut into that many contiguous chunks, one
+program each, and a second kernel merges their partial softmaxes. Batch 1 needs it: one row of a
+model with 2 KV heads is 2 programs, which leave a GPU of 132 SMs idle while each walks the whole
+context. The same call serves a verify block of T tokens of one sequence: T "rows" over one cache
+row (stride 0) whose lengths are the tokens' own positions + 1 (`cached_attention(kernel=True)`).
+A row's result depends only on its own q, K / V and length (the chunking is a function of the
+length), so a token attends exactly as it would in a decode step of one token at that position.
 """
 
 from __future__ import annotations
@@ -24,12 +32,19 @@ except ImportError:
 if triton is not None:
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, scale, stride_row, stride_head, stride_pos,
-                                 KVH: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, m_ptr, l_ptr, scale, stride_row, stride_head,
+                                 stride_pos, KVH: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr):
+        """Program (row b, KV head h, chunk c). SPLITS == 1: the normalized output of the row. Else the
+        chunk's unnormalized sums: acc [REP, D] into out_ptr, its max m and sum l per head into
+        m_ptr / l_ptr (all fp32, laid out [B, KVH, SPLITS, ...]), merged by _merge_splits_kernel."""
         b = tl.program_id(0)
         h = tl.program_id(1)
+        c = tl.program_id(2)
         length = tl.load(len_ptr + b)
+        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks, the same for every chunk
+        first = c * chunk
+        last = tl.minimum(first + chunk, length)
         rr = tl.arange(0, REP_PAD)
         rd = tl.arange(0, D)
         rn = tl.arange(0, BLOCK_N)
@@ -40,9 +55,9 @@ if triton is not None:
         l = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, D], tl.float32)
         base = b.to(tl.int64) * stride_row + h * stride_head
-        for start in range(0, length, BLOCK_N):
+        for start in range(first, last, BLOCK_N):
             n = start + rn
-            valid = n < length
+            valid = n < last
             kv_off = base + n[:, None] * stride_pos + rd[None, :]
             k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
             if IEEE:
@@ -62,22 +77,57 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m = m_new
-        tl.store(out_ptr + q_off, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=heads)
+        if SPLITS == 1:
+            tl.store(out_ptr + q_off, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=heads)
+        else:
+            part = (b * KVH + h) * SPLITS + c
+            tl.store(out_ptr + (part * REP + rr[:, None]) * D + rd[None, :], acc, mask=heads)
+            tl.store(m_ptr + part * REP + rr, m, mask=rr < REP)
+            tl.store(l_ptr + part * REP + rr, l, mask=rr < REP)
+
+    @triton.jit
+    def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, REP: tl.constexpr, D: tl.constexpr,
+                             SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        """Program (row b, KV head h, head r of the group): the chunks' partial softmaxes, each rescaled
+        to the common max, summed in chunk order (an empty chunk has m = -inf, l = 0, acc = 0)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        r = tl.program_id(2)
+        kvh = tl.num_programs(1)
+        rs = tl.arange(0, SPLITS_PAD)
+        rd = tl.arange(0, D)
+        part = (b * kvh + h) * SPLITS + rs
+        ok = rs < SPLITS
+        m = tl.load(m_ptr + part * REP + r, mask=ok, other=float("-inf"))
+        l = tl.load(l_ptr + part * REP + r, mask=ok, other=0.0)
+        top = tl.max(m, 0)  # chunk 0 always holds a position (length >= 1): finite
+        w = tl.where(ok, tl.exp(m - top), 0.0)
+        acc = tl.load(acc_ptr + (part[:, None] * REP + r) * D + rd[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(out_ptr + ((b * kvh + h) * REP + r) * D + rd, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     block_n: int = 64) -> torch.Tensor:
-    """q [B, heads, D]; caches [rows >= B, kv_heads, max_len, D] (row b is q's row b); lengths [B]
-    (>= 1). Returns [B, heads, D] in q's dtype."""
+                     block_n: int = 64, splits: int = 1) -> torch.Tensor:
+    """q [B, heads, D]; caches [rows >= B, kv_heads, max_len, D] (row b is q's row b; a cache row
+    of stride 0 serves every row); lengths [B] (>= 1). `splits`: chunks per row (module docstring).
+    Returns [B, heads, D] in q's dtype."""
     b, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     rep = heads // kv_heads
     q = q.contiguous()
     out = torch.empty_like(q)
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    _decode_attention_kernel[(b, kv_heads)](
-        q, k_cache, v_cache, lengths, out, d ** -0.5, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        KVH=kv_heads, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32,
-    )
+    common = dict(KVH=kv_heads, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BLOCK_N=block_n,
+                  IEEE=q.dtype == torch.float32, SPLITS=splits)
+    strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    if splits == 1:
+        _decode_attention_kernel[(b, kv_heads, 1)](q, k_cache, v_cache, lengths, out, out, out, d ** -0.5, *strides, **common)
+        return out
+    acc = torch.empty(b, kv_heads, splits, rep, d, device=q.device, dtype=torch.float32)
+    m = torch.empty(b, kv_heads, splits, rep, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    _decode_attention_kernel[(b, kv_heads, splits)](q, k_cache, v_cache, lengths, acc, m, l, d ** -0.5, *strides, **common)
+    _merge_splits_kernel[(b, kv_heads, rep)](acc, m, l, out, REP=rep, D=d, SPLITS=splits,
+                                             SPLITS_PAD=triton.next_power_of_2(splits))
     return out

@@ -14,7 +14,8 @@ The drafter of every speculative method the job measures drafts through its stat
 `drafter_engine.<method>.graphs` in metrics.json).
 Every speculative method verifies `bench.verify_tokens` tokens per round (the committed token and
 that many - 1 drafts; null: the whole block), recorded as `verify_tokens` in metrics.json; on a GPU
-the verify step of that many tokens is captured as a CUDA graph.
+the verify step of that many tokens is captured as a CUDA graph. `bench.attention` is the engine's
+attention in decode steps and verify blocks (sdpa, or the Triton kernel: EngineBase.set_attention).
 The drafter window (`bench.window`) is one per job: the sweep runs one job per window. A job with a
 window measures only prompts longer than it (where it can engage; from `bench.window_buckets` when
 set, e.g. up to the model's context, else `bench.buckets`), with this project's autoregressive
@@ -77,15 +78,18 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     for key, target in (("target16", target16), ("qad", qad)):
         try:
             target.engine = build_engine(target, max_len=longest)
-            run.metrics[f"engine.{key}"] = "lean"
-            if target.device.type == "cuda":  # decode steps and verify blocks replay CUDA graphs
-                run.metrics[f"engine.{key}.kernel_tuning"] = tuning_summary(target.engine.tune_kernels())
-                target.engine.capture([1], None)
-                target.engine.capture([1, verify], stage1_16.config.target_layer_ids)  # the verify block
-                run.metrics[f"engine.{key}.graphs"] = len(target.engine.graphs)
-        except QdflashError as err:
+        except QdflashError as err:  # a family without an engine
             log.info("%s runs on transformers' forward: %s", key, err)
             run.metrics[f"engine.{key}"] = "transformers"
+            continue
+        target.engine.set_attention(b.attention)  # a bad value or no kernels: an error, not a fallback
+        run.metrics[f"engine.{key}"] = "lean"
+        run.metrics[f"engine.{key}.attention"] = target.engine.attention
+        if target.device.type == "cuda":  # decode steps and verify blocks replay CUDA graphs
+            run.metrics[f"engine.{key}.kernel_tuning"] = tuning_summary(target.engine.tune_kernels())
+            target.engine.capture([1], None)
+            target.engine.capture([1, verify], stage1_16.config.target_layer_ids)  # the verify block
+            run.metrics[f"engine.{key}.graphs"] = len(target.engine.graphs)
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
         "ar16": bench.ar(target16),
