@@ -89,7 +89,8 @@ if triton is not None:
     def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, REP: tl.constexpr, D: tl.constexpr,
                              SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
         """Program (row b, KV head h, head r of the group): the chunks' partial softmaxes, each rescaled
-        to the common max, summed in chunk order (an empty chunk has m = -inf, l = 0, acc = 0)."""
+        to the common max and summed by one fixed reduction (deterministic; an empty chunk has m = -inf,
+        l = 0, acc = 0)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         r = tl.program_id(2)
