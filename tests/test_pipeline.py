@@ -45,6 +45,7 @@ def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
                     "--config", "profile=gpu", "experiment=rehearsal")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "device=cpu" in out.stdout and "device=cuda" not in out.stdout and "gates.batch_size=4" in out.stdout
+    assert "bench.attention=sdpa" in out.stdout and "bench.attention=kernel" not in out.stdout  # the kernel needs a GPU
     assert out.stdout.count("rule bench_speedup:") == 3 and out.stdout.count("rule quality_gate:") == 3
 
 
