@@ -108,8 +108,11 @@ if triton is not None:
         tl.store(out_ptr + ((b * kvh + h) * REP + r) * D + rd, out.to(out_ptr.dtype.element_ty))
 
 
+BLOCK_N = 64  # cache positions per step of a program's loop
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     block_n: int = 64, splits: int = 1) -> torch.Tensor:
+                     block_n: int = BLOCK_N, splits: int = 1) -> torch.Tensor:
     """q [B, heads, D]; caches [rows >= B, kv_heads, max_len, D] (row b is q's row b; a cache row
     of stride 0 serves every row); lengths [B] (>= 1). `splits`: chunks per row (module docstring).
     Returns [B, heads, D] in q's dtype."""
