@@ -70,3 +70,4 @@ def test_round_bench_runs_on_the_cpu(runs):
     kernel = r["attention"]["kernel"]  # the attention kernel's steps beside SDPA's, on the same context
     assert r["attention"]["used"] == "sdpa" and kernel["decode_ms"] > 0 and kernel["verify_ms"] > 0
     assert kernel["same_argmax"] and kernel["max_logit_difference"] < 1e-4
+    assert kernel["same_drafts"] and kernel["draft_static_ms"] > 0

@@ -237,9 +237,9 @@ def test_kernel_attention_is_the_sdpa_attention(fixture, request, monkeypatch):
     chunks per token instead of 16: the same split-and-merge path, at a fraction of the interpreter's
     time (~9 ms a program; the chunking itself is checked in test_kernels)."""
     pytest.importorskip("triton")
-    import qdflash.engine.base as base
+    import qdflash.kernels.decode_attention as kernel_module
 
-    monkeypatch.setattr(base, "KERNEL_SPLITS", 2)
+    monkeypatch.setattr(kernel_module, "MAX_SPLITS", 2)
     target = request.getfixturevalue(fixture)
     layer_ids = init_drafter(target, block_size=4, seed=0).config.target_layer_ids
     sdpa = build_engine(target, max_len=96, kernels=True)
@@ -266,9 +266,9 @@ def test_speculative_through_kernel_attention_equals_autoregressive(tiny_llama):
     reference = autoregressive_generate(tiny_llama, prompt, 8).tokens
     fast = dataclasses.replace(tiny_llama, engine=build_engine(tiny_llama, max_len=64, kernels=True, attention="kernel"))
     with pytest.MonkeyPatch.context() as m:
-        import qdflash.engine.base as base
+        import qdflash.kernels.decode_attention as kernel_module
 
-        m.setattr(base, "KERNEL_SPLITS", 1)
+        m.setattr(kernel_module, "MAX_SPLITS", 1)
         assert autoregressive_generate(fast, prompt, 8).tokens == reference
         assert speculative_generate(fast, init_drafter(tiny_llama, block_size=3, seed=0), prompt, 8).tokens == reference
 

@@ -154,7 +154,7 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
 def test_decode_attention_split_and_shared_row(dtype, splits):
     """The decode attention kernel with its positions cut into chunks (flash-decoding: empty chunks
     included, lengths not a multiple of the block) equals the softmax attention over each row's own
-    positions; T rows over one cache row of stride 0 (a verify block) give each row the result it
+    positions, also from a start position per row (a sliding window); T rows over one cache row of stride 0 (a verify block) give each row the result it
     gets alone, i.e. what a one-token step at that position computes."""
     from qdflash.kernels.decode_attention import decode_attention
 
@@ -173,6 +173,15 @@ def test_decode_attention_split_and_shared_row(dtype, splits):
         expected = (weights @ values)[:, 0]
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         torch.testing.assert_close(got[i], expected, atol=tol, rtol=tol)
+    starts = torch.tensor([0, 3, 0, 10, 150, 299])  # a sliding window: row i attends starts[i]..lengths[i]-1
+    windowed = decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), lengths.to(DEVICE), block_n=32,
+                                splits=splits, starts=starts.to(DEVICE)).cpu().float()
+    for i, (a, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        keys = k_cache[i, :, a:n].float().repeat_interleave(rep, 0)
+        values = v_cache[i, :, a:n].float().repeat_interleave(rep, 0)
+        weights = torch.softmax(q[i].float()[:, None] @ keys.transpose(1, 2) * d ** -0.5, dim=-1)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(windowed[i], (weights @ values)[:, 0], atol=tol, rtol=tol)
     shared = decode_attention(q.to(DEVICE), k_cache[-1:].expand(b, -1, -1, -1).to(DEVICE),
                               v_cache[-1:].expand(b, -1, -1, -1).to(DEVICE), lengths.to(DEVICE), block_n=32, splits=splits)
     for i in range(b):

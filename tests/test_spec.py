@@ -286,6 +286,27 @@ def test_static_drafter_drafts_what_the_eager_session_drafts(fixture, window, re
         engine.session().append(features[0, :40].repeat(2, 1), 0)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_static_drafter_through_the_attention_kernel_drafts_what_the_eager_session_drafts(tiny_llama, window):
+    """DrafterEngine(attention='kernel'): the block's K/V written after the context and
+    kernels.decode_attention (Triton's interpreter here) over each block position's visible range,
+    with a sliding window as a start position per row: the eager session's logits and drafts as the
+    context grows, one graph length for all of it; a window smaller than the block is refused."""
+    pytest.importorskip("triton")
+    from qdflash.drafter.train import target_pass
+
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=2, seed=7).eval()
+    ids = prompt(3, 40)
+    features, _ = target_pass(tiny_llama, ids, drafter.config.target_layer_ids)
+    engine = DrafterEngine(drafter, max_len=48, attention="kernel")
+    assert engine.buckets == [48]
+    assert_same_drafts(spec.DrafterSession(drafter, window), engine.session(window), features, ids)
+    with pytest.raises(QdflashError, match="smaller than the block"):
+        engine.session(3)
+    with pytest.raises(QdflashError, match="expected 'sdpa' or 'kernel'"):
+        DrafterEngine(drafter, max_len=48, attention="flash")
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
 @pytest.mark.parametrize("window", [None, 5])
 def test_greedy_speculative_with_the_static_drafter_is_unchanged(fixture, window, request):

@@ -16,8 +16,9 @@ Each is timed with the context holding `--context` positions (median of `--reps`
   Qwen2.5's 151,936 x 896 head that read is a large part of a draft);
 - appending the features of 2 accepted positions to the drafter's context, eager and static (one
   graph per count); then five rounds accepting 1..5 positions, checked to draft the same both ways.
-`--attention sdpa,kernel`: the decode step and the verify blocks again with each other attention of
-the engine (EngineBase.set_attention), on the same context, with their logits against the first's.
+`--attention sdpa,kernel`: the decode step, the verify blocks and the static draft again with each other
+attention (EngineBase.set_attention, DrafterEngine(attention=)), on the same context, with the block's
+logits against the first's, and each verify length's round.
 A speculative round is draft + verify + append (+ host work); at acceptance length tau it beats
 autoregressive decoding when it costs less than tau decode steps. `--verify-tokens 2,3,...`: the
 verify step of each V tokens (the committed one + V-1 drafts; qdflash.spec's verify_tokens), each
@@ -153,11 +154,12 @@ def main() -> None:
     result["target_decode_ms"], result["target_verify_ms"], verify_ms = step_times(engine)
     verify: dict[int, dict] = {v: {"verify_ms": ms} for v, ms in verify_ms.items()}
     reference_logits = engine.forward(block, args.context, layer_ids)[0].float().clone()
+    others = {}
     for attention in attentions[1:]:  # the same steps with another attention, on the same context
         other, _ = engine_with(attention)
         decode_ms, verify_all_ms, other_verify = step_times(other)
         logits = other.forward(block, args.context, layer_ids)[0].float()
-        result["attention"][attention] = {
+        others[attention] = {
             "decode_ms": decode_ms, "verify_ms": verify_all_ms,
             "verify": {str(v): {"verify_ms": ms, "verify_in_decode_steps": round(ms / decode_ms, 3)} for v, ms in other_verify.items()},
             "max_logit_difference": round((logits - reference_logits).abs().max().item(), 5),  # the block's logits, vs the first
@@ -167,9 +169,17 @@ def main() -> None:
 
     eager = DrafterSession(drafter)
     eager.append(features, 0)
-    static = DrafterEngine(drafter, max_len=max_len, cuda_graphs=cuda)
+    static = DrafterEngine(drafter, max_len=max_len, cuda_graphs=cuda, attention=attentions[0])
     result["drafter_static_graphs"] = static.capture(None)  # before the generation, as bench_speedup does
     static.session().append(features, 0)
+    for attention, row in others.items():  # the static drafter with that attention, on the same context
+        drafter_other = DrafterEngine(drafter, max_len=max_len, cuda_graphs=cuda, attention=attention)
+        drafter_other.capture(None)
+        drafter_other.session().append(features, 0)
+        row["draft_static_ms"] = timed(lambda: drafter_other.draft(11, args.context), device, args.reps)
+        row["same_drafts"] = drafter_other.draft(11, args.context).tolist() == static.draft(11, args.context).tolist()
+        del drafter_other
+    result["attention"].update(others)
     same = eager.draft(11, args.context).tolist() == static.draft(11, args.context).tolist()
     result["drafts_equal"] = bool(same)
     result["draft_eager_ms"] = timed(lambda: eager.draft(11, args.context), device, args.reps)
@@ -209,6 +219,11 @@ def main() -> None:
         round_ms = result["draft_static_ms"] + row["verify_ms"] + result["append2_static_ms"]
         row["round_static_ms"] = round(round_ms, 4)
         row["round_static_in_decode_steps"] = round(round_ms / result["target_decode_ms"], 3)
+    for row in others.values():  # the same rounds with the other attention's draft, verify and decode step (append: the same)
+        for v, part in row["verify"].items():
+            round_ms = row["draft_static_ms"] + part["verify_ms"] + result["append2_static_ms"]
+            part["round_static_ms"] = round(round_ms, 4)
+            part["round_static_in_decode_steps"] = round(round_ms / row["decode_ms"], 3)
 
     # the whole loop, host work included: autoregressive and speculative generation of `--new` tokens
     # after the same prompt (the untrained drafter accepts ~nothing, so a round commits ~1 token)

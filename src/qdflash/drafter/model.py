@@ -140,15 +140,22 @@ class DrafterLayer(nn.Module):
         """K/V of context features [B, Tc, H]: they depend on nothing else, so inference caches them."""
         return self._kv(context, positions)
 
-    def _attend_block(self, h, q_pos, ctx_k, ctx_v, mask):
+    def block_qkv(self, h, q_pos):
+        """The block's queries [B, heads, T, D] and its own keys and values [B, kv_heads, T, D]."""
         c = self.c
         x = self.input_norm(h)
         q = rotary(self.q_norm(self._heads(self.q_proj(x), c.num_heads)), q_pos[:, None], c.rope_theta)
-        block_k, block_v = self._kv(x, q_pos)
-        attn = attend(q, torch.cat([ctx_k, block_k], dim=2), torch.cat([ctx_v, block_v], dim=2), mask)
+        return (q, *self._kv(x, q_pos))
+
+    def finish(self, h, attn):
+        """The rest of the layer after its attention output attn [B, heads, T, D]."""
         h = h + self.o_proj(attn.transpose(1, 2).reshape(*h.shape[:-1], -1))
         x = self.post_norm(h)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def _attend_block(self, h, q_pos, ctx_k, ctx_v, mask):
+        q, block_k, block_v = self.block_qkv(h, q_pos)
+        return self.finish(h, attend(q, torch.cat([ctx_k, block_k], dim=2), torch.cat([ctx_v, block_v], dim=2), mask))
 
     def forward(self, h, context, q_pos, k_pos, mask):
         """h [B, Tq, H] block states; context [B, Tc, H] features (extra keys / values); k_pos [B, Tc + Tq]

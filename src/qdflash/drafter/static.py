@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ..cudagraph import capture as capture_graph
 from ..engine.base import cache_buckets
 from ..errors import QdflashError
+from ..kernels import kernels_usable
 
 
 class DrafterEngine:
@@ -33,15 +34,26 @@ class DrafterEngine:
     A captured graph keeps the tensors it was captured with, the bound target's embedding and LM head
     among them: build a new engine after `drafter.bind(other_target)`."""
 
-    def __init__(self, drafter, max_len: int, cuda_graphs: bool | None = None, smallest_bucket: int = 256):
+    def __init__(self, drafter, max_len: int, cuda_graphs: bool | None = None, smallest_bucket: int = 256,
+                 attention: str = "sdpa"):
+        """`attention`: "sdpa" (the block over a masked power-of-two bucket of the context) or "kernel"
+        (kernels.decode_attention: the block's K/V written after the context, each block position
+        reading the context it may see and the block, nothing masked; one graph for any context
+        length). The kernel needs Triton on CUDA, or its interpreter (tests)."""
         c = drafter.config
         self.drafter, self.max_len, self.block = drafter, max_len, c.block_size
         self.dtype = drafter.norm.weight.dtype
         self.device = drafter.norm.weight.device
-        shape = (1, c.num_kv_heads, max_len, c.head_dim)
+        if attention not in ("sdpa", "kernel"):
+            raise QdflashError(f"DrafterEngine attention={attention!r}: expected 'sdpa' or 'kernel'")
+        if attention == "kernel":
+            kernels_usable(self.device, True)  # raises, saying why, where Triton cannot run
+        self.attention = attention
+        # the block's own K/V are written at positions length..length+B-1 in the kernel path
+        shape = (1, c.num_kv_heads, max_len + (self.block if attention == "kernel" else 0), c.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
-        self.buckets = cache_buckets(max_len, smallest_bucket)
+        self.buckets = [max_len] if attention == "kernel" else cache_buckets(max_len, smallest_bucket)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         # the step's inputs: block tokens, their positions, the context length (tensors, so a graph reads them)
         self.ids = torch.zeros(1, self.block, dtype=torch.long, device=self.device)
@@ -57,8 +69,14 @@ class DrafterEngine:
 
     def session(self, window: int | None = None) -> "DrafterEngine":
         """A new generation: the context is empty again (the buffers are overwritten as it grows)."""
+        self._check_window(window)
         self.length, self.window = 0, window
         return self
+
+    def _check_window(self, window: int | None) -> None:
+        if self.attention == "kernel" and window is not None and window < self.block:
+            raise QdflashError(f"DrafterEngine attention='kernel': window={window} is smaller than the block "
+                               f"({self.block}); the kernel reads a contiguous range, which would hide part of the block")
 
     @torch.no_grad()
     def append(self, features: torch.Tensor, start: int) -> None:
@@ -98,6 +116,8 @@ class DrafterEngine:
         context positions (those >= context_len, or outside the window, masked)."""
         d, b = self.drafter, self.block
         h = d.embed_block(self.ids).to(self.dtype)
+        if self.attention == "kernel":
+            return self._kernel_step(h, window)
         k_pos = self.k_pos[:attend]
         visible = (k_pos < self.context_len)[None, None, :].expand(1, b, attend)
         if window is not None:  # symmetric window; for context before the block: q - k < window
@@ -105,6 +125,29 @@ class DrafterEngine:
         mask = torch.cat([visible, torch.ones(1, b, b, dtype=torch.bool, device=self.device)], dim=-1)
         for layer, keys, values in zip(d.layers, self.keys, self.values):
             h = layer.forward_cached(h, self.q_pos, keys[:, :, :attend], values[:, :, :attend], mask)
+        head = d._target.model.get_output_embeddings().weight
+        logits = F.linear(d.norm(h).to(head.dtype), head)[0]
+        return logits, logits[1:].argmax(-1)
+
+    def _kernel_step(self, h, window: int | None):
+        """`_step` through kernels.decode_attention: the block's K/V go to positions p..p+B-1 of the
+        buffers (p = context_len; an append overwrites them with context K/V later), and block
+        position i reads positions start_i..p+B-1: the whole context, or with a window the context
+        q_i - k < window (the block itself always, as window >= B), as the mask of `_step` says."""
+        from ..kernels.decode_attention import batch1_splits, decode_attention
+
+        d, b = self.drafter, self.block
+        q_pos = self.q_pos[0]
+        lengths = (self.context_len + b).repeat(b)  # one per block position (the kernel reads a row each)
+        starts = None if window is None else (q_pos - window + 1).clamp_min(0)
+        for layer, keys, values in zip(d.layers, self.keys, self.values):
+            q, k, v = layer.block_qkv(h, self.q_pos)
+            keys.index_copy_(2, q_pos, k)
+            values.index_copy_(2, q_pos, v)
+            out = decode_attention(q[0].transpose(0, 1), keys[0][None].expand(b, -1, -1, -1),
+                                   values[0][None].expand(b, -1, -1, -1), lengths, starts=starts,
+                                   splits=batch1_splits(keys.shape[2]))
+            h = layer.finish(h, out.transpose(0, 1)[None])
         head = d._target.model.get_output_embeddings().weight
         logits = F.linear(d.norm(h).to(head.dtype), head)[0]
         return logits, logits[1:].argmax(-1)
@@ -117,6 +160,7 @@ class DrafterEngine:
         window and the append graph of every count 1..B. Before a generation: the appends' warm-up
         writes the first B positions, which the prompt then overwrites. Returns how many graphs
         this engine holds."""
+        self._check_window(window)
         if self.cuda_graphs:
             if self.length:
                 raise ValueError("capture before a generation (the append graphs write positions 0..B-1)")

@@ -15,8 +15,6 @@ from .linear import Concat, Projection, tune_projections
 
 
 KERNEL_TOKENS = 16  # tokens per step that the attention kernel takes (a verify block); a prefill runs SDPA
-KERNEL_SPLITS = 16  # chunks per token (flash-decoding): batch 1 is kv_heads x T rows, far fewer than the SMs;
-                    # never more than the cache has blocks of positions (an empty chunk is a wasted program)
 
 
 def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int | None,
@@ -32,12 +30,12 @@ def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_
     k_cache.index_copy_(1, positions, k)
     v_cache.index_copy_(1, positions, v)
     if kernel and t <= KERNEL_TOKENS:
-        from ..kernels.decode_attention import BLOCK_N, decode_attention
+        from ..kernels.decode_attention import batch1_splits, decode_attention
 
         # T rows over the one cache row (stride 0), each as long as its own position + 1
-        splits = min(KERNEL_SPLITS, -(-k_cache.shape[1] // BLOCK_N))
         out = decode_attention(q.transpose(0, 1), k_cache[None].expand(t, *k_cache.shape),
-                               v_cache[None].expand(t, *v_cache.shape), positions + 1, splits=splits)
+                               v_cache[None].expand(t, *v_cache.shape), positions + 1,
+                               splits=batch1_splits(k_cache.shape[1]))
         return out.reshape(t, -1)
     n = attend_len or k_cache.shape[1]
     rep = q.shape[0] // k.shape[0]

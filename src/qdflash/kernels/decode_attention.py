@@ -32,18 +32,21 @@ except ImportError:
 if triton is not None:
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, m_ptr, l_ptr, scale, stride_row, stride_head,
-                                 stride_pos, KVH: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr):
-        """Program (row b, KV head h, chunk c). SPLITS == 1: the normalized output of the row. Else the
-        chunk's unnormalized sums: acc [REP, D] into out_ptr, its max m and sum l per head into
-        m_ptr / l_ptr (all fp32, laid out [B, KVH, SPLITS, ...]), merged by _merge_splits_kernel."""
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, start_ptr, out_ptr, m_ptr, l_ptr, scale, stride_row,
+                                 stride_head, stride_pos, KVH: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
+                                 D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
+                                 HAS_START: tl.constexpr):
+        """Program (row b, KV head h, chunk c) over the row's positions start..length-1 (start 0
+        without HAS_START). SPLITS == 1: the normalized output of the row. Else the chunk's
+        unnormalized sums: acc [REP, D] into out_ptr, its max m and sum l per head into m_ptr / l_ptr
+        (all fp32, laid out [B, KVH, SPLITS, ...]), merged by _merge_splits_kernel."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
         length = tl.load(len_ptr + b)
-        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks, the same for every chunk
-        first = c * chunk
+        begin = tl.load(start_ptr + b) if HAS_START else 0
+        chunk = tl.cdiv(tl.cdiv(length - begin, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks, the same for every chunk
+        first = begin + c * chunk
         last = tl.minimum(first + chunk, length)
         rr = tl.arange(0, REP_PAD)
         rd = tl.arange(0, D)
@@ -109,12 +112,20 @@ if triton is not None:
 
 
 BLOCK_N = 64  # cache positions per step of a program's loop
+MAX_SPLITS = 16  # chunks per row at batch 1 (flash-decoding): kv_heads x T rows are far fewer programs than SMs
+
+
+def batch1_splits(cache_len: int) -> int:
+    """Chunks per row for a batch-1 call over a cache of `cache_len` positions: MAX_SPLITS, but never
+    more than the cache has blocks of positions (an empty chunk is a wasted program)."""
+    return min(MAX_SPLITS, -(-cache_len // BLOCK_N))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     block_n: int = BLOCK_N, splits: int = 1) -> torch.Tensor:
+                     block_n: int = BLOCK_N, splits: int = 1, starts: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, heads, D]; caches [rows >= B, kv_heads, max_len, D] (row b is q's row b; a cache row
-    of stride 0 serves every row); lengths [B] (>= 1). `splits`: chunks per row (module docstring).
+    of stride 0 serves every row); row b attends positions starts[b]..lengths[b]-1 (starts: None =
+    0; starts[b] < lengths[b]: a sliding window). `splits`: chunks per row (module docstring).
     Returns [B, heads, D] in q's dtype."""
     b, heads, d = q.shape
     kv_heads = k_cache.shape[1]
@@ -123,15 +134,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q)
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     common = dict(KVH=kv_heads, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BLOCK_N=block_n,
-                  IEEE=q.dtype == torch.float32, SPLITS=splits)
+                  IEEE=q.dtype == torch.float32, SPLITS=splits, HAS_START=starts is not None)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    first = starts if starts is not None else lengths  # (not read without HAS_START)
     if splits == 1:
-        _decode_attention_kernel[(b, kv_heads, 1)](q, k_cache, v_cache, lengths, out, out, out, d ** -0.5, *strides, **common)
+        _decode_attention_kernel[(b, kv_heads, 1)](q, k_cache, v_cache, lengths, first, out, out, out, d ** -0.5, *strides,
+                                                   **common)
         return out
     acc = torch.empty(b, kv_heads, splits, rep, d, device=q.device, dtype=torch.float32)
     m = torch.empty(b, kv_heads, splits, rep, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    _decode_attention_kernel[(b, kv_heads, splits)](q, k_cache, v_cache, lengths, acc, m, l, d ** -0.5, *strides, **common)
+    _decode_attention_kernel[(b, kv_heads, splits)](q, k_cache, v_cache, lengths, first, acc, m, l, d ** -0.5, *strides,
+                                                    **common)
     _merge_splits_kernel[(b, kv_heads, rep)](acc, m, l, out, REP=rep, D=d, SPLITS=splits,
                                              SPLITS_PAD=triton.next_power_of_2(splits))
     return out

@@ -14,8 +14,9 @@ The drafter of every speculative method the job measures drafts through its stat
 `drafter_engine.<method>.graphs` in metrics.json).
 Every speculative method verifies `bench.verify_tokens` tokens per round (the committed token and
 that many - 1 drafts; null: the whole block), recorded as `verify_tokens` in metrics.json; on a GPU
-the verify step of that many tokens is captured as a CUDA graph. `bench.attention` is the engine's
-attention in decode steps and verify blocks (sdpa, or the Triton kernel: EngineBase.set_attention).
+the verify step of that many tokens is captured as a CUDA graph. `bench.attention` is the engines'
+attention in decode steps, verify blocks and drafts (sdpa, or the Triton kernel: EngineBase.set_attention,
+DrafterEngine(attention=)).
 The drafter window (`bench.window`) is one per job: the sweep runs one job per window. A job with a
 window measures only prompts longer than it (where it can engage; from `bench.window_buckets` when
 set, e.g. up to the model's context, else `bench.buckets`), with this project's autoregressive
@@ -112,7 +113,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     drafters = {name: drafter for name, drafter in {"spec16_stage1": stage1_16, "spec_qad_stage1": stage1_qad,
                                                     "spec_qad_stage2": stage2_qad, **compressed}.items() if name in methods}
     for name, drafter in drafters.items():  # drafts through its static engine: K/V in place, a CUDA graph per bucket
-        drafter.engine = DrafterEngine(drafter, max_len=longest)
+        drafter.engine = DrafterEngine(drafter, max_len=longest, attention=b.attention)
         run.metrics[f"drafter_engine.{name}.graphs"] = drafter.engine.capture(window)
     # achieved bandwidth (gpt-fast's tokens/s x weight bytes) against the copy bandwidth of this GPU
     decode_bytes = {"target16": bench.weight_bytes(target16.model), "qad": bench.weight_bytes(qad.model)}
