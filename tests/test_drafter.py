@@ -106,19 +106,21 @@ def test_oracle_drafter_gets_tau_equal_to_block_size(tiny_llama):
     _, greedy = target_pass(tiny_llama, torch.tensor([ex["input_ids"]]), drafter.config.target_layer_ids)
     vocab = tiny_llama.vocab_size
 
-    def oracle(block_ids, context, q_pos, k_pos, mask, target_hidden=None, head=True):
-        logits = torch.zeros(*q_pos.shape, vocab)
-        want = greedy.gather(1, (q_pos - 1).clamp_min(0))  # position p predicts the target's argmax at p-1
-        logits.scatter_(-1, want[..., None], 1.0)
-        return logits
+    def states(tokens):
+        """2-d "states" whose argmax through the head below is `tokens`: (t, 1) . (v, -v^2/2) = t v - v^2/2
+        peaks at v = t (in fp64; a [V, V] identity head would be 49,152^2 floats)."""
+        return torch.stack([tokens.double(), torch.ones_like(tokens, dtype=torch.float64)], dim=-1)
 
-    # the acceptance estimate reads the drafter's states through its LM head: an identity head
-    # makes the oracle's one-hot "states" its logits
-    drafter.head_weight = lambda: torch.eye(vocab)
+    def oracle(block_ids, context, q_pos, k_pos, mask, target_hidden=None, head=True):
+        return states(greedy.gather(1, (q_pos - 1).clamp_min(0)))  # position p predicts the target's argmax at p-1
+
+    # the acceptance estimate reads the drafter's states through its LM head
+    v = torch.arange(vocab, dtype=torch.float64)
+    drafter.head_weight = lambda: torch.stack([v, -v * v / 2], dim=-1)
     drafter.forward = oracle
     result = estimate_acceptance(drafter, tiny_llama, [ex], anchors_per_seq=8)
     assert result["tau"] == b and result["accept_rate_by_position"] == [1.0] * (b - 1)
-    drafter.forward = lambda *a, **k: torch.randn(*a[2].shape, vocab)  # random drafter
+    drafter.forward = lambda *a, **k: states(torch.randint(vocab, a[2].shape))  # random drafter
     assert estimate_acceptance(drafter, tiny_llama, [ex], anchors_per_seq=8)["tau"] < 1.2
 
 
