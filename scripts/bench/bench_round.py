@@ -96,8 +96,9 @@ def main() -> None:
     parser.add_argument("--drafter-dtype", choices=["target", "float32"], default="target",
                         help="the drafter's weights: the target's dtype, or fp32 as load_drafter gives them to bench_speedup")
     parser.add_argument("--attention", default="sdpa",
-                        help="comma-separated: the engine's attention (EngineBase.set_attention); the first runs everything, "
-                             "each other one times the decode step and the verify blocks again, side by side ('attention' in the JSON)")
+                        help="comma-separated: the engines' attention (EngineBase.set_attention, DrafterEngine(attention=)); the "
+                             "first runs everything, each other one times the decode step, the verify blocks and the static draft "
+                             "again, side by side ('attention' in the JSON)")
     parser.add_argument("--kernels", choices=["auto", "on"], default="auto",
                         help="the engine's Triton kernels: auto (on CUDA) or on (also the CPU, under TRITON_INTERPRET=1)")
     parser.add_argument("--out", default=None)

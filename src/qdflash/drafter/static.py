@@ -134,7 +134,7 @@ class DrafterEngine:
         buffers (p = context_len; an append overwrites them with context K/V later), and block
         position i reads positions start_i..p+B-1: the whole context, or with a window the context
         q_i - k < window (the block itself always, as window >= B), as the mask of `_step` says."""
-        from ..kernels.decode_attention import batch1_splits, decode_attention
+        from ..kernels.decode_attention import one_sequence_attention
 
         d, b = self.drafter, self.block
         q_pos = self.q_pos[0]
@@ -144,9 +144,7 @@ class DrafterEngine:
             q, k, v = layer.block_qkv(h, self.q_pos)
             keys.index_copy_(2, q_pos, k)
             values.index_copy_(2, q_pos, v)
-            out = decode_attention(q[0].transpose(0, 1), keys[0][None].expand(b, -1, -1, -1),
-                                   values[0][None].expand(b, -1, -1, -1), lengths, starts=starts,
-                                   splits=batch1_splits(keys.shape[2]))
+            out = one_sequence_attention(q[0].transpose(0, 1), keys[0], values[0], lengths, starts)
             h = layer.finish(h, out.transpose(0, 1)[None])
         head = d._target.model.get_output_embeddings().weight
         logits = F.linear(d.norm(h).to(head.dtype), head)[0]

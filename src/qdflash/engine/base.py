@@ -30,13 +30,10 @@ def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_
     k_cache.index_copy_(1, positions, k)
     v_cache.index_copy_(1, positions, v)
     if kernel and t <= KERNEL_TOKENS:
-        from ..kernels.decode_attention import batch1_splits, decode_attention
+        from ..kernels.decode_attention import one_sequence_attention
 
-        # T rows over the one cache row (stride 0), each as long as its own position + 1
-        out = decode_attention(q.transpose(0, 1), k_cache[None].expand(t, *k_cache.shape),
-                               v_cache[None].expand(t, *v_cache.shape), positions + 1,
-                               splits=batch1_splits(k_cache.shape[1]))
-        return out.reshape(t, -1)
+        # each token as long as its own position + 1
+        return one_sequence_attention(q.transpose(0, 1), k_cache, v_cache, positions + 1).reshape(t, -1)
     n = attend_len or k_cache.shape[1]
     rep = q.shape[0] // k.shape[0]
     keys, values = k_cache[:, :n], v_cache[:, :n]

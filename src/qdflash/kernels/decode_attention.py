@@ -15,8 +15,8 @@ program each, and a second kernel merges their partial softmaxes. Batch 1 needs 
 model with 2 KV heads is 2 programs, which leave a GPU of 132 SMs idle while each walks the whole
 context. The same call serves a verify block of T tokens of one sequence: T "rows" over one cache
 row (stride 0) whose lengths are the tokens' own positions + 1 (`cached_attention(kernel=True)`).
-A row's result depends only on its own q, K / V and length (the chunking is a function of the
-length), so a token attends exactly as it would in a decode step of one token at that position.
+A row's result depends only on its own q, K / V, start and length (the chunking is a function of
+those), so a token attends exactly as it would in a decode step of one token at that position.
 """
 
 from __future__ import annotations
@@ -149,3 +149,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _merge_splits_kernel[(b, kv_heads, rep)](acc, m, l, out, REP=rep, D=d, SPLITS=splits,
                                              SPLITS_PAD=triton.next_power_of_2(splits))
     return out
+
+
+def one_sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                           starts: torch.Tensor | None = None) -> torch.Tensor:
+    """T tokens of one sequence (a decode step, a verify block, a drafted block) over its cache:
+    q [T, heads, D], caches [kv_heads, max_len, D]; token t attends positions starts[t]..lengths[t]-1.
+    The T rows share the one cache row (stride 0), in `batch1_splits` chunks each. Returns [T, heads, D]."""
+    t = q.shape[0]
+    return decode_attention(q, k_cache[None].expand(t, *k_cache.shape), v_cache[None].expand(t, *v_cache.shape), lengths,
+                            splits=batch1_splits(k_cache.shape[1]), starts=starts)
