@@ -238,6 +238,9 @@ def test_a_qad_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(qad_in
         assert resumed[key] == whole[key], key
     assert len(resumed["qad.train_kl_curve"]) == 4 and resumed["qad.train_kl_curve"] == whole["qad.train_kl_curve"]
     assert whole["qad.resumed_from_step"] == 0 and resumed["qad.resumed_from_step"] == 2
+    # the timing covers this run's steps only; the CPU has no TF32
+    assert whole["qad.steps_timed"] == 4 and resumed["qad.steps_timed"] == 2 and whole["qad.train_s"] > 0
+    assert whole["qad.tf32"] == 0 and whole["qad.tokens_per_s"] > 0
     assert whole_weights.keys() == resumed_weights.keys()
     assert all(torch.equal(whole_weights[k], resumed_weights[k]) for k in whole_weights)
     assert not (tmp_path / "resumed.ckpt").exists()  # finished: the checkpoint is gone
@@ -250,6 +253,22 @@ def test_a_checkpoint_of_another_ptq_artifact_in_the_same_folder_is_not_resumed(
     metrics = json.loads((ptq.parent / "qad" / "metrics.json").read_text())
     assert len(metrics["qad.train_kl_curve"]) == 4 and metrics["qad.resumed_from_step"] == 0
     assert metrics["ptq.kl"] == json.loads((ptq / "metrics.json").read_text())["quant.kl"]
+
+
+def test_tf32_is_scoped_to_the_block():
+    from qdflash.distill import tf32_matmuls
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        with tf32_matmuls(True):
+            assert torch.backends.cuda.matmul.allow_tf32
+        assert not torch.backends.cuda.matmul.allow_tf32
+        with pytest.raises(RuntimeError), tf32_matmuls(True):  # restored when the block raises, too
+            raise RuntimeError
+        assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])

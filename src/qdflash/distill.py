@@ -4,6 +4,8 @@ vocabulary makes them the largest tensor of QAD)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -38,6 +40,21 @@ def chunked_kl(
         else:
             out.append(_chunk_kl(h_student[sl], h_teacher[sl], head_student, head_teacher, temperature))
     return torch.cat(out) if out else h_student.new_zeros(0)
+
+
+@contextlib.contextmanager
+def tf32_matmuls(on: bool):
+    """fp32 matmuls on tensor cores (TF32: 10-bit mantissa products, fp32 sums) inside the block, and
+    the previous setting restored after it. Why: the KL's fp32 LM-head products over a 152K vocabulary
+    are most of a QAD step's work on a GPU when they run as exact fp32 kernels; a training loss
+    tolerates TF32, while the held-out KL (the number runs are compared by) stays exact outside the
+    block. Does nothing on the CPU, which has no TF32."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def final_hidden(model, input_ids: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from ..data.jsonl import load_token_examples
-from ..distill import compare_to_teacher
+from ..distill import compare_to_teacher, tf32_matmuls
 from ..errors import QdflashError
 from ..models import load_target, resolve_device, resolve_dtype
 from ..distributed import all_sum, full_state_dict, setup, shard, shard_layers, wrap
@@ -143,9 +144,14 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         log.info("resuming from %s at step %d", ckpt, start)
     run.metrics["qad.resumed_from_step"] = start
     warmup = max(1, round(qad.warmup_ratio * qad.steps))
+    tf32 = bool(qad.tf32) and device.type == "cuda"
+    run.metrics["qad.tf32"] = int(tf32)
     student.train()
+    train_s = 0.0  # the training steps' wall time, held-out evaluations and checkpoints excluded
+    tokens_here = 0
     bar = tqdm(range(start, qad.steps), desc="qad", unit="step", initial=start, total=qad.steps)
     for step in bar:
+        step_start = time.perf_counter()
         lr = cosine_lr(step, qad.steps, warmup, qad.lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -154,17 +160,21 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         rows_here += len(mine)
         ids = torch.stack([p[0] for p in mine]).to(device)
         mask = torch.stack([p[1] for p in mine]).to(device)
-        total, count = kl_sum_count(teacher, student, ids, mask, temperature=qad.temperature, chunk_tokens=qad.chunk_tokens,
-                                    hidden=hidden)
-        count_all = float(all_sum(torch.tensor(float(count), device=device)).clamp_min(1.0))  # the whole batch's tokens
-        optimizer.zero_grad(set_to_none=True)
-        (total / count_all * world.size).backward()  # DDP averages over ranks: x size gives the 1-process gradient
+        with tf32_matmuls(tf32):  # the loss and its backward only: evaluate() stays exact fp32
+            total, count = kl_sum_count(teacher, student, ids, mask, temperature=qad.temperature,
+                                        chunk_tokens=qad.chunk_tokens, hidden=hidden)
+            count_all = float(all_sum(torch.tensor(float(count), device=device)).clamp_min(1.0))  # the whole batch's tokens
+            optimizer.zero_grad(set_to_none=True)
+            (total / count_all * world.size).backward()  # DDP averages over ranks: x size gives the 1-process gradient
         loss = all_sum(total) / count_all
         grad_norm = torch.nn.utils.clip_grad_norm_(latents, qad.grad_clip)
         optimizer.step()
-        run.log({"train/kl": loss.item(), "train/lr": lr, "train/grad_norm": grad_norm.item()}, step=step + 1)
-        curve.append(round(loss.item(), 7))
-        bar.set_postfix(kl=f"{loss.item():.4f}")
+        loss_value = loss.item()  # synchronizes: the step's time is complete below
+        train_s += time.perf_counter() - step_start
+        tokens_here += int(ids.numel())
+        run.log({"train/kl": loss_value, "train/lr": lr, "train/grad_norm": grad_norm.item()}, step=step + 1)
+        curve.append(round(loss_value, 7))
+        bar.set_postfix(kl=f"{loss_value:.4f}")
         if (step + 1) % qad.eval_every == 0 and step + 1 < qad.steps:
             evaluate(run, teacher, student, heldout, cfg, step=step + 1)
         if (step + 1) % qad.checkpoint_every == 0 and not fsdp and world.main:  # one writer; every rank resumes from it
@@ -173,7 +183,13 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             if os.environ.get(KILL_AFTER_STEP) == str(step + 1):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    run.metrics.update({"qad.train_kl_curve": curve, "qad.rows_per_process": rows_here})
+    run.metrics.update({"qad.train_kl_curve": curve, "qad.rows_per_process": rows_here,
+                        # this run's steps only (a resumed run's earlier steps are not timed here)
+                        "qad.train_s": round(train_s, 2), "qad.steps_timed": qad.steps - start,
+                        "qad.tokens_per_s": round(tokens_here / train_s, 1) if train_s else None})
+    if train_s:
+        log.info("trained %d steps in %.1f s: %.0f packed tokens/s per process (tf32 %s)", qad.steps - start, train_s,
+                 tokens_here / train_s, "on" if tf32 else "off")
     if fsdp:  # rank 0 rounds, evaluates and exports a whole student with the trained latents
         state = full_state_dict(student)
         if not world.main:
