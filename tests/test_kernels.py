@@ -143,10 +143,44 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
 
     w4_configs = w4a16.candidate_configs(512, 32, None, rows=1)[:2]
     monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: w4_configs)
-    timer([3.0, 2.0])
-    assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (w4_configs[1], 2.0)
+    monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
+    timer([3.0, 2.0, 5.0])  # the tiles 3 and 2, then cuBLAS on the 16-bit weight 5: the kernel stays
+    assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (w4_configs[1], 2.0, 5.0)
     assert w4a16.default_config(16, 512, 32, rows=1, dtype=torch.float32) == w4_configs[1]
+    assert not w4a16.dense_faster(16, 512, 32, 1, torch.float32)
     assert (16, 512, 32, 1, torch.bfloat16) not in w4a16._TUNED  # a bf16 engine's tiles are its own
+    timer([3.0, 2.0, 1.5])  # cuBLAS beats the fastest tile: this shape and row bucket run dense, no other
+    assert w4a16.tune(32, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[2] == 1.5
+    assert w4a16.dense_faster(32, 512, 32, 1, torch.float32)
+    assert not w4a16.dense_faster(32, 512, 32, 16, torch.float32) and not w4a16.dense_faster(32, 512, 32, 1, torch.bfloat16)
+    assert not w4a16.dense_faster(16, 512, 32, 1, torch.float32)
+
+
+def test_a_packed_projection_runs_dense_only_where_tuning_said_so(monkeypatch):
+    """A 4-bit Projection with the kernels on: the W4A16 kernel for 1-16 rows, except for a row bucket
+    that tuning timed faster on the dequantized 16-bit weight, which it then keeps (computed once)."""
+    from qdflash.engine import linear
+    from qdflash.kernels import w4a16
+    from qdflash.quant.quantlinear import QuantizedWeight, QuantLinear
+
+    n, k, group = 64, 256, 32
+    q, scale, deq = quantized(n, k, group)
+    layer = QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False), QuantizedWeight(q, scale, None, GridSpec(4, group, True)))
+    projection = linear.Projection.of([layer], torch.float32, kernels=True)
+    assert projection.fast
+    calls = []
+    monkeypatch.setattr(linear, "w4a16_matmul", lambda *a: calls.append(a[0].shape[0]) or w4a16_matmul(*a))
+    monkeypatch.setattr(w4a16, "_DENSE_FASTER", {(n, k, group, 16, torch.float32)})  # dense won at 2-16 rows only
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
+    one = projection(x[:1])
+    assert calls == [1] and projection._dense is None  # one row: the kernel, no 16-bit copy made
+    six = projection(x)
+    assert calls == [1] and projection._dense is not None
+    assert torch.equal(six, torch.nn.functional.linear(x, deq))  # the dequantized weight's exact product
+    torch.testing.assert_close(one, six[:1], atol=1e-4, rtol=1e-4)
+    kept = projection._dense
+    projection(x[:3])
+    assert projection._dense is kept and calls == [1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

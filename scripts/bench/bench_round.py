@@ -9,7 +9,8 @@ part by part, in one process.
 Speed does not depend on weight values, so the target is the shape's config with random weights,
 built on the device (no download), and the drafter is an untrained 2-layer DFlash drafter for it.
 Each is timed with the context holding `--context` positions (median of `--reps`, synchronized):
-- the target's decode step (1 token) and verify block (`--block` tokens) on the lean engine's CUDA graphs;
+- the target's decode step (1 token) and verify block (`--block` tokens) on the lean engine's CUDA graphs,
+  its kernels tuned first as bench_speedup tunes them (`kernel_tuning` in the JSON);
 - one draft, eager (DrafterSession: K/V concatenated, kernels launched from Python) and static
   (DrafterEngine: K/V in place, one CUDA graph per context bucket), checked to give the same drafts;
   beside it the target's LM head alone on the block's positions (the drafter shares it: for
@@ -140,6 +141,8 @@ def main() -> None:
         """An engine with the context fed. Every verify length is captured first: a capture runs the
         step at the end of each cache length it reads, which would overwrite the context's positions."""
         built = build_engine(target, max_len=max_len, kernels=True if args.kernels == "on" else "auto", attention=attention)
+        if "kernel_tuning" not in result:  # as bench_speedup does before capturing: tiles per shape, and which
+            result["kernel_tuning"] = built.tune_kernels()  # shapes run the 16-bit weight instead ({} off the GPU)
         built.capture(sorted({1, args.block, *verify_counts}), layer_ids, cuda_graphs=cuda)
         _, context_features = built.forward(ids, 0, layer_ids)  # the context the drafter reads
         return built, context_features

@@ -4,7 +4,9 @@
 matmul reads them all (a decode step is bound by launches and bytes, not FLOPs). Dense `nn.Linear`
 weights are concatenated; `QuantLinear`s on the symmetric 4-bit grid become packed int4 words + scales
 run by the W4A16 Triton kernel (`qdflash.kernels.w4a16`) for up to 16 rows where the kernels run
-(a GPU), and by a dequantized matmul for longer inputs (a prefill). A 16-bit projection at one row
+(a GPU), except for a shape and row count where tuning timed cuBLAS on the dequantized 16-bit weight
+faster (`w4a16.dense_faster`: then that weight is kept beside the packed one and used), and by a
+dequantized matmul for longer inputs (a prefill). A 16-bit projection at one row
 runs the Triton GEMV where `kernels.gemv.tune` found it faster than cuBLAS for its shape (`dense_linear`). Without kernels (the CPU) and for
 other grids (8-bit, asymmetric), quantized layers run as their exact dequantized weight, computed
 once: the same numbers, not the speed. Layers of different kinds are not fused. Biases (Qwen2's
@@ -19,7 +21,7 @@ from torch import nn
 
 from ..kernels import gemv as gemv_kernel
 from ..kernels.gemv import gemv, gemv_config
-from ..kernels.w4a16 import MAX_ROWS, pack_int4, tune, unpack_int4, w4a16_matmul
+from ..kernels.w4a16 import MAX_ROWS, dense_faster, pack_int4, tune, unpack_int4, w4a16_matmul
 from ..quant.grid import GridSpec, dequantize
 from ..quant.quantlinear import QuantLinear
 
@@ -38,6 +40,7 @@ class Projection:
         self.out_features = (weight if weight is not None else words).shape[0]
         self.fast = words is not None and kernels
         self.kernels = kernels
+        self._dense: torch.Tensor | None = None  # the dequantized weight, kept once a tuned-dense shape used it
         if words is not None:
             self.in_features = words.shape[1] * 8
         else:
@@ -64,7 +67,8 @@ class Projection:
 
     @property
     def nbytes(self) -> int:
-        """Bytes a matmul reads from this projection's weights (the bandwidth bound's numerator)."""
+        """Bytes a matmul reads from this projection's weights (the bandwidth bound's numerator): the
+        packed ones for a 4-bit projection, also where tuning moved a row count to the 16-bit copy."""
         if self.weight is not None:
             return self.weight.numel() * self.weight.element_size()
         return self.words.numel() * 4 + self.scale.numel() * self.scale.element_size()
@@ -78,7 +82,11 @@ class Projection:
             return dense_linear(x, self.weight, self.kernels)
         rows = x.reshape(-1, x.shape[-1])
         if self.fast and rows.shape[0] <= MAX_ROWS:
-            return w4a16_matmul(rows, self.words, self.scale, self.group).view(*x.shape[:-1], -1)
+            if not dense_faster(self.out_features, self.in_features, self.group, rows.shape[0], x.dtype):
+                return w4a16_matmul(rows, self.words, self.scale, self.group).view(*x.shape[:-1], -1)
+            if self._dense is None:  # computed once: a captured step reads it at every replay
+                self._dense = self.dequantized()
+            return dense_linear(x, self._dense, self.kernels)
         return F.linear(x, self.dequantized())
 
     def dequantized(self) -> torch.Tensor:
@@ -149,9 +157,12 @@ def tune_projections(projections, dense_shapes=(), dtype: torch.dtype = torch.bf
     packed = {(p.out_features, p.in_features, p.group) for p in projections if p.words is not None and p.fast}
     for n, k, group in sorted(packed):
         for rows in (1, MAX_ROWS):
-            config, ms = tune(n, k, group, rows=rows, dtype=dtype)
-            tuned[f"w4a16 {n}x{k}g{group}@{rows}"] = {"config": config.__dict__, "ms": round(ms, 4)}
+            config, ms, dense_ms = tune(n, k, group, rows=rows, dtype=dtype)
+            tuned[f"w4a16 {n}x{k}g{group}@{rows}"] = {"config": config.__dict__, "ms": round(ms, 4), "dense_ms": round(dense_ms, 4),
+                                                      "used": "dense" if dense_faster(n, k, group, rows, dtype) else "w4a16"}
     dense = {tuple(p.weight.shape) for p in projections if p.weight is not None and p.kernels} | set(map(tuple, dense_shapes))
+    # a packed shape that runs dense at one row: its 16-bit GEMV may beat cuBLAS too
+    dense |= {(n, k) for n, k, group in packed if dense_faster(n, k, group, 1, dtype)}
     for n, k in sorted(dense):
         tuned[f"gemv {n}x{k}"] = gemv_kernel.tune(n, k, dtype=dtype)
     return tuned

@@ -17,7 +17,11 @@ are the same numbers; in bf16 they differ by at most a weight's rounding, 2^-9 r
 
 Wide layers are split along K (`split_k` programs per column block, partial sums reduced in fp32 by
 torch: deterministic, unlike atomics); the tile sizes are chosen per shape by timing on the device
-(`tune`), with enough weight copies to defeat the L2 cache.
+(`tune`), with enough weight copies to defeat the L2 cache. `tune` also times cuBLAS on the 16-bit
+(dequantized) weight at the same shape and rows, and `dense_faster` says where that won: where a step is
+bound by launches and latency rather than weight bytes (small layers on a fast GPU: every projection of
+Qwen2.5-0.5B on the H200, results/published/2026-12-02-h200-qad-sweep), 4-bit weights buy memory, not
+speed, and the engine runs those shapes on the dequantized weight instead (engine.linear.Projection).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import QdflashError
 from . import copies_past_l2, fastest
@@ -207,19 +212,37 @@ def default_config(n: int, k: int, group: int, rows: int = 1, dtype: torch.dtype
 
 
 _TUNED: dict[tuple[int, int, int, int, torch.dtype], Config] = {}
+_DENSE_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # shapes / row buckets where cuBLAS on the 16-bit weight won
+
+
+def dense_faster(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> bool:
+    """Whether `tune` timed cuBLAS on the dequantized 16-bit weight faster than this kernel for the
+    shape, row bucket (1 row, or 2-16 rows) and activation dtype. False where it was not tuned."""
+    return (n, k, group, _bucket(rows), dtype) in _DENSE_FASTER
 
 
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
-         l2_bytes: int = 64 << 20) -> tuple[Config, float]:
+         l2_bytes: int = 64 << 20) -> tuple[Config, float, float]:
     """Time every candidate for [rows, K] x [N, K] and remember the fastest for this shape and row
-    bucket (later calls use it). Each candidate runs once on each of several weight copies (together
-    > 4x the L2 cache, so weights come from HBM) inside one CUDA graph, as in a captured decode step:
-    launch overhead is not what is measured. Returns (config, median ms per call)."""
+    bucket (later calls use it); then cuBLAS on a 16-bit [N, K] weight, remembered where it beats the
+    fastest tile (`dense_faster`). Each candidate runs once on each of several weight copies (together
+    > 4x the L2 cache, so weights come from HBM; the 16-bit copies are 4x larger, so fewer are needed)
+    inside one CUDA graph, as in a captured decode step: launch overhead is not what is measured.
+    Returns (config, its median ms per call, cuBLAS's median ms per call)."""
     copies = copies_past_l2(n * k // 2, l2_bytes)
     ws = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32) for _ in range(copies)]
     ss = [torch.rand(n, k // group, device=device, dtype=dtype) / 64 for _ in range(copies)]
     x = torch.randn(rows, k, device=device, dtype=dtype)
     configs = candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows)
-    best = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c) for w, s in zip(ws, ss)], copies)
-    _TUNED[(n, k, group, _bucket(rows), dtype)] = best[0]
-    return best
+    config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c) for w, s in zip(ws, ss)], copies)
+    del ws, ss
+    key = (n, k, group, _bucket(rows), dtype)
+    _TUNED[key] = config
+    dense_copies = copies_past_l2(n * k * torch.finfo(dtype).bits // 8, l2_bytes)
+    dense = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(dense_copies)]
+    _, dense_ms = fastest([None], lambda _: [F.linear(x, w) for w in dense], dense_copies)
+    if dense_ms < ms:
+        _DENSE_FASTER.add(key)
+    else:
+        _DENSE_FASTER.discard(key)
+    return config, ms, dense_ms

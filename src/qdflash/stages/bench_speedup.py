@@ -194,7 +194,8 @@ def tuning_summary(tuned: dict) -> list[str]:
             winner = "Triton GEMV" if t["used"] else "cuBLAS"
             lines.append(f"{shape}: {winner} (cuBLAS {t['cublas_ms'] * 1e3:.1f} us, GEMV {t['gemv_ms'] * 1e3:.1f} us)")
         else:
-            lines.append(f"{shape}: {t['config']} {t['ms'] * 1e3:.1f} us")
+            lines.append(f"{shape}: {t['used']} (W4A16 {t['config']} {t['ms'] * 1e3:.1f} us, "
+                         f"cuBLAS on the 16-bit weight {t['dense_ms'] * 1e3:.1f} us)")
     return lines
 
 
