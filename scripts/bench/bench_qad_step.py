@@ -9,7 +9,7 @@ Speed does not depend on weight values, so the teacher is the shape's config wit
 exactly as the qad node builds it (qdflash.qad.make_student_trainable). A step is what the node's loop
 does: the teacher's and the student's hidden states, the chunked KL over the whole vocabulary and its
 backward (qdflash.qad.kl_sum_count), gradient clipping and AdamW. Reported per TF32 setting and batch:
-the median step (ms, synchronized), packed tokens/s, the KL head alone (forward and backward of
+the median step (ms, synchronized; bench_round.timed), packed tokens/s, the KL head alone (forward and backward of
 qdflash.distill.chunked_kl on the step's hidden states) and the peak GPU memory.
 """
 
@@ -18,36 +18,20 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_round import SHAPES  # noqa: E402
+from bench_round import SHAPES, random_model, timed  # noqa: E402
 from qdflash.distill import chunked_kl, lm_head_weight, tf32_matmuls  # noqa: E402
 from qdflash.models import synchronize  # noqa: E402
 from qdflash.qad import kl_sum_count, make_student_trainable  # noqa: E402
 from qdflash.quant.apply import quantize_weights, replace_linears, select_linears  # noqa: E402
 from qdflash.quant.grid import GridSpec  # noqa: E402
 from qdflash.tracking import environment  # noqa: E402
-
-
-def timed(fn, device, steps: int, warmup: int) -> float:
-    """Median milliseconds of `fn` over `steps` calls after `warmup` calls, synchronized around each."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -59,18 +43,15 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="qad.chunk_tokens")
     parser.add_argument("--tf32", default="off,on", help="comma-separated: the settings to time (qad.tf32)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per setting (after 2 warm-ups)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per setting (after 3 warm-ups)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    family, shape = SHAPES[args.shape]
+    shape = SHAPES[args.shape][1]
     layers = args.layers or shape["num_hidden_layers"]
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    teacher = model_cls(config_cls(**{**shape, "num_hidden_layers": layers})).to(device=device, dtype=dtype).eval()
+    teacher = random_model(args.shape, layers, device, dtype)
     for p in teacher.parameters():
         p.requires_grad_(False)
     student = copy.deepcopy(teacher)
@@ -111,8 +92,8 @@ def main() -> None:
 
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            step_ms = timed(step, device, args.steps, warmup=2)
-            head_ms = timed(head, device, args.steps, warmup=1)
+            step_ms = timed(step, device, args.steps)
+            head_ms = timed(head, device, args.steps)
             run = {"batch": batch, "tf32": on, "step_ms": round(step_ms, 2), "head_ms": round(head_ms, 2),
                    "head_share": round(head_ms / step_ms, 3),
                    "tokens_per_s": round(batch * args.seq_len / (step_ms / 1e3), 1),

@@ -57,6 +57,17 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
 SHAPES = {"smollm2-135m": ("llama", SMOLLM2), "qwen2.5-coder-0.5b": ("qwen2", QWEN25_05B)}
 
 
+def random_model(shape_name: str, layers: int | None, device, dtype):
+    """The shape's model (transformers' class) with random weights, built on the device: speed does
+    not depend on weight values. `layers`: None for the shape's own depth."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    family, shape = SHAPES[shape_name]
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config = config_cls(**{**shape, "num_hidden_layers": layers or shape["num_hidden_layers"]})
+    return model_cls(config).to(device=device, dtype=dtype).eval()
+
+
 class Target:
     """The attributes of a qdflash target that the engine and the drafter read."""
 
@@ -104,15 +115,11 @@ def main() -> None:
                         help="the engine's Triton kernels: auto (on CUDA) or on (also the CPU, under TRITON_INTERPRET=1)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    family, shape = SHAPES[args.shape]
-    args.layers = args.layers or shape["num_hidden_layers"]
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    model = model_cls(config_cls(**{**shape, "num_hidden_layers": args.layers})).to(device=device, dtype=dtype).eval()
+    args.layers = args.layers or SHAPES[args.shape][1]["num_hidden_layers"]
+    model = random_model(args.shape, args.layers, device, dtype)
     if args.w4:  # the quantize_target node's default linears, RTN on the symmetric 4-bit grid
         from qdflash.quant.apply import quantize_weights, replace_linears, select_linears
         from qdflash.quant.grid import GridSpec
