@@ -22,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 from qdflash.config import load_config, node_overrides  # noqa: E402
+from qdflash.variants import drafter_name, target_name  # noqa: E402
 
 
 def main() -> None:
@@ -33,8 +34,10 @@ def main() -> None:
     parser.add_argument("--source", default=None,
                         help="the experiment whose artifacts are measured, under $QDFLASH_RESULTS (default: the profile "
                              "name, as stage.py --results places them; e.g. h200 after run.sh ... gpu h200)")
-    parser.add_argument("--qad", default="qad_gptq_w4g32", help="target/<this>/model is the QAD target")
-    parser.add_argument("--compressed", nargs="*", default=["gptq_w8g64", "gptq_w4g64"], help="drafter/<these>")
+    parser.add_argument("--qad", default=None, help="target/<this>/model is the QAD target (default: the profile's "
+                        "served one, as the DAG names it: qad_<qad_from>_w<first target bits>g<group>)")
+    parser.add_argument("--compressed", nargs="*", default=None,
+                        help="drafter/<these> (default: the profile's compressed drafters, as the DAG names them)")
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. 'bench.buckets=[[64,128],[2048,256],[8192,256]]'")
     args = parser.parse_args()
 
@@ -42,6 +45,12 @@ def main() -> None:
     config["profile"], config["experiment"] = args.profile, args.name
     profile = config["profiles"][args.profile]
     profile["device"], profile["dtype"] = args.device, args.dtype
+    variants = profile["variants"]
+    if args.qad is None:
+        args.qad = target_name("qad", variants["qad_from"], variants["target_bits"][0], profile["quant"]["group_size"])
+    if args.compressed is None:
+        args.compressed = [drafter_name(profile["compress"]["method"], bits, profile["compress"]["group_size"])
+                           for bits in variants["drafter_bits"] if bits != 16]
     results = Path(os.environ["QDFLASH_RESULTS"])
     source = results / (args.source or args.profile)
     for folder in [source / "data" / "bf16", source / "target" / args.qad, source / "drafter" / "stage1",
