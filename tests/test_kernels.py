@@ -181,6 +181,9 @@ def test_a_packed_projection_runs_dense_only_where_tuning_said_so(monkeypatch):
     kept = projection._dense
     projection(x[:3])
     assert projection._dense is kept and calls == [1]
+    long = torch.randn(20, k, generator=torch.Generator().manual_seed(2))  # a prefill: the kept copy, no kernel
+    monkeypatch.setattr(projection, "dequantized", lambda: pytest.fail("dequantized again although a 16-bit copy is kept"))
+    assert torch.equal(projection(long), torch.nn.functional.linear(long, deq)) and calls == [1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -87,7 +87,8 @@ class Projection:
             if self._dense is None:  # computed once: a captured step reads it at every replay
                 self._dense = self.dequantized()
             return dense_linear(x, self._dense, self.kernels)
-        return F.linear(x, self.dequantized())
+        # a prefill: the kept 16-bit copy where there is one (the same numbers), else dequantized for this call
+        return F.linear(x, self._dense if self._dense is not None else self.dequantized())
 
     def dequantized(self) -> torch.Tensor:
         return dequantize(unpack_int4(self.words), self.scale, None, GridSpec(4, self.group, True)).to(self.dtype)
