@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 from qdflash.config import load_config, node_overrides  # noqa: E402
-from qdflash.variants import drafter_name, target_name  # noqa: E402
+from qdflash.variants import compressed_drafters, served_target  # noqa: E402
 
 
 def main() -> None:
@@ -45,12 +45,8 @@ def main() -> None:
     config["profile"], config["experiment"] = args.profile, args.name
     profile = config["profiles"][args.profile]
     profile["device"], profile["dtype"] = args.device, args.dtype
-    variants = profile["variants"]
-    if args.qad is None:
-        args.qad = target_name("qad", variants["qad_from"], variants["target_bits"][0], profile["quant"]["group_size"])
-    if args.compressed is None:
-        args.compressed = [drafter_name(profile["compress"]["method"], bits, profile["compress"]["group_size"])
-                           for bits in variants["drafter_bits"] if bits != 16]
+    args.qad = args.qad or served_target(profile)
+    args.compressed = compressed_drafters(profile) if args.compressed is None else args.compressed
     results = Path(os.environ["QDFLASH_RESULTS"])
     source = results / (args.source or args.profile)
     for folder in [source / "data" / "bf16", source / "target" / args.qad, source / "drafter" / "stage1",

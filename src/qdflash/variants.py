@@ -80,3 +80,17 @@ def window_name(window) -> str:
 
 def stack_name(target: str, drafter: str, window) -> str:
     return f"{target}+{drafter}+{window_name(window)}"
+
+
+def served_target(profile: dict) -> str:
+    """The target a profile's drafters adapt to, its benchmark measures and its server serves: QAD from
+    `variants.qad_from` at the first width of `variants.target_bits`."""
+    variants = profile["variants"]
+    return target_name("qad", variants["qad_from"], variants["target_bits"][0], profile["quant"]["group_size"])
+
+
+def compressed_drafters(profile: dict) -> list[str]:
+    """The profile's compressed stage-2 drafters, one per `variants.drafter_bits` below 16."""
+    compress = profile["compress"]
+    return [drafter_name(compress["method"], bits, compress["group_size"])
+            for bits in profile["variants"]["drafter_bits"] if bits != 16]

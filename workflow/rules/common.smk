@@ -8,8 +8,8 @@ import sys
 from qdflash.config import active_profile, node_overrides, resolved_inputs, results_root, validate_config
 from qdflash.errors import QdflashError
 # variant names (target / drafter / window): built and parsed in one place, qdflash.variants
-from qdflash.variants import (GROUP_PATTERN, METHOD_PATTERN, TARGET_PATTERN, WINDOW_PATTERN, drafter_name, group_label,
-                              group_size, parse_window, target_name, window_label, window_name)
+from qdflash.variants import (GROUP_PATTERN, METHOD_PATTERN, TARGET_PATTERN, WINDOW_PATTERN, compressed_drafters, drafter_name,
+                              group_label, group_size, parse_window, served_target, target_name, window_label, window_name)
 
 # config/config.yaml's profiles are overlays (qdflash.config): from here on every rule reads them merged
 # over the base (the Hydra group defaults config/<section>/default.yaml plus `base:`), after any

@@ -1,16 +1,14 @@
 # Drafter: stage 1 against the 16-bit target; the QAD target regenerates the data; stage 2 adapts.
 
 # Stage 2 adapts to one quantized target: the QAD variant of the first target bit width.
-QAD_MAIN = expand(QAD, method=VARIANTS["qad_from"], bits=VARIANTS["target_bits"][0], group=GROUP)[0]
+QAD_MAIN = f"{RESULTS}/target/{served_target(PROFILE)}"
 DATA_QAD = f"{RESULTS}/data/qad"
 STAGE1 = f"{RESULTS}/drafter/stage1"
 STAGE2 = f"{RESULTS}/drafter/stage2"
-COMPRESS = PROFILE["compress"]
 DRAFTER_NAME = drafter_name("{dmethod}", "{dbits}", "{dgroup}")
 DRAFTER_COMPRESSED = f"{RESULTS}/drafter/{DRAFTER_NAME}"
 # one compress_drafter job per compressed grid of the sweep (16 bits = the uncompressed stage-2 drafter)
-DRAFTER_VARIANTS = expand(DRAFTER_COMPRESSED, dmethod=COMPRESS["method"], dgroup=group_label(COMPRESS["group_size"]),
-                          dbits=[b for b in VARIANTS["drafter_bits"] if b != 16])
+DRAFTER_VARIANTS = [f"{RESULTS}/drafter/{name}" for name in compressed_drafters(PROFILE)]
 
 
 rule regenerate_data:
