@@ -4,8 +4,9 @@ import re
 
 import pytest
 
-from qdflash.variants import (TARGET_PATTERN, WINDOW_PATTERN, drafter_name, group_label, group_size, parse_drafter,
-                              parse_target, parse_window, stack_name, target_name, window_label, window_name)
+from qdflash.variants import (TARGET_PATTERN, WINDOW_PATTERN, compressed_drafters, drafter_name, group_label, group_size,
+                              parse_drafter, parse_target, parse_window, served_target, stack_name, target_name, window_label,
+                              window_name)
 
 
 @pytest.mark.parametrize("kind,method,bits,group,name", [
@@ -37,3 +38,12 @@ def test_the_rules_write_their_patterns_with_the_same_functions():
     assert target_name("ptq", "{method}", "{bits}", "{group}") == "ptq_{method}_w{bits}g{group}"
     assert drafter_name("{dmethod}", "{dbits}", "{dgroup}") == "{dmethod}_w{dbits}g{dgroup}"
     assert window_name("{window}") == "win{window}"
+
+
+def test_a_profiles_served_target_and_compressed_drafters():
+    """QAD from qad_from at the first target width; one compressed drafter per drafter width below 16."""
+    profile = {"variants": {"qad_from": "gptq", "target_bits": [8, 4], "drafter_bits": [16, 8, 4]},
+               "quant": {"group_size": 32}, "compress": {"method": "gptq", "group_size": -1}}
+    assert served_target(profile) == "qad_gptq_w8g32"
+    assert compressed_drafters(profile) == ["gptq_w8gch", "gptq_w4gch"]
+    assert compressed_drafters({**profile, "variants": {**profile["variants"], "drafter_bits": [16]}}) == []
