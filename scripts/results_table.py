@@ -86,7 +86,11 @@ def model_of(folder: Path) -> str | None:
 
 def answers_of(folder: Path) -> int | None:
     path = folder / "data" / "bf16" / "metrics.json"
-    return json.loads(path.read_text()).get("train.prompts") if path.is_file() else None
+    if not path.is_file():
+        return None
+    metrics = json.loads(path.read_text())
+    # multi-turn data (data.max_turns > 1) answer several turns per prompt: count the answers
+    return metrics.get("train.answers", metrics.get("train.prompts"))
 
 
 def agreement(folder: Path) -> str | None:
