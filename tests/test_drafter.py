@@ -426,10 +426,68 @@ def test_features_without_the_lm_head_are_the_full_forwards(fixture, request):
     target = request.getfixturevalue(fixture)
     ids = torch.randint(5, 1000, (2, 23), generator=torch.Generator().manual_seed(1))
     layer_ids = default_layer_ids(target.config.num_hidden_layers)
-    with_head, greedy = target_pass(target, ids, layer_ids)
+    with_head, greedy = target_pass(target, ids, layer_ids, chunk_rows=5)  # the head a few rows at a time
     features, none = target_pass(target, ids, layer_ids, greedy=False)
     assert none is None and greedy.shape == (2, 23)
     assert torch.equal(features, with_head)
+    assert torch.equal(greedy, target.model(input_ids=ids).logits.argmax(-1))  # the whole forward's argmax
+
+
+def test_target_labels_train_each_block_position_on_the_targets_greedy_token(tiny_llama):
+    """labels=target: block position k of anchor a learns the target's argmax at a+k-1 (what greedy
+    verification accepts there), not the data token; the loss is the drafter's weighted loss on those."""
+    from qdflash.drafter.train import batch_anchors, padded_batch, target_labels
+
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=1)
+    batch = [example(tiny_llama, 30, seed=3, id="a"), example(tiny_llama, 45, seed=4, id="b")]
+    w = loss_weights(4, 7.0)
+    loss = batch_loss(drafter, tiny_llama, batch, w, 6, torch.Generator().manual_seed(0), labels="target")
+    anchors = batch_anchors(batch, 6, torch.Generator().manual_seed(0))
+    input_ids, masks, anchor_t, valid = padded_batch(batch, anchors)
+    features, greedy = target_pass(tiny_llama, input_ids, drafter.config.target_layer_ids)
+    labels = target_labels(input_ids, greedy)
+    logits, targets = draft_blocks(drafter, features, input_ids, masks, anchor_t, valid, label_ids=labels)
+    total, weight = weighted_block_loss_parts(logits.flatten(0, 1), targets.flatten(0, 1), w)
+    torch.testing.assert_close(loss, total / weight)
+    trained = 0
+    for i in range(len(batch)):
+        for j, a in enumerate(anchor_t[i].tolist()):
+            for k in range(1, 4):
+                if valid[i, j] and targets[i, j, k] != IGNORE:
+                    assert targets[i, j, k] == greedy[i, a + k - 1]
+                    trained += 1
+    assert trained > 0
+    _, data_targets = draft_blocks(drafter, features, input_ids, masks, anchor_t, valid)
+    assert not torch.equal(targets, data_targets)  # random data: the target's tokens differ from it
+    assert not torch.isclose(loss, batch_loss(drafter, tiny_llama, batch, w, 6, torch.Generator().manual_seed(0)))
+    with pytest.raises(QdflashError, match="labels='teacher'"):
+        batch_loss(drafter, tiny_llama, batch, w, 6, torch.Generator().manual_seed(0), labels="teacher")
+
+
+def test_target_labels_come_from_the_feature_cache_too(tiny_llama, tmp_path):
+    """With the cache, the target's tokens are kept beside the features: the loss equals the uncached
+    one, the next epoch runs no target forward, and features cached by a data-label run get their
+    tokens with one more forward."""
+    from qdflash.drafter.train import FeatureCache
+
+    drafter = init_drafter(tiny_llama, block_size=4)
+    batch = [example(tiny_llama, 20, seed=1, id="short"), example(tiny_llama, 40, seed=2, id="long")]
+    w, g = loss_weights(4, 7.0), torch.Generator
+    direct = batch_loss(drafter, tiny_llama, batch, w, 6, g().manual_seed(0), labels="target")
+    cache = FeatureCache(tmp_path / "cache")
+    batch_loss(drafter, tiny_llama, batch, w, 6, g().manual_seed(0), cache)  # data labels: features only
+    torch.testing.assert_close(batch_loss(drafter, tiny_llama, batch, w, 6, g().manual_seed(0), cache, labels="target"), direct)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the target ran although everything was cached")
+
+    real = tiny_llama.model.get_decoder
+    tiny_llama.model.get_decoder = no_forward
+    try:
+        again = batch_loss(drafter, tiny_llama, batch, w, 6, g().manual_seed(0), cache, labels="target")
+    finally:
+        tiny_llama.model.get_decoder = real
+    torch.testing.assert_close(again, direct)
 
 
 def test_length_grouped_batches_cover_each_epoch_and_hold_similar_lengths():

@@ -43,15 +43,17 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator |
 
 
 def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
-                 mask_token: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block token ids [n, B] (anchor token then `mask_token`), targets [n, B] (token a+k where it exists
-    and is trained, else IGNORE; position 0 is always IGNORE) and absolute positions [n, B]."""
+                 mask_token: int, label_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block token ids [n, B] (anchor token then `mask_token`), targets [n, B] (token a+k of `label_ids`,
+    default `input_ids`, where it exists and is trained, else IGNORE; position 0 is always IGNORE) and
+    absolute positions [n, B]."""
+    labels = input_ids if label_ids is None else label_ids
     length = input_ids.shape[0]
     offsets = torch.arange(block_size)
     positions = anchors[:, None] + offsets[None, :]
     inside = positions < length
     clipped = positions.clamp(max=length - 1)
-    targets = torch.where(inside & loss_mask[clipped].bool(), input_ids[clipped], torch.full_like(clipped, IGNORE))
+    targets = torch.where(inside & loss_mask[clipped].bool(), labels[clipped], torch.full_like(clipped, IGNORE))
     targets[:, 0] = IGNORE
     ids = torch.full_like(positions, mask_token)
     ids[:, 0] = input_ids[anchors]

@@ -27,17 +27,27 @@ from .model import Drafter
 
 
 @torch.no_grad()
-def target_pass(target, input_ids: torch.Tensor, layer_ids: list[int], greedy: bool = True):
+def target_pass(target, input_ids: torch.Tensor, layer_ids: list[int], greedy: bool = True, chunk_rows: int = 4096):
     """Concatenated hidden states of `layer_ids` [n, L, k*H] and the target's greedy next tokens [n, L]
-    (None with `greedy=False`: training needs only the features, and skipping the LM head saves its
-    [n, L, vocab] logits, for Qwen2.5's 151,936 tokens ~9 GB per 16 x 1,800-token batch in bf16).
-    Right padding needs no attention mask: the target is causal, so real tokens never see it."""
-    if greedy:
-        out = target.model(input_ids=input_ids, output_hidden_states=True)
-    else:
-        out = target.model.get_decoder()(input_ids=input_ids, output_hidden_states=True)
+    (None with `greedy=False`). The LM head runs `chunk_rows` positions at a time, so its [n, L, vocab]
+    logits are never held at once (for Qwen2.5's 151,936 tokens ~9 GB per 16 x 1,800-token batch in
+    bf16). Right padding needs no attention mask: the target is causal, so real tokens never see it."""
+    out = target.model.get_decoder()(input_ids=input_ids, output_hidden_states=True)
     features = tap_features(out.hidden_states, layer_ids)
-    return features, (out.logits.argmax(-1) if greedy else None)
+    if not greedy:
+        return features, None
+    head = target.model.get_output_embeddings()  # the module itself: a bias or a quantized head runs as in forward
+    last = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
+    tokens = torch.cat([head(last[i : i + chunk_rows]).argmax(-1) for i in range(0, last.shape[0], chunk_rows)])
+    return features, tokens.reshape(input_ids.shape)
+
+
+def target_labels(input_ids: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Per position t, the token the target itself would emit there: its greedy prediction from position
+    t-1 (`drafter_train.labels: target`). A block position is accepted in greedy speculative decoding
+    when it equals exactly this token; the sampled data token (T 0.7) differs from it at some positions,
+    which are label noise for acceptance. Position 0 keeps its data token (never a training target)."""
+    return torch.cat([input_ids[:, :1], greedy[:, :-1].to(input_ids.device, input_ids.dtype)], dim=1)
 
 
 def pad_anchors(anchor_lists: list[torch.Tensor], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,10 +75,12 @@ def round_up(value: int, multiple: int) -> int:
 
 def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_masks: torch.Tensor,
                  anchors: torch.Tensor, valid: torch.Tensor | None = None,
-                 attention: str = "sdpa", module=None, head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 attention: str = "sdpa", module=None, head: bool = True,
+                 label_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [n, A, B, V] of every block of a (right-padded) batch in one drafter forward, and the
     targets [n, A, B] (IGNORE where no trained token is, and for padding anchors: `valid` False).
     With `head=False`, the normed states [n, A, B, H] the LM head would read instead of the logits.
+    `label_ids` [n, L]: the targets' tokens (default: `input_ids`, the data; `target_labels`: the target's).
 
     input_ids / loss_masks [n, L], features [n, L, k*H], anchors [n, A] (CPU tensors except features).
     attention: "sdpa" (a dense boolean mask) or "flex" (flex_attention's block-sparse mask).
@@ -78,7 +90,8 @@ def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tens
     b = drafter.block_size
     n, length = input_ids.shape
     device = features.device
-    blocks = [block_inputs(input_ids[i], loss_masks[i], anchors[i], b, drafter.mask_id) for i in range(n)]
+    blocks = [block_inputs(input_ids[i], loss_masks[i], anchors[i], b, drafter.mask_id,
+                           None if label_ids is None else label_ids[i]) for i in range(n)]
     ids, targets, positions = (torch.stack(parts) for parts in zip(*blocks))
     if valid is not None:
         targets = torch.where(valid[..., None], targets, torch.full_like(targets, IGNORE))
@@ -160,7 +173,7 @@ def batch_anchors(examples: list[dict], anchors_per_seq: int, generator: torch.G
 def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Tensor, anchors_per_seq: int,
                generator: torch.Generator | None, cache: FeatureCache | None = None, attention: str = "sdpa",
                pad_length: int | None = None, anchor_lists: list[torch.Tensor] | None = None, module=None,
-               parts: bool = False):
+               parts: bool = False, labels: str = "data"):
     """Weighted block loss of a batch of sequences (right-padded, one target and one drafter forward).
     With `cache`, features come per sequence from disk (computed unpadded on a miss).
     `pad_length` (and `anchors_per_seq` anchors always) gives every batch one shape, so a compiled
@@ -168,7 +181,12 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
     beforehand (batch_anchors; else drawn here from `generator`); `module`: the drafter's DDP
     wrapper; `parts`: return (weighted loss sum, weight sum) instead of their ratio. The LM head and
     cross-entropy run on the trained rows only, a chunk at a time (blocks.weighted_linear_block_loss_parts).
+    `labels`: what a block position learns, "data" (the training sequence's next token) or "target" (the
+    target's own greedy next token on the same prefix, `target_labels`; cached beside the features).
     None when no sequence has an anchor."""
+    if labels not in ("data", "target"):
+        raise QdflashError(f"drafter_train.labels={labels!r}: expected 'data' or 'target'")
+    want_greedy = labels == "target"
     device = next(drafter.parameters()).device
     if anchor_lists is None:
         anchor_lists = batch_anchors(examples, anchors_per_seq, generator)
@@ -179,17 +197,34 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
     input_ids, loss_masks, anchors, valid = padded_batch(examples, anchor_lists, pad_length,
                                                          anchors_per_seq if pad_length else None)
     layer_ids = drafter.config.target_layer_ids
+    greedy = None
     if cache is not None:
+        fresh_greedy = {}
+
         def compute(indices):  # one forward over the missing rows; each keeps its own length
             width = max(len(examples[i]["input_ids"]) for i in indices)
-            features = target_pass(target, input_ids[indices, :width].to(device), layer_ids, greedy=False)[0]
+            features, tokens = target_pass(target, input_ids[indices, :width].to(device), layer_ids, greedy=want_greedy)
+            for row, i in enumerate(indices):
+                if want_greedy:
+                    fresh_greedy[i] = tokens[row, : len(examples[i]["input_ids"])]
             return [features[row, : len(examples[i]["input_ids"])] for row, i in enumerate(indices)]
 
-        rows = cache.get_batch([feature_key(ex) for ex in examples], compute)
+        keys = [feature_key(ex) for ex in examples]
+        rows = cache.get_batch(keys, compute)
         features = pad_right([r.to(device) for r in rows], 0, pad_length)
+        if want_greedy:
+            def compute_greedy(indices):  # features cached by a run with data labels: one more target pass
+                missing = [i for i in indices if i not in fresh_greedy]
+                if missing:
+                    compute(missing)
+                return [fresh_greedy[i] for i in indices]
+
+            greedy = pad_right(cache.get_batch([f"{key}.greedy" for key in keys], compute_greedy), 0, input_ids.shape[1])
     else:
-        features = target_pass(target, input_ids.to(device), layer_ids, greedy=False)[0]
-    hidden, targets = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, module, head=False)
+        features, greedy = target_pass(target, input_ids.to(device), layer_ids, greedy=want_greedy)
+    label_ids = None if greedy is None else target_labels(input_ids, greedy.cpu())
+    hidden, targets = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, module, head=False,
+                                   label_ids=label_ids)
     total, weight = weighted_linear_block_loss_parts(hidden.flatten(0, 1), drafter.head_weight(), targets.flatten(0, 1), weights)
     return (total, weight) if parts else total / weight.clamp_min(1e-9)
 
@@ -247,4 +282,4 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
 
 
 __all__ = ["IGNORE", "FeatureCache", "batch_loss", "draft_blocks", "estimate_acceptance", "pad_anchors", "pad_right",
-           "target_pass"]
+           "target_labels", "target_pass"]

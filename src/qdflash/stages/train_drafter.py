@@ -210,6 +210,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     batches = epoch_batches(len(train), train_cfg.batch_size, train_cfg.seed,
                             lengths=[len(ex["input_ids"]) for ex in train], group=group)
     run.metrics["train.group_by_length"] = group
+    labels = str(train_cfg.get("labels", "data"))
+    if labels not in ("data", "target"):  # before any step: batch_loss would say so only after the model loads
+        raise QdflashError(f"drafter_train.labels={labels!r}: expected 'data' or 'target'")
+    run.metrics["train.labels"] = labels
     generator = torch.Generator().manual_seed(train_cfg.seed)
     # cached features live beside the output (not inside it) and are removed when the node succeeds
     cache = (FeatureCache(feature_cache_folder(cfg.out_dir, cfg.model.name, cfg.dtype, drafter.config.target_layer_ids))
@@ -235,7 +239,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
 
         def forward_backward():
             parts = batch_loss(drafter, target, mine, weights, train_cfg.anchors_per_seq, None, cache,
-                               attention, pad_length, anchor_lists=shard(anchors, world), module=model, parts=True)
+                               attention, pad_length, anchor_lists=shard(anchors, world), module=model, parts=True,
+                               labels=labels)
             if parts is None:
                 if world.distributed:  # the other ranks wait in the all-reduce: stop with the reason instead
                     raise QdflashError(f"step {step}: rank {world.rank}'s slice of the batch has no trained block; "
