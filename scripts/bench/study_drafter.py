@@ -10,6 +10,7 @@ device call; the folder ROOT survives between calls while the machine stays warm
     python scripts/bench/study_drafter.py data ROOT                       # the 16-bit target's answers
     python scripts/bench/study_drafter.py probe ROOT                      # training sequences per second
     python scripts/bench/study_drafter.py train ROOT NAME --epochs 4 --budget-s 480   # sized by the probe
+    python scripts/bench/study_drafter.py train ROOT NAME2 --max-examples N --set drafter_train.labels=target  # an arm
     python scripts/bench/study_drafter.py bench ROOT NAME [--verify-tokens V]   # tau, speedup, mismatches
 
 `train` trains on as many examples as `epochs` passes fit in `budget-s` seconds at the probe's rate
@@ -63,7 +64,7 @@ REHEARSAL = {
                          "mmlu": {"n_train": 4, "n_heldout": 2}, "humaneval": {"n_heldout": 2}},
              "max_prompt_tokens": 256, "max_sequence_tokens": 400, "generation": {"max_new_tokens": 24, "batch_size": 8}},
     "drafter_train": {"batch_size": 2, "anchors_per_seq": 8, "max_length": 256, "eval_anchors_per_seq": 8, "heldout_samples": 4},
-    "drafter": {"block_size": 4},
+    "drafter": {"block_size": 4, "mask_token_id": None},  # the gpu profile's mask token is past tiny-qwen2's vocabulary
 }
 
 
@@ -137,12 +138,25 @@ def step_train(root: Path, args) -> None:
     else:
         n = min(examples, int(args.budget_s * study["probe"]["sequences_per_s"] / args.epochs))
     extra = {"stage": 1, "data_dir": str(root / "data"), "drafter_train.epochs": args.epochs,
-             "drafter_train.max_examples": n, "drafter.num_layers": args.layers}
+             "drafter_train.max_examples": n, "drafter.num_layers": args.layers, **overrides(args.set)}
     m = run_node(root, "train_drafter", root / args.name, ["drafter", "drafter_train"], extra)
     keep = {k: v for k, v in m.items() if k.startswith(("train.", "final.", "drafter.", "study."))
             and k not in ("train.loss_curve",)}
     keep["train.loss_curve_every_50"] = m["train.loss_curve"][::50]
     record(root, f"train.{args.name}", keep)
+
+
+def overrides(pairs: list[str]) -> dict:
+    """`--set KEY=VALUE` pairs (VALUE read as YAML: 256, 1.0e-3, target) for an arm of the study."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.startswith(("drafter.", "drafter_train.")):
+            raise SystemExit(f"study_drafter: --set {pair!r}: expected drafter.KEY=VALUE or drafter_train.KEY=VALUE")
+        out[key] = yaml.safe_load(value)
+    return out
 
 
 def step_bench(root: Path, args) -> None:
@@ -210,6 +224,9 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=2048, help="the long prompt's tokens (and the filler prompt's)")
     parser.add_argument("--verify-tokens", type=int, default=None,
                         help="bench: tokens a speculative round verifies, 1 < V <= block size (default: the whole block)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="train: one more drafter./drafter_train. override for this arm, e.g. "
+                             "--set drafter_train.labels=target --set drafter_train.anchors_per_seq=256")
     parser.add_argument("--rehearse", action="store_true", help="toy sizes on the CPU (tiny-qwen2)")
     args = parser.parse_args()
     if args.rehearse:
