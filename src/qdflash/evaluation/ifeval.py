@@ -9,8 +9,8 @@ does not have. `install_offline_splitter()` swaps in the `nupunkt` sentence spli
 implementation that ships its model inside the PyPI package) at exactly those two places, so that
 every instruction type stays verifiable; `SENTENCE_SPLITTER` names it for the node's metrics.json.
 
-The gate's per-item score is `prompt_level_strict_acc`: 1 when the response follows every
-instruction of the prompt, else 0.
+The gate reads `inst_level_strict_acc` (RECIPE's IFEval gate; `qdflash.stages.quality_gate.LOCAL_TASKS`):
+per prompt, the share of its instructions the response follows strictly (0, 1/3, 1/2, ..., 1).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from .tasks import greedy_generation, scoring_module, write_task
 
 FILE_NAME = "input_data.jsonl"
 FIELDS = ("key", "prompt", "instruction_id_list", "kwargs")
-GATE_METRIC = "prompt_level_strict_acc"
 _UTIL_MODULE = "lm_eval.tasks.ifeval.instructions_util"
 
 
