@@ -28,6 +28,16 @@ def test_window_rows_measured_on_long_prompts_only_do_not_outrank_full_rows():
     assert select_fastest([row("win256", 50.0, window=256)])["variant"] == "win256"
 
 
+def test_window_rows_measured_on_the_same_prompts_compete_with_full_rows():
+    """bench.window_prompts: all: a window job that measured the window-less job's very prompts (the same
+    prompt_set) competes; one that measured another set still does not."""
+    same = dict(row("win256", 50.0, window=256), prompt_set="abc")
+    other = dict(row("win1024", 60.0, window=1024), prompt_set="long-only")
+    rows = [dict(row("full", 10.0), prompt_set="abc"), same, other]
+    assert select_fastest(rows)["variant"] == "win256"
+    assert [r["selected"] for r in rows] == [0, 1, 0]
+
+
 def test_drafter_names_and_bits():
     assert drafter_bits("spec_qad_stage2") == ("stage2", 16)
     assert drafter_bits("spec_qad_gptq_w4g64") == ("gptq_w4g64", 4)

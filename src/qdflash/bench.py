@@ -9,6 +9,8 @@ round differently) or a bug (margin above `MARGIN_BUG`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -60,6 +62,13 @@ class MethodResult:
     @property
     def acceptance(self) -> list[int]:
         return [n for r in self.runs for n in r.acceptance_lengths]
+
+
+def prompt_set(cases) -> str:
+    """A digest of the prompts a job measured (labels, token ids, new tokens): two jobs' rows compare
+    only when they measured the same set (qdflash.report.select_fastest)."""
+    digest = json.dumps([[c.label, list(c.ids), c.max_new_tokens] for c in cases])
+    return hashlib.sha256(digest.encode()).hexdigest()[:16]
 
 
 def category_cases(data_dir, tokenizer, per_category: int, max_new_tokens: int) -> list[PromptCase]:

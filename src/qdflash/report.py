@@ -5,7 +5,9 @@ A *variant* is what a user would deploy: the speculative method on the quantized
 bits), with one drafter (its bits) and one drafter window. Its speed comes from the benchmark job of
 that window ("all prompts" row), its quality verdict from the target's quality gate. `selected`: the
 fastest variant (tokens/s) whose target passes every gate and whose greedy outputs had no mismatch
-bug; none when no variant qualifies (said so in metrics.json, never guessed).
+bug, among the variants measured on the window-less job's prompts (a window job measures them too
+with `bench.window_prompts: all`, else only its long prompts); none when no variant qualifies (said
+so in metrics.json, never guessed).
 """
 
 from __future__ import annotations
@@ -58,18 +60,21 @@ def summary_rows(bench_dirs: list[Path], target: str, target_bits: int, passes_g
                 "speedup_vs_hf_compiled": round(m[f"{key}.tokens_per_s"] / static, 4) if static else "",
                 "speedup_vs_ar16": m[f"{key}.speedup_vs_ar16"], "speedup_vs_ar_quant": m[f"{key}.speedup_vs_ar_qad"],
                 "mismatches": m[f"{key}.mismatches"], "mismatch_bugs": m[f"{key}.mismatch_bugs"], "prompts": m["prompts"],
+                "prompt_set": m.get("prompt_set", ""),  # not a column: which rows compare (select_fastest)
             })
     return rows
 
 
 def select_fastest(rows: list[dict]) -> dict | None:
     """Mark (selected = 1) and return the fastest row that passes every gate with no mismatch bug.
-    Rows benchmarked on fewer prompts (a window job measures only long prompts) compete only with
-    rows measured on the same prompts, so the choice is made among window-less rows first."""
+    Only rows measured on the same prompts compare: the window-less job's, and a window job's where it
+    measured the very same set (`prompt_set`, bench.window_prompts: all). A window job that measured only
+    its long prompts does not compete with them (it is chosen only when no window-less row qualifies)."""
     eligible = [r for r in rows if r["passes_gates"] == 1 and r["mismatch_bugs"] == 0]
     if not eligible:
         return None
-    full = [r for r in eligible if r["window"] == ""] or eligible
+    full_sets = {r.get("prompt_set", "") for r in rows if r["window"] == ""} - {""}
+    full = [r for r in eligible if r["window"] == "" or (r.get("prompt_set", "") in full_sets)] or eligible
     best = max(full, key=lambda r: r["tokens_per_s"])
     best["selected"] = 1
     return best

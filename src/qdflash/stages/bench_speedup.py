@@ -19,7 +19,10 @@ attention in decode steps, verify blocks and drafts (sdpa, or the Triton kernel:
 DrafterEngine(attention=)).
 The drafter window (`bench.window`) is one per job: the sweep runs one job per window. A job with a
 window measures only prompts longer than it (where it can engage; from `bench.window_buckets` when
-set, e.g. up to the model's context, else `bench.buckets`), with this project's autoregressive
+set, e.g. up to the model's context, else `bench.buckets`), or, with `bench.window_prompts: all`,
+every prompt of the window-less job, so that its variants' "all" rows are measured on the same prompts
+(`prompt_set` in metrics.json: a digest of the prompts) and compete with the window-less ones in the
+selection (qdflash.report.select_fastest); either way with this project's autoregressive
 baselines (b), (c) and the stage-2 drafters (uncompressed and compressed); transformers' (a) and (a')
 do not depend on the window and are measured in the window-less job only (its speed.csv and
 metrics.json), so a window job's `speedup_vs_plain16` is blank.
@@ -64,12 +67,18 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     context_len = getattr(target16.config, "max_position_embeddings", 4096)
     window = b.window
     verify = verify_length(stage1_16, b.get("verify_tokens"))  # every speculative method's verify length
+    every_prompt = b.get("window_prompts", "long") == "all"
+    if b.get("window_prompts", "long") not in ("long", "all"):
+        raise QdflashError(f"bench.window_prompts={b.window_prompts!r}: expected 'long' or 'all'")
+    if every_prompt and b.get("window_buckets") is not None:
+        raise QdflashError("bench.window_prompts=all measures the window-less job's prompts, which come from "
+                           "bench.buckets: set bench.window_buckets to null")
     # a window job may measure longer buckets than the window-less one (the window engages on long contexts only)
     chosen = b.buckets if window is None or b.get("window_buckets") is None else b.window_buckets
     buckets = OmegaConf.to_container(chosen, resolve=True)
     cases = bench.category_cases(cfg.data_dir, tok, b.prompts_per_category, b.max_new_tokens)
     cases += bench.bucket_cases(cfg.data_dir, tok, buckets, context_len, b.filler)
-    if window is not None:  # a window can only engage on a context longer than itself: measure those
+    if window is not None and not every_prompt:  # a window can only engage on a context longer than itself
         cases = [c for c in cases if len(c.ids) > window]
         if not cases:
             raise QdflashError(f"bench.window={window}: no benchmark prompt is longer than the window (buckets {buckets})")
@@ -180,7 +189,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                                             for i, case in enumerate(cases)])
     if cuda:
         run.metrics["cuda.device"] = torch.cuda.get_device_name()
-    run.metrics.update({"prompts": len(cases), "dtype": str(target16.dtype), "window": -1 if window is None else int(window),
+    run.metrics.update({"prompts": len(cases), "prompt_set": bench.prompt_set(cases), "dtype": str(target16.dtype),
+                        "window": -1 if window is None else int(window),
                         "block_size": stage1_16.block_size, "verify_tokens": verify})
     bugs = sum(v for k, v in run.metrics.items() if k.startswith("all.") and k.endswith(".mismatch_bugs"))
     log.info("speculative vs autoregressive: %d mismatch bugs (%s)", bugs, "float32: any mismatch" if fp32 else f"margin > {bench.MARGIN_BUG}")
