@@ -24,7 +24,7 @@ def test_compare_counts_mismatches_and_calls_fp32_ones_bugs(tiny_llama):
     assert bf16["mismatch_bugs"] == (1 if margin > bench.MARGIN_BUG else 0)
 
 
-def test_methods_take_turns_prompt_by_prompt():
+def test_methods_take_turns_prompt_by_prompt_in_a_rotating_order():
     calls = []
 
     def method(name):
@@ -37,7 +37,9 @@ def test_methods_take_turns_prompt_by_prompt():
     results = bench.run_interleaved({"x": method("x"), "y": method("y")}, cases, warmup=1)
     # warm-up: the first prompt at 8 new tokens, then at its measured length (two cache shapes)
     assert calls[:4] == [("x", 2, 8), ("x", 2, 12), ("y", 2, 8), ("y", 2, 12)]
-    assert calls[4:] == [("x", 2, 12), ("y", 2, 12), ("x", 3, 5), ("y", 3, 5)]
+    # the order rotates per prompt: no method always runs right after the same one
+    assert calls[4:] == [("x", 2, 12), ("y", 2, 12), ("y", 3, 5), ("x", 3, 5)]
+    assert [len(r.tokens) for r in results["x"].runs] == [12, 5]  # each method's runs stay in prompt order
     assert results["x"].tokens == 17 and results["x"].tokens_per_s == 17.0
     assert results["y"].subset([False, True]).tokens == 5
 

@@ -153,7 +153,15 @@ def warmup_lengths(max_new_tokens: int) -> list[int]:
 
 def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1) -> dict[str, MethodResult]:
     """Every method on every prompt, the methods taking turns prompt by prompt, so that a change of
-    machine load in the middle of the benchmark hits all methods alike (ratios stay fair)."""
+    machine load in the middle of the benchmark hits all methods alike (ratios stay fair). The turn
+    order rotates by one method per prompt, so that no method always runs right after the same one:
+    with a fixed order, autoregressive 16-bit decoding always followed transformers' `generate`
+    (host-bound, the GPU mostly idle) and measured slower per prompt than the same kernels on the W8
+    target's dense weights (results/published/2026-12-02-h200-qwen-w8, "Noticed"; the order is the
+    suspect). Python's garbage collector runs before each turn, outside the timing, so that one method's
+    garbage is not collected in another's."""
+    import gc
+
     from tqdm.auto import tqdm
 
     for fn in methods.values():
@@ -162,8 +170,11 @@ def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1) -> 
                 fn(case.ids, n)
     results = {name: MethodResult() for name in methods}
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    for case in tqdm(cases, desc="benchmark", unit="prompt"):
-        for name, fn in methods.items():
+    names = list(methods)
+    for i, case in enumerate(tqdm(cases, desc="benchmark", unit="prompt")):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            fn = methods[name]
+            gc.collect()
             if cuda:  # what the run allocates on top of what is resident (weights, static caches)
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
