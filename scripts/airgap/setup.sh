@@ -25,5 +25,6 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$QDFLASH_SITE" "$QDFLASH_STAGE"/bundle/wheels/*.whl
 python3 -c "import snakemake, hydra, wandb, transformers, gguf, torch; print('setup: ok | torch', torch.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name(0))"
 # every third-party module src/qdflash imports (lazy ones too) must import here, or a node fails mid-run
-python3 "$(dirname "$0")/preflight.py" || { echo "setup: not ready (preflight)"; exit 5; }
+# (the server's fastapi/uvicorn/openai too, when the bundle brought them: stage.py's serve set)
+python3 "$(dirname "$0")/preflight.py" --wheels "$QDFLASH_STAGE/bundle/wheels" || { echo "setup: not ready (preflight)"; exit 5; }
 touch "$QDFLASH_STAGE/READY"

