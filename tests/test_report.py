@@ -38,6 +38,14 @@ def test_window_rows_measured_on_the_same_prompts_compete_with_full_rows():
     assert [r["selected"] for r in rows] == [0, 1, 0]
 
 
+def test_jobs_compare_by_the_speedup_measured_in_their_own_process():
+    """A window job that ran on a slower machine moment has lower tokens/s but the higher speedup over
+    the same baseline measured beside it: the ratio decides, not the raw rate across processes."""
+    rows = [dict(row("full", 400.0), prompt_set="abc", speedup_vs_ar16=1.05),
+            dict(row("win256", 380.0, window=256), prompt_set="abc", speedup_vs_ar16=1.30)]
+    assert select_fastest(rows)["variant"] == "win256"
+
+
 def test_drafter_names_and_bits():
     assert drafter_bits("spec_qad_stage2") == ("stage2", 16)
     assert drafter_bits("spec_qad_gptq_w4g64") == ("gptq_w4g64", 4)
