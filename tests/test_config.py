@@ -146,6 +146,17 @@ def test_scaling_sizes_must_fit_its_data(config):
     assert "profiles.gpu.scaling.n_train: ['wikipedia'] are not sources" in error_of(config)
 
 
+def test_scaling_arms_must_override_drafter_train_keys(config):
+    scaling = config["profiles"]["gpu"]["scaling"]
+    scaling["arms"] = {"deeper": {"num_layers": 4}}  # a drafter key, not a drafter_train one
+    assert "profiles.gpu.scaling.arms.deeper: ['num_layers'] are not drafter_train keys" in error_of(config)
+    scaling["arms"] = {"bad name": {"labels": "target"}}
+    assert "bad name" in error_of(config)
+    scaling["arms"] = {"target_labels": {"labels": "target"}}
+    scaling["drafter_train"]["learning_rate"] = 1e-3
+    assert "profiles.gpu.scaling.drafter_train: ['learning_rate'] are not drafter_train keys" in error_of(config)
+
+
 def differences(want, got, path=""):
     """Where `got` (a composed Hydra section) differs from `want` (a profile's section): every leaf of
     `want`; gates.tasks compared whole (the profile's tasks replace the node's)."""

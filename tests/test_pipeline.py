@@ -437,7 +437,7 @@ def test_drafter_scaling_study_on_ci(tmp_path):
         assert a["input_ids"] == b["input_ids"][: len(a["input_ids"])]
 
     lines = (results / "scaling" / "table.md").read_text().splitlines()
-    assert len(lines) == 2 + len(scaling["sizes"]) * len(scaling["depths"])
+    assert len(lines) == 2 + len(scaling["sizes"]) * len(scaling["depths"]) + len(scaling["arms"])
     runs = {}
     for size in scaling["sizes"]:
         for depth in scaling["depths"]:
@@ -451,6 +451,13 @@ def test_drafter_scaling_study_on_ci(tmp_path):
             assert m["train.seconds_by_epoch"] == sorted(m["train.seconds_by_epoch"]) and m["train.seconds_by_epoch"][-1] == m["train.seconds"]
             runs[size, depth] = m
     assert "tau_by_epoch" in lines[0]
+    # an arm: the largest size at the first depth with only its overrides changed (here the labels)
+    for name, overrides in scaling["arms"].items():
+        arm = json.loads((results / "scaling" / "drafter" / f"n{max(scaling['sizes'])}-L{scaling['depths'][0]}-{name}" / "metrics.json").read_text())
+        plain = runs[max(scaling["sizes"]), scaling["depths"][0]]
+        assert arm["train.labels"] == overrides["labels"] != plain["train.labels"] == "data"
+        assert (arm["train.examples"], arm["train.steps"], arm["drafter.layers"]) == (plain["train.examples"], plain["train.steps"], plain["drafter.layers"])
+        assert any(line.startswith(f"| n{max(scaling['sizes'])}-L{scaling['depths'][0]}-{name} ") for line in lines)
     assert runs[scaling["sizes"][0], 1]["drafter.parameters"] < runs[scaling["sizes"][0], 2]["drafter.parameters"]
 
 

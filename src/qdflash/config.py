@@ -162,13 +162,20 @@ def validate_config(config: dict, where: str = "config/config.yaml") -> dict:
 
 
 def scaling_problems(where: str, profile: dict) -> list[str]:
-    """What the schema cannot say about `scaling`: its sources exist, its largest size fits the data."""
+    """What the schema cannot say about `scaling`: its sources exist, its overrides are drafter_train
+    keys, its largest size fits the data."""
     scaling = profile.get("scaling")
     if not scaling:
         return []
     unknown = sorted(set(scaling["n_train"]) - set(profile["data"]["sources"]))
     if unknown:
         return [f"{where}.n_train: {unknown} are not sources of this profile's data ({sorted(profile['data']['sources'])})"]
+    train_keys = set(load_schema()["$defs"]["drafter_train"]["properties"])
+    for key, overrides in [("drafter_train", scaling.get("drafter_train") or {}),
+                           *((f"arms.{name}", arm) for name, arm in (scaling.get("arms") or {}).items())]:
+        unknown = sorted(set(overrides) - train_keys)
+        if unknown:
+            return [f"{where}.{key}: {unknown} are not drafter_train keys ({sorted(train_keys)})"]
     total = sum(scaling["n_train"].values())
     if max(scaling["sizes"]) > total:
         return [f"{where}.sizes: the largest size {max(scaling['sizes'])} exceeds the {total} training prompts of n_train"]

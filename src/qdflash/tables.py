@@ -56,20 +56,21 @@ def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
         writer.writerows(rows)
 
 
-SCALING_COLUMNS = ["examples", "train_tokens", "layers", "parameters", "steps", "epochs", "train_seconds", "first_step_seconds",
+SCALING_COLUMNS = ["run", "examples", "train_tokens", "layers", "parameters", "steps", "epochs", "train_seconds", "first_step_seconds",
                    "tau", "tau_chat", "tau_code", "tau_knowledge", "tau_math", "accept_pos1", "heldout_blocks",
                    "tau_by_epoch", "seconds_by_epoch"]
 
 
 def scaling_rows(scaling_dir: Path) -> list[dict]:
-    """One row per scaling run (`drafter/n{size}-L{depth}`), sorted by depth then data size."""
+    """One row per scaling run (`drafter/n{size}-L{depth}`, an arm's `n{size}-L{depth}-{arm}`), sorted by
+    depth, then data size, then run name (a size's plain run before its arms)."""
     rows = []
     for folder in (scaling_dir / "drafter").glob("n*-L*/"):
-        if not re.fullmatch(r"n\d+-L\d+", folder.name):  # e.g. a *.partial-* folder of a run cut off
+        if not re.fullmatch(r"n\d+-L\d+(-[A-Za-z0-9_]+)?", folder.name):  # e.g. a *.partial-* folder of a run cut off
             continue
         m = json.loads((folder / "metrics.json").read_text())
         rows.append({
-            "examples": m["train.examples"], "train_tokens": m["train.tokens"], "layers": m["drafter.layers"],
+            "run": folder.name, "examples": m["train.examples"], "train_tokens": m["train.tokens"], "layers": m["drafter.layers"],
             "parameters": m["drafter.parameters"], "steps": m["train.steps"],
             "epochs": round(m["train.steps"] * m.get("train.batch_size", 0) / m["train.examples"], 3) if m.get("train.batch_size") else "",
             "train_seconds": m["train.seconds"], "first_step_seconds": m.get("train.first_step_seconds", ""), "tau": round(m["final.tau"], 4),
@@ -79,7 +80,7 @@ def scaling_rows(scaling_dir: Path) -> list[dict]:
             "tau_by_epoch": " ".join(f"{t:.3f}" for t in m.get("train.tau_by_epoch", [])),
             "seconds_by_epoch": " ".join(f"{t:.0f}" for t in m.get("train.seconds_by_epoch", [])),
         })
-    return sorted(rows, key=lambda r: (r["layers"], r["examples"]))
+    return sorted(rows, key=lambda r: (r["layers"], r["examples"], r["run"]))
 
 
 def main(argv: list[str]) -> None:

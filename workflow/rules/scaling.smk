@@ -1,8 +1,10 @@
 # Drafter scaling study (optional; `snakemake drafter_scaling --config profile=gpu`): stage-1 tau
 # against the 16-bit target as a function of training data and drafter depth, each with its training
 # time. Its data is generated in shards (each fits in a short job; merge_data joins them) and every
-# training run reads a nested subset of the same merged data, so sizes differ only in data.
+# training run reads a nested subset of the same merged data, so sizes differ only in data. `arms`:
+# named drafter_train changes (e.g. the labels), each one more run at the largest size and first depth.
 import copy
+import re
 
 from qdflash.config import flatten as flat_overrides  # (snakemake has its own `flatten`)
 
@@ -13,13 +15,17 @@ if SCALING:
     SCALING_SHARD = f"{SCALING_DIR}/data/shard-{{index}}"
     SCALING_SHARDS = expand(SCALING_SHARD, index=range(SCALING["shards"]))
     SCALING_DATA = f"{SCALING_DIR}/data/merged"
-    SCALING_RUN = f"{SCALING_DIR}/drafter/n{{size}}-L{{depth}}"
     if SCALING.get("design", "grid") == "grid":
         SCALING_PAIRS = [(s, d) for s in SCALING["sizes"] for d in SCALING["depths"]]
     else:  # cross: the data axis at the first depth, the depth axis at the largest data size
         SCALING_PAIRS = [(s, SCALING["depths"][0]) for s in SCALING["sizes"]]
         SCALING_PAIRS += [(max(SCALING["sizes"]), d) for d in SCALING["depths"][1:]]
-    SCALING_RUNS = [SCALING_RUN.format(size=s, depth=d) for s, d in SCALING_PAIRS]
+    # run name -> (examples, layers, drafter_train overrides); an arm changes only its overrides, at the
+    # largest size and the first depth, so it compares with that run at equal data and steps
+    SCALING_SPECS = {f"n{s}-L{d}": (s, d, {}) for s, d in SCALING_PAIRS}
+    for _arm, _overrides in (SCALING.get("arms") or {}).items():
+        SCALING_SPECS[f"n{max(SCALING['sizes'])}-L{SCALING['depths'][0]}-{_arm}"] = (max(SCALING["sizes"]), SCALING["depths"][0], _overrides)
+    SCALING_RUNS = [f"{SCALING_DIR}/drafter/{name}" for name in SCALING_SPECS]
 
     # the profile's data and training sections with the study's own sizes
     SCALING_DATA_SECTION = copy.deepcopy(PROFILE["data"])
@@ -69,27 +75,31 @@ if SCALING:
             "{params.python} -m qdflash.stages.merge_data {params.args} > {log} 2>&1"
 
     rule scaling_drafter:
-        """Stage 1 on the first {size} examples (a fixed nested subset) with {depth} drafter layers,
-        `epochs` passes. All cores: one training run at a time, so its wall time is its own."""
+        """Stage 1 of run {run}: its size's examples (a fixed nested subset), its depth, its arm's
+        drafter_train overrides, `epochs` passes. All cores: one training run at a time, so its wall
+        time is its own."""
         input:
             data=SCALING_DATA,
         output:
-            directory(SCALING_RUN),
+            directory(f"{SCALING_DIR}/drafter/{{run}}"),
         log:
-            log_file("scaling_drafter", "n{size}-L{depth}"),
+            log_file("scaling_drafter", "{run}"),
         conda:
             ENV
         params:
             python=PYTHON,
                 args=hydra_args(
                 "train_drafter", ["drafter"],
-                lambda wc, input: {**dict(flat_overrides("drafter_train", SCALING_TRAIN_SECTION)), "stage": 1,
-                                   "data_dir": input.data, "drafter.num_layers": int(wc.depth),
-                                   "drafter_train.max_examples": int(wc.size)},
+                lambda wc, input: {**dict(flat_overrides("drafter_train", {**SCALING_TRAIN_SECTION, **SCALING_SPECS[wc.run][2]})),
+                                   "stage": 1, "data_dir": input.data, "drafter.num_layers": SCALING_SPECS[wc.run][1],
+                                   "drafter_train.max_examples": SCALING_SPECS[wc.run][0]},
             ),
-            config=section_fingerprint({"drafter": PROFILE["drafter"], "train": SCALING_TRAIN_SECTION}),
+            # a plain string (Snakemake records no function's params): every run's values, the arms' included
+            config=section_fingerprint({"drafter": PROFILE["drafter"], "train": SCALING_TRAIN_SECTION, "arms": SCALING.get("arms") or {}}),
         threads: rule_threads("scaling_drafter")
         resources: **rule_resources("scaling_drafter")
+        wildcard_constraints:
+            run="|".join(re.escape(name) for name in SCALING_SPECS),
         shell:
             "{params.python} -m qdflash.stages.train_drafter {params.args} > {log} 2>&1"
 
