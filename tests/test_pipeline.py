@@ -451,6 +451,7 @@ def test_drafter_scaling_study_on_ci(tmp_path):
             assert m["train.seconds_by_epoch"] == sorted(m["train.seconds_by_epoch"]) and m["train.seconds_by_epoch"][-1] == m["train.seconds"]
             runs[size, depth] = m
     assert "tau_by_epoch" in lines[0]
+    assert (results / "scaling" / "tau_by_epoch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # an arm: the largest size at the first depth with only its overrides changed (here the labels)
     for name, overrides in scaling["arms"].items():
         arm = json.loads((results / "scaling" / "drafter" / f"n{max(scaling['sizes'])}-L{scaling['depths'][0]}-{name}" / "metrics.json").read_text())

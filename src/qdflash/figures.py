@@ -183,6 +183,31 @@ def pareto_figure(summary: list[dict], speed: list[dict], quality: list[dict]) -
     return fig
 
 
+def scaling_figure(rows: list[dict]) -> Figure | None:
+    """The drafter scaling study (`python -m qdflash.tables scaling`'s rows): held-out τ̂ after every
+    epoch against the sequence passes trained by then (epochs x examples, log scale), one line per
+    run, with the training seconds of its last epoch. Runs at equal passes and different data sizes
+    show what repeating data costs; an arm beside its plain run, what its one change buys."""
+    runs = [r for r in rows if str(r.get("tau_by_epoch") or "").strip()]
+    if not runs:
+        return None
+    fig = Figure(figsize=(6.4, 3.8), layout="constrained")
+    ax = fig.subplots()
+    for r in runs:
+        taus = [float(t) for t in str(r["tau_by_epoch"]).split()]
+        passes = [int(r["examples"]) * (i + 1) for i in range(len(taus))]
+        seconds = str(r.get("seconds_by_epoch") or "").split()
+        label = f"{r.get('run') or r['examples']} ({r['layers']} layers" + (f", {seconds[-1]} s)" if seconds else ")")
+        ax.plot(passes, taus, marker="o", ms=3, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("sequence passes (epochs x examples)")
+    ax.set_ylabel("held-out τ̂ (teacher-forced)")
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    ax.legend(fontsize=8)
+    ax.set_title("Drafter stage 1: τ̂ after every epoch", fontsize=11)
+    return fig
+
+
 def draw_all(tables: dict[str, list[dict]]) -> dict[str, Figure]:
     """Every figure the tables support, by file stem."""
     figures = {

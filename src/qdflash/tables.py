@@ -89,12 +89,22 @@ def main(argv: list[str]) -> None:
     parser.add_argument("folder", type=Path, help="results/<experiment> (target) or results/<experiment>/scaling")
     parser.add_argument("--csv", type=Path, help="also write the rows as CSV")
     parser.add_argument("--md", type=Path, help="write the markdown table here instead of printing it")
+    parser.add_argument("--png", type=Path, help="scaling: also draw tau-hat after every epoch (figures.scaling_figure)")
     args = parser.parse_args(argv)
     rows, columns = (target_quality_rows(args.folder), TARGET_COLUMNS) if args.table == "target" else (scaling_rows(args.folder), SCALING_COLUMNS)
     if not rows:
         sys.exit(f"{args.folder}: no finished runs to tabulate")
     if args.csv:
         write_csv(rows, columns, args.csv)
+    if args.png:
+        if args.table != "scaling":
+            sys.exit("--png: only the scaling table has a figure")
+        from .figures import scaling_figure
+
+        figure = scaling_figure(rows)
+        if figure is None:
+            sys.exit(f"{args.folder}: no run recorded tau-hat by epoch; nothing to draw for --png")
+        figure.savefig(args.png, dpi=120)
     text = markdown(rows, columns)
     if args.md:
         args.md.write_text(text + "\n")

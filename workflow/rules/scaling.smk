@@ -110,6 +110,7 @@ if SCALING:
         output:
             csv=f"{SCALING_DIR}/table.csv",
             md=f"{SCALING_DIR}/table.md",
+            png=report(f"{SCALING_DIR}/tau_by_epoch.png", caption="../report/scaling.rst", category="Drafter scaling"),
         log:
             log_file("drafter_scaling"),
         conda:
@@ -118,5 +119,5 @@ if SCALING:
             python=PYTHON,
             runs=lambda wc, output: os.path.dirname(output.csv),
         shell:
-            "{params.python} -m qdflash.tables scaling {params.runs} --csv {output.csv} --md {output.md} > {log} 2>&1"
+            "{params.python} -m qdflash.tables scaling {params.runs} --csv {output.csv} --md {output.md} --png {output.png} > {log} 2>&1"
 
