@@ -144,16 +144,68 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     w4_configs = w4a16.candidate_configs(512, 32, None, rows=1)[:2]
     monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: w4_configs)
     monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
-    timer([3.0, 2.0, 5.0])  # the tiles 3 and 2, then cuBLAS on the 16-bit weight 5: the kernel stays
-    assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (w4_configs[1], 2.0, 5.0)
+    monkeypatch.setattr(w4a16, "_TINYGEMM_FASTER", set())
+    # the tiles 3 and 2, torch's int4 op 4 (the CPU twin of tinygemm takes fp32), then cuBLAS on the 16-bit weight 5
+    timer([3.0, 2.0, 4.0, 5.0])
+    assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (w4_configs[1], 2.0, 5.0, 4.0)
     assert w4a16.default_config(16, 512, 32, rows=1, dtype=torch.float32) == w4_configs[1]
-    assert not w4a16.dense_faster(16, 512, 32, 1, torch.float32)
+    assert not w4a16.dense_faster(16, 512, 32, 1, torch.float32) and w4a16.backend(16, 512, 32, 1, torch.float32) == "w4a16"
     assert (16, 512, 32, 1, torch.bfloat16) not in w4a16._TUNED  # a bf16 engine's tiles are its own
-    timer([3.0, 2.0, 1.5])  # cuBLAS beats the fastest tile: this shape and row bucket run dense, no other
+    timer([3.0, 2.0, 2.5, 1.5])  # cuBLAS beats the fastest tile and tinygemm: this shape and row bucket run dense, no other
     assert w4a16.tune(32, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[2] == 1.5
-    assert w4a16.dense_faster(32, 512, 32, 1, torch.float32)
+    assert w4a16.dense_faster(32, 512, 32, 1, torch.float32) and w4a16.backend(32, 512, 32, 1, torch.float32) == "dense"
     assert not w4a16.dense_faster(32, 512, 32, 16, torch.float32) and not w4a16.dense_faster(32, 512, 32, 1, torch.bfloat16)
     assert not w4a16.dense_faster(16, 512, 32, 1, torch.float32)
+    timer([3.0, 2.0, 1.0, 1.5])  # tinygemm beats both; re-tuned, the shape moves from dense to it
+    assert w4a16.tune(32, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == 1.0
+    assert w4a16.backend(32, 512, 32, 1, torch.float32) == "tinygemm" and not w4a16.dense_faster(32, 512, 32, 1, torch.float32)
+    assert w4a16.backend(32, 512, 32, 16, torch.float32) == "w4a16"  # another row bucket: not tuned, the kernel
+    timer([3.0, 2.0, 5.0])  # a shape tinygemm does not take (N not a multiple of 8): tiles, then cuBLAS only
+    assert w4a16.tune(12, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (w4_configs[1], 2.0, 5.0, None)
+
+
+def test_tinygemm_is_checked_before_it_is_timed(monkeypatch):
+    """A tinygemm product off the dequantized one (e.g. a packing read differently on some torch) is
+    never chosen, however fast: tuning warns and leaves it out."""
+    import qdflash.kernels as kernels
+    from qdflash.kernels import tinygemm, w4a16
+
+    monkeypatch.setattr(kernels, "graph_ms", lambda fn, replays=10: (fn(), 2.0)[1])
+    monkeypatch.setattr(w4a16, "_TUNED", {})
+    monkeypatch.setattr(w4a16, "_TINYGEMM_FASTER", set())
+    monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
+    one_config = w4a16.candidate_configs(512, 32, None, rows=1)[:1]
+    monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: one_config)
+    real = tinygemm.matmul
+    monkeypatch.setattr(tinygemm, "matmul", lambda x, p, sz, group: real(x, p, sz, group) * 1.1)
+    with pytest.warns(UserWarning, match="off the dequantized one"):
+        result = w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)
+    assert result[3] is None and w4a16.backend(16, 512, 32, 1, torch.float32) != "tinygemm"
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_tinygemm_equals_dequantized_linear(group, rows):
+    """torch's int4 op on this project's packed ints, repacked (u = q + 8, zero 0): the dequantized
+    product in fp32 (its CPU twin; the CUDA op is checked by `tune` on the device before use), and
+    within bf16 rounding in bf16."""
+    from qdflash.kernels import tinygemm
+
+    n, k = 64, 512
+    q, scale, deq = quantized(n, k, group)
+    words = pack_int4(q)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    reference = torch.nn.functional.linear(x, deq)
+    packed = tinygemm.pack(words, scale, group, torch.float32)
+    torch.testing.assert_close(tinygemm.matmul(x, *packed, group), reference, atol=1e-4, rtol=1e-4)
+    packed16 = tinygemm.pack(words, scale, group, torch.bfloat16)
+    out16 = tinygemm.matmul(x.bfloat16(), *packed16, group)
+    assert out16.dtype == torch.bfloat16
+    assert (out16.float() - reference).abs().max() / reference.abs().max() < 1e-2
+    with pytest.raises(QdflashError, match="tinygemm cannot run a 64x448 weight in group 32"):  # K not a multiple of 128
+        tinygemm.pack(torch.zeros(n, 448 // 8, dtype=torch.int32), torch.ones(n, 448 // 32), 32, torch.float32)
+    assert not tinygemm.supported(n, k, group, torch.float32, "cuda")  # bf16 only on CUDA
+    assert not tinygemm.supported(n, k, 16, torch.float32, "cpu") and not tinygemm.supported(60, k, group, torch.float32, "cpu")
 
 
 def test_a_packed_projection_runs_dense_only_where_tuning_said_so(monkeypatch):
@@ -184,6 +236,31 @@ def test_a_packed_projection_runs_dense_only_where_tuning_said_so(monkeypatch):
     long = torch.randn(20, k, generator=torch.Generator().manual_seed(2))  # a prefill: the kept copy, no kernel
     monkeypatch.setattr(projection, "dequantized", lambda: pytest.fail("dequantized again although a 16-bit copy is kept"))
     assert torch.equal(projection(long), torch.nn.functional.linear(long, deq)) and calls == [1]
+
+
+def test_a_packed_projection_runs_tinygemm_only_where_tuning_chose_it(monkeypatch):
+    """Where tuning timed torch's int4 op fastest (here: one row), the projection repacks its ints for
+    it once and uses it; other row counts keep the Triton kernel. The same numbers either way."""
+    from qdflash.engine import linear
+    from qdflash.kernels import tinygemm, w4a16
+    from qdflash.quant.quantlinear import QuantizedWeight, QuantLinear
+
+    n, k, group = 64, 256, 32
+    q, scale, deq = quantized(n, k, group)
+    layer = QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False), QuantizedWeight(q, scale, None, GridSpec(4, group, True)))
+    projection = linear.Projection.of([layer], torch.float32, kernels=True)
+    kernel_rows, packs = [], []
+    monkeypatch.setattr(linear, "w4a16_matmul", lambda *a: kernel_rows.append(a[0].shape[0]) or w4a16_matmul(*a))
+    monkeypatch.setattr(tinygemm, "pack", lambda *a, _real=tinygemm.pack: packs.append(a[2]) or _real(*a))
+    monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
+    monkeypatch.setattr(w4a16, "_TINYGEMM_FASTER", {(n, k, group, 1, torch.float32)})
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
+    one, again = projection(x[:1]), projection(x[1:2])
+    assert kernel_rows == [] and packs == [group] and projection._dense is None  # packed once, for both calls
+    torch.testing.assert_close(torch.cat([one, again]), torch.nn.functional.linear(x[:2], deq), atol=1e-4, rtol=1e-4)
+    six = projection(x)
+    assert kernel_rows == [6] and packs == [group]
+    torch.testing.assert_close(six[:1], one, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -213,36 +213,75 @@ def default_config(n: int, k: int, group: int, rows: int = 1, dtype: torch.dtype
 
 _TUNED: dict[tuple[int, int, int, int, torch.dtype], Config] = {}
 _DENSE_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # shapes / row buckets where cuBLAS on the 16-bit weight won
+_TINYGEMM_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # ... where torch's int4 op (kernels.tinygemm) won
+TINYGEMM_TOLERANCE = 2e-2  # its max error relative to the dequantized product's largest value (measured ~0.003 in bf16)
 
 
 def dense_faster(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> bool:
-    """Whether `tune` timed cuBLAS on the dequantized 16-bit weight faster than this kernel for the
-    shape, row bucket (1 row, or 2-16 rows) and activation dtype. False where it was not tuned."""
+    """Whether `tune` timed cuBLAS on the dequantized 16-bit weight faster than this kernel (and than
+    tinygemm) for the shape, row bucket (1 row, or 2-16 rows) and activation dtype. False where it was
+    not tuned."""
     return (n, k, group, _bucket(rows), dtype) in _DENSE_FASTER
 
 
+def backend(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> str:
+    """What runs a packed projection of this shape for `rows` rows: "w4a16" (this kernel; also where
+    it was not tuned), "dense" (cuBLAS on the dequantized weight) or "tinygemm" (torch's int4 op),
+    whichever `tune` timed fastest."""
+    key = (n, k, group, _bucket(rows), dtype)
+    return "tinygemm" if key in _TINYGEMM_FASTER else "dense" if key in _DENSE_FASTER else "w4a16"
+
+
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
-         l2_bytes: int = 64 << 20) -> tuple[Config, float, float]:
+         l2_bytes: int = 64 << 20) -> tuple[Config, float, float, float | None]:
     """Time every candidate for [rows, K] x [N, K] and remember the fastest for this shape and row
-    bucket (later calls use it); then cuBLAS on a 16-bit [N, K] weight, remembered where it beats the
-    fastest tile (`dense_faster`). Each candidate runs once on each of several weight copies (together
-    > 4x the L2 cache, so weights come from HBM; the 16-bit copies are 4x larger, so fewer are needed)
-    inside one CUDA graph, as in a captured decode step: launch overhead is not what is measured.
-    Returns (config, its median ms per call, cuBLAS's median ms per call)."""
+    bucket (later calls use it); then cuBLAS on a 16-bit [N, K] weight and, where it takes the shape,
+    torch's int4 op on the same packed weights (`kernels.tinygemm`), and remember which of the three
+    won (`backend`). Each candidate runs once on each of several weight copies (together > 4x the L2
+    cache, so weights come from HBM; the 16-bit copies are 4x larger, so fewer are needed) inside one
+    CUDA graph, as in a captured decode step: launch overhead is not what is measured. tinygemm is
+    first checked against the dequantized product (a packing it read differently would be wrong,
+    not slow): outside TINYGEMM_TOLERANCE it is not used, and this says so.
+    Returns (config, its median ms per call, cuBLAS's, tinygemm's or None where it did not run)."""
+    from . import tinygemm
+
     copies = copies_past_l2(n * k // 2, l2_bytes)
     ws = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32) for _ in range(copies)]
     ss = [torch.rand(n, k // group, device=device, dtype=dtype) / 64 for _ in range(copies)]
     x = torch.randn(rows, k, device=device, dtype=dtype)
     configs = candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows)
     config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c) for w, s in zip(ws, ss)], copies)
+    tiny_ms = None
+    if tinygemm.supported(n, k, group, dtype, device):
+        tiny = [tinygemm.pack(w, s, group, dtype) for w, s in zip(ws, ss)]
+        reference = F.linear(x.float(), dequantize_words(ws[0], ss[0], group))
+        error = (tinygemm.matmul(x, *tiny[0], group).float() - reference).abs().max() / reference.abs().max().clamp_min(1e-30)
+        if error > TINYGEMM_TOLERANCE:
+            import warnings
+
+            warnings.warn(f"tinygemm's {n}x{k} (group {group}) product is off the dequantized one by {error:.3g} "
+                          f"(relative; tolerance {TINYGEMM_TOLERANCE}): not used", stacklevel=2)
+        else:
+            _, tiny_ms = fastest([None], lambda _: [tinygemm.matmul(x, p, sz, group) for p, sz in tiny], copies)
+        del tiny
     del ws, ss
     key = (n, k, group, _bucket(rows), dtype)
     _TUNED[key] = config
     dense_copies = copies_past_l2(n * k * torch.finfo(dtype).bits // 8, l2_bytes)
     dense = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(dense_copies)]
     _, dense_ms = fastest([None], lambda _: [F.linear(x, w) for w in dense], dense_copies)
-    if dense_ms < ms:
+    _DENSE_FASTER.discard(key)
+    _TINYGEMM_FASTER.discard(key)
+    if tiny_ms is not None and tiny_ms < min(ms, dense_ms):
+        _TINYGEMM_FASTER.add(key)
+    elif dense_ms < ms:
         _DENSE_FASTER.add(key)
-    else:
-        _DENSE_FASTER.discard(key)
-    return config, ms, dense_ms
+    return config, ms, dense_ms, tiny_ms
+
+
+def dequantize_words(words: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """The weight [N, K] of packed words and their scales, q * scale in fp32 (exact: a caller rounds it
+    to its activation dtype once, as the kernels do per element)."""
+    from ..quant.grid import GridSpec, dequantize
+
+    return dequantize(unpack_int4(words), scale, None, GridSpec(4, group, True))
