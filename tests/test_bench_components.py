@@ -53,6 +53,16 @@ def test_component_bench_runs_on_the_cpu(runs):
     assert r["drafter16.step_ms"] > 0 and r["drafter_w4.step_ms"] > 0
     assert r["target_w4.quantized_layers"] > 0 and ("w4a16_rel_err@1" in r or r["w4a16_check"].startswith("no packed"))
     assert {k for k in r if k.startswith("implied_speedup.tau6.5")}
+    # the bounds at a 600 GB/s reference device: the parts' own bytes at that bandwidth (on the CPU the W4
+    # target runs its dequantized weights, so it reads as much as the 16-bit one: the H200 run packs them)
+    assert r["reference.GBps"] == 600.0
+    for label in ("target16", "target_w4"):
+        assert r[f"reference.{label}.bound_ms"] == pytest.approx(r[f"{label}.bytes"]["total"] / 600e9 * 1e3, abs=6e-5)  # rounded to 4 places
+    assert r["reference.drafter16.bound_ms"] == pytest.approx(sum(r["drafter16.bytes"].values()) / 600e9 * 1e3, abs=6e-5)
+    assert r["reference.w4_decode_speedup_over_16bit"] >= 1.0
+    target_bytes, drafter_bytes = r["target16.bytes"]["total"], sum(r["drafter16.bytes"].values())
+    bound = target_bytes / (target_bytes + drafter_bytes)  # tau * decode bound / (verify bound + drafter bound)
+    assert r["reference.implied_speedup.tau3.0.target16+drafter16.vs_ar16"] == pytest.approx(3.0 * bound, abs=2e-3)
 
 
 def test_round_bench_runs_on_the_cpu(runs):

@@ -20,6 +20,10 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
 Each time is set against its bound: bytes it must read (weights, recurrent states read and written,
 KV up to the context) / the device-to-device copy bandwidth measured in the same process. The speedup
 these costs imply at acceptance length tau: tau * decode step / (verify block + drafter step).
+`reference.*`: the same bytes at `--reference-gbps` (600: an A10G-class device, the paper's hardware
+class), each part at its bound there (a verify block reads the decode step's bytes: at that bandwidth
+16 tokens of compute hide under the weight reads), and the speedup those bounds imply at each tau:
+where the H200 numbers would sit on a device that is only bandwidth.
 Checks (bf16, reported): graph vs eager logits of a step; the W4A16 kernel vs the dequantized matmul.
 The JSON is rewritten after each part, so a run cut off by a time limit keeps what it measured.
 """
@@ -261,6 +265,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--compile", action="store_true", help="also time the decode step compiled by torch.compile")
     parser.add_argument("--profile", action="store_true", help="also break each decode step down by kernel")
+    parser.add_argument("--reference-gbps", type=float, default=600.0,
+                        help="a memory-bound reference device's bandwidth (GB/s) to compute the bounds at (A10G class: 600)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -304,6 +310,7 @@ def main() -> None:
                 tau * result["target16.decode_ms"] / round_ms, 3)
             result[f"implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_same_target_ar"] = round(
                 tau * result[f"{target_label}.decode_ms"] / round_ms, 3)
+    result.update(reference_bounds(result, args.reference_gbps))
     for label in ("target16", "target_w4"):
         if f"{label}.decode_compiled_ms" in result:
             result[f"{label}.decode_compiled_of_bound"] = round(result[f"{label}.bound_ms"] / result[f"{label}.decode_compiled_ms"], 4)
@@ -312,6 +319,23 @@ def main() -> None:
             result["target16.decode_compiled_ms"] / result["target_w4.decode_compiled_ms"], 3)
     report(result, None, args.out)
     print(json.dumps(result, indent=1, default=str))
+
+
+def reference_bounds(result: dict, gbps: float) -> dict:
+    """Each part's bound at `gbps` (its bytes / that bandwidth), and the speedups over 16-bit
+    autoregressive decoding those bounds imply at each tau, for a device that is only bandwidth."""
+    ms = {label: result[f"{label}.bytes"]["total"] / (gbps * 1e9) * 1e3 for label in ("target16", "target_w4")}
+    ms |= {label: sum(result[f"{label}.bytes"].values()) / (gbps * 1e9) * 1e3 for label in ("drafter16", "drafter_w4")}
+    out = {"reference.GBps": gbps, **{f"reference.{label}.bound_ms": round(v, 4) for label, v in ms.items()},
+           "reference.target16.tokens_per_s": round(1e3 / ms["target16"], 1),
+           "reference.target_w4.tokens_per_s": round(1e3 / ms["target_w4"], 1),
+           "reference.w4_decode_speedup_over_16bit": round(ms["target16"] / ms["target_w4"], 3),
+           "reference.drafter_w4_step_over_w4_decode": round(ms["drafter_w4"] / ms["target_w4"], 4)}
+    for tau in (3.0, 5.0, 6.5):
+        for target_label, drafter_label in (("target16", "drafter16"), ("target_w4", "drafter_w4")):
+            out[f"reference.implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_ar16"] = round(
+                tau * ms["target16"] / (ms[target_label] + ms[drafter_label]), 3)
+    return out
 
 
 def report(result: dict, prefix: str | None, out: str | None) -> None:
