@@ -178,9 +178,15 @@ def test_tinygemm_is_checked_before_it_is_timed(monkeypatch):
     monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: one_config)
     real = tinygemm.matmul
     monkeypatch.setattr(tinygemm, "matmul", lambda x, p, sz, group: real(x, p, sz, group) * 1.1)
-    with pytest.warns(UserWarning, match="off the dequantized one"):
+    with pytest.warns(UserWarning, match="is off the dequantized product"):
         result = w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)
     assert result[3] is None and w4a16.backend(16, 512, 32, 1, torch.float32) != "tinygemm"
+
+    def refuses(*args):  # a torch build whose op refuses the packing
+        raise RuntimeError("_convert_weight_to_int4pack: unexpected layout")
+    monkeypatch.setattr(tinygemm, "pack", refuses)
+    with pytest.warns(UserWarning, match="raised RuntimeError: _convert_weight_to_int4pack: unexpected layout"):
+        assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] is None
 
 
 @pytest.mark.parametrize("group", [32, 128])
