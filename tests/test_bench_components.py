@@ -35,7 +35,8 @@ class Started:
 def runs(tmp_path_factory):
     """The two scripts are independent: side by side on 2 cores, one thread each (each test reads its own)."""
     folder = tmp_path_factory.mktemp("bench-scripts")
-    started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32"),
+    started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
+                                     "--w4-head"),
                "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
                                "--attention", "sdpa,kernel", "--kernels", "on")}
     yield started
@@ -52,6 +53,7 @@ def test_component_bench_runs_on_the_cpu(runs):
         assert r[f"{label}.graph_vs_eager_max_abs"] == 0.0
     assert r["drafter16.step_ms"] > 0 and r["drafter_w4.step_ms"] > 0
     assert r["target_w4.quantized_layers"] > 0 and ("w4a16_rel_err@1" in r or r["w4a16_check"].startswith("no packed"))
+    assert r["target_w4.head_quantized"]  # --w4-head
     assert {k for k in r if k.startswith("implied_speedup.tau6.5")}
     # the bounds at a 600 GB/s reference device: the parts' own bytes at that bandwidth (on the CPU the W4
     # target runs its dequantized weights, so it reads as much as the 16-bit one: the H200 run packs them)

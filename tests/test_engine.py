@@ -183,6 +183,51 @@ def test_engine_runs_packed_w4_weights(family):
     torch.testing.assert_close(step[0], model(input_ids=x[None, :1]).logits[0, 0], atol=1e-4, rtol=1e-4)
 
 
+# the packed head under Triton's interpreter on llama only: the hybrid's recurrence kernel there costs ~1 min
+@pytest.mark.parametrize("family,kernels", [("llama", False), ("qwen3_5", False), ("llama", True)])
+def test_a_quantized_lm_head_runs_in_the_engine_the_drafter_and_the_loop(family, kernels):
+    """A target quantized with its (tied) LM head (`lm_head` not in quant.exclude): the engine computes
+    the logits of its forward, the head packed for the W4 backends where the kernels run (Triton's
+    interpreter here), else its dequantized weight; the drafter shares that head; speculative
+    decoding on it emits the autoregressive tokens."""
+    if kernels:
+        pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from qdflash.models import Target
+    from qdflash.quant.apply import quantize_weights, replace_linears, select_linears
+    from qdflash.quant.grid import GridSpec
+    from qdflash.quant.quantlinear import QuantLinear
+
+    model = small_model(family)  # 128 wide: the head packs for the W4 kernel's K tile
+    target = Target(family, model, SimpleNamespace(eos_token_id=None), "small_model")
+    embedding = model.get_input_embeddings().weight.clone()
+    names = select_linears(model, ["*"], ["*embed*", "*.in_proj_a", "*.in_proj_b"])
+    assert "lm_head" in names
+    replace_linears(model, quantize_weights(model, names, GridSpec(4, 32, True), method="rtn"))
+    head = model.get_output_embeddings()
+    assert isinstance(head, QuantLinear) and torch.equal(model.get_input_embeddings().weight, embedding)  # untied, embedding kept
+    engine = build_engine(target, max_len=96, kernels=kernels)
+    assert (engine.head_proj.words is not None) == kernels
+    assert torch.equal(engine.lm_head, head.dequantized_weight(torch.float32))
+    x = ids(7, 24) % 512
+    ref = model(input_ids=x[None]).logits[0]
+    prefill, _ = engine.forward(x[:20], 0)  # 20 rows: the kept dequantized head
+    block, _ = engine.forward(x[20:24], 20)  # 4 rows: the W4 kernel where the kernels run
+    torch.testing.assert_close(torch.cat([prefill, block]), ref, atol=1e-4, rtol=1e-4)
+    engine.reset()
+    step, _ = engine.forward(x[:1], 0)  # 1 row
+    torch.testing.assert_close(step[0], ref[0], atol=1e-4, rtol=1e-4)
+
+    drafter = init_drafter(target, block_size=4, seed=1)
+    assert torch.equal(drafter.head_weight(), head.dequantized_weight(torch.float32))
+    fast = dataclasses.replace(target, engine=engine)
+    prompt = x[None, :10]
+    reference = autoregressive_generate(target, prompt, 16).tokens  # transformers' forward of the quantized model
+    assert autoregressive_generate(fast, prompt, 16).tokens == reference
+    assert speculative_generate(fast, drafter, prompt, 16).tokens == reference
+
+
 def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen):
     """kernels=True: the Gated DeltaNet recurrence runs in the Triton kernel (its interpreter here),
     keeps per-position states, and a rollback into a block still predicts what a fresh forward does."""

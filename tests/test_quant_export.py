@@ -23,6 +23,7 @@ from qdflash.quant.export import (
 )
 from qdflash.quant.apply import quant_linears, quantize_weights, replace_linears, select_linears
 from qdflash.quant.grid import GridSpec
+from qdflash.quant.quantlinear import QuantLinear
 
 IDS = torch.tensor([[1, 5, 42, 7, 99, 3, 250, 11]])
 
@@ -248,6 +249,32 @@ def test_tied_embeddings_stay_tied(llama_w4):
     loaded, _, _ = load_quantized(path)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_a_quantized_tied_head_is_untied_and_round_trips(tiny_llama, tmp_path):
+    """`lm_head` not in quant.exclude: the tied head becomes its own QuantLinear, the embedding stays
+    16-bit; the export says tie_word_embeddings false (else a loader would tie the head back to the
+    embedding), and both our loader and plain transformers (the dense twin) get the quantized head."""
+    from transformers import AutoModelForCausalLM
+
+    model = copy.deepcopy(tiny_llama.model)
+    assert model.config.tie_word_embeddings
+    names = select_linears(model, ["*"], ["*embed*"])
+    assert "lm_head" in names
+    model = replace_linears(model, quantize_weights(model, names, GridSpec(4, 32, True), method="rtn")).eval()
+    round_like_export(model)
+    assert isinstance(model.lm_head, QuantLinear) and model.model.embed_tokens.weight.shape == (model.lm_head.out_features, model.lm_head.in_features)
+    save_quantized(model, None, tmp_path / "q")
+    for folder in (tmp_path / "q", tmp_path / "q" / "dense"):
+        assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
+    loaded, _, _ = load_quantized(tmp_path / "q")
+    assert isinstance(loaded.lm_head, QuantLinear) and "lm_head" in quant_modules(loaded)
+    assert_same_quant(model, loaded)
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert torch.equal(logits(loaded), logits(model))
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "q" / "dense").eval()
+    assert dense.lm_head.weight.data_ptr() != dense.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(dense.lm_head.weight, model.lm_head.dequantized_weight(torch.bfloat16))
 
 
 # -- (7) Qwen3.5: Gated DeltaNet in_proj_a / in_proj_b stay 16-bit -----------------------------------

@@ -7,7 +7,8 @@ Speed does not depend on weight values, so the target is built from docs/recipe.
 random weights, on the GPU (no download). Measured, each a CUDA graph replayed at a fixed position
 after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
 - the target's decode step (1 token) and verify block (`--block` tokens), 16-bit and W4A16 (RTN, the
-  recipe's layers: symmetric, group 32; GDN in_proj_a/b, embeddings and the LM head stay 16-bit);
+  recipe's layers: symmetric, group 32; GDN in_proj_a/b, embeddings and the LM head stay 16-bit; with
+  `--w4-head` the LM head is quantized too and runs on the W4 backend tuning picks for its shape);
 - the drafter's step (5 layers, the recipe's shape, 16-bit and W4 group 128): the context features of
   `--block` newly accepted positions (fc + their K/V in every layer) + the block forward over the cached
   context + the target's LM head on the block + argmax;
@@ -40,12 +41,13 @@ import torch.nn.functional as F
 
 from qdflash.bench import copy_bandwidth, device_timer as timer
 from qdflash.cudagraph import capture
+from qdflash.distill import lm_head_weight
 from qdflash.drafter import init_drafter
 from qdflash.engine import build_engine
 from qdflash.engine.graphs import restore, snapshot
 from qdflash.engine.linear import pack_linears, tune_projections
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
-from qdflash.quant.apply import replace_linears, select_linears
+from qdflash.quant.apply import DEFAULT_EXCLUDE, replace_linears, select_linears
 from qdflash.quant.gptq import rtn_quantize
 from qdflash.quant.grid import GridSpec
 from qdflash.tracking import environment
@@ -88,7 +90,7 @@ def quantize_in_place(model, group: int, names=None) -> int:
 def step_bytes(engine, context: int) -> dict[str, int]:
     """What a step must read: weights (projections, conv, norms, the LM head), recurrent states (read
     and written), KV of `context` positions."""
-    weights = sum(p.nbytes for p in engine.projections()) + engine.lm_head.numel() * engine.lm_head.element_size()
+    weights = sum(p.nbytes for p in engine.projections()) + engine.head_proj.nbytes
     weights += sum(w["conv"].numel() * w["conv"].element_size() for w in engine.layers if "conv" in w)
     states = 2 * sum(s.numel() * 4 for s in engine.state.values())
     kv = 2 * sum(k.shape[0] * context * k.shape[2] * k.element_size() for k in engine.k_cache.values())
@@ -137,7 +139,7 @@ def matmul_only(engine, device: str):
     def run():
         for p in engine.projections():
             p(inputs[id(p)])
-        F.linear(x_head, engine.lm_head)
+        engine.head_proj(x_head)  # the LM head as the step runs it (16-bit, or a packed head's tuned backend)
     return graphed(run, device)
 
 
@@ -231,7 +233,7 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
     own = sum(p.numel() * p.element_size() for p in drafter.parameters()) + sum(
         b.numel() * b.element_size() for b in drafter.buffers())
     own += sum(m.projection.nbytes for m in drafter.modules() if hasattr(m, "projection"))
-    head = target.model.get_output_embeddings().weight
+    head = lm_head_weight(target.model)
     kv_bytes = sum(k.numel() * k.element_size() * 2 for k in keys)
     need = own + head.numel() * head.element_size() + kv_bytes
     return {f"{label}.step_ms": round(ms, 4), f"{label}.bound_ms": round(need / bandwidth * 1e3, 4),
@@ -265,6 +267,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--compile", action="store_true", help="also time the decode step compiled by torch.compile")
     parser.add_argument("--profile", action="store_true", help="also break each decode step down by kernel")
+    parser.add_argument("--w4-head", action="store_true",
+                        help="quantize the LM head of the W4 target too (issue 23: a 16-bit head is ~40%% of a W4 step's bytes at 4B)")
     parser.add_argument("--reference-gbps", type=float, default=600.0,
                         help="a memory-bound reference device's bandwidth (GB/s) to compute the bounds at (A10G class: 600)")
     parser.add_argument("--out", default=None)
@@ -294,7 +298,10 @@ def main() -> None:
     result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter_w4", args.drafter_group))
     report(result, "drafter", args.out)
     del engine16
-    result["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
+    head = ["lm_head"] if args.w4_head else []  # --w4-head: the LM head on the W4 grid too (its own QuantLinear)
+    names = select_linears(target.model, exclude=[p for p in DEFAULT_EXCLUDE if p not in head])
+    result["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group, names)
+    result["target_w4.head_quantized"] = "lm_head" in names
     engine4 = build_engine(target, max_len=max_len)
     result["w4a16.tuned"] = engine4.tune_kernels()
     result.update(kernel_check(engine4, device))

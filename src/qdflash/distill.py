@@ -63,7 +63,15 @@ def final_hidden(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def lm_head_weight(model) -> torch.Tensor:
-    return model.get_output_embeddings().weight
+    """The LM head's weight [V, H] as a tensor: the output embedding's own, or for a quantized head
+    (a target quantized with `lm_head` not in quant.exclude) what its forward uses, in the model's
+    16-bit dtype (the STE weight while QAD trains it, else its dequantized ints, kept once made)."""
+    from .quant.quantlinear import QuantLinear
+
+    head = model.get_output_embeddings()
+    if isinstance(head, QuantLinear):
+        return head.weight_for(model.get_input_embeddings().weight.dtype)
+    return head.weight
 
 
 def pad_right(rows: list[torch.Tensor], value, length: int | None = None) -> torch.Tensor:

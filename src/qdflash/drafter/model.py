@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distill import lm_head_weight
 from ..errors import QdflashError
 from ..ops import apply_rope, rms_norm, rope_cos_sin
 from .blocks import default_layer_ids
@@ -222,7 +223,7 @@ class Drafter(nn.Module):
 
     def head_weight(self) -> torch.Tensor:
         """The target's LM head [V, H], frozen (detached: never a gradient into it)."""
-        return self._target.model.get_output_embeddings().weight.detach()
+        return lm_head_weight(self._target.model).detach()
 
     def forward(self, block_ids, context, q_pos, k_pos, mask, target_hidden=None, head: bool = True) -> torch.Tensor:
         """Logits [B, Tq, V] for block tokens `block_ids` [B, Tq] given context features [B, Tc, H],
@@ -251,7 +252,7 @@ class Drafter(nn.Module):
             mask[..., : ctx_pos.shape[1]] = (q_pos[:, :, None] - ctx_pos[:, None, :]) < window
         for layer, k, v in zip(self.layers, ctx_keys, ctx_values):
             h = layer.forward_cached(h, q_pos, k, v, mask)
-        head = self._target.model.get_output_embeddings().weight
+        head = lm_head_weight(self._target.model)
         return F.linear(self.norm(h).to(head.dtype), head)
 
     def num_parameters(self) -> int:

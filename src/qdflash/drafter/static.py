@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..cudagraph import capture as capture_graph
 from ..engine.base import cache_buckets
+from ..distill import lm_head_weight
 from ..errors import QdflashError
 from ..kernels import kernels_usable
 
@@ -125,7 +126,7 @@ class DrafterEngine:
         mask = torch.cat([visible, torch.ones(1, b, b, dtype=torch.bool, device=self.device)], dim=-1)
         for layer, keys, values in zip(d.layers, self.keys, self.values):
             h = layer.forward_cached(h, self.q_pos, keys[:, :, :attend], values[:, :, :attend], mask)
-        head = d._target.model.get_output_embeddings().weight
+        head = lm_head_weight(d._target.model)
         logits = F.linear(d.norm(h).to(head.dtype), head)[0]
         return logits, logits[1:].argmax(-1)
 
@@ -146,7 +147,7 @@ class DrafterEngine:
             values.index_copy_(2, q_pos, v)
             out = one_sequence_attention(q[0].transpose(0, 1), keys[0], values[0], lengths, starts)
             h = layer.finish(h, out.transpose(0, 1)[None])
-        head = d._target.model.get_output_embeddings().weight
+        head = lm_head_weight(d._target.model)
         logits = F.linear(d.norm(h).to(head.dtype), head)[0]
         return logits, logits[1:].argmax(-1)
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..distill import lm_head_weight
 from ..errors import QdflashError
 from ..kernels import kernels_usable
 from ..ops import rope_tables
-from .linear import Concat, Projection, tune_projections
+from .linear import Concat, Projection, head_projection, tune_projections
 
 
 KERNEL_TOKENS = 16  # tokens per step that the attention kernel takes (a verify block); a prefill runs SDPA
@@ -94,7 +95,8 @@ class EngineBase:
         # speculative decoding in bf16 diverge from autoregressive decoding far more rarely.
         self.residual_dtype = torch.float32 if fp32_residual else self.dtype
         self.embed = model.model.embed_tokens.weight
-        self.lm_head = model.get_output_embeddings().weight
+        self.lm_head = lm_head_weight(model)  # [V, H] 16-bit: a quantized head's dequantized weight
+        self.head_proj = head_projection(model, self.lm_head, self.dtype, self.kernels)  # what computes the logits
         self.graphs = {}  # (tokens per step, layer ids, cache length read) -> CapturedStep
         self.attention = "sdpa"  # set_attention
 
@@ -126,6 +128,8 @@ class EngineBase:
         `capture`: a captured graph keeps the kernels it was captured with. Returns the timings."""
         if not self.kernels or self.device.type != "cuda":
             return {}
+        if self.head_proj.words is not None:  # a packed 4-bit head: tuned among the W4 backends like the layers
+            return tune_projections([*self.projections(), self.head_proj], (), self.dtype)
         return tune_projections(self.projections(), [self.lm_head.shape], self.dtype)
 
     def _rope_tables(self, dims: int, theta: float) -> None:

@@ -173,7 +173,7 @@ class BatchGenerator:
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (every projection and the LM head)."""
         e = self.engine
-        return sum(p.nbytes for p in e.projections()) + e.lm_head.numel() * e.lm_head.element_size()
+        return sum(p.nbytes for p in e.projections()) + e.head_proj.nbytes
 
     def kv_bytes_per_position(self) -> int:
         return sum(c[0, :, 0].numel() * 2 * c.element_size() for c in self.k_cache.values())

@@ -102,6 +102,18 @@ class Projection:
         return dequantize_words(self.words, self.scale, self.group).to(self.dtype)
 
 
+def head_projection(model: nn.Module, dense: torch.Tensor, dtype: torch.dtype, kernels: bool) -> Projection:
+    """The LM head as a Projection. A quantized head that packs (symmetric 4-bit) runs 1-16 rows on the
+    W4 backend tuning chose, like a layer, and longer inputs on `dense`, its dequantized weight (kept: a
+    prefill's logits); any other head runs `dense` (the 16-bit GEMV where tuning picked it)."""
+    head = model.get_output_embeddings()
+    if kernels and _packable(head):
+        projection = Projection.of([head], dtype, kernels)
+        projection._dense = dense  # the same numbers as dequantizing its ints again
+        return projection
+    return Projection(weight=dense, kernels=kernels)
+
+
 def _biases(modules: list[nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
     """The fused projection's bias (zeros for parts without one), or None when no part has one."""
     present = [m.bias for m in modules if m.bias is not None]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..ops import apply_rope, rms_norm, tap_features
 from .base import EngineBase, cached_attention
-from .linear import Projection, dense_linear
+from .linear import Projection
 
 
 class LeanLlama(EngineBase):
@@ -74,4 +74,4 @@ class LeanLlama(EngineBase):
 
     def head(self, h):
         """Logits of residual-stream rows [..., hidden] (final norm, then the LM head)."""
-        return dense_linear(rms_norm(h, self.final_norm, self.eps, self.dtype), self.lm_head, self.kernels)
+        return self.head_proj(rms_norm(h, self.final_norm, self.eps, self.dtype))

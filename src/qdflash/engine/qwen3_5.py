@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
-from .linear import Projection, dense_linear
+from .linear import Projection
 from ..ops import apply_rope, tap_features
 from .base import EngineBase, cached_attention
 
@@ -202,4 +202,4 @@ class LeanQwen35(EngineBase):
         return h, (tap_features(features, layer_ids) if layer_ids is not None else None)
 
     def head(self, h):
-        return dense_linear(self.final_norm(h).to(self.dtype), self.lm_head, self.kernels)
+        return self.head_proj(self.final_norm(h).to(self.dtype))

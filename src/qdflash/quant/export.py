@@ -239,6 +239,7 @@ def _write_config(model: nn.Module, spec: GridSpec, ignore: list[str], folder: P
     # from a config (the tiny presets) has none until save_pretrained of the model itself sets it.
     config.architectures = [type(model).__name__]
     config.dtype = dtype  # what the unquantized tensors are stored in (from_pretrained's dtype="auto")
+    untie_quantized_head(model, config)
     config.save_pretrained(folder)
     add_quantization_config(folder, spec, ignore)
     servable, note = vllm_servable(spec)
@@ -261,7 +262,16 @@ def dense_copy(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Modu
     for key in ("quantization_config", EXTRA_KEY):
         if hasattr(dense.config, key):
             delattr(dense.config, key)
+    untie_quantized_head(model, dense.config)
     return dense.to(dtype)
+
+
+def untie_quantized_head(model: nn.Module, config) -> None:
+    """A quantized LM head (`lm_head` not in quant.exclude) is no longer the input embedding: a config
+    that still said tie_word_embeddings would make a loader tie the head back to the 16-bit embedding
+    (transformers warns and keeps both only because the values differ)."""
+    if isinstance(model.get_output_embeddings(), QuantLinear) and getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False
 
 
 def _new_folder(out_dir: Path) -> Path:

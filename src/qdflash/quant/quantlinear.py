@@ -86,15 +86,19 @@ class QuantLinear(nn.Module):
         self._dense = None
 
     # -----------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight forward multiplies by in `dtype`: the STE fake-quantized latent (fake-quant mode:
+        gradients reach the latent), else the dequantized ints, computed once and kept. Code that needs
+        a layer's weight as a tensor (a quantized LM head read by distillation or a drafter) uses this."""
         if self.latent is not None:
-            weight = ste_fake_quantize(self.latent, self.weight_scale, self.weight_zero_point, self.spec).to(x.dtype)
-        else:
-            if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
-                self._dense = self.dequantized_weight(x.dtype)
-            weight = self._dense
+            return ste_fake_quantize(self.latent, self.weight_scale, self.weight_zero_point, self.spec).to(dtype)
+        if self._dense is None or self._dense.dtype != dtype or self._dense.device != self.weight_int.device:
+            self._dense = self.dequantized_weight(dtype)
+        return self._dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return F.linear(x, weight, bias)
+        return F.linear(x, self.weight_for(x.dtype), bias)
 
     def extra_repr(self) -> str:
         mode = "fake-quant" if self.latent is not None else "packed"
