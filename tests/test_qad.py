@@ -52,7 +52,10 @@ def test_cosine_schedule():
     assert lrs[0] < lrs[1] < lrs[2] == 1.0 and lrs[-1] < 0.01 and all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
 
 
-def test_a_few_qad_steps_keep_the_grid_and_reduce_kl(tiny_llama):
+@pytest.mark.parametrize("head", [False, True])
+def test_a_few_qad_steps_keep_the_grid_and_reduce_kl(tiny_llama, head):
+    """`head`: the LM head quantized too (lm_head out of quant.exclude): the KL reads it through its STE
+    weight, so its latent trains like every other layer's and stays on its grid."""
     from qdflash.models import load_target
 
     # a frozen copy, as the qad stage freezes its teacher: backward must not leave gradients on the
@@ -60,7 +63,9 @@ def test_a_few_qad_steps_keep_the_grid_and_reduce_kl(tiny_llama):
     teacher = copy.deepcopy(tiny_llama.model).requires_grad_(False)
     student = load_target("tiny-llama", device="cpu").model
     spec = GridSpec(2, 32, True)  # coarse, so there is KL to recover
-    replace_linears(student, quantize_weights(student, select_linears(student), spec, method="rtn"))
+    names = select_linears(student, exclude=["*embed*"]) if head else select_linears(student)
+    assert ("lm_head" in names) == head
+    replace_linears(student, quantize_weights(student, names, spec, method="rtn"))
     scales = {n: m.weight_scale.clone() for n, m in quant_linears(student).items()}
     ints = {n: m.weight_int.clone() for n, m in quant_linears(student).items()}
     latents = make_student_trainable(student)
@@ -77,6 +82,8 @@ def test_a_few_qad_steps_keep_the_grid_and_reduce_kl(tiny_llama):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+    if head:
+        assert student.lm_head.latent.grad is not None and student.lm_head.latent.grad.abs().sum() > 0
     for name, module in quant_linears(student).items():
         module.freeze()
         assert torch.equal(module.weight_scale, scales[name]) and module.weight_scale.dtype == scales[name].dtype
