@@ -7,8 +7,9 @@ Speed does not depend on weight values, so the target is built from docs/recipe.
 random weights, on the GPU (no download). Measured, each a CUDA graph replayed at a fixed position
 after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
 - the target's decode step (1 token) and verify block (`--block` tokens), 16-bit and W4A16 (RTN, the
-  recipe's layers: symmetric, group 32; GDN in_proj_a/b, embeddings and the LM head stay 16-bit; with
-  `--w4-head` the LM head is quantized too and runs on the W4 backend tuning picks for its shape);
+  recipe's layers: symmetric, group 32; GDN in_proj_a/b, embeddings and the LM head stay 16-bit), and
+  with `--w4-head` then the same W4 target with its LM head quantized too (`target_w4_head`: the head
+  runs on the W4 backend tuning picks for its shape);
 - the drafter's step (5 layers, the recipe's shape, 16-bit and W4 group 128): the context features of
   `--block` newly accepted positions (fc + their K/V in every layer) + the block forward over the cached
   context + the target's LM head on the block + argmax;
@@ -47,7 +48,7 @@ from qdflash.engine import build_engine
 from qdflash.engine.graphs import restore, snapshot
 from qdflash.engine.linear import pack_linears, tune_projections
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
-from qdflash.quant.apply import DEFAULT_EXCLUDE, replace_linears, select_linears
+from qdflash.quant.apply import replace_linears, select_linears
 from qdflash.quant.gptq import rtn_quantize
 from qdflash.quant.grid import GridSpec
 from qdflash.tracking import environment
@@ -268,7 +269,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time the decode step compiled by torch.compile")
     parser.add_argument("--profile", action="store_true", help="also break each decode step down by kernel")
     parser.add_argument("--w4-head", action="store_true",
-                        help="quantize the LM head of the W4 target too (issue 23: a 16-bit head is ~40%% of a W4 step's bytes at 4B)")
+                        help="then also the W4 target with its LM head quantized (target_w4_head; issue 23: a 16-bit head "
+                             "is ~40%% of a W4 step's bytes at 4B)")
     parser.add_argument("--reference-gbps", type=float, default=600.0,
                         help="a memory-bound reference device's bandwidth (GB/s) to compute the bounds at (A10G class: 600)")
     parser.add_argument("--out", default=None)
@@ -298,27 +300,33 @@ def main() -> None:
     result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter_w4", args.drafter_group))
     report(result, "drafter", args.out)
     del engine16
-    head = ["lm_head"] if args.w4_head else []  # --w4-head: the LM head on the W4 grid too (its own QuantLinear)
-    names = select_linears(target.model, exclude=[p for p in DEFAULT_EXCLUDE if p not in head])
-    result["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group, names)
-    result["target_w4.head_quantized"] = "lm_head" in names
+    result["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
     engine4 = build_engine(target, max_len=max_len)
     result["w4a16.tuned"] = engine4.tune_kernels()
     result.update(kernel_check(engine4, device))
     report(result, "w4a16", args.out)
     result.update(measure_target(engine4, args, device, layer_ids, bandwidth, "target_w4"))
     report(result, "target_w4", args.out)
-
     result["w4_decode_speedup_over_16bit"] = round(result["target16.decode_ms"] / result["target_w4.decode_ms"], 3)
+    targets = [("target16", "drafter16"), ("target_w4", "drafter_w4")]
+    if args.w4_head:  # the same W4 target with its LM head on the W4 grid too, in this process (side by side)
+        del engine4
+        quantize_in_place(target.model, args.group, ["lm_head"])
+        engine4h = build_engine(target, max_len=max_len)
+        result["w4a16_head.tuned"] = engine4h.tune_kernels()
+        result.update(measure_target(engine4h, args, device, layer_ids, bandwidth, "target_w4_head"))
+        report(result, "target_w4_head", args.out)
+        result["w4_head_decode_speedup_over_16bit"] = round(result["target16.decode_ms"] / result["target_w4_head.decode_ms"], 3)
+        targets.append(("target_w4_head", "drafter_w4"))
     for tau in (3.0, 5.0, 6.5):
-        for target_label, drafter_label in (("target16", "drafter16"), ("target_w4", "drafter_w4")):
+        for target_label, drafter_label in targets:
             round_ms = result[f"{target_label}.verify_ms"] + result[f"{drafter_label}.step_ms"]
             result[f"implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_ar16"] = round(
                 tau * result["target16.decode_ms"] / round_ms, 3)
             result[f"implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_same_target_ar"] = round(
                 tau * result[f"{target_label}.decode_ms"] / round_ms, 3)
     result.update(reference_bounds(result, args.reference_gbps))
-    for label in ("target16", "target_w4"):
+    for label in ("target16", "target_w4", "target_w4_head"):
         if f"{label}.decode_compiled_ms" in result:
             result[f"{label}.decode_compiled_of_bound"] = round(result[f"{label}.bound_ms"] / result[f"{label}.decode_compiled_ms"], 4)
     if "target_w4.decode_compiled_ms" in result and "target16.decode_compiled_ms" in result:
@@ -331,15 +339,17 @@ def main() -> None:
 def reference_bounds(result: dict, gbps: float) -> dict:
     """Each part's bound at `gbps` (its bytes / that bandwidth), and the speedups over 16-bit
     autoregressive decoding those bounds imply at each tau, for a device that is only bandwidth."""
-    ms = {label: result[f"{label}.bytes"]["total"] / (gbps * 1e9) * 1e3 for label in ("target16", "target_w4")}
+    targets = [label for label in ("target16", "target_w4", "target_w4_head") if f"{label}.bytes" in result]
+    ms = {label: result[f"{label}.bytes"]["total"] / (gbps * 1e9) * 1e3 for label in targets}
     ms |= {label: sum(result[f"{label}.bytes"].values()) / (gbps * 1e9) * 1e3 for label in ("drafter16", "drafter_w4")}
     out = {"reference.GBps": gbps, **{f"reference.{label}.bound_ms": round(v, 4) for label, v in ms.items()},
-           "reference.target16.tokens_per_s": round(1e3 / ms["target16"], 1),
-           "reference.target_w4.tokens_per_s": round(1e3 / ms["target_w4"], 1),
-           "reference.w4_decode_speedup_over_16bit": round(ms["target16"] / ms["target_w4"], 3),
+           **{f"reference.{label}.tokens_per_s": round(1e3 / ms[label], 1) for label in targets},
+           **{f"reference.{label.replace('target_', '')}_decode_speedup_over_16bit": round(ms["target16"] / ms[label], 3)
+              for label in targets[1:]},
            "reference.drafter_w4_step_over_w4_decode": round(ms["drafter_w4"] / ms["target_w4"], 4)}
+    pairs = [("target16", "drafter16")] + [(label, "drafter_w4") for label in targets[1:]]
     for tau in (3.0, 5.0, 6.5):
-        for target_label, drafter_label in (("target16", "drafter16"), ("target_w4", "drafter_w4")):
+        for target_label, drafter_label in pairs:
             out[f"reference.implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_ar16"] = round(
                 tau * ms["target16"] / (ms[target_label] + ms[drafter_label]), 3)
     return out
