@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .quant.quantlinear import QuantLinear
+
 
 def _chunk_kl(h_s, h_t, w_s, w_t, temperature: float):
     log_p_s = F.log_softmax((h_s.float() @ w_s.float().T) / temperature, dim=-1)
@@ -66,8 +68,6 @@ def lm_head_weight(model) -> torch.Tensor:
     """The LM head's weight [V, H] as a tensor: the output embedding's own, or for a quantized head
     (a target quantized with `lm_head` not in quant.exclude) what its forward uses, in the model's
     16-bit dtype (the STE weight while QAD trains it, else its dequantized ints, kept once made)."""
-    from .quant.quantlinear import QuantLinear
-
     head = model.get_output_embeddings()
     if isinstance(head, QuantLinear):
         return head.weight_for(model.get_input_embeddings().weight.dtype)

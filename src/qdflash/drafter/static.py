@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..cudagraph import capture as capture_graph
-from ..engine.base import cache_buckets
 from ..distill import lm_head_weight
+from ..engine.base import cache_buckets
 from ..errors import QdflashError
 from ..kernels import kernels_usable
 

@@ -26,12 +26,14 @@ speed, and the engine runs those shapes on the dequantized weight instead (engin
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
+from ..quant.grid import GridSpec, dequantize
 from . import copies_past_l2, fastest
 
 try:
@@ -253,8 +255,6 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c) for w, s in zip(ws, ss)], copies)
     tiny_ms = None
     if tinygemm.supported(n, k, group, dtype, device):
-        import warnings
-
         try:  # torch's private op: a build that packs or checks differently is a result (not used), not a crash
             tiny = [tinygemm.pack(w, s, group, dtype) for w, s in zip(ws, ss)]
             got = tinygemm.matmul(x, *tiny[0], group).float()
@@ -288,6 +288,4 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
 def dequantize_words(words: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """The weight [N, K] of packed words and their scales, q * scale in fp32 (exact: a caller rounds it
     to its activation dtype once, as the kernels do per element)."""
-    from ..quant.grid import GridSpec, dequantize
-
     return dequantize(unpack_int4(words), scale, None, GridSpec(4, group, True))
