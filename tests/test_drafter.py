@@ -490,6 +490,74 @@ def test_target_labels_come_from_the_feature_cache_too(tiny_llama, tmp_path):
     torch.testing.assert_close(again, direct)
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 5, 4096])
+def test_chunked_soft_loss_is_the_weighted_kl_to_the_teacher_with_its_gradient(chunk_rows):
+    """labels=soft: per trained row KL(softmax(teacher @ W) || softmax(hidden @ W)), position-weighted,
+    the same value and gradient as autograd over the whole logits; 0 where the draft is the teacher."""
+    g = torch.Generator().manual_seed(2)
+    n, b, h, v = 7, 4, 16, 50
+    hidden = torch.randn(n, b, h, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(n, b, h, generator=g, dtype=torch.float64)
+    head = torch.randn(v, h, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, v, (n, b), generator=g)
+    targets[:, 0] = IGNORE
+    targets[2] = IGNORE
+    weights = loss_weights(b, 7.0).double()
+    total, weight = weighted_linear_block_loss_parts(hidden, head, targets, weights, chunk_rows, teacher=teacher)
+    (total / weight).backward()
+    log_q = torch.log_softmax(torch.nn.functional.linear(hidden, head), -1)
+    log_p = torch.log_softmax(torch.nn.functional.linear(teacher, head), -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [n, b]
+    w = weights[None, :] * (targets != IGNORE)
+    grad, hidden.grad = hidden.grad, None
+    ((kl * w).sum() / w.sum()).backward()
+    torch.testing.assert_close(total.double(), (kl * w).sum())
+    torch.testing.assert_close(grad, hidden.grad)
+    assert grad[2].abs().max() == 0 and grad[:, 0].abs().max() == 0
+    same, _ = weighted_linear_block_loss_parts(teacher, head, targets, weights, chunk_rows, teacher=teacher)
+    assert abs(same.item()) < 1e-12  # the teacher's own distribution costs nothing
+
+
+def test_soft_labels_are_the_targets_distribution_at_the_predicting_position(tiny_llama, tmp_path):
+    """batch_loss(labels=soft) is the weighted KL of the target's full next-token distribution (its own
+    logits at a+k-1) to the drafter's logits at block position k, and the same from the feature cache
+    (whose second epoch runs no target forward)."""
+    from qdflash.drafter.train import FeatureCache, batch_anchors, padded_batch
+
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=1)
+    batch = [example(tiny_llama, 30, seed=3, id="a"), example(tiny_llama, 45, seed=4, id="b")]
+    w, g = loss_weights(4, 7.0), torch.Generator
+    loss = batch_loss(drafter, tiny_llama, batch, w, 6, g().manual_seed(0), labels="soft")
+    anchors = batch_anchors(batch, 6, g().manual_seed(0))
+    input_ids, masks, anchor_t, valid = padded_batch(batch, anchors)
+    features, _ = target_pass(tiny_llama, input_ids, drafter.config.target_layer_ids)
+    logits, targets = draft_blocks(drafter, features, input_ids, masks, anchor_t, valid)
+    with torch.no_grad():
+        target_logits = tiny_llama.model(input_ids=input_ids).logits  # [n, L, V]: position t predicts t+1
+    total = weight = 0.0
+    for i in range(len(batch)):
+        for j, a in enumerate(anchor_t[i].tolist()):
+            for k in range(1, 4):
+                if valid[i, j] and targets[i, j, k] != IGNORE:
+                    log_p = torch.log_softmax(target_logits[i, a + k - 1].float(), -1)
+                    log_q = torch.log_softmax(logits[i, j, k].float(), -1)
+                    total = total + w[k] * (log_p.exp() * (log_p - log_q)).sum()
+                    weight = weight + w[k]
+    assert weight > 0
+    torch.testing.assert_close(loss, total / weight, rtol=1e-4, atol=1e-5)
+    assert not torch.isclose(loss, batch_loss(drafter, tiny_llama, batch, w, 6, g().manual_seed(0)))  # not the data CE
+
+    cache = FeatureCache(tmp_path / "cache")
+    batch_loss(drafter, tiny_llama, batch, w, 6, g().manual_seed(0), cache)  # data labels: features only
+    torch.testing.assert_close(batch_loss(drafter, tiny_llama, batch, w, 6, g().manual_seed(0), cache, labels="soft"), loss)
+    real = tiny_llama.model.get_decoder
+    tiny_llama.model.get_decoder = lambda *a, **k: (_ for _ in ()).throw(AssertionError("the target ran again"))
+    try:
+        torch.testing.assert_close(batch_loss(drafter, tiny_llama, batch, w, 6, g().manual_seed(0), cache, labels="soft"), loss)
+    finally:
+        tiny_llama.model.get_decoder = real
+
+
 def test_length_grouped_batches_cover_each_epoch_and_hold_similar_lengths():
     import itertools
 

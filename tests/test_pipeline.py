@@ -1,6 +1,7 @@
 """End-to-end: the DAG built so far, on the `ci` profile, through Snakemake."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -47,6 +48,18 @@ def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
     assert "device=cpu" in out.stdout and "device=cuda" not in out.stdout and "gates.batch_size=4" in out.stdout
     assert "bench.attention=sdpa" in out.stdout and "bench.attention=kernel" not in out.stdout  # the kernel needs a GPU
     assert out.stdout.count("rule bench_speedup:") == 3 and out.stdout.count("rule quality_gate:") == 3
+
+
+def test_drafter_arms_overlay_replaces_the_profiles_arms(tmp_path):
+    """config/gpu-drafter-arms.yaml over the gpu profile: its arms (soft labels, two learning rates) beside the
+    plain run at 4,000 answers x 4 epochs, the profile's own arm dropped by its null."""
+    out = snakemake(tmp_path, "-n", "-p", "drafter_scaling", "--configfile", str(REPO_ROOT / "config" / "gpu-drafter-arms.yaml"),
+                    "--config", "profile=gpu", "experiment=arms")
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = set(re.findall(r"scaling/drafter/(n\d+-L\d+[-\w]*)", out.stdout))
+    assert runs == {"n4000-L2", "n4000-L2-soft", "n4000-L2-lr1e3", "n4000-L2-lr2e3"}, runs
+    assert "drafter_train.labels=soft" in out.stdout and "drafter_train.lr=0.002" in out.stdout
+    assert "drafter_train.epochs=4" in out.stdout and "target_labels" not in out.stdout
 
 
 def test_ci_profile_end_to_end(tmp_path):

@@ -161,6 +161,12 @@ def validate_config(config: dict, where: str = "config/config.yaml") -> dict:
     return config
 
 
+def scaling_arms(scaling: dict) -> dict[str, dict]:
+    """The scaling study's arms (name -> drafter_train overrides); an arm set to null (an overlay's way
+    to drop an arm of the profile it extends: Snakemake merges config files key by key) is left out."""
+    return {name: arm for name, arm in (scaling.get("arms") or {}).items() if arm is not None}
+
+
 def scaling_problems(where: str, profile: dict) -> list[str]:
     """What the schema cannot say about `scaling`: its sources exist, its overrides are drafter_train
     keys, its largest size fits the data."""
@@ -172,7 +178,7 @@ def scaling_problems(where: str, profile: dict) -> list[str]:
         return [f"{where}.n_train: {unknown} are not sources of this profile's data ({sorted(profile['data']['sources'])})"]
     train_keys = set(load_schema()["$defs"]["drafter_train"]["properties"])
     for key, overrides in [("drafter_train", scaling.get("drafter_train") or {}),
-                           *((f"arms.{name}", arm) for name, arm in (scaling.get("arms") or {}).items())]:
+                           *((f"arms.{name}", arm) for name, arm in scaling_arms(scaling).items())]:
         unknown = sorted(set(overrides) - train_keys)
         if unknown:
             return [f"{where}.{key}: {unknown} are not drafter_train keys ({sorted(train_keys)})"]

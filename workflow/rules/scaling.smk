@@ -7,6 +7,7 @@ import copy
 import re
 
 from qdflash.config import flatten as flat_overrides  # (snakemake has its own `flatten`)
+from qdflash.config import scaling_arms
 
 SCALING = PROFILE.get("scaling")
 
@@ -23,7 +24,8 @@ if SCALING:
     # run name -> (examples, layers, drafter_train overrides); an arm changes only its overrides, at the
     # largest size and the first depth, so it compares with that run at equal data and steps
     SCALING_SPECS = {f"n{s}-L{d}": (s, d, {}) for s, d in SCALING_PAIRS}
-    for _arm, _overrides in (SCALING.get("arms") or {}).items():
+    SCALING_ARMS = scaling_arms(SCALING)
+    for _arm, _overrides in SCALING_ARMS.items():
         SCALING_SPECS[f"n{max(SCALING['sizes'])}-L{SCALING['depths'][0]}-{_arm}"] = (max(SCALING["sizes"]), SCALING["depths"][0], _overrides)
     SCALING_RUNS = [f"{SCALING_DIR}/drafter/{name}" for name in SCALING_SPECS]
 
@@ -95,7 +97,7 @@ if SCALING:
                                    "drafter_train.max_examples": SCALING_SPECS[wc.run][0]},
             ),
             # a plain string (Snakemake records no function's params): every run's values, the arms' included
-            config=section_fingerprint({"drafter": PROFILE["drafter"], "train": SCALING_TRAIN_SECTION, "arms": SCALING.get("arms") or {}}),
+            config=section_fingerprint({"drafter": PROFILE["drafter"], "train": SCALING_TRAIN_SECTION, "arms": SCALING_ARMS}),
         threads: rule_threads("scaling_drafter")
         resources: **rule_resources("scaling_drafter")
         wildcard_constraints:

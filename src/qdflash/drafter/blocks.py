@@ -122,23 +122,41 @@ class _LinearCrossEntropy(torch.autograd.Function):
     [rows, vocab] values: the logits in W's dtype, one softmax into fp32 (accumulated in fp32 for
     16-bit logits), the one-hot subtracted at the targets, a cast for the matmul back to [rows, H];
     the row weight is applied on [rows, H] (d/dh_i = w_i (p_i - e_t_i) W): every extra pass over an
-    fp32 chunk is a visible part of a training step (results/published/2026-12-01-h200-drafter-step)."""
+    fp32 chunk is a visible part of a training step (results/published/2026-12-01-h200-drafter-step).
+
+    With `teacher` [rows, H'] (the target's own final states at the position that predicts each row's
+    token; `drafter_train.labels: soft`), a row's loss is KL(p_teacher || p_draft) over the whole
+    vocabulary instead of the CE of one token, through the same head W (the drafter's head is the
+    target's), and d/dlogits = p_draft - p_teacher: the draft learns the target's whole distribution,
+    ranks of the runner-up tokens included, from every trained row."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, chunk):
+    def forward(ctx, hidden, weight, targets, row_weights, chunk, teacher=None):
         acc = torch.promote_types(weight.dtype, torch.float32)  # softmax and sums in fp32 (or wider)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk].to(weight.dtype)
             t, w = targets[start : start + chunk], row_weights[start : start + chunk].to(acc)
-            probs = torch.softmax(torch.nn.functional.linear(h, weight), dim=-1, dtype=acc)
-            rows = torch.arange(t.numel(), device=t.device)
-            p_t = probs[rows, t]
-            # CE = -log p_t; a p_t that underflowed (a logit gap over ~87) counts as the smallest normal
-            total += (-torch.log(p_t.clamp_min(torch.finfo(acc).tiny)) * w).sum()
+            if teacher is None:
+                probs = torch.softmax(torch.nn.functional.linear(h, weight), dim=-1, dtype=acc)
+                rows = torch.arange(t.numel(), device=t.device)
+                p_t = probs[rows, t]
+                # CE = -log p_t; a p_t that underflowed (a logit gap over ~87) counts as the smallest normal
+                total += (-torch.log(p_t.clamp_min(torch.finfo(acc).tiny)) * w).sum()
+                if grad is not None:
+                    probs[rows, t] = p_t - 1.0  # softmax - onehot: d CE / d logits
+            else:
+                log_q = torch.log_softmax(torch.nn.functional.linear(h, weight), dim=-1, dtype=acc)
+                log_p = torch.log_softmax(torch.nn.functional.linear(teacher[start : start + chunk].to(weight.dtype), weight),
+                                          dim=-1, dtype=acc)
+                p = log_p.exp()
+                # KL = sum_v p (log p - log q); where p underflowed to 0 its term is 0 (p log p -> 0)
+                total += ((p * (log_p - log_q)).sum(-1) * w).sum()
+                if grad is None:
+                    continue
+                probs = log_q.exp_().sub_(p)  # q - p: d KL / d logits
             if grad is not None:
-                probs[rows, t] = p_t - 1.0  # softmax - onehot: d CE / d logits
                 g = torch.nn.functional.linear(probs.to(weight.dtype), weight.t())  # [rows, H]
                 grad[start : start + chunk] = (g.to(acc) * w[:, None]).to(hidden.dtype)
         ctx.save_for_backward(grad)
@@ -147,18 +165,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None
 
 
 def weighted_linear_block_loss_parts(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
-                                     weights: torch.Tensor, chunk_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                                     weights: torch.Tensor, chunk_rows: int = 4096,
+                                     teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`weighted_block_loss_parts` of the logits `hidden @ head^T`, without ever holding them whole:
     hidden [n, B, H] (the drafter's normed states), head [V, H] (frozen), targets [n, B]. Only rows
-    with a positive weight (a trained target at a drafted position) reach the LM head."""
+    with a positive weight (a trained target at a drafted position) reach the LM head. `teacher`
+    [n, B, H]: the target's final states predicting each position; the loss is then the weighted
+    KL(target || draft) per row (`_LinearCrossEntropy`), on the same rows."""
     w = target_weights(targets, weights)
     rows = torch.nonzero(w.flatten() > 0, as_tuple=False).flatten()
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    total = _LinearCrossEntropy.apply(picked, head.detach(), targets.flatten()[rows], w.flatten()[rows], chunk_rows)
+    taught = None if teacher is None else teacher.reshape(-1, teacher.shape[-1]).index_select(0, rows).detach()
+    total = _LinearCrossEntropy.apply(picked, head.detach(), targets.flatten()[rows], w.flatten()[rows], chunk_rows, taught)
     return total, w.sum()
 
 

@@ -26,14 +26,27 @@ from .blocks import (IGNORE, acceptance_lengths, batch_attention_mask, block_inp
 from .model import Drafter
 
 
+LABELS = ("data", "target", "soft")  # drafter_train.labels: what a block position learns (batch_loss)
+
+
+def check_labels(labels: str) -> str:
+    if labels not in LABELS:
+        raise QdflashError(f"drafter_train.labels={labels!r}: expected one of {', '.join(LABELS)}")
+    return labels
+
+
 @torch.no_grad()
-def target_pass(target, input_ids: torch.Tensor, layer_ids: list[int], greedy: bool = True, chunk_rows: int = 4096):
+def target_pass(target, input_ids: torch.Tensor, layer_ids: list[int], greedy: bool = True, chunk_rows: int = 4096,
+                last: bool = False):
     """Concatenated hidden states of `layer_ids` [n, L, k*H] and the target's greedy next tokens [n, L]
-    (None with `greedy=False`). The LM head runs `chunk_rows` positions at a time, so its [n, L, vocab]
+    (None with `greedy=False`; with `last=True`, its final normed states [n, L, H] instead, what its LM
+    head reads). The LM head runs `chunk_rows` positions at a time, so its [n, L, vocab]
     logits are never held at once (for Qwen2.5's 151,936 tokens ~9 GB per 16 x 1,800-token batch in
     bf16). Right padding needs no attention mask: the target is causal, so real tokens never see it."""
     out = target.model.get_decoder()(input_ids=input_ids, output_hidden_states=True)
     features = tap_features(out.hidden_states, layer_ids)
+    if last:
+        return features, out.last_hidden_state
     if not greedy:
         return features, None
     head = target.model.get_output_embeddings()  # the module itself: a bias or a quantized head runs as in forward
@@ -71,6 +84,15 @@ def padded_batch(examples: list[dict], anchor_lists: list[torch.Tensor], length:
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def teacher_states(last: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[n, A, B, H]: for block position k of the block at anchor a, the target's final state at a+k-1,
+    the position whose LM-head output predicts token a+k (position 0, never trained, gets a's own)."""
+    n, length = last.shape[:2]
+    positions = (anchors[:, :, None] + torch.arange(block_size)[None, None, :] - 1).clamp(0, length - 1).to(last.device)
+    return torch.gather(last, 1, positions.reshape(n, -1, 1).expand(-1, -1, last.shape[-1])).reshape(
+        n, anchors.shape[1], block_size, -1)
 
 
 def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_masks: torch.Tensor,
@@ -181,12 +203,13 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
     beforehand (batch_anchors; else drawn here from `generator`); `module`: the drafter's DDP
     wrapper; `parts`: return (weighted loss sum, weight sum) instead of their ratio. The LM head and
     cross-entropy run on the trained rows only, a chunk at a time (blocks.weighted_linear_block_loss_parts).
-    `labels`: what a block position learns, "data" (the training sequence's next token) or "target" (the
-    target's own greedy next token on the same prefix, `target_labels`; cached beside the features).
+    `labels`: what a block position learns, "data" (the training sequence's next token), "target" (the
+    target's own greedy next token on the same prefix, `target_labels`) or "soft" (the target's whole
+    next-token distribution there: KL(target || draft) per position; `_LinearCrossEntropy`). What
+    "target" and "soft" need of the target (greedy tokens, final states) is cached beside the features.
     None when no sequence has an anchor."""
-    if labels not in ("data", "target"):
-        raise QdflashError(f"drafter_train.labels={labels!r}: expected 'data' or 'target'")
-    want_greedy = labels == "target"
+    check_labels(labels)
+    extra = {"data": None, "target": "greedy", "soft": "last"}[labels]  # what else of the target pass is needed
     device = next(drafter.parameters()).device
     if anchor_lists is None:
         anchor_lists = batch_anchors(examples, anchors_per_seq, generator)
@@ -197,35 +220,42 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
     input_ids, loss_masks, anchors, valid = padded_batch(examples, anchor_lists, pad_length,
                                                          anchors_per_seq if pad_length else None)
     layer_ids = drafter.config.target_layer_ids
-    greedy = None
+
+    def run_target(ids):
+        return target_pass(target, ids, layer_ids, greedy=extra == "greedy", last=extra == "last")
+
+    side = None  # greedy tokens [n, L] or final states [n, L, H]
     if cache is not None:
-        fresh_greedy = {}
+        fresh_side = {}
 
         def compute(indices):  # one forward over the missing rows; each keeps its own length
             width = max(len(examples[i]["input_ids"]) for i in indices)
-            features, tokens = target_pass(target, input_ids[indices, :width].to(device), layer_ids, greedy=want_greedy)
+            features, more = run_target(input_ids[indices, :width].to(device))
             for row, i in enumerate(indices):
-                if want_greedy:
-                    fresh_greedy[i] = tokens[row, : len(examples[i]["input_ids"])]
+                if extra:
+                    fresh_side[i] = more[row, : len(examples[i]["input_ids"])]
             return [features[row, : len(examples[i]["input_ids"])] for row, i in enumerate(indices)]
 
         keys = [feature_key(ex) for ex in examples]
         rows = cache.get_batch(keys, compute)
         features = pad_right([r.to(device) for r in rows], 0, pad_length)
-        if want_greedy:
-            def compute_greedy(indices):  # features cached by a run with data labels: one more target pass
-                missing = [i for i in indices if i not in fresh_greedy]
+        if extra:
+            def compute_side(indices):  # features cached by a run with other labels: one more target pass
+                missing = [i for i in indices if i not in fresh_side]
                 if missing:
                     compute(missing)
-                return [fresh_greedy[i] for i in indices]
+                return [fresh_side[i] for i in indices]
 
-            greedy = pad_right(cache.get_batch([f"{key}.greedy" for key in keys], compute_greedy), 0, input_ids.shape[1])
+            side = pad_right([r.to(device) for r in cache.get_batch([f"{key}.{extra}" for key in keys], compute_side)], 0,
+                             input_ids.shape[1])
     else:
-        features, greedy = target_pass(target, input_ids.to(device), layer_ids, greedy=want_greedy)
-    label_ids = None if greedy is None else target_labels(input_ids, greedy.cpu())
+        features, side = run_target(input_ids.to(device))
+    label_ids = target_labels(input_ids, side.cpu()) if extra == "greedy" else None
     hidden, targets = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, module, head=False,
                                    label_ids=label_ids)
-    total, weight = weighted_linear_block_loss_parts(hidden.flatten(0, 1), drafter.head_weight(), targets.flatten(0, 1), weights)
+    teacher = teacher_states(side, anchors, drafter.block_size).flatten(0, 1) if extra == "last" else None
+    total, weight = weighted_linear_block_loss_parts(hidden.flatten(0, 1), drafter.head_weight(), targets.flatten(0, 1), weights,
+                                                     teacher=teacher)
     return (total, weight) if parts else total / weight.clamp_min(1e-9)
 
 
@@ -281,5 +311,5 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
     return result
 
 
-__all__ = ["IGNORE", "FeatureCache", "batch_loss", "draft_blocks", "estimate_acceptance", "pad_anchors", "pad_right",
-           "target_labels", "target_pass"]
+__all__ = ["IGNORE", "LABELS", "FeatureCache", "batch_loss", "check_labels", "draft_blocks", "estimate_acceptance", "pad_anchors", "pad_right",
+           "target_labels", "target_pass", "teacher_states"]

@@ -24,7 +24,8 @@ from ..drafter import init_drafter, load_drafter, save_drafter
 from ..drafter.blocks import loss_weights
 from ..data.split import unit_interval
 from ..distributed import all_sum, full_state_dict, setup, shard, shard_module, wrap
-from ..drafter.train import FeatureCache, batch_anchors, batch_loss, estimate_acceptance, feature_cache_folder, round_up
+from ..drafter.train import (FeatureCache, batch_anchors, batch_loss, check_labels, estimate_acceptance, feature_cache_folder,
+                             round_up)
 from ..errors import QdflashError
 from ..models import load_target, resolve_device, synchronize
 from ..qad import cosine_lr
@@ -210,9 +211,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     batches = epoch_batches(len(train), train_cfg.batch_size, train_cfg.seed,
                             lengths=[len(ex["input_ids"]) for ex in train], group=group)
     run.metrics["train.group_by_length"] = group
-    labels = str(train_cfg.get("labels", "data"))
-    if labels not in ("data", "target"):  # before any step: batch_loss would say so only after the model loads
-        raise QdflashError(f"drafter_train.labels={labels!r}: expected 'data' or 'target'")
+    labels = check_labels(str(train_cfg.get("labels", "data")))  # before any step: batch_loss would say so only later
     run.metrics["train.labels"] = labels
     generator = torch.Generator().manual_seed(train_cfg.seed)
     # cached features live beside the output (not inside it) and are removed when the node succeeds
