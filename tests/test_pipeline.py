@@ -50,15 +50,20 @@ def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
     assert out.stdout.count("rule bench_speedup:") == 3 and out.stdout.count("rule quality_gate:") == 3
 
 
-def test_drafter_arms_overlay_replaces_the_profiles_arms(tmp_path):
-    """config/gpu-drafter-arms.yaml over the gpu profile: its arms (soft labels, two learning rates) beside the
-    plain run at 4,000 answers x 4 epochs, the profile's own arm dropped by its null."""
-    out = snakemake(tmp_path, "-n", "-p", "drafter_scaling", "--configfile", str(REPO_ROOT / "config" / "gpu-drafter-arms.yaml"),
+@pytest.mark.parametrize("overlay, arms, flags", [
+    ("gpu-drafter-arms.yaml", {"soft", "lr1e3", "lr2e3", "lr3e4"}, ["drafter_train.labels=soft", "drafter_train.lr=0.002"]),
+    ("gpu-drafter-schedule.yaml", {"floor50", "const", "warm25_lr12e4"}, ["drafter_train.min_lr_ratio=1.0",
+                                                                          "drafter_train.warmup_ratio=0.25"]),
+])
+def test_drafter_arms_overlays_replace_the_profiles_arms(tmp_path, overlay, arms, flags):
+    """The recipe-arm overlays over the gpu profile: their arms beside the plain run at 4,000 answers x 4
+    epochs, the profile's own arm dropped by its null."""
+    out = snakemake(tmp_path, "-n", "-p", "drafter_scaling", "--configfile", str(REPO_ROOT / "config" / overlay),
                     "--config", "profile=gpu", "experiment=arms")
     assert out.returncode == 0, out.stderr[-3000:]
     runs = set(re.findall(r"scaling/drafter/(n\d+-L\d+[-\w]*)", out.stdout))
-    assert runs == {"n4000-L2", "n4000-L2-soft", "n4000-L2-lr1e3", "n4000-L2-lr2e3"}, runs
-    assert "drafter_train.labels=soft" in out.stdout and "drafter_train.lr=0.002" in out.stdout
+    assert runs == {"n4000-L2"} | {f"n4000-L2-{arm}" for arm in arms}, runs
+    assert all(flag in out.stdout for flag in flags), flags
     assert "drafter_train.epochs=4" in out.stdout and "target_labels" not in out.stdout
 
 
@@ -470,6 +475,8 @@ def test_drafter_scaling_study_on_ci(tmp_path):
         arm = json.loads((results / "scaling" / "drafter" / f"n{max(scaling['sizes'])}-L{scaling['depths'][0]}-{name}" / "metrics.json").read_text())
         plain = runs[max(scaling["sizes"]), scaling["depths"][0]]
         assert arm["train.labels"] == overrides["labels"] != plain["train.labels"] == "data"
+        lr = CONFIG["profiles"]["ci"]["drafter_train"]["lr"]  # the schedule's floor, where the arm sets one
+        assert arm["train.lr_last"] == pytest.approx(overrides.get("min_lr_ratio", 0) * lr, abs=0.05 * lr) != plain["train.lr_last"]
         assert (arm["train.examples"], arm["train.steps"], arm["drafter.layers"]) == (plain["train.examples"], plain["train.steps"], plain["drafter.layers"])
         assert any(line.startswith(f"| n{max(scaling['sizes'])}-L{scaling['depths'][0]}-{name} ") for line in lines)
     assert runs[scaling["sizes"][0], 1]["drafter.parameters"] < runs[scaling["sizes"][0], 2]["drafter.parameters"]

@@ -50,6 +50,10 @@ def test_pack_sequences():
 def test_cosine_schedule():
     lrs = [cosine_lr(s, 100, 3, 1.0) for s in range(100)]
     assert lrs[0] < lrs[1] < lrs[2] == 1.0 and lrs[-1] < 0.01 and all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+    floored = [cosine_lr(s, 100, 3, 2.0, floor=0.25) for s in range(101)]  # the drafter's min_lr_ratio
+    assert floored[:3] == [2 * x for x in lrs[:3]] and floored[-1] == 0.5 and min(floored[3:]) == 0.5
+    assert all(a >= b for a, b in zip(floored[2:], floored[3:]))
+    assert {cosine_lr(s, 100, 3, 1.0, floor=1.0) for s in range(2, 100)} == {1.0}  # constant after the warm-up
 
 
 @pytest.mark.parametrize("head", [False, True])

@@ -68,12 +68,12 @@ def kl_loss(teacher, student, ids: torch.Tensor, mask: torch.Tensor, *, temperat
     return total / max(count, 1)
 
 
-def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:
-    """Linear warmup to `peak`, then cosine decay to zero at `total`."""
+def cosine_lr(step: int, total: int, warmup: int, peak: float, floor: float = 0.0) -> float:
+    """Linear warmup to `peak`, then cosine decay to `floor` x `peak` at `total` (0: to zero; 1: constant)."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
-    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return peak * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
 def make_student_trainable(student, reference=None) -> list[torch.nn.Parameter]:

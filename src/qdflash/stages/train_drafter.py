@@ -226,7 +226,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     synchronize(drafter.norm.weight.device)
     started, eval_seconds = time.perf_counter(), 0.0
     for step in tqdm(range(steps), desc=f"drafter stage {cfg.stage}", unit="step"):
-        lr = cosine_lr(step, steps, warmup, train_cfg.lr)
+        lr = cosine_lr(step, steps, warmup, train_cfg.lr, float(train_cfg.get("min_lr_ratio", 0.0)))
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
@@ -285,6 +285,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     synchronize(drafter.norm.weight.device)
     # wall time of the training steps alone (target forwards included; periodic evaluations excluded)
     run.metrics["train.seconds"] = round(time.perf_counter() - started - eval_seconds, 2)
+    run.metrics["train.lr_last"] = lr  # the schedule's end (drafter_train.min_lr_ratio x lr; ~0 by default)
     run.metrics["train.eval_seconds"] = round(eval_seconds, 2)
     run.metrics["train.loss_curve"] = curve
     run.metrics["train.skipped_steps"] = skipped
