@@ -52,8 +52,7 @@ def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
 
 @pytest.mark.parametrize("overlay, arms, flags", [
     ("gpu-drafter-arms.yaml", {"soft", "lr1e3", "lr2e3", "lr3e4"}, ["drafter_train.labels=soft", "drafter_train.lr=0.002"]),
-    ("gpu-drafter-schedule.yaml", {"floor50", "const", "warm25_lr12e4"}, ["drafter_train.min_lr_ratio=1.0",
-                                                                          "drafter_train.warmup_ratio=0.25"]),
+    ("gpu-drafter-schedule.yaml", {"floor50", "const", "b8"}, ["drafter_train.min_lr_ratio=1.0", "drafter_train.batch_size=8"]),
 ])
 def test_drafter_arms_overlays_replace_the_profiles_arms(tmp_path, overlay, arms, flags):
     """The recipe-arm overlays over the gpu profile: their arms beside the plain run at 4,000 answers x 4
