@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
     """The two scripts are independent: side by side on 2 cores, one thread each (each test reads its own)."""
     folder = tmp_path_factory.mktemp("bench-scripts")
     started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
-                                     "--w4-head"),
+                                     "--w4-head", "--compile", "aot_eager"),
                "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
                                "--attention", "sdpa,kernel", "--kernels", "on")}
     yield started
@@ -58,6 +58,15 @@ def test_component_bench_runs_on_the_cpu(runs):
     assert r["w4_head_decode_speedup_over_16bit"] > 0 and "implied_speedup.tau3.0.target_w4_head+drafter_w4.vs_ar16" in r
     assert r["reference.w4_head_decode_speedup_over_16bit"] >= r["reference.w4_decode_speedup_over_16bit"] * 0.999
     assert {k for k in r if k.startswith("implied_speedup.tau6.5")}
+    # --compile (here traced with aot_eager): decode, verify and drafter steps compiled, and the round they imply
+    for label in ("target16", "target_w4", "target_w4_head"):
+        assert r[f"{label}.decode_compiled_ms"] > 0 and r[f"{label}.verify_compiled_ms"] > 0, r.get(f"{label}.compile_error")
+    for label in ("drafter16", "drafter_w4"):
+        assert r[f"{label}.step_compiled_ms"] > 0 and r[f"{label}.compiled_drafts_agree"] == 1.0, r.get(f"{label}.compile_error")
+    assert r["compiled.drafter_w4_step_over_target_w4_decode"] == pytest.approx(
+        r["drafter_w4.step_compiled_ms"] / r["target_w4.decode_compiled_ms"], abs=1e-4)
+    assert r["compiled.implied_speedup.tau3.0.target16+drafter16.vs_ar16"] == pytest.approx(
+        3.0 * r["target16.decode_compiled_ms"] / (r["target16.verify_compiled_ms"] + r["drafter16.step_compiled_ms"]), abs=2e-3)
     # the bounds at a 600 GB/s reference device: the parts' own bytes at that bandwidth (on the CPU the W4
     # target runs its dequantized weights, so it reads as much as the 16-bit one: the H200 run packs them)
     assert r["reference.GBps"] == 600.0

@@ -45,6 +45,7 @@ from qdflash.cudagraph import capture
 from qdflash.distill import lm_head_weight
 from qdflash.drafter import init_drafter
 from qdflash.engine import build_engine
+from qdflash.engine.base import allow_compiles
 from qdflash.engine.graphs import restore, snapshot
 from qdflash.engine.linear import pack_linears, tune_projections
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
@@ -171,16 +172,22 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
     verify_ms = run(lambda: verify_graph(block, args.context), args.reps)
     floor_ms = run(matmul_only(engine, device), args.reps)
     compiled = {}
-    if args.compile:  # the same decode step through torch.compile (fused elementwise work), then captured
+    if args.compile:  # the same decode step and verify block through torch.compile (fused elementwise work), captured
         try:
             t0 = time.perf_counter()
-            engine.capture([1], None, cuda_graphs=cuda, compile=True, lengths=[engine.max_len])  # replaces the eager one
+            engine.capture([1], None, cuda_graphs=cuda, compile=args.compile, lengths=[engine.max_len])  # replaces the eager one
             restore(engine, saved)
             got = engine.graph_for(1, None, args.context + 1)(one, args.context)[0].float()
             compiled[f"{label}.compiled_vs_eager_max_abs"] = float((got - eager_logits).abs().max())
             compiled_graph = engine.graph_for(1, None, args.context + 1)
             compiled[f"{label}.decode_compiled_ms"] = round(run(lambda: compiled_graph(one, args.context), args.reps), 4)
             compiled[f"{label}.compile_s"] = round(time.perf_counter() - t0, 1)
+            # the verify block compiled too: a round's target part, beside the compiled decode step
+            engine.capture([args.block], layer_ids, cuda_graphs=cuda, compile=args.compile, lengths=[engine.max_len])
+            verify_compiled = engine.graph_for(args.block, layer_ids, args.context + args.block)
+            compiled[f"{label}.verify_compiled_ms"] = round(run(lambda: verify_compiled(block, args.context), args.reps), 4)
+            compiled[f"{label}.verify_compiled_over_decode_compiled"] = round(
+                compiled[f"{label}.verify_compiled_ms"] / compiled[f"{label}.decode_compiled_ms"], 4)
         except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
             compiled[f"{label}.compile_error"] = f"{type(err).__name__}: {str(err)[:300]}"
     if args.profile:
@@ -231,6 +238,16 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
             return drafter.forward_block(ids, q_pos, keys, values, pos)[0, 1:].argmax(-1)
 
     ms = run(graphed(step, device), args.reps)
+    compiled = {}
+    if args.compile:  # the same step through torch.compile, then captured (as the target's compiled steps)
+        try:
+            allow_compiles(1)
+            fast = torch.compile(step, dynamic=False, **({"backend": args.compile} if isinstance(args.compile, str) else {}))
+            eager_drafts = step()
+            compiled[f"{label}.compiled_drafts_agree"] = float((fast() == eager_drafts).float().mean())
+            compiled[f"{label}.step_compiled_ms"] = round(run(graphed(fast, device), args.reps), 4)
+        except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
+            compiled[f"{label}.compile_error"] = f"{type(err).__name__}: {str(err)[:300]}"
     own = sum(p.numel() * p.element_size() for p in drafter.parameters()) + sum(
         b.numel() * b.element_size() for b in drafter.buffers())
     own += sum(m.projection.nbytes for m in drafter.modules() if hasattr(m, "projection"))
@@ -240,7 +257,7 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
     return {f"{label}.step_ms": round(ms, 4), f"{label}.bound_ms": round(need / bandwidth * 1e3, 4),
             f"{label}.of_bound": round(need / bandwidth * 1e3 / ms, 4),
             f"{label}.bytes": {"drafter": own, "lm_head": head.numel() * head.element_size(), "context_kv": kv_bytes},
-            f"{label}.layers": c.num_layers, **({f"{label}.tuned": tuned} if w4_group else {})}
+            f"{label}.layers": c.num_layers, **({f"{label}.tuned": tuned} if w4_group else {}), **compiled}
 
 
 def kernel_check(engine, device) -> dict:
@@ -266,7 +283,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=32, help="the target's W4 group size (RECIPE: 32)")
     parser.add_argument("--drafter-group", type=int, default=128, help="the drafter's W4 group size (RECIPE: 128)")
     parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--compile", action="store_true", help="also time the decode step compiled by torch.compile")
+    parser.add_argument("--compile", nargs="?", const=True, default=False,
+                        help="also time the decode step, verify block and drafter step compiled by torch.compile "
+                             "(a value: the torch.compile backend; the CPU test traces with aot_eager)")
     parser.add_argument("--profile", action="store_true", help="also break each decode step down by kernel")
     parser.add_argument("--w4-head", action="store_true",
                         help="then also the W4 target with its LM head quantized (target_w4_head; issue 23: a 16-bit head "
@@ -332,8 +351,25 @@ def main() -> None:
     if "target_w4.decode_compiled_ms" in result and "target16.decode_compiled_ms" in result:
         result["w4_compiled_decode_speedup_over_16bit_compiled"] = round(
             result["target16.decode_compiled_ms"] / result["target_w4.decode_compiled_ms"], 3)
+    result.update(compiled_rounds(result, targets))
     report(result, None, args.out)
     print(json.dumps(result, indent=1, default=str))
+
+
+def compiled_rounds(result: dict, targets: list[tuple[str, str]]) -> dict:
+    """From the compiled steps (where all three compiled): the drafter step over the decode step, and
+    the implied speedup tau * decode / (verify + drafter step) over compiled 16-bit decoding."""
+    out = {}
+    for target_label, drafter_label in targets:
+        parts = [f"{target_label}.decode_compiled_ms", f"{target_label}.verify_compiled_ms", f"{drafter_label}.step_compiled_ms"]
+        if not all(p in result for p in parts + ["target16.decode_compiled_ms"]):
+            continue
+        decode, verify, draft = (result[p] for p in parts)
+        out[f"compiled.{drafter_label}_step_over_{target_label}_decode"] = round(draft / decode, 4)
+        for tau in (3.0, 5.0, 6.5):
+            out[f"compiled.implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_ar16"] = round(
+                tau * result["target16.decode_compiled_ms"] / (verify + draft), 3)
+    return out
 
 
 def reference_bounds(result: dict, gbps: float) -> dict:
