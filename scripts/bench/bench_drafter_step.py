@@ -14,7 +14,8 @@ each synchronized, median over --steps batches:
   (drafter_train.group_by_length), the variants taking turns batch by batch: the step as the node
   ran it before (fp32 forward, loss over the whole [rows, vocab] logits), with the chunked LM head +
   cross-entropy on the trained rows only, and with that with TF32 matmuls (the node's step now,
-  drafter_train.tf32) or with the drafter's forward under bf16 autocast; `--anchor-sweep 128,256`
+  drafter_train.tf32), that with its chunk softmax in fp32 as it was before `blocks.PROBS_IN_BF16`
+  (bf16 for a bf16 head), or with the drafter's forward under bf16 autocast; `--anchor-sweep 128,256`
   also times the node's step with more anchors per sequence. Sequences per second is what sets how
   much data a training minute sees;
 - with `--profile`, three steps before and now under torch.profiler: the top kernels by GPU time.
@@ -35,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from qdflash.drafter import init_drafter  # noqa: E402
+from qdflash.drafter import blocks  # noqa: E402
 from qdflash.drafter.blocks import batch_attention_mask, loss_weights, weighted_block_loss_parts  # noqa: E402
 from qdflash.drafter.train import batch_anchors, batch_loss, draft_blocks, padded_batch, target_pass  # noqa: E402
 from qdflash.models import synchronize  # noqa: E402
@@ -124,12 +126,20 @@ def main() -> None:
         total, weight = weighted_block_loss_parts(logits.flatten(0, 1), targets.flatten(0, 1), weights)
         return total / weight
 
+    def fp32_probs_loss(chunk):  # the chunked head as it was: its softmax written in fp32 for a bf16 head
+        blocks.PROBS_IN_BF16 = False
+        try:
+            return batch_loss(drafter, target, chunk, weights, args.anchors, gen)
+        finally:
+            blocks.PROBS_IN_BF16 = True
+
     # name -> (loss of a batch, TF32 fp32 matmuls): fp32 = exact fp32 matmuls (no tensor cores), tf32 =
     # fp32 weights and activations with tensor-core matmuls, autocast = bf16 matmuls and attention
     variants = {
         "fp32+whole-logits": (lambda chunk: old_loss(chunk, args.anchors), False),
         "fp32+chunked-head": (lambda chunk: batch_loss(drafter, target, chunk, weights, args.anchors, gen), False),
         "tf32+chunked-head": (lambda chunk: batch_loss(drafter, target, chunk, weights, args.anchors, gen), True),
+        "tf32+chunked-head+fp32-probs": (fp32_probs_loss, True),
         "autocast+chunked-head": (lambda chunk: batch_loss(drafter, target, chunk, weights, args.anchors, gen, module=autocast_forward), False),
     }
     for more in args.anchor_sweep:

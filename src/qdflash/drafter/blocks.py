@@ -111,6 +111,9 @@ def weighted_block_loss_parts(logits: torch.Tensor, targets: torch.Tensor, weigh
     return (ce * w).sum(), w.sum()
 
 
+PROBS_IN_BF16 = True  # a bf16 head's chunk softmax written in bf16 (below); False: in fp32 (scripts/bench/bench_drafter_step.py)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, t_i) over rows, a chunk of rows at a time, with the gradient for
     `hidden` computed in the same pass. W is frozen (the target's LM head): no gradient for it.
@@ -119,8 +122,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     alive for the backward; for 16 x 64 blocks of 16 on Qwen2.5's 151,936 tokens that is ~30 GB
     written and read several times per step. Here only one chunk's logits exist at a time, and the
     backward is a scale of the stored [rows, H] gradient. A chunk makes few passes over its
-    [rows, vocab] values: the logits in W's dtype, one softmax into fp32 (accumulated in fp32 for
-    16-bit logits), the one-hot subtracted at the targets, a cast for the matmul back to [rows, H];
+    [rows, vocab] values: the logits in W's dtype, one softmax (into bf16 for a bf16 head, else fp32;
+    reduced in fp32 either way), the one-hot subtracted at the targets, the matmul back to [rows, H];
     the row weight is applied on [rows, H] (d/dh_i = w_i (p_i - e_t_i) W): every extra pass over an
     fp32 chunk is a visible part of a training step (results/published/2026-12-01-h200-drafter-step).
 
@@ -139,13 +142,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = hidden[start : start + chunk].to(weight.dtype)
             t, w = targets[start : start + chunk], row_weights[start : start + chunk].to(acc)
             if teacher is None:
-                probs = torch.softmax(torch.nn.functional.linear(h, weight), dim=-1, dtype=acc)
+                # a bf16 head: the probabilities are written in bf16 (the softmax still reduces in fp32), the
+                # dtype the backward matmul reads anyway, so no fp32 [rows, vocab] tensor is written and read
+                # again; p_t keeps 8 bits of mantissa, 0.2% of the loss value. bf16's exponent is fp32's, so
+                # nothing underflows sooner. A fp16 head (5-bit exponent) keeps the fp32 softmax.
+                out = weight.dtype if weight.dtype == torch.bfloat16 and PROBS_IN_BF16 else acc
+                probs = torch.softmax(torch.nn.functional.linear(h, weight), dim=-1, dtype=out)
                 rows = torch.arange(t.numel(), device=t.device)
-                p_t = probs[rows, t]
+                p_t = probs[rows, t].to(acc)
                 # CE = -log p_t; a p_t that underflowed (a logit gap over ~87) counts as the smallest normal
                 total += (-torch.log(p_t.clamp_min(torch.finfo(acc).tiny)) * w).sum()
                 if grad is not None:
-                    probs[rows, t] = p_t - 1.0  # softmax - onehot: d CE / d logits
+                    probs[rows, t] = (p_t - 1.0).to(out)  # softmax - onehot: d CE / d logits
             else:
                 log_q = torch.log_softmax(torch.nn.functional.linear(h, weight), dim=-1, dtype=acc)
                 log_p = torch.log_softmax(torch.nn.functional.linear(teacher[start : start + chunk].to(weight.dtype), weight),
