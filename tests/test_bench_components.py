@@ -38,7 +38,10 @@ def runs(tmp_path_factory):
     started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
                                      "--w4-head", "--compile", "aot_eager"),
                "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
-                               "--attention", "sdpa,kernel", "--kernels", "on")}
+                               "--attention", "sdpa,kernel", "--kernels", "on"),
+               # --compile (traced with aot_eager: Triton's interpreter does not run under dynamo, so sdpa here)
+               "round_compiled": Started(folder, "round_compiled", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4",
+                                         "--reps", "1", "--new", "8", "--verify-tokens", "2,3", "--compile", "aot_eager")}
     yield started
     for s in started.values():  # a test that failed before waiting leaves no process behind
         if s.process.poll() is None:
@@ -95,3 +98,12 @@ def test_round_bench_runs_on_the_cpu(runs):
     assert r["attention"]["used"] == "sdpa" and kernel["decode_ms"] > 0 and kernel["verify_ms"] > 0
     assert kernel["same_argmax"] and kernel["max_logit_difference"] < 1e-4
     assert kernel["same_drafts"] and kernel["draft_static_ms"] > 0
+
+
+def test_round_bench_with_compiled_steps_on_the_cpu(runs):
+    """bench_round.py --compile: the target's steps and the static draft step through torch.compile (bench.compile),
+    the static drafter still drafting the eager one's tokens and the loop emitting autoregressive decoding's."""
+    r = runs["round_compiled"].result()
+    assert r["compile"] == "aot_eager" and r["drafts_equal"] and r["rounds_equal"] == [True] * 5
+    assert r["loop_static_same_tokens_as_ar"] and r["round_static_in_decode_steps"] > 0
+    assert set(r["verify"]) == {"2", "3"}

@@ -286,6 +286,25 @@ def test_static_drafter_drafts_what_the_eager_session_drafts(fixture, window, re
         engine.session().append(features[0, :40].repeat(2, 1), 0)
 
 
+def test_compiled_static_drafter_drafts_what_the_eager_session_drafts(tiny_llama):
+    """DrafterEngine(compile=backend): the draft step goes through torch.compile (here a backend that counts
+    the graphs it is given and runs them as traced), once per (bucket, window), and drafts as before."""
+    from qdflash.drafter.train import target_pass
+
+    traced = []
+
+    def backend(graph_module, example_inputs):
+        traced.append(graph_module)
+        return graph_module.forward
+
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=2, seed=7).eval()
+    ids = prompt(3, 40)
+    features, _ = target_pass(tiny_llama, ids, drafter.config.target_layer_ids)
+    engine = DrafterEngine(drafter, max_len=48, smallest_bucket=8, compile=backend)
+    assert_same_drafts(spec.DrafterSession(drafter, 6), engine.session(6), features, ids)
+    assert len(traced) >= len(engine.buckets)  # a graph per bucket the context crossed (8, 16, 32, 48)
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_static_drafter_through_the_attention_kernel_drafts_what_the_eager_session_drafts(tiny_llama, window):
     """DrafterEngine(attention='kernel'): the block's K/V written after the context and

@@ -17,6 +17,7 @@ Each is timed with the context holding `--context` positions (median of `--reps`
   Qwen2.5's 151,936 x 896 head that read is a large part of a draft);
 - appending the features of 2 accepted positions to the drafter's context, eager and static (one
   graph per count); then five rounds accepting 1..5 positions, checked to draft the same both ways.
+`--compile`: every captured step (decode, verify, draft) through torch.compile first, as bench.compile.
 `--attention sdpa,kernel`: the decode step, the verify blocks and the static draft again with each other
 attention (EngineBase.set_attention, DrafterEngine(attention=)), on the same context, with the block's
 logits against the first's, and each verify length's round.
@@ -113,6 +114,9 @@ def main() -> None:
                              "again, side by side ('attention' in the JSON)")
     parser.add_argument("--kernels", choices=["auto", "on"], default="auto",
                         help="the engine's Triton kernels: auto (on CUDA) or on (also the CPU, under TRITON_INTERPRET=1)")
+    parser.add_argument("--compile", nargs="?", const=True, default=False,
+                        help="the target's steps and the static drafter's draft step through torch.compile before capture "
+                             "(bench.compile); a value: the torch.compile backend (the CPU: aot_eager)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -136,6 +140,7 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype), "shape": args.shape,
                     "target_weights": f"w4g{args.w4} (RTN)" if args.w4 else "16-bit", "drafter_dtype": str(drafter.norm.weight.dtype),
                     "context": args.context, "block": args.block, "target_layers": args.layers, "reps": args.reps,
+                    "compile": args.compile,
                     "env": environment()}
 
     attentions = args.attention.split(",")
@@ -150,7 +155,7 @@ def main() -> None:
         built = build_engine(target, max_len=max_len, kernels=True if args.kernels == "on" else "auto", attention=attention)
         if "kernel_tuning" not in result:  # as bench_speedup does before capturing: tiles per shape, and which
             result["kernel_tuning"] = built.tune_kernels()  # shapes run the 16-bit weight instead ({} off the GPU)
-        built.capture(sorted({1, args.block, *verify_counts}), layer_ids, cuda_graphs=cuda)
+        built.capture(sorted({1, args.block, *verify_counts}), layer_ids, cuda_graphs=cuda, compile=args.compile)
         _, context_features = built.forward(ids, 0, layer_ids)  # the context the drafter reads
         return built, context_features
 
@@ -180,11 +185,11 @@ def main() -> None:
 
     eager = DrafterSession(drafter)
     eager.append(features, 0)
-    static = DrafterEngine(drafter, max_len=max_len, cuda_graphs=cuda, attention=attentions[0])
+    static = DrafterEngine(drafter, max_len=max_len, cuda_graphs=cuda, attention=attentions[0], compile=args.compile)
     result["drafter_static_graphs"] = static.capture(None)  # before the generation, as bench_speedup does
     static.session().append(features, 0)
     for attention, row in others.items():  # the static drafter with that attention, on the same context
-        drafter_other = DrafterEngine(drafter, max_len=max_len, cuda_graphs=cuda, attention=attention)
+        drafter_other = DrafterEngine(drafter, max_len=max_len, cuda_graphs=cuda, attention=attention, compile=args.compile)
         drafter_other.capture(None)
         drafter_other.session().append(features, 0)
         row["draft_static_ms"] = timed(lambda: drafter_other.draft(11, args.context), device, args.reps)
@@ -239,7 +244,7 @@ def main() -> None:
     # the whole loop, host work included: autoregressive and speculative generation of `--new` tokens
     # after the same prompt (the untrained drafter accepts ~nothing, so a round commits ~1 token)
     target.engine, target.eos_token_ids, target.tokenizer = engine, [], None
-    engine.capture([1], None, cuda_graphs=cuda)  # the autoregressive step reads no layer features (as bench_speedup)
+    engine.capture([1], None, cuda_graphs=cuda, compile=args.compile)  # the AR step reads no layer features (as bench_speedup)
     prompt = ids.tolist()
     ar = autoregressive_generate(target, [prompt], args.new)
     ar = autoregressive_generate(target, [prompt], args.new)  # the second run is timed (the first warms up)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..cudagraph import capture as capture_graph
 from ..distill import lm_head_weight
-from ..engine.base import cache_buckets
+from ..engine.base import allow_compiles, cache_buckets
 from ..errors import QdflashError
 from ..kernels import kernels_usable
 
@@ -36,11 +36,16 @@ class DrafterEngine:
     among them: build a new engine after `drafter.bind(other_target)`."""
 
     def __init__(self, drafter, max_len: int, cuda_graphs: bool | None = None, smallest_bucket: int = 256,
-                 attention: str = "sdpa"):
+                 attention: str = "sdpa", compile=False):
         """`attention`: "sdpa" (the block over a masked power-of-two bucket of the context) or "kernel"
         (kernels.decode_attention: the block's K/V written after the context, each block position
         reading the context it may see and the block, nothing masked; one graph for any context
-        length). The kernel needs Triton on CUDA, or its interpreter (tests)."""
+        length). The kernel needs Triton on CUDA, or its interpreter (tests).
+        `compile`: the draft step through torch.compile (True: inductor; else that backend, e.g. the
+        tests' "aot_eager"), as the target engine's `capture(compile=...)`: its elementwise work
+        fused, one compile per (bucket, window) graph (one with the kernel). Appends stay eager: a
+        compile per count 1..B would cost more than their ~0.2 ms a round. Drafts only propose tokens,
+        so a compiled draft's rounding changes τ at most, never what the target emits."""
         c = drafter.config
         self.drafter, self.max_len, self.block = drafter, max_len, c.block_size
         self.dtype = drafter.norm.weight.dtype
@@ -67,6 +72,11 @@ class DrafterEngine:
         self.append_pos = torch.zeros(self.block, dtype=torch.long, device=self.device)
         self.graphs: dict[tuple, tuple] = {}
         self.length, self.window = 0, None
+        self.compile = compile
+        self._compiled: set[tuple] = set()  # (bucket, window) steps compiled without graphs (the CPU)
+        self._draft_step = self._step
+        if compile:
+            self._draft_step = torch.compile(self._step, dynamic=False, **({} if compile is True else {"backend": compile}))
 
     def session(self, window: int | None = None) -> "DrafterEngine":
         """A new generation: the context is empty again (the buffers are overwritten as it grows)."""
@@ -164,7 +174,9 @@ class DrafterEngine:
             if self.length:
                 raise ValueError("capture before a generation (the append graphs write positions 0..B-1)")
             for attend in self.buckets:
-                self._graph((attend, window), lambda attend=attend: self._step(attend, window))
+                if self.compile and (attend, window) not in self.graphs:
+                    allow_compiles(1)
+                self._graph((attend, window), lambda attend=attend: self._draft_step(attend, window))
             for n in range(1, self.block + 1):
                 torch.add(self.offsets[:n], 0, out=self.append_pos[:n])
                 self._graph(("append", n), lambda n=n: self._append_step(n))
@@ -192,10 +204,15 @@ class DrafterEngine:
         attend = self._bucket()
         if self.cuda_graphs:
             window = self.window
-            graph, out = self._graph((attend, window), lambda: self._step(attend, window))
+            if self.compile and (attend, window) not in self.graphs:
+                allow_compiles(1)
+            graph, out = self._graph((attend, window), lambda: self._draft_step(attend, window))
             graph.replay()
             return out
-        return self._step(attend, self.window)
+        if self.compile and (attend, self.window) not in self._compiled:
+            allow_compiles(1)  # each (bucket, window) is one more compile of the same code (engine.base.allow_compiles)
+            self._compiled.add((attend, self.window))
+        return self._draft_step(attend, self.window)
 
     def draft(self, last_token: int, position: int) -> torch.Tensor:
         return self.draft_logits(last_token, position)[1]

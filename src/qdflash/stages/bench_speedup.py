@@ -85,6 +85,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     log.info("%d prompts: %s", len(cases), ", ".join(f"{c.label} ({len(c.ids)} tokens)" for c in cases))
     # this project's loops run on the lean engine where the family has one (transformers' forward otherwise)
     longest = max(len(c.ids) + c.max_new_tokens for c in cases) + stage1_16.block_size + 1
+    # bench.compile: every captured step (decode, verify, draft) through torch.compile, so the AR and the
+    # speculative methods run the same fused steps; CUDA graphs only (a CPU run would time compilation)
+    compiled = bool(b.get("compile", False)) and target16.device.type == "cuda"
+    run.metrics["bench.compile"] = int(compiled)
     for key, target in (("target16", target16), ("qad", qad)):
         try:
             target.engine = build_engine(target, max_len=longest)
@@ -97,8 +101,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         run.metrics[f"engine.{key}.attention"] = target.engine.attention
         if target.device.type == "cuda":  # decode steps and verify blocks replay CUDA graphs
             run.metrics[f"engine.{key}.kernel_tuning"] = tuning_summary(target.engine.tune_kernels())
-            target.engine.capture([1], None)
-            target.engine.capture([1, verify], stage1_16.config.target_layer_ids)  # the verify block
+            target.engine.capture([1], None, compile=compiled)
+            target.engine.capture([1, verify], stage1_16.config.target_layer_ids, compile=compiled)  # the verify block
             run.metrics[f"engine.{key}.graphs"] = len(target.engine.graphs)
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
@@ -122,7 +126,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     drafters = {name: drafter for name, drafter in {"spec16_stage1": stage1_16, "spec_qad_stage1": stage1_qad,
                                                     "spec_qad_stage2": stage2_qad, **compressed}.items() if name in methods}
     for name, drafter in drafters.items():  # drafts through its static engine: K/V in place, a CUDA graph per bucket
-        drafter.engine = DrafterEngine(drafter, max_len=longest, attention=b.attention)
+        drafter.engine = DrafterEngine(drafter, max_len=longest, attention=b.attention, compile=compiled)
         run.metrics[f"drafter_engine.{name}.graphs"] = drafter.engine.capture(window)
     # achieved bandwidth (gpt-fast's tokens/s x weight bytes) against the copy bandwidth of this GPU
     decode_bytes = {"target16": bench.weight_bytes(target16.model), "qad": bench.weight_bytes(qad.model)}
