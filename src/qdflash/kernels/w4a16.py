@@ -215,61 +215,79 @@ def default_config(n: int, k: int, group: int, rows: int = 1, dtype: torch.dtype
 
 _TUNED: dict[tuple[int, int, int, int, torch.dtype], Config] = {}
 _DENSE_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # shapes / row buckets where cuBLAS on the 16-bit weight won
-_TINYGEMM_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # ... where torch's int4 op (kernels.tinygemm) won
-TINYGEMM_TOLERANCE = 2e-2  # its max error relative to the dequantized product's largest value (measured ~0.003 in bf16)
+_EXTERNAL_FASTER: dict[tuple[int, int, int, int, torch.dtype], str] = {}  # ... where another int4 kernel won: its name
+# other int4 kernels on the same packed ints, timed by `tune` beside this one: each module has supported(n, k, group,
+# dtype, device), pack(words, scale, group, dtype) -> state (a tuple) and matmul(x, *state, group)
+EXTERNAL = ("tinygemm", "gemlite")
+EXTERNAL_TOLERANCE = 2e-2  # max error relative to the dequantized product's largest value (tinygemm: ~0.003 in bf16)
+
+
+def external(name: str):
+    """The module of an EXTERNAL kernel (`kernels.tinygemm`, `kernels.gemlite_w4`)."""
+    from . import gemlite_w4, tinygemm
+
+    return {"tinygemm": tinygemm, "gemlite": gemlite_w4}[name]
 
 
 def dense_faster(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> bool:
     """Whether `tune` timed cuBLAS on the dequantized 16-bit weight faster than this kernel (and than
-    tinygemm) for the shape, row bucket (1 row, or 2-16 rows) and activation dtype. False where it was
-    not tuned."""
+    the EXTERNAL ones) for the shape, row bucket (1 row, or 2-16 rows) and activation dtype. False where
+    it was not tuned."""
     return (n, k, group, _bucket(rows), dtype) in _DENSE_FASTER
 
 
 def backend(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> str:
     """What runs a packed projection of this shape for `rows` rows: "w4a16" (this kernel; also where
-    it was not tuned), "dense" (cuBLAS on the dequantized weight) or "tinygemm" (torch's int4 op),
-    whichever `tune` timed fastest."""
+    it was not tuned), "dense" (cuBLAS on the dequantized weight), or an EXTERNAL kernel's name
+    ("tinygemm": torch's int4 op; "gemlite"), whichever `tune` timed fastest."""
     key = (n, k, group, _bucket(rows), dtype)
-    return "tinygemm" if key in _TINYGEMM_FASTER else "dense" if key in _DENSE_FASTER else "w4a16"
+    return _EXTERNAL_FASTER.get(key) or ("dense" if key in _DENSE_FASTER else "w4a16")
+
+
+def _check_external(name: str, x, ws, ss, group: int):
+    """(states of every weight copy, None) when the kernel's product matches the dequantized one, else
+    ([], what is wrong): a packing it read differently would be wrong, not slow."""
+    module = external(name)
+    try:  # a private op or another package: a build that packs or checks differently is a result (not used), not a crash
+        states = [module.pack(w, s, group, x.dtype) for w, s in zip(ws, ss)]
+        got = module.matmul(x, *states[0], group).float()
+    except Exception as err:  # noqa: BLE001 - RuntimeError from torch's op, anything from a package's Triton code
+        return [], f"raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    reference = F.linear(x.float(), dequantize_words(ws[0], ss[0], group))
+    error = float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
+    if error > EXTERNAL_TOLERANCE:
+        return [], f"is off the dequantized product by {error:.3g} (relative; tolerance {EXTERNAL_TOLERANCE})"
+    return states, None
 
 
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
-         l2_bytes: int = 64 << 20) -> tuple[Config, float, float, float | None]:
+         l2_bytes: int = 64 << 20) -> tuple[Config, float, float, dict[str, float | None]]:
     """Time every candidate for [rows, K] x [N, K] and remember the fastest for this shape and row
-    bucket (later calls use it); then cuBLAS on a 16-bit [N, K] weight and, where it takes the shape,
-    torch's int4 op on the same packed weights (`kernels.tinygemm`), and remember which of the three
-    won (`backend`). Each candidate runs once on each of several weight copies (together > 4x the L2
-    cache, so weights come from HBM; the 16-bit copies are 4x larger, so fewer are needed) inside one
-    CUDA graph, as in a captured decode step: launch overhead is not what is measured. tinygemm is
-    first checked against the dequantized product (a packing it read differently would be wrong,
-    not slow): outside TINYGEMM_TOLERANCE it is not used, and this says so.
-    Returns (config, its median ms per call, cuBLAS's, tinygemm's or None where it did not run)."""
-    from . import tinygemm
-
+    bucket (later calls use it); then cuBLAS on a 16-bit [N, K] weight and, where they take the shape,
+    the EXTERNAL int4 kernels on the same packed weights, and remember which won (`backend`). Each
+    candidate runs once on each of several weight copies (together > 4x the L2 cache, so weights come
+    from HBM; the 16-bit copies are 4x larger, so fewer are needed) inside one CUDA graph, as in a
+    captured decode step: launch overhead is not what is measured. An external kernel is first checked
+    against the dequantized product: outside EXTERNAL_TOLERANCE it is not used, and this says so.
+    Returns (config, its median ms per call, cuBLAS's, {external kernel: its ms, None where it did not run})."""
     copies = copies_past_l2(n * k // 2, l2_bytes)
     ws = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32) for _ in range(copies)]
     ss = [torch.rand(n, k // group, device=device, dtype=dtype) / 64 for _ in range(copies)]
     x = torch.randn(rows, k, device=device, dtype=dtype)
     configs = candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows)
     config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c) for w, s in zip(ws, ss)], copies)
-    tiny_ms = None
-    if tinygemm.supported(n, k, group, dtype, device):
-        try:  # torch's private op: a build that packs or checks differently is a result (not used), not a crash
-            tiny = [tinygemm.pack(w, s, group, dtype) for w, s in zip(ws, ss)]
-            got = tinygemm.matmul(x, *tiny[0], group).float()
-        except RuntimeError as err:
-            tiny, problem = [], f"raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-        else:
-            reference = F.linear(x.float(), dequantize_words(ws[0], ss[0], group))
-            error = float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
-            problem = None if error <= TINYGEMM_TOLERANCE else (
-                f"is off the dequantized product by {error:.3g} (relative; tolerance {TINYGEMM_TOLERANCE})")
+    others: dict[str, float | None] = {}
+    for name in EXTERNAL:
+        others[name] = None
+        if not external(name).supported(n, k, group, dtype, device):
+            continue
+        states, problem = _check_external(name, x, ws, ss, group)
         if problem:
-            warnings.warn(f"tinygemm on {n}x{k} (group {group}, {rows} rows) {problem}: not used", stacklevel=2)
-        else:
-            _, tiny_ms = fastest([None], lambda _: [tinygemm.matmul(x, p, sz, group) for p, sz in tiny], copies)
-        del tiny
+            warnings.warn(f"{name} on {n}x{k} (group {group}, {rows} rows) {problem}: not used", stacklevel=2)
+            continue
+        matmul = external(name).matmul
+        _, others[name] = fastest([None], lambda _: [matmul(x, *state, group) for state in states], copies)
+        del states
     del ws, ss
     key = (n, k, group, _bucket(rows), dtype)
     _TUNED[key] = config
@@ -277,12 +295,14 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     dense = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(dense_copies)]
     _, dense_ms = fastest([None], lambda _: [F.linear(x, w) for w in dense], dense_copies)
     _DENSE_FASTER.discard(key)
-    _TINYGEMM_FASTER.discard(key)
-    if tiny_ms is not None and tiny_ms < min(ms, dense_ms):
-        _TINYGEMM_FASTER.add(key)
+    _EXTERNAL_FASTER.pop(key, None)
+    timed = {name: t for name, t in others.items() if t is not None}
+    best = min(timed, key=timed.get) if timed else None
+    if best is not None and timed[best] < min(ms, dense_ms):
+        _EXTERNAL_FASTER[key] = best
     elif dense_ms < ms:
         _DENSE_FASTER.add(key)
-    return config, ms, dense_ms, tiny_ms
+    return config, ms, dense_ms, others
 
 
 def dequantize_words(words: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
