@@ -193,6 +193,33 @@ def test_chunked_head_loss_in_bf16_follows_fp64():
     assert cosine > 0.999, cosine
 
 
+def test_chunked_head_loss_in_bf16_keeps_confident_rows_gradient():
+    """A bf16 head writes its chunk softmax in bf16, where a p_t near 1 is held only to 2^-8: the
+    target's gradient 1 - p_t and a confident row's loss come from the other tokens' probabilities
+    instead, so confident rows keep their pull (per-row gradient within a few % of fp64, where
+    p_t - 1 read from bf16 gave errors up to ~100%), and so does the loss."""
+    g = torch.Generator().manual_seed(5)
+    n, b, h, v = 64, 2, 32, 400
+    head = torch.randn(v, h, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, v, (n, b), generator=g)
+    targets[:, 0] = IGNORE
+    # hidden states aligned with their target's row of the head: p_t from ~0.9 to ~0.9999
+    hidden = (head[targets[:, 1]] * torch.linspace(0.4, 0.9, n, dtype=torch.float64)[:, None])[:, None, :].repeat(1, b, 1)
+    weights = loss_weights(b, 7.0).double()
+    results = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        x = hidden.clone().requires_grad_(True)
+        total, weight = weighted_linear_block_loss_parts(x, head.to(dtype), targets, weights, chunk_rows=16)
+        (total / weight).backward()
+        results[dtype] = (total.double().item(), x.grad[:, 1].double())
+    p_t = torch.softmax(hidden[:, 1] @ head.T, -1).gather(1, targets[:, 1:]).flatten()
+    assert p_t.min() > 0.5 and p_t.max() > 0.999
+    (exact, grad64), (approx, grad16) = results[torch.float64], results[torch.bfloat16]
+    row_error = (grad16 - grad64).norm(dim=1) / grad64.norm(dim=1)
+    assert row_error.max() < 0.1, row_error.max()
+    assert abs(approx - exact) < 0.05 * exact
+
+
 def test_batch_loss_equals_the_loss_of_the_drafters_logits(tiny_llama):
     """batch_loss (states -> chunked head loss) is the weighted loss of the drafter's own logits, with
     the same gradient in every drafter weight."""

@@ -127,11 +127,11 @@ def main() -> None:
         return total / weight
 
     def fp32_probs_loss(chunk):  # the chunked head as it was: its softmax written in fp32 for a bf16 head
-        blocks.PROBS_IN_BF16 = False
+        before, blocks.PROBS_IN_BF16 = blocks.PROBS_IN_BF16, False
         try:
             return batch_loss(drafter, target, chunk, weights, args.anchors, gen)
         finally:
-            blocks.PROBS_IN_BF16 = True
+            blocks.PROBS_IN_BF16 = before
 
     # name -> (loss of a batch, TF32 fp32 matmuls): fp32 = exact fp32 matmuls (no tensor cores), tf32 =
     # fp32 weights and activations with tensor-core matmuls, autocast = bf16 matmuls and attention

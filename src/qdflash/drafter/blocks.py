@@ -131,7 +131,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     token; `drafter_train.labels: soft`), a row's loss is KL(p_teacher || p_draft) over the whole
     vocabulary instead of the CE of one token, through the same head W (the drafter's head is the
     target's), and d/dlogits = p_draft - p_teacher: the draft learns the target's whole distribution,
-    ranks of the runner-up tokens included, from every trained row."""
+    ranks of the runner-up tokens included, from every trained row. The teacher's logits are its final
+    states through the bare head weight, as the drafter's are: a head with a bias or a logit cap (none
+    of the registry's families has one) would need them applied to both."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, row_weights, chunk, teacher=None):
@@ -144,23 +146,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if teacher is None:
                 # a bf16 head: the probabilities are written in bf16 (the softmax still reduces in fp32), the
                 # dtype the backward matmul reads anyway, so no fp32 [rows, vocab] tensor is written and read
-                # again; p_t keeps 8 bits of mantissa, 0.2% of the loss value. bf16's exponent is fp32's, so
-                # nothing underflows sooner. A fp16 head (5-bit exponent) keeps the fp32 softmax.
+                # again. bf16's exponent is fp32's, so nothing underflows sooner; a fp16 head (5-bit exponent)
+                # keeps the fp32 softmax. bf16 holds a p_t near 1 only to 2^-8, so 1 - p_t (the target's
+                # gradient, and the loss of a confident row) is taken from the other tokens' probabilities,
+                # summed in fp32: each is exact to 2^-9 of itself.
                 out = weight.dtype if weight.dtype == torch.bfloat16 and PROBS_IN_BF16 else acc
                 probs = torch.softmax(torch.nn.functional.linear(h, weight), dim=-1, dtype=out)
                 rows = torch.arange(t.numel(), device=t.device)
                 p_t = probs[rows, t].to(acc)
-                # CE = -log p_t; a p_t that underflowed (a logit gap over ~87) counts as the smallest normal
-                total += (-torch.log(p_t.clamp_min(torch.finfo(acc).tiny)) * w).sum()
+                if out != acc:
+                    probs[rows, t] = 0
+                    rest = probs.sum(-1, dtype=acc)  # 1 - p_t
+                    sure = p_t > 0.5  # there 1 - p_t from `rest`; elsewhere p_t itself is the precise one
+                    loss = torch.where(sure, -torch.log1p(-rest.clamp(max=1 - torch.finfo(acc).eps)),
+                                       -torch.log(p_t.clamp_min(torch.finfo(acc).tiny)))
+                    minus_one = torch.where(sure, -rest, p_t - 1.0)
+                else:
+                    # CE = -log p_t; a p_t that underflowed (a logit gap over ~87) counts as the smallest normal
+                    loss, minus_one = -torch.log(p_t.clamp_min(torch.finfo(acc).tiny)), p_t - 1.0
+                total += (loss * w).sum()
                 if grad is not None:
-                    probs[rows, t] = (p_t - 1.0).to(out)  # softmax - onehot: d CE / d logits
+                    probs[rows, t] = minus_one.to(out)  # softmax - onehot: d CE / d logits
             else:
                 log_q = torch.log_softmax(torch.nn.functional.linear(h, weight), dim=-1, dtype=acc)
                 log_p = torch.log_softmax(torch.nn.functional.linear(teacher[start : start + chunk].to(weight.dtype), weight),
                                           dim=-1, dtype=acc)
                 p = log_p.exp()
-                # KL = sum_v p (log p - log q); where p underflowed to 0 its term is 0 (p log p -> 0)
-                total += ((p * (log_p - log_q)).sum(-1) * w).sum()
+                # KL = sum_v p (log p - log q), a row at a time (no third [rows, vocab] temporary); where p
+                # underflowed to 0 its term is 0 (p log p -> 0)
+                kl = torch.bmm(p.unsqueeze(1), log_p.sub_(log_q).unsqueeze(2)).flatten()
+                del log_p
+                total += (kl * w).sum()
                 if grad is None:
                     continue
                 probs = log_q.exp_().sub_(p)  # q - p: d KL / d logits

@@ -174,21 +174,21 @@ class EngineBase:
         return self.graphs[(t, key, min(fit))] if fit else None
 
     def capture(self, token_counts: list[int], layer_ids: list[int] | None = None, cuda_graphs: bool = True,
-                compile: bool | str = False, lengths: list[int] | None = None) -> None:
+                compile=False, lengths: list[int] | None = None) -> None:
         """Capture one CUDA graph per number of tokens (e.g. [1, block size]) and cache length for
         steps that return the features of `layer_ids` (before a generation: see CapturedStep).
         `lengths`: how much of the cache each graph's attention reads (default: cache_buckets(), powers
         of two up to max_len: a step reads at most twice the KV it needs, not the whole cache).
         cuda_graphs=False runs the same static-shape step eagerly (the CPU; a check of the graph path).
-        compile=True captures the step as compiled by torch.compile (fused elementwise work); a string is
-        the torch.compile backend (the CPU tests trace with "aot_eager")."""
+        compile=True captures the step as compiled by torch.compile (fused elementwise work); any other
+        true value is the torch.compile backend (the CPU tests trace with "aot_eager")."""
         from .graphs import CapturedStep, StaticStep
 
         # the kernel reads each token's own length whatever a graph was captured for: one length does
         lengths = sorted(lengths or ([self.max_len] if self.attention == "kernel" else cache_buckets(self.max_len)))
         step = self._step
         if compile:
-            step = torch.compile(self._step, dynamic=False, **({"backend": compile} if isinstance(compile, str) else {}))
+            step = torch.compile(self._step, dynamic=False, **({} if compile is True else {"backend": compile}))
             allow_compiles(len(token_counts) * len(lengths))
         for t in token_counts:
             for n in lengths:
