@@ -577,6 +577,7 @@ def test_soft_labels_are_the_targets_distribution_at_the_predicting_position(tin
     cache = FeatureCache(tmp_path / "cache")
     batch_loss(drafter, tiny_llama, batch, w, 6, g().manual_seed(0), cache)  # data labels: features only
     torch.testing.assert_close(batch_loss(drafter, tiny_llama, batch, w, 6, g().manual_seed(0), cache, labels="soft"), loss)
+    assert (cache.hits, cache.misses) == (2, 2)  # the features' lookups only: the final states beside them do not count
     real = tiny_llama.model.get_decoder
     tiny_llama.model.get_decoder = lambda *a, **k: (_ for _ in ()).throw(AssertionError("the target ran again"))
     try:

@@ -145,13 +145,15 @@ class FeatureCache:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.hits = self.misses = 0
 
-    def get_batch(self, keys: list[str], compute) -> list[torch.Tensor]:
+    def get_batch(self, keys: list[str], compute, count: bool = True) -> list[torch.Tensor]:
         """The cached tensor of each key; `compute(indices)` returns those of the missing ones (in
-        that order), which are saved before they are returned."""
+        that order), which are saved before they are returned. `count`: add to hits / misses (the
+        features' lookups do; the labels' side tensors kept beside them do not count twice)."""
         paths = [self.folder / f"{key}.pt" for key in keys]
         missing = [i for i, path in enumerate(paths) if not path.is_file()]
-        self.hits += len(keys) - len(missing)
-        self.misses += len(missing)
+        if count:
+            self.hits += len(keys) - len(missing)
+            self.misses += len(missing)
         fresh = dict(zip(missing, compute(missing))) if missing else {}
         for i, value in fresh.items():
             tmp = paths[i].with_name(paths[i].name + ".tmp")
@@ -246,8 +248,8 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
                     compute(missing)
                 return [fresh_side[i] for i in indices]
 
-            side = pad_right([r.to(device) for r in cache.get_batch([f"{key}.{extra}" for key in keys], compute_side)], 0,
-                             input_ids.shape[1])
+            side = pad_right([r.to(device) for r in cache.get_batch([f"{key}.{extra}" for key in keys], compute_side, count=False)],
+                             0, input_ids.shape[1])
     else:
         features, side = run_target(input_ids.to(device))
     label_ids = target_labels(input_ids, side.cpu()) if extra == "greedy" else None
