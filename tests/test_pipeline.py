@@ -66,6 +66,14 @@ def test_drafter_arms_overlays_replace_the_profiles_arms(tmp_path, overlay, arms
     assert "drafter_train.epochs=4" in out.stdout and "target_labels" not in out.stdout
 
 
+def test_copy_overlay_adds_copy_prompts_to_the_gpu_data(tmp_path):
+    """config/gpu-copy.yaml validates over the gpu profile and puts the copy source into every data node."""
+    out = snakemake(tmp_path, "-n", "-p", "--configfile", str(REPO_ROOT / "config" / "gpu-copy.yaml"),
+                    "--config", "profile=gpu", "experiment=copy")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "data.sources.copy.n_train=1000" in out.stdout and "data.sources.copy.n_heldout=32" in out.stdout
+
+
 def test_ci_profile_end_to_end(tmp_path):
     """The README's ci command, as written (plus one core per node), in a tree like a fresh clone; then every check of its
     outputs, and the README's commands that read them (report, targets table, lm_eval)."""

@@ -117,3 +117,42 @@ def test_shipped_packages_resolve_offline(no_shared):
     mmlu = load_source("mmlu")
     assert len(mmlu.pool) + len(mmlu.eval_items) == 14042
     assert len(load_source("sharegpt").pool) > 10000
+
+
+def test_copy_prompts_wrap_sharegpt_texts_and_split_with_them(tmp_path, monkeypatch):
+    """copy: each ShareGPT opening turn of 200-3000 characters inside one of the repeat instructions (the same
+    one for the same text), read from ShareGPT's own files; its train / held-out side is its text's, so a
+    held-out chat prompt's text is never trained on as a copy prompt."""
+    from qdflash.data.split import is_heldout
+
+    texts = [f"Paragraph {i}: " + "the quick brown fox jumps over the lazy dog. " * (5 + i % 40) for i in range(300)]
+    texts += ["too short", "x" * 4000]
+    data = [{"id": str(i), "conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "ok"}]}
+            for i, t in enumerate(texts)]
+    (tmp_path / "sharegpt").mkdir()
+    (tmp_path / "sharegpt" / "ShareGPT_V3_unfiltered_cleaned_split.json").write_text(json.dumps(data))
+    monkeypatch.setenv("QDFLASH_DATA_DIR", str(tmp_path))  # copy reads $QDFLASH_DATA_DIR/sharegpt
+    copy, chat = load_source("copy"), load_source("sharegpt")
+    assert copy.location == chat.location and len(copy.pool) == 300  # the short and the long text are left out
+    by_text = {item.split_text: item for item in copy.pool}
+    assert set(by_text) == {t.strip() for t in texts[:300]}  # the turns as the ShareGPT reader gives them
+    for text, item in by_text.items():
+        assert item.category == "copy" and item.source == "copy" and item.id.startswith("copy-") and not item.eval_item
+        assert text in item.prompt and item.prompt != text
+        assert any(item.prompt == t.format(text=text) for t in sources.COPY_TEMPLATES)
+    assert len({item.prompt.replace(text, "") for text, item in by_text.items()}) == len(sources.COPY_TEMPLATES)
+    assert [i.prompt for i in load_source("copy").pool] == [i.prompt for i in copy.pool]  # deterministic
+
+    from omegaconf import OmegaConf
+
+    from qdflash.stages.prepare_data import choose_prompts
+
+    class Run:
+        metrics = {}
+    data_cfg = OmegaConf.create({"heldout_fraction": 0.3, "sources": {"sharegpt": {"n_train": 1000, "n_heldout": 1000},
+                                                                        "copy": {"n_train": 1000, "n_heldout": 1000}}})
+    train, heldout = choose_prompts({"sharegpt": chat, "copy": copy}, data_cfg, lambda item: True, Run())
+    held_texts = {i.prompt for i in heldout if i.source == "sharegpt"} | {i.split_text for i in heldout if i.source == "copy"}
+    train_texts = {i.prompt for i in train if i.source == "sharegpt"} | {i.split_text for i in train if i.source == "copy"}
+    assert held_texts and train_texts and not held_texts & train_texts
+    assert all(is_heldout(i.split_text, 0.3) for i in heldout if i.source == "copy")

