@@ -71,7 +71,7 @@ def test_copy_overlay_adds_copy_prompts_to_the_gpu_data(tmp_path):
     out = snakemake(tmp_path, "-n", "-p", "--configfile", str(REPO_ROOT / "config" / "gpu-copy.yaml"),
                     "--config", "profile=gpu", "experiment=copy")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "data.sources.copy.n_train=1000" in out.stdout and "data.sources.copy.n_heldout=32" in out.stdout
+    assert "data.sources.copy.n_train=1000" in out.stdout and "data.sources.copy.n_heldout=0" in out.stdout
 
 
 def test_ci_profile_end_to_end(tmp_path):
