@@ -45,14 +45,22 @@ def test_methods_take_turns_prompt_by_prompt_in_a_rotating_order():
 
 
 def test_long_buckets_are_capped_at_the_context(tokenizer, tmp_path):
+    """Long prompts are summarization requests over held-out text (prompts and answers no drafter trained on),
+    then training text only where the held-out text runs short, which each case says."""
     import json
 
     rows = [{"messages": [{"role": "user", "content": "word " * 300}], "response": "answer " * 300} for _ in range(20)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held = [{"messages": [{"role": "user", "content": "held " * 100}], "response": "out " * 100}]
+    (tmp_path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
     cases = bench.bucket_cases(tmp_path, tokenizer, [[64, 16], [5000, 32]], context_len=1024, filler=True)
     assert [c.label for c in cases] == ["p64", "p5000(capped 928)", "filler"]
+    assert [c.text_from for c in cases] == ["heldout", "heldout+train", ""]
     assert all(len(c.ids) + c.max_new_tokens <= 1024 for c in cases)
     assert 40 <= len(cases[0].ids) <= 90 and len(cases[1].ids) > 800
+    short = tokenizer.decode(cases[0].ids)
+    assert "held" in short and "word" not in short  # the held-out text first
+    assert "held" in tokenizer.decode(cases[1].ids) and "word" in tokenizer.decode(cases[1].ids)
 
 
 def test_weight_bytes_counts_a_shared_head_once_and_skips_an_unshared_embedding(tiny_llama):

@@ -14,6 +14,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,7 @@ class PromptCase:
     label: str          # category (chat / math / code / knowledge) or bucket (p64, p2048, ..., filler)
     ids: list[int]
     max_new_tokens: int
+    text_from: str = ""  # a bucket prompt's text: "heldout", or "heldout+train" where held-out text ran short
 
 
 @dataclass
@@ -82,16 +84,23 @@ def category_cases(data_dir, tokenizer, per_category: int, max_new_tokens: int) 
     return cases
 
 
-def long_text(data_dir, tokenizer, n_tokens: int) -> str:
-    """Real text of at least `n_tokens` tokens: training prompts and responses, concatenated."""
+def long_text(data_dir, tokenizer, n_tokens: int) -> tuple[str, str]:
+    """Real text of at least `n_tokens` tokens, and where it came from: the held-out prompts and their
+    greedy answers first, which no drafter trained on (a drafter that has seen a text would recall it
+    where the answer quotes it); the training split's prompts and answers only after them where the
+    held-out ones are too short (the CPU profile's ~40 held-out answers hold ~9 K tokens): "heldout+train"."""
     parts, total = [], 0
-    for row in read_jsonl(f"{data_dir}/train.jsonl"):
-        for text in (row["messages"][0]["content"], row["response"]):
-            parts.append(text)
-            total += len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if total >= n_tokens:
-            break
-    return "\n\n".join(parts)
+    for split in ("heldout", "train"):
+        path = Path(data_dir) / f"{split}.jsonl"
+        if not path.is_file():
+            continue
+        for row in read_jsonl(path):
+            for text in (row["messages"][0]["content"], row["response"]):
+                parts.append(text)
+                total += len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if total >= n_tokens:
+                return "\n\n".join(parts), "heldout" if split == "heldout" else "heldout+train"
+    return "\n\n".join(parts), "heldout+train"
 
 
 def bucket_cases(data_dir, tokenizer, buckets: list[list[int]], context_len: int, filler: bool) -> list[PromptCase]:
@@ -100,10 +109,12 @@ def bucket_cases(data_dir, tokenizer, buckets: list[list[int]], context_len: int
     cases = []
     for prompt_tokens, new_tokens in buckets:
         n = min(prompt_tokens, context_len - new_tokens - 64)
-        text_ids = tokenizer(long_text(data_dir, tokenizer, n), add_special_tokens=False)["input_ids"]
+        text, text_from = long_text(data_dir, tokenizer, n)
+        text_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         body = tokenizer.decode(text_ids[: max(n - 40, 8)])
         ids = render_prompt_ids(tokenizer, f"Summarize this text in a few sentences.\n\n{body}")
-        cases.append(PromptCase(f"p{prompt_tokens}" + ("" if n == prompt_tokens else f"(capped {n})"), ids, new_tokens))
+        cases.append(PromptCase(f"p{prompt_tokens}" + ("" if n == prompt_tokens else f"(capped {n})"), ids, new_tokens,
+                                text_from))
     if filler and buckets:
         prompt_tokens, new_tokens = buckets[-1]
         n = min(prompt_tokens, context_len - new_tokens - 64)

@@ -83,6 +83,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         if not cases:
             raise QdflashError(f"bench.window={window}: no benchmark prompt is longer than the window (buckets {buckets})")
     log.info("%d prompts: %s", len(cases), ", ".join(f"{c.label} ({len(c.ids)} tokens)" for c in cases))
+    # where each long prompt's text came from: held-out text, or training text too where held-out ran short
+    run.metrics.update({f"prompts.{c.label}.text_from": c.text_from for c in cases if c.text_from})
     # this project's loops run on the lean engine where the family has one (transformers' forward otherwise)
     longest = max(len(c.ids) + c.max_new_tokens for c in cases) + stage1_16.block_size + 1
     # bench.compile: every captured step (decode, verify, draft) through torch.compile, so the AR and the
