@@ -33,6 +33,7 @@ from ..tracking import NodeRun
 from ._app import stage
 
 log = logging.getLogger("qdflash.train_drafter")
+LOG_EVERY = 50  # steps between reads of the pending losses (one host-device sync each; see `flush`)
 FLEX_LENGTH_MULTIPLE = 128  # flex_attention's tile size
 
 
@@ -223,6 +224,20 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     seconds_by_epoch: list[float] = []
     skipped = 0  # steps whose batch had no trained block
     sequences_here = 0  # sequences this process trained on (a 1/N share of each batch under torchrun)
+    # each step's loss and gradient norm stay on the device until a flush reads them back in one copy: a
+    # .item() per step would make the host wait for every step's backward and optimizer before it could
+    # prepare the next batch (padding, anchors, blocks), leaving the GPU idle meanwhile
+    pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
+
+    def flush() -> None:
+        if not pending:
+            return
+        values = torch.stack([torch.stack([loss.float(), norm.float()]) for _, _, loss, norm in pending]).cpu().tolist()
+        for (at, rate, _, _), (loss_value, norm_value) in zip(pending, values):
+            curve.append(round(loss_value, 5))
+            run.log({"train/loss": curve[-1], "train/lr": rate, "train/grad_norm": norm_value}, step=at + 1)
+        pending.clear()
+
     synchronize(drafter.norm.weight.device)
     started, eval_seconds = time.perf_counter(), 0.0
     for step in tqdm(range(steps), desc=f"drafter stage {cfg.stage}", unit="step"):
@@ -266,12 +281,17 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             continue
         grad_norm = torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
         optimizer.step()
-        curve.append(round(loss.item(), 5))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP's sharded norm (a DTensor): its value, still on the device
+            grad_norm = grad_norm.full_tensor()
+        pending.append((step, lr, loss.detach(), grad_norm.detach()))
         if step == 0:  # includes compiling flex_attention: reported apart from the steady steps
+            flush()
             run.metrics["train.first_step_seconds"] = round(time.perf_counter() - started, 2)
-        run.log({"train/loss": curve[-1], "train/lr": lr, "train/grad_norm": grad_norm.item()}, step=step + 1)
+        elif (step + 1) % LOG_EVERY == 0:
+            flush()
         epoch_end = step + 1 in ends and step + 1 < steps  # (the last one is the final evaluation below)
         if epoch_end or ((step + 1) % train_cfg.eval_every == 0 and step + 1 < steps):
+            flush()
             synchronize(drafter.norm.weight.device)
             eval_started = time.perf_counter()
             trained_seconds = eval_started - started - eval_seconds
@@ -282,6 +302,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                 tau_by_epoch.append(round(tau, 4))
                 seconds_by_epoch.append(round(trained_seconds, 2))
                 log.info("epoch %d of %d: tau %.3f (%.0f s of training)", len(tau_by_epoch), len(ends), tau, trained_seconds)
+    flush()
     synchronize(drafter.norm.weight.device)
     # wall time of the training steps alone (target forwards included; periodic evaluations excluded)
     run.metrics["train.seconds"] = round(time.perf_counter() - started - eval_seconds, 2)
