@@ -199,13 +199,17 @@ def weighted_linear_block_loss_parts(hidden: torch.Tensor, head: torch.Tensor, t
     hidden [n, B, H] (the drafter's normed states), head [V, H] (frozen), targets [n, B]. Only rows
     with a positive weight (a trained target at a drafted position) reach the LM head. `teacher`
     [n, B, H]: the target's final states predicting each position; the loss is then the weighted
-    KL(target || draft) per row (`_LinearCrossEntropy`), on the same rows."""
-    w = target_weights(targets, weights)
+    KL(target || draft) per row (`_LinearCrossEntropy`), on the same rows. `targets` may be on the CPU
+    (hidden's device is where the loss is computed): then picking the rows needs no device sync."""
+    w = target_weights(targets, weights)  # where the targets are: on the CPU (training), choosing rows waits for no GPU work
     rows = torch.nonzero(w.flatten() > 0, as_tuple=False).flatten()
-    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    taught = None if teacher is None else teacher.reshape(-1, teacher.shape[-1]).index_select(0, rows).detach()
-    total = _LinearCrossEntropy.apply(picked, head.detach(), targets.flatten()[rows], w.flatten()[rows], chunk_rows, taught)
-    return total, w.sum()
+    device = hidden.device
+    at = rows.to(device, non_blocking=True)
+    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)
+    taught = None if teacher is None else teacher.reshape(-1, teacher.shape[-1]).index_select(0, at).detach()
+    total = _LinearCrossEntropy.apply(picked, head.detach(), targets.flatten()[rows].to(device), w.flatten()[rows].to(device),
+                                      chunk_rows, taught)
+    return total, w.sum().to(device)
 
 
 @torch.no_grad()

@@ -98,11 +98,13 @@ def teacher_states(last: torch.Tensor, anchors: torch.Tensor, block_size: int) -
 def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_masks: torch.Tensor,
                  anchors: torch.Tensor, valid: torch.Tensor | None = None,
                  attention: str = "sdpa", module=None, head: bool = True,
-                 label_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 label_ids: torch.Tensor | None = None, cpu_targets: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [n, A, B, V] of every block of a (right-padded) batch in one drafter forward, and the
     targets [n, A, B] (IGNORE where no trained token is, and for padding anchors: `valid` False).
     With `head=False`, the normed states [n, A, B, H] the LM head would read instead of the logits.
     `label_ids` [n, L]: the targets' tokens (default: `input_ids`, the data; `target_labels`: the target's).
+    `cpu_targets`: the targets stay where they were built (the CPU), so that choosing the trained rows from
+    them needs no device-to-host copy (`blocks.weighted_linear_block_loss_parts`).
 
     input_ids / loss_masks [n, L], features [n, L, k*H], anchors [n, A] (CPU tensors except features).
     attention: "sdpa" (a dense boolean mask) or "flex" (flex_attention's block-sparse mask).
@@ -131,7 +133,7 @@ def draft_blocks(drafter: Drafter, features: torch.Tensor, input_ids: torch.Tens
         raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'flex'")
     out = (module or drafter)(ids.reshape(n, -1).to(device), None, q_pos.to(device), k_pos.to(device), mask,
                               target_hidden=features.to(drafter.norm.weight.dtype), head=head)
-    return out.reshape(n, anchors.shape[1], b, -1), targets.to(device)
+    return out.reshape(n, anchors.shape[1], b, -1), targets if cpu_targets else targets.to(device)
 
 
 class FeatureCache:
@@ -254,7 +256,7 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
         features, side = run_target(input_ids.to(device))
     label_ids = target_labels(input_ids, side.cpu()) if extra == "greedy" else None
     hidden, targets = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, module, head=False,
-                                   label_ids=label_ids)
+                                   label_ids=label_ids, cpu_targets=True)
     teacher = teacher_states(side, anchors, drafter.block_size).flatten(0, 1) if extra == "last" else None
     total, weight = weighted_linear_block_loss_parts(hidden.flatten(0, 1), drafter.head_weight(), targets.flatten(0, 1), weights,
                                                      teacher=teacher)
