@@ -46,7 +46,10 @@ def cases_by_label(node: Path, data: Path, tokenizer, context_len: int) -> dict[
     From *.head50.jsonl a category may be missing (its first held-out prompts lie further on)."""
     b = yaml.safe_load((node / "config.yaml").read_text())["bench"]
     cases = bench.category_cases(data, tokenizer, b["prompts_per_category"], b["max_new_tokens"])
-    cases += bench.bucket_cases(data, tokenizer, b["buckets"], context_len, b["filler"])
+    # a node that recorded no `prompts.<bucket>.text_from` ran before 755f14b: its long prompts are training text
+    metrics = json.loads((node / "metrics.json").read_text()) if (node / "metrics.json").is_file() else {}
+    splits = ("heldout", "train") if any(k.endswith(".text_from") for k in metrics) else ("train",)
+    cases += bench.bucket_cases(data, tokenizer, b["buckets"], context_len, b["filler"], splits)
     by_label: dict[str, list[bench.PromptCase]] = {}
     for case in cases:
         by_label.setdefault(case.label, []).append(case)

@@ -84,13 +84,14 @@ def category_cases(data_dir, tokenizer, per_category: int, max_new_tokens: int) 
     return cases
 
 
-def long_text(data_dir, tokenizer, n_tokens: int) -> tuple[str, str]:
+def long_text(data_dir, tokenizer, n_tokens: int, splits: tuple[str, ...] = ("heldout", "train")) -> tuple[str, str]:
     """Real text of at least `n_tokens` tokens, and where it came from: the held-out prompts and their
     greedy answers first, which no drafter trained on (a drafter that has seen a text would recall it
     where the answer quotes it); the training split's prompts and answers only after them where the
-    held-out ones are too short (the CPU profile's ~40 held-out answers hold ~9 K tokens): "heldout+train"."""
+    held-out ones are too short (the CPU profile's ~40 held-out answers hold ~9 K tokens): "heldout+train".
+    `splits=("train",)`: how runs before 755f14b built them (scripts/investigations/recheck_divergence.py)."""
     parts, total = [], 0
-    for split in ("heldout", "train"):
+    for split in splits:
         path = Path(data_dir) / f"{split}.jsonl"
         if not path.is_file():
             continue
@@ -99,17 +100,18 @@ def long_text(data_dir, tokenizer, n_tokens: int) -> tuple[str, str]:
                 parts.append(text)
                 total += len(tokenizer(text, add_special_tokens=False)["input_ids"])
             if total >= n_tokens:
-                return "\n\n".join(parts), "heldout" if split == "heldout" else "heldout+train"
-    return "\n\n".join(parts), "heldout+train"
+                return "\n\n".join(parts), "+".join(splits[: splits.index(split) + 1])
+    return "\n\n".join(parts), "+".join(splits)
 
 
-def bucket_cases(data_dir, tokenizer, buckets: list[list[int]], context_len: int, filler: bool) -> list[PromptCase]:
+def bucket_cases(data_dir, tokenizer, buckets: list[list[int]], context_len: int, filler: bool,
+                 text_splits: tuple[str, ...] = ("heldout", "train")) -> list[PromptCase]:
     """Prompts of about N tokens (a summarization request over real text), capped so that prompt +
     new tokens fit the model's context; plus the repetitive filler prompt at the largest length."""
     cases = []
     for prompt_tokens, new_tokens in buckets:
         n = min(prompt_tokens, context_len - new_tokens - 64)
-        text, text_from = long_text(data_dir, tokenizer, n)
+        text, text_from = long_text(data_dir, tokenizer, n, text_splits)
         text_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         body = tokenizer.decode(text_ids[: max(n - 40, 8)])
         ids = render_prompt_ids(tokenizer, f"Summarize this text in a few sentences.\n\n{body}")
