@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from qdflash.config import load_config
-from qdflash.data.sources import load_source
+from qdflash.data.sources import COPY_TEMPLATES, load_source
 from qdflash.data.split import content_key
 from qdflash.paths import REPO_ROOT
 from readme import clone_like_copy, readme_command, run_as_written
@@ -67,11 +67,22 @@ def test_drafter_arms_overlays_replace_the_profiles_arms(tmp_path, overlay, arms
 
 
 def test_copy_overlay_adds_copy_prompts_to_the_gpu_data(tmp_path):
-    """config/gpu-copy.yaml validates over the gpu profile and puts the copy source into every data node."""
+    """config/gpu-copy.yaml validates over the gpu profile and puts the copy source into every data node
+    (appended: the data node's defaults do not list it); and a source added this way reaches a real data
+    node (here the ci profile's, with a few copy prompts)."""
     out = snakemake(tmp_path, "-n", "-p", "--configfile", str(REPO_ROOT / "config" / "gpu-copy.yaml"),
                     "--config", "profile=gpu", "experiment=copy")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "data.sources.copy.n_train=1000" in out.stdout and "data.sources.copy.n_heldout=0" in out.stdout
+    assert "+data.sources.copy.n_train=1000" in out.stdout and "+data.sources.copy.n_heldout=0" in out.stdout
+    (tmp_path / "copy.yaml").write_text(yaml.safe_dump(
+        {"profiles": {"ci": {"data": {"sources": {"copy": {"n_train": 3, "n_heldout": 1, "optional": False, "path": None}}}}}}))
+    out = snakemake(tmp_path, "results/cc/data/bf16", "--configfile", str(tmp_path / "copy.yaml"), "--config", "profile=ci",
+                    "experiment=cc")
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = json.loads((tmp_path / "results" / "cc" / "data" / "bf16" / "metrics.json").read_text())
+    assert metrics["train.category.copy"] == 3 and metrics["heldout.category.copy"] == 1
+    copies = [r for r in read(tmp_path / "results" / "cc" / "data" / "bf16" / "train.jsonl") if r["category"] == "copy"]
+    assert all(any(r["messages"][0]["content"].startswith(t.split("{text}")[0]) for t in COPY_TEMPLATES) for r in copies)
 
 
 def test_ci_profile_end_to_end(tmp_path):

@@ -304,8 +304,17 @@ def node_overrides(
     ]
     if config["wandb"].get("entity"):
         args.append(f"tracking.wandb.entity={_hydra_value(config['wandb']['entity'])}")
+    listed = set(profile_base(config)["data"]["sources"])
+
+    def override(key: str, value: Any) -> str:
+        # a data source the node's defaults do not list (an optional one a profile adds, e.g. copy) is
+        # appended ("+"): Hydra refuses to set a key its config does not have
+        parts = key.split(".")
+        new = len(parts) > 3 and parts[:2] == ["data", "sources"] and parts[2] not in listed
+        return f"{'+' if new else ''}{key}={_hydra_value(value)}"
+
     for section in sections:
         for key, value in flatten(section, profile[section]):
-            args += [f"~{key}", f"+{key}={_hydra_value(value)}"] if key in REPLACED_WHOLE else [f"{key}={_hydra_value(value)}"]
-    args += [f"{key}={_hydra_value(value)}" for key, value in (extra or {}).items()]
+            args += [f"~{key}", f"+{key}={_hydra_value(value)}"] if key in REPLACED_WHOLE else [override(key, value)]
+    args += [override(key, value) for key, value in (extra or {}).items()]
     return args
