@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..cudagraph import capture as capture_graph
 from ..distill import lm_head_weight
-from ..engine.base import allow_compiles, cache_buckets
+from ..engine.base import allow_compiles, cache_buckets, compiled_step
 from ..errors import QdflashError
 from ..kernels import kernels_usable
 
@@ -72,11 +72,8 @@ class DrafterEngine:
         self.append_pos = torch.zeros(self.block, dtype=torch.long, device=self.device)
         self.graphs: dict[tuple, tuple] = {}
         self.length, self.window = 0, None
-        self.compile = compile
-        self._compiled: set[tuple] = set()  # (bucket, window) steps compiled without graphs (the CPU)
-        self._draft_step = self._step
-        if compile:
-            self._draft_step = torch.compile(self._step, dynamic=False, **({} if compile is True else {"backend": compile}))
+        self._compiled_step = compiled_step(self._step, compile) if compile else None
+        self._compiled: set[tuple] = set()  # the (bucket, window) steps compiled so far
 
     def session(self, window: int | None = None) -> "DrafterEngine":
         """A new generation: the context is empty again (the buffers are overwritten as it grows)."""
@@ -174,8 +171,6 @@ class DrafterEngine:
             if self.length:
                 raise ValueError("capture before a generation (the append graphs write positions 0..B-1)")
             for attend in self.buckets:
-                if self.compile and (attend, window) not in self.graphs:
-                    allow_compiles(1)
                 self._graph((attend, window), lambda attend=attend: self._draft_step(attend, window))
             for n in range(1, self.block + 1):
                 torch.add(self.offsets[:n], 0, out=self.append_pos[:n])
@@ -204,15 +199,20 @@ class DrafterEngine:
         attend = self._bucket()
         if self.cuda_graphs:
             window = self.window
-            if self.compile and (attend, window) not in self.graphs:
-                allow_compiles(1)
             graph, out = self._graph((attend, window), lambda: self._draft_step(attend, window))
             graph.replay()
             return out
-        if self.compile and (attend, self.window) not in self._compiled:
-            allow_compiles(1)  # each (bucket, window) is one more compile of the same code (engine.base.allow_compiles)
-            self._compiled.add((attend, self.window))
         return self._draft_step(attend, self.window)
+
+    def _draft_step(self, attend: int, window: int | None):
+        """`_step`, compiled where the engine was built with `compile` (each new (bucket, window) is one
+        more compile of the same code: engine.base.allow_compiles)."""
+        if self._compiled_step is None:
+            return self._step(attend, window)
+        if (attend, window) not in self._compiled:
+            allow_compiles(1)
+            self._compiled.add((attend, window))
+        return self._compiled_step(attend, window)
 
     def draft(self, last_token: int, position: int) -> torch.Tensor:
         return self.draft_logits(last_token, position)[1]

@@ -188,12 +188,18 @@ class EngineBase:
         lengths = sorted(lengths or ([self.max_len] if self.attention == "kernel" else cache_buckets(self.max_len)))
         step = self._step
         if compile:
-            step = torch.compile(self._step, dynamic=False, **({} if compile is True else {"backend": compile}))
+            step = compiled_step(self._step, compile)
             allow_compiles(len(token_counts) * len(lengths))
         for t in token_counts:
             for n in lengths:
                 self.graphs[(t, _key(layer_ids), n)] = (CapturedStep(self, t, layer_ids, n, step=step) if cuda_graphs
                                                         else StaticStep(self, t, layer_ids, n, step=step))
+
+
+def compiled_step(fn, compile):
+    """`fn` through torch.compile with static shapes: compile=True with inductor, any other true value
+    as the torch.compile backend (the CPU tests trace with "aot_eager")."""
+    return torch.compile(fn, dynamic=False, **({} if compile is True else {"backend": compile}))
 
 
 _COMPILES = [0]  # compiled steps asked for in this process (allow_compiles)
