@@ -154,16 +154,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 probs = torch.softmax(torch.nn.functional.linear(h, weight), dim=-1, dtype=out)
                 rows = torch.arange(t.numel(), device=t.device)
                 p_t = probs[rows, t].to(acc)
+                # CE = -log p_t; a p_t that underflowed (a logit gap over ~87) counts as the smallest normal
+                loss, minus_one = -torch.log(p_t.clamp_min(torch.finfo(acc).tiny)), p_t - 1.0
                 if out != acc:
                     probs[rows, t] = 0
                     rest = probs.sum(-1, dtype=acc)  # 1 - p_t
                     sure = p_t > 0.5  # there 1 - p_t from `rest`; elsewhere p_t itself is the precise one
-                    loss = torch.where(sure, -torch.log1p(-rest.clamp(max=1 - torch.finfo(acc).eps)),
-                                       -torch.log(p_t.clamp_min(torch.finfo(acc).tiny)))
-                    minus_one = torch.where(sure, -rest, p_t - 1.0)
-                else:
-                    # CE = -log p_t; a p_t that underflowed (a logit gap over ~87) counts as the smallest normal
-                    loss, minus_one = -torch.log(p_t.clamp_min(torch.finfo(acc).tiny)), p_t - 1.0
+                    loss = torch.where(sure, -torch.log1p(-rest.clamp(max=1 - torch.finfo(acc).eps)), loss)
+                    minus_one = torch.where(sure, -rest, minus_one)
                 total += (loss * w).sum()
                 if grad is not None:
                     probs[rows, t] = minus_one.to(out)  # softmax - onehot: d CE / d logits
