@@ -23,7 +23,7 @@ from torch import nn
 
 from ..kernels import gemv as gemv_kernel
 from ..kernels.gemv import gemv, gemv_config
-from ..kernels.w4a16 import EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, external, pack_int4, tune, w4a16_matmul
+from ..kernels.w4a16 import EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, pack_int4, tune, w4a16_matmul
 from ..quant.grid import dequantize
 from ..quant.quantlinear import QuantLinear
 
@@ -89,7 +89,7 @@ class Projection:
             if use == "w4a16":
                 return w4a16_matmul(rows, self.words, self.scale, self.group).view(*x.shape[:-1], -1)
             if use in EXTERNAL:
-                kernel = external(use)
+                kernel = EXTERNAL[use]
                 if use not in self._external:  # repacked once (the same ints and scales): a captured step reads it at every replay
                     self._external[use] = kernel.pack(self.words, self.scale, self.group, x.dtype)
                 return kernel.matmul(rows, *self._external[use], self.group).view(*x.shape[:-1], -1)

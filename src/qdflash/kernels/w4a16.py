@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError
 from ..quant.grid import GridSpec, dequantize
-from . import copies_past_l2, fastest
+from . import copies_past_l2, fastest, gemlite_w4, tinygemm
 
 try:
     import triton
@@ -216,17 +216,10 @@ def default_config(n: int, k: int, group: int, rows: int = 1, dtype: torch.dtype
 _TUNED: dict[tuple[int, int, int, int, torch.dtype], Config] = {}
 _DENSE_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # shapes / row buckets where cuBLAS on the 16-bit weight won
 _EXTERNAL_FASTER: dict[tuple[int, int, int, int, torch.dtype], str] = {}  # ... where another int4 kernel won: its name
-# other int4 kernels on the same packed ints, timed by `tune` beside this one: each module has supported(n, k, group,
-# dtype, device), pack(words, scale, group, dtype) -> state (a tuple) and matmul(x, *state, group)
-EXTERNAL = ("tinygemm", "gemlite")
+# other int4 kernels on the same packed ints, timed by `tune` beside this one, by name: each module has
+# supported(n, k, group, dtype, device), pack(words, scale, group, dtype) -> state (a tuple) and matmul(x, *state, group)
+EXTERNAL = {"tinygemm": tinygemm, "gemlite": gemlite_w4}
 EXTERNAL_TOLERANCE = 2e-2  # max error relative to the dequantized product's largest value (tinygemm: ~0.003 in bf16)
-
-
-def external(name: str):
-    """The module of an EXTERNAL kernel (`kernels.tinygemm`, `kernels.gemlite_w4`)."""
-    from . import gemlite_w4, tinygemm
-
-    return {"tinygemm": tinygemm, "gemlite": gemlite_w4}[name]
 
 
 def dense_faster(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> bool:
@@ -247,7 +240,7 @@ def backend(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> str:
 def _check_external(name: str, x, ws, ss, group: int):
     """(states of every weight copy, None) when the kernel's product matches the dequantized one, else
     ([], what is wrong): a packing it read differently would be wrong, not slow."""
-    module = external(name)
+    module = EXTERNAL[name]
     try:  # a private op or another package: a build that packs or checks differently is a result (not used), not a crash
         states = [module.pack(w, s, group, x.dtype) for w, s in zip(ws, ss)]
         got = module.matmul(x, *states[0], group).float()
@@ -279,13 +272,13 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     others: dict[str, float | None] = {}
     for name in EXTERNAL:
         others[name] = None
-        if not external(name).supported(n, k, group, dtype, device):
+        if not EXTERNAL[name].supported(n, k, group, dtype, device):
             continue
         states, problem = _check_external(name, x, ws, ss, group)
         if problem:
             warnings.warn(f"{name} on {n}x{k} (group {group}, {rows} rows) {problem}: not used", stacklevel=2)
             continue
-        matmul = external(name).matmul
+        matmul = EXTERNAL[name].matmul
         _, others[name] = fastest([None], lambda _: [matmul(x, *state, group) for state in states], copies)
         del states
     del ws, ss
