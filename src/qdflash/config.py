@@ -304,7 +304,7 @@ def node_overrides(
     ]
     if config["wandb"].get("entity"):
         args.append(f"tracking.wandb.entity={_hydra_value(config['wandb']['entity'])}")
-    listed = set(profile_base(config)["data"]["sources"])
+    listed = set(_group_defaults(str(config_dir()), "data")["sources"])  # the data node's own sources
 
     def override(key: str, value: Any) -> str:
         # a data source the node's defaults do not list (an optional one a profile adds, e.g. copy) is
