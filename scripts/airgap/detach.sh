@@ -28,7 +28,7 @@ case "$verb" in
     [ -d "$job" ] || { echo "detach: no job $name on this machine (given back in between?)"; exit 3; }
     end=$((SECONDS + seconds))
     while [ ! -f "$job/status" ] && [ $SECONDS -lt $end ]; do sleep 5; done
-    tail -n 25 "$job/log"
+    tail -n 8 "$job/log"   # short: less to read before the next call, which must come within the 30 s a machine stays warm
     out=${OUT:-/tmp/out}; mkdir -p "$out"
     cp -r "$job/out/." "$out/" 2>/dev/null
     tail -n 400 "$job/log" > "$out/$name.log"
