@@ -43,6 +43,30 @@ def test_loss_weights_decay():
     assert all(a > b for a, b in zip(w[1:], w[2:]))
 
 
+def test_loss_positions_train_only_the_first_block_positions(tiny_llama, monkeypatch):
+    """drafter_train.loss_positions: positions past N weigh 0, the first N keep the decay's weights, and
+    only their rows reach the LM head (the point: a cheaper step)."""
+    from qdflash.drafter import blocks
+
+    w, full = loss_weights(16, 7.0, positions=3), loss_weights(16, 7.0)
+    assert torch.equal(w[:4], full[:4]) and w[1:4].gt(0).all() and w[4:].eq(0).all()
+    assert torch.equal(loss_weights(16, 7.0, positions=15), full)
+    for bad in (0, 16):
+        with pytest.raises(QdflashError, match="loss_positions"):
+            loss_weights(16, 7.0, positions=bad)
+
+    rows = []
+    real = blocks._LinearCrossEntropy.apply
+    monkeypatch.setattr(blocks._LinearCrossEntropy, "apply", lambda hidden, *a: rows.append(hidden.shape[0]) or real(hidden, *a))
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=1)
+    batch = [example(tiny_llama, 40, seed=1, id="a"), example(tiny_llama, 50, seed=2, id="b")]
+    losses = [batch_loss(drafter, tiny_llama, batch, loss_weights(4, 7.0, positions=p), 8, torch.Generator().manual_seed(0))
+              for p in (1, None)]
+    blocks_trained = rows[0]  # one row per block at position 1 (every anchor has its next token: full_block)
+    assert 0 < blocks_trained < rows[1] <= 3 * blocks_trained
+    assert not torch.isclose(losses[0], losses[1])
+
+
 def test_anchor_sampling_stays_in_the_response():
     mask = torch.tensor([0] * 10 + [1] * 20)
     anchors = sample_anchors(mask, 100, torch.Generator().manual_seed(0))

@@ -50,20 +50,24 @@ def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
     assert out.stdout.count("rule bench_speedup:") == 3 and out.stdout.count("rule quality_gate:") == 3
 
 
-@pytest.mark.parametrize("overlay, arms, flags", [
-    ("gpu-drafter-arms.yaml", {"soft", "lr1e3", "lr2e3", "lr3e4"}, ["drafter_train.labels=soft", "drafter_train.lr=0.002"]),
-    ("gpu-drafter-schedule.yaml", {"floor50", "const", "b8"}, ["drafter_train.min_lr_ratio=1.0", "drafter_train.batch_size=8"]),
+@pytest.mark.parametrize("overlay, runs, epochs, flags", [
+    ("gpu-drafter-arms.yaml", {"n4000-L2", "n4000-L2-soft", "n4000-L2-lr1e3", "n4000-L2-lr2e3", "n4000-L2-lr3e4"}, 4,
+     ["drafter_train.labels=soft", "drafter_train.lr=0.002"]),
+    ("gpu-drafter-schedule.yaml", {"n4000-L2", *(f"n4000-L2-{a}" for a in ("floor50", "const", "b8", "a32", "p8"))}, 4,
+     ["drafter_train.min_lr_ratio=1.0", "drafter_train.batch_size=8", "drafter_train.anchors_per_seq=32",
+      "drafter_train.loss_positions=8", "drafter_train.min_lr_ratio=0.0"]),
+    ("gpu-drafter-long.yaml", {"n8000-L2"}, 6, ["drafter_train.min_lr_ratio=1.0"]),
 ])
-def test_drafter_arms_overlays_replace_the_profiles_arms(tmp_path, overlay, arms, flags):
-    """The recipe-arm overlays over the gpu profile: their arms beside the plain run at 4,000 answers x 4
-    epochs, the profile's own arm dropped by its null."""
+def test_drafter_arms_overlays_replace_the_profiles_arms(tmp_path, overlay, runs, epochs, flags):
+    """The recipe-arm overlays over the gpu profile: their runs (arms beside the plain run), the profile's
+    own arm dropped by its null, the overlay's epochs and each arm's flags."""
     out = snakemake(tmp_path, "-n", "-p", "drafter_scaling", "--configfile", str(REPO_ROOT / "config" / overlay),
                     "--config", "profile=gpu", "experiment=arms")
     assert out.returncode == 0, out.stderr[-3000:]
-    runs = set(re.findall(r"scaling/drafter/(n\d+-L\d+[-\w]*)", out.stdout))
-    assert runs == {"n4000-L2"} | {f"n4000-L2-{arm}" for arm in arms}, runs
+    found = set(re.findall(r"scaling/drafter/(n\d+-L\d+[-\w]*)", out.stdout))
+    assert found == runs, found
     assert all(flag in out.stdout for flag in flags), flags
-    assert "drafter_train.epochs=4" in out.stdout and "target_labels" not in out.stdout
+    assert f"drafter_train.epochs={epochs}" in out.stdout and "target_labels" not in out.stdout
 
 
 def test_copy_overlay_adds_copy_prompts_to_the_gpu_data(tmp_path):
@@ -496,6 +500,8 @@ def test_drafter_scaling_study_on_ci(tmp_path):
         lr = CONFIG["profiles"]["ci"]["drafter_train"]["lr"]  # the schedule's floor, where the arm sets one
         assert arm["train.lr_last"] == pytest.approx(overrides.get("min_lr_ratio", 0) * lr, abs=0.05 * lr) != plain["train.lr_last"]
         assert (arm["train.examples"], arm["train.steps"], arm["drafter.layers"]) == (plain["train.examples"], plain["train.steps"], plain["drafter.layers"])
+        block = CONFIG["profiles"]["ci"]["drafter"]["block_size"]  # trained block positions, where the arm sets them
+        assert arm["train.loss_positions"] == overrides.get("loss_positions", block - 1) != plain["train.loss_positions"] == block - 1
         assert any(line.startswith(f"| n{max(scaling['sizes'])}-L{scaling['depths'][0]}-{name} ") for line in lines)
     assert runs[scaling["sizes"][0], 1]["drafter.parameters"] < runs[scaling["sizes"][0], 2]["drafter.parameters"]
 

@@ -11,15 +11,24 @@ import math
 
 import torch
 
+from ..errors import QdflashError
+
 IGNORE = -100
 
 
-def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+def loss_weights(block_size: int, gamma: float, positions: int | None = None) -> torch.Tensor:
     """Weight of each block position: 0 for the anchor itself, exp(-(k-1)/gamma) for k >= 1 (earlier
-    positions matter more: a rejection there ends the whole block)."""
+    positions matter more: a rejection there ends the whole block). `positions`: only k <= positions
+    are trained (the rest weigh 0, so their rows never reach the LM head, the step's largest cost); a
+    drafted token at k counts only if all before it were accepted, which at low tau few deep ones are."""
+    if positions is not None and not 1 <= positions <= block_size - 1:
+        raise QdflashError(f"drafter_train.loss_positions={positions}: the block of {block_size} drafts positions "
+                           f"1..{block_size - 1}; train 1 to {block_size - 1} of them (null: all)")
     k = torch.arange(block_size, dtype=torch.float32)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
+    if positions is not None:
+        w[positions + 1 :] = 0.0
     return w
 
 

@@ -202,7 +202,9 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     if cfg.stage == 2:
         evaluate("stage1_on_this_target")  # the warm start, before adaptation
 
-    weights = loss_weights(drafter.block_size, train_cfg.gamma)
+    loss_positions = train_cfg.get("loss_positions")
+    weights = loss_weights(drafter.block_size, train_cfg.gamma, None if loss_positions is None else int(loss_positions))
+    run.metrics["train.loss_positions"] = drafter.block_size - 1 if loss_positions is None else int(loss_positions)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)  # fresh in stage 2
     warmup = max(1, round(train_cfg.warmup_ratio * steps))
