@@ -347,6 +347,9 @@ def check_bench(results):
             assert all(o[name] == o[reference] for o in outputs), name
             assert m[f"all.{name}.mismatches"] == 0, m[f"all.{name}.divergence_margins"]
             assert 1 <= m[f"all.{name}.tau"] <= ci["drafter"]["block_size"]
+            # rounds verify bench.verify_tokens, or the whole block after one that accepted that far
+            assert ci["bench"]["verify_tokens"] <= m[f"all.{name}.verified_per_round"] <= ci["drafter"]["block_size"]
+        assert m["verify_tokens"] == ci["bench"]["verify_tokens"] and m["verify_adaptive"] == 1
 
 
 def check_drafter_stage(results):

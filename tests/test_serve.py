@@ -247,12 +247,14 @@ def test_serve_command_says_what_is_wrong(tmp_path, capsys):
     assert exit.value.code == 2 and "usage: qdflash" in capsys.readouterr().err
 
 
-def test_engine_path_serves_the_same_tokens(varied_llama):
-    """--engine: the lean target engine and the static drafter (the GPU speed path) give the same tokens."""
+@pytest.mark.parametrize("verify_tokens, adaptive", [(None, False), (2, True)])
+def test_engine_path_serves_the_same_tokens(varied_llama, verify_tokens, adaptive):
+    """--engine: the lean target engine and the static drafter (the GPU speed path) give the same tokens,
+    verifying whole blocks, or 2 tokens and whole blocks after a round that accepted (--verify-adaptive)."""
     from qdflash.serve import _build_engines
 
     drafter = init_drafter(varied_llama, block_size=4, num_layers=1, mask_token_id=3).eval()
-    stack = Stack("fast", varied_llama, drafter, context=128)
+    stack = Stack("fast", varied_llama, drafter, context=128, verify_tokens=verify_tokens, verify_adaptive=adaptive)
     _build_engines(stack)
     running = Running(build_app(stack))
     try:

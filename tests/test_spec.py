@@ -451,6 +451,52 @@ def test_verify_length_keeps_the_greedy_output(fixture, verify, path, request, m
         assert all(engine.graph_for(v, drafter.config.target_layer_ids, n) is not None for n in (12, 48))
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+@pytest.mark.parametrize("path", ["eager", "lean_graphs"])
+def test_adaptive_verify_grows_to_the_block_after_a_full_accept_and_keeps_the_output(fixture, path, request, monkeypatch):
+    """verify_adaptive: a round verifies V tokens, or the whole block after a round whose drafts were
+    accepted at least V-1 deep. Always-right drafts: V once, then whole blocks (rounds commit B, not V);
+    drafts wrong 40% of the time: both lengths, the autoregressive tokens either way (Gated DeltaNet
+    rollback included), and on the lean engine each length replays its own captured step."""
+    import dataclasses
+
+    from qdflash.engine import build_engine
+
+    target = request.getfixturevalue(fixture)
+    block, verify, new = 5, 2, 16
+    drafter = init_drafter(target, block_size=block, num_layers=1, seed=1).eval()
+    ids = prompt(2, 9)
+    reference = reference_tokens(fixture, target, ids, new)
+    hits = []
+    if path == "lean_graphs":
+        engine = build_engine(target, max_len=48)
+        engine.capture([1, verify, block], drafter.config.target_layer_ids, cuda_graphs=False, lengths=[16, 48])
+        find = engine.graph_for
+        engine.graph_for = lambda t, layer_ids, end: hits.append(t) or find(t, layer_ids, end)
+        target = dataclasses.replace(target, engine=engine)
+    with monkeypatch.context() as m:
+        oracle(m, reference, ids.shape[1])
+        full = speculative_generate(target, drafter, ids, new, verify_tokens=verify, verify_adaptive=True)
+        fixed = speculative_generate(target, drafter, ids, new, verify_tokens=verify)
+    with monkeypatch.context() as m:
+        oracle(m, reference, ids.shape[1], wrong_rate=0.4, seed=3)
+        partly = speculative_generate(target, drafter, ids, new, verify_tokens=verify, verify_adaptive=True)
+    for result in (full, fixed, partly):
+        assert result.tokens == reference
+        assert len(result.verify_lengths) == len(result.acceptance_lengths)
+        assert all(n <= v for n, v in zip(result.acceptance_lengths, result.verify_lengths))
+    assert full.verify_lengths[0] == verify and set(full.verify_lengths[1:]) == {block}
+    assert full.acceptance_lengths[:-1] == [verify] + [block] * (len(full.acceptance_lengths) - 2)
+    assert set(fixed.verify_lengths) == {verify} and len(fixed.acceptance_lengths) > len(full.acceptance_lengths)
+    assert set(partly.verify_lengths) == {verify, block}
+    for a, (n, v) in enumerate(zip(partly.acceptance_lengths[:-1], partly.verify_lengths)):  # the rule, round by round
+        assert partly.verify_lengths[a + 1] == (block if n - 1 >= verify - 1 else verify)
+    if path == "lean_graphs":
+        rounds = full.verify_lengths + fixed.verify_lengths + partly.verify_lengths
+        assert hits.count(block) == rounds.count(block)  # a whole block is fed only as a verify
+        assert hits.count(verify) >= rounds.count(verify)  # (+ Gated DeltaNet's re-feeds of 2 accepted tokens)
+
+
 @pytest.mark.parametrize("verify", [2, 3])
 def test_sampling_with_a_shorter_verify_keeps_the_target_distribution(tiny_vocab_target, verify, monkeypatch):
     """test_sampling_keeps_the_target_distribution with a block of 4 of which the first `verify`

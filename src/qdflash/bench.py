@@ -217,7 +217,7 @@ def ar(target):
 
 
 def round_parts(target, drafter, cases: list[PromptCase], reference: MethodResult, window=None,
-                verify_tokens=None) -> dict[str, float]:
+                verify_tokens=None, verify_adaptive=False) -> dict[str, float]:
     """Where a speculative round's time goes on `cases` (a profiling pass after the timed runs: its
     synchronizations cost time): ms per round of draft / verify / append / host, their sum, and that
     sum in decode steps of the target's autoregressive run `reference` on the same cases (its time
@@ -225,7 +225,7 @@ def round_parts(target, drafter, cases: list[PromptCase], reference: MethodResul
     timer = RoundTimer(target.device)
     for case in cases:
         speculative_generate(target, drafter, [case.ids], case.max_new_tokens, window=window,
-                             verify_tokens=verify_tokens, phases=timer)
+                             verify_tokens=verify_tokens, phases=timer, verify_adaptive=verify_adaptive)
     per_round = timer.ms_per_round()
     parts = {f"{part}_ms": round(ms, 4) for part, ms in per_round.items()}
     decode_ms = 1e3 * sum(r.seconds - r.prefill_seconds for r in reference.runs) / max(
@@ -235,11 +235,13 @@ def round_parts(target, drafter, cases: list[PromptCase], reference: MethodResul
             "in_decode_steps": round(total / max(decode_ms, 1e-9), 3), "rounds": timer.rounds}
 
 
-def spec(target, drafter, window=None, verify_tokens=None):
+def spec(target, drafter, window=None, verify_tokens=None, verify_adaptive=False):
     """Speculative decoding with the drafter `window` and the verify length `verify_tokens` (None:
-    the whole block; qdflash.spec.verify_length checks it now, not at the first prompt)."""
+    the whole block; qdflash.spec.verify_length checks it now, not at the first prompt), the whole
+    block after a round that accepted that far where `verify_adaptive`."""
     verify_length(drafter, verify_tokens)
-    return lambda ids, n: speculative_generate(target, drafter, [ids], n, window=window, verify_tokens=verify_tokens)
+    return lambda ids, n: speculative_generate(target, drafter, [ids], n, window=window, verify_tokens=verify_tokens,
+                                               verify_adaptive=verify_adaptive)
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
@@ -325,6 +327,9 @@ def summary(name: str, result: MethodResult, block: int | None = None, decode_by
         row[f"{name}.tau"] = round(sum(result.acceptance) / len(result.acceptance), 4)
         if block:
             row[f"{name}.tau_histogram"] = [result.acceptance.count(k) for k in range(1, block + 1)]
+        verified = [v for r in result.runs for v in r.verify_lengths]
+        if verified:  # tokens the target verified per round (the verify length, or its mean where adaptive)
+            row[f"{name}.verified_per_round"] = round(sum(verified) / len(verified), 3)
     return row
 
 

@@ -2,7 +2,7 @@
 lossless speculative loop (qdflash.spec), batch 1.
 
     python -m qdflash.serve --results results/<experiment>          # its `selected` variant
-    python -m qdflash.serve --target tiny-llama --drafter PATH [--window N] [--verify-tokens V]
+    python -m qdflash.serve --target tiny-llama --drafter PATH [--window N] [--verify-tokens V [--verify-adaptive]]
     python -m qdflash.serve --target tiny-llama --mode hf           # the baseline: transformers' generate
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the target's
@@ -83,6 +83,7 @@ class Stack:
     mode: str = "spec"
     context: int = 0  # prompt + new tokens, at most
     verify_tokens: int | None = None  # tokens a speculative round verifies (None: the drafter's block)
+    verify_adaptive: bool = False     # the whole block after a round that accepted as far as verify_tokens reaches
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -99,7 +100,7 @@ class Stack:
         common = dict(temperature=temperature, top_p=top_p, seed=seed, stop_strings=stop or None, on_tokens=on_tokens)
         if self.mode == "spec":
             return speculative_generate(self.target, self.drafter, [ids], max_tokens, window=self.window,
-                                        verify_tokens=self.verify_tokens, **common)
+                                        verify_tokens=self.verify_tokens, verify_adaptive=self.verify_adaptive, **common)
         if self.mode == "ar":
             return autoregressive_generate(self.target, [ids], max_tokens, **common)
         return self._hf_generate(ids, max_tokens, temperature, top_p, seed, stop, on_tokens)
@@ -127,7 +128,7 @@ class Stack:
 
 
 def load_stack(*, results=None, target=None, drafter=None, window=None, mode="spec", name=None, device=None,
-               dtype=None, context=0, engine=False, verify_tokens=None) -> Stack:
+               dtype=None, context=0, engine=False, verify_tokens=None, verify_adaptive=False) -> Stack:
     """A Stack from a results folder's selected variant or from a target (+ drafter + window)."""
     from .drafter import load_drafter
     from .models import load_target
@@ -144,7 +145,7 @@ def load_stack(*, results=None, target=None, drafter=None, window=None, mode="sp
         raise QdflashError("serve: mode 'spec' needs a drafter (--drafter or --results); use --mode ar or hf without one")
     loaded = load_target(str(target), dtype=dtype, device=device)
     draft = load_drafter(drafter, loaded).eval() if drafter is not None and mode == "spec" else None
-    stack = Stack(name or Path(str(target)).name, loaded, draft, window, mode, context, verify_tokens)
+    stack = Stack(name or Path(str(target)).name, loaded, draft, window, mode, context, verify_tokens, verify_adaptive)
     if engine:
         _build_engines(stack)
     return stack
@@ -161,7 +162,8 @@ def _build_engines(stack: Stack) -> None:
     if target.device.type == "cuda":
         target.engine.capture([1], None)
         if drafter is not None:
-            target.engine.capture([1, verify_length(drafter, stack.verify_tokens)], drafter.config.target_layer_ids)
+            sizes = {verify_length(drafter, stack.verify_tokens), *([drafter.block_size] if stack.verify_adaptive else [])}
+            target.engine.capture([1, *sorted(sizes)], drafter.config.target_layer_ids)
     if drafter is not None:
         drafter.engine = DrafterEngine(drafter, max_len=stack.context + extra)
         drafter.engine.capture(stack.window)
@@ -562,6 +564,8 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--verify-tokens", type=int, default=None,
                       help="tokens a speculative round verifies: the committed one + V-1 drafts, 1 < V <= block size "
                            "(default: the whole block)")
+    what.add_argument("--verify-adaptive", action="store_true",
+                      help="verify the whole block after a round whose drafts were accepted as far as --verify-tokens reaches")
     what.add_argument("--mode", choices=MODES, default="spec", help="spec: speculative (default); ar: the target alone; "
                       "hf: transformers' generate (the latency harness's baseline)")
     what.add_argument("--name", help="the model id clients ask for (default: the variant or target name)")
@@ -586,7 +590,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         stack = load_stack(results=args.results, target=args.target, drafter=args.drafter, window=args.window,
                            mode=args.mode, name=args.name, device=args.device, dtype=args.dtype,
-                           context=args.context, engine=args.engine, verify_tokens=args.verify_tokens)
+                           context=args.context, engine=args.engine, verify_tokens=args.verify_tokens,
+                           verify_adaptive=args.verify_adaptive)
         app = build_app(stack, args.max_queue)
     except QdflashError as err:
         print(f"\nqdflash serve failed: {err}", file=sys.stderr)

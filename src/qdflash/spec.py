@@ -11,7 +11,10 @@ target; the target's cache holds positions < p):
 2. the target verifies [x_p, d_1..d_{V-1}] in one forward: its logits at p+k-1 give the token at p+k.
    V (`verify_tokens`, 1 < V <= B; default B) is the verify length: drafts past d_{V-1} are not
    verified (a trained drafter's late drafts are rarely accepted, and every verified position costs
-   target compute); everything below follows from the V-token block;
+   target compute); everything below follows from the V-token block. `verify_adaptive`: after a round
+   whose drafts were accepted at least as far as a V-token verify reaches, the next round verifies
+   the whole block (a run of easy tokens, e.g. text being copied, is not capped at V per round);
+   after one that stopped short, V again. Which length a round verifies never changes what it emits;
 3. greedy: d_k is accepted while it equals the target's argmax; sampling: while it equals the token
    the target samples there. The first target token that differs (or the one after the last draft)
    is the bonus, so every committed token is the target's own choice: the output equals
@@ -42,6 +45,7 @@ from .ops import tap_features
 class GenerationResult:
     tokens: list[int]                       # new tokens only (the stop token included, if one was hit)
     acceptance_lengths: list[int] = field(default_factory=list)  # per verify round, bonus included
+    verify_lengths: list[int] = field(default_factory=list)      # per speculative round: tokens it verified
     stop_reason: str = "length"             # "length" | "eos" | "stop_string"
     prefill_seconds: float = 0.0            # time to the first new token
     seconds: float = 0.0
@@ -339,17 +343,20 @@ class _NoTimer:
 def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: int, temperature: float = 0.0,
                          seed: int | None = None, stop_strings: list[str] | None = None,
                          window: int | None = None, top_p: float = 1.0, on_tokens=None,
-                         verify_tokens: int | None = None, phases: RoundTimer | None = None) -> GenerationResult:
+                         verify_tokens: int | None = None, phases: RoundTimer | None = None,
+                         verify_adaptive: bool = False) -> GenerationResult:
     """DFlash speculative decoding (module docstring); `window`: the drafter's sliding window;
     `top_p`: nucleus sampling (the target's filtered distribution is what is kept exactly);
     `on_tokens(new)`: called with each round's committed tokens (a server streams them);
     `verify_tokens`: the target verifies the committed token + the first verify_tokens - 1 drafts
-    (None: the whole block; `verify_length`). On the lean engine a verify replays the graph captured
-    for that many tokens (`engine.capture([1, V], layer_ids)`), else runs the same step eagerly.
-    `phases`: a RoundTimer that times each part of every round (a profiling run: it synchronizes)."""
+    (None: the whole block; `verify_length`); `verify_adaptive`: the whole block after a round that
+    accepted as far as that reaches (module docstring). On the lean engine a verify replays the graph
+    captured for that many tokens (`engine.capture([1, V, block], layer_ids)`), else runs the same step
+    eagerly. `phases`: a RoundTimer that times each part of every round (a profiling run: it synchronizes)."""
     ids = prompt_ids(input_ids)
     generator, eos = _generator(seed), set(target.eos_token_ids)
-    v = verify_length(drafter, verify_tokens)
+    short = verify_length(drafter, verify_tokens)
+    v = short
     session = target_session(target, drafter.config.target_layer_ids)
     context = drafter_session(drafter, window)
     started = time.perf_counter()
@@ -361,6 +368,7 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     tokens, reason = _stop(tokens, eos, stop_strings, target.tokenizer, max_new_tokens)
     _emit(on_tokens, tokens, 0)
     lengths: list[int] = []
+    verified: list[int] = []
     recurrent = session.has_recurrent_state()
     timer = phases if phases is not None else _NoTimer()
     timer.start()
@@ -385,12 +393,16 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
         timer.lap("append")
         new = [*draft[:n].tolist(), int(chosen[n])]
         lengths.append(len(new))
+        verified.append(v)
+        if verify_adaptive:  # the host knows n already: choosing the next length costs no synchronization
+            v = drafter.block_size if n >= short - 1 else short
         done = len(tokens)
         tokens, reason = _stop(tokens + new, eos, stop_strings, target.tokenizer, max_new_tokens, checked=done)
         _emit(on_tokens, tokens, done)
         timer.end_round()  # host: the stop checks and the rest
     synchronize(target.device)
-    return GenerationResult(tokens, lengths, reason, prefill, time.perf_counter() - started)
+    return GenerationResult(tokens, lengths, verified, stop_reason=reason, prefill_seconds=prefill,
+                            seconds=time.perf_counter() - started)
 
 
 __all__ = ["GenerationResult", "RoundTimer", "accepted_prefix", "autoregressive_generate", "choose",

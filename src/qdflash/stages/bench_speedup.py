@@ -13,8 +13,9 @@ The drafter of every speculative method the job measures drafts through its stat
 (qdflash.drafter.static: one CUDA graph per context bucket on a GPU, captured before measuring;
 `drafter_engine.<method>.graphs` in metrics.json).
 Every speculative method verifies `bench.verify_tokens` tokens per round (the committed token and
-that many - 1 drafts; null: the whole block), recorded as `verify_tokens` in metrics.json; on a GPU
-the verify step of that many tokens is captured as a CUDA graph. `bench.attention` is the engines'
+that many - 1 drafts; null: the whole block), recorded as `verify_tokens` in metrics.json, and with
+`bench.verify_adaptive` the whole block after a round that accepted that far (`verify_adaptive`;
+`<method>.verified_per_round`); on a GPU the verify step of each length is captured as a CUDA graph. `bench.attention` is the engines'
 attention in decode steps, verify blocks and drafts (sdpa, or the Triton kernel: EngineBase.set_attention,
 DrafterEngine(attention=)).
 The drafter window (`bench.window`) is one per job: the sweep runs one job per window. A job with a
@@ -67,6 +68,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     context_len = getattr(target16.config, "max_position_embeddings", 4096)
     window = b.window
     verify = verify_length(stage1_16, b.get("verify_tokens"))  # every speculative method's verify length
+    adaptive = bool(b.get("verify_adaptive", False)) and verify < stage1_16.block_size  # ... or the whole block after a long accept
     every_prompt = b.get("window_prompts", "long") == "all"
     if b.get("window_prompts", "long") not in ("long", "all"):
         raise QdflashError(f"bench.window_prompts={b.window_prompts!r}: expected 'long' or 'all'")
@@ -104,16 +106,17 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         if target.device.type == "cuda":  # decode steps and verify blocks replay CUDA graphs
             run.metrics[f"engine.{key}.kernel_tuning"] = tuning_summary(target.engine.tune_kernels())
             target.engine.capture([1], None, compile=compiled)
-            target.engine.capture([1, verify], stage1_16.config.target_layer_ids, compile=compiled)  # the verify block
+            verify_sizes = [verify, stage1_16.block_size] if adaptive else [verify]  # the verify blocks
+            target.engine.capture([1, *verify_sizes], stage1_16.config.target_layer_ids, compile=compiled)
             run.metrics[f"engine.{key}.graphs"] = len(target.engine.graphs)
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
         "ar16": bench.ar(target16),
-        "spec16_stage1": bench.spec(target16, stage1_16, window, verify),
+        "spec16_stage1": bench.spec(target16, stage1_16, window, verify, adaptive),
         "ar_qad": bench.ar(qad),
-        "spec_qad_stage1": bench.spec(qad, stage1_qad, window, verify),
-        "spec_qad_stage2": bench.spec(qad, stage2_qad, window, verify),
-        **{name: bench.spec(qad, drafter, window, verify) for name, drafter in compressed.items()},
+        "spec_qad_stage1": bench.spec(qad, stage1_qad, window, verify, adaptive),
+        "spec_qad_stage2": bench.spec(qad, stage2_qad, window, verify, adaptive),
+        **{name: bench.spec(qad, drafter, window, verify, adaptive) for name, drafter in compressed.items()},
     }
     cuda = target16.device.type == "cuda"
     if cuda and b.compiled_baseline:
@@ -178,7 +181,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         for label in dict.fromkeys(c.label for c in cases):
             keep = [c.label == label for c in cases]
             parts = bench.round_parts(target, drafter, [c for c, k in zip(cases, keep) if k], results[reference].subset(keep),
-                                      window, verify)
+                                      window, verify, adaptive)
             run.metrics.update({f"{label}.{name}.round.{k}": v for k, v in parts.items()})
             log.info("%s %s: a round %.2f ms = %.2f decode steps (draft %.2f, verify %.2f, append %.2f, host %.2f ms)",
                      label, name, parts["ms"], parts["in_decode_steps"], parts["draft_ms"], parts["verify_ms"],
@@ -197,7 +200,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         run.metrics["cuda.device"] = torch.cuda.get_device_name()
     run.metrics.update({"prompts": len(cases), "prompt_set": bench.prompt_set(cases), "dtype": str(target16.dtype),
                         "window": -1 if window is None else int(window),
-                        "block_size": stage1_16.block_size, "verify_tokens": verify})
+                        "block_size": stage1_16.block_size, "verify_tokens": verify, "verify_adaptive": int(adaptive)})
     bugs = sum(v for k, v in run.metrics.items() if k.startswith("all.") and k.endswith(".mismatch_bugs"))
     log.info("speculative vs autoregressive: %d mismatch bugs (%s)", bugs, "float32: any mismatch" if fp32 else f"margin > {bench.MARGIN_BUG}")
 
