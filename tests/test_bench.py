@@ -116,6 +116,10 @@ def test_verify_tokens_setting_is_checked_before_anything_runs(tiny_llama):
             validate_section({**section, "verify_tokens": value}, "bench", "bench")
     profile = {"drafter": {"block_size": 4}, "drafter_train": {"max_length": 64}}
     assert block_problems("profiles.p", {**profile, "bench": {"verify_tokens": 4}}) == []
+    arms = {"scaling": {"arms": {"deep": {"loss_positions": 4}, "ok": {"loss_positions": 3}, "other": None}}}
+    assert block_problems("profiles.p", {**profile, **arms}) == [
+        "profiles.p.scaling.arms.deep.loss_positions = 4: a block of drafter.block_size = 4 drafts positions 1..3 "
+        "(1 <= loss_positions <= 3, or null for all)"]
     assert block_problems("profiles.p", {**profile, "bench": {"verify_tokens": None}}) == []
     assert block_problems("profiles.p", {**profile, "bench": {"verify_tokens": 5}}) == [
         "profiles.p.bench.verify_tokens = 5 exceeds drafter.block_size = 4: a round verifies at most the block "

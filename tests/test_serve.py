@@ -247,6 +247,15 @@ def test_serve_command_says_what_is_wrong(tmp_path, capsys):
     assert exit.value.code == 2 and "usage: qdflash" in capsys.readouterr().err
 
 
+def test_adaptive_verify_without_a_shorter_verify_is_refused(varied_llama):
+    from qdflash.errors import QdflashError
+
+    drafter = init_drafter(varied_llama, block_size=4, num_layers=1, mask_token_id=3)
+    for verify in (None, 4):
+        with pytest.raises(QdflashError, match="--verify-adaptive grows a shorter verify.*block size \\(4\\)"):
+            Stack("x", varied_llama, drafter, context=128, verify_tokens=verify, verify_adaptive=True)
+
+
 @pytest.mark.parametrize("verify_tokens, adaptive", [(None, False), (2, True)])
 def test_engine_path_serves_the_same_tokens(varied_llama, verify_tokens, adaptive):
     """--engine: the lean target engine and the static drafter (the GPU speed path) give the same tokens,

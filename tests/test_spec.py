@@ -493,8 +493,7 @@ def test_adaptive_verify_grows_to_the_block_after_a_full_accept_and_keeps_the_ou
         assert partly.verify_lengths[a + 1] == (block if n - 1 >= verify - 1 else verify)
     if path == "lean_graphs":
         rounds = full.verify_lengths + fixed.verify_lengths + partly.verify_lengths
-        assert hits.count(block) == rounds.count(block)  # a whole block is fed only as a verify
-        assert hits.count(verify) >= rounds.count(verify)  # (+ Gated DeltaNet's re-feeds of 2 accepted tokens)
+        assert hits.count(block) == rounds.count(block) and hits.count(verify) == rounds.count(verify)  # one per round
 
 
 @pytest.mark.parametrize("verify", [2, 3])
@@ -529,6 +528,39 @@ def test_sampling_with_a_shorter_verify_keeps_the_target_distribution(tiny_vocab
     chi2 = sum((counts[k] - trials * p) ** 2 / (trials * p) for k, p in exact.items() if trials * p >= 5)
     cells = sum(1 for p in exact.values() if trials * p >= 5)
     assert chi2 < cells + 4 * (2 * cells) ** 0.5, (chi2, cells)
+
+
+def test_sampling_with_an_adaptive_verify_keeps_the_target_distribution(tiny_vocab_target, monkeypatch):
+    """The same with verify_adaptive (2 tokens, the whole block of 4 after a round that accepted its
+    draft): the next round's length depends only on past acceptance, so 4-token continuations still
+    follow the target's exact distribution, and some runs verify a whole block."""
+    target = tiny_vocab_target
+    rng = random.Random(7)
+    monkeypatch.setattr(spec.DrafterSession, "draft",
+                        lambda self, last, position: torch.tensor([rng.randrange(4) for _ in range(self.drafter.block_size - 1)]))
+    ids = [0, 1, 2, 3, 1]
+    outcomes = [(a, b, c, d) for a in range(4) for b in range(4) for c in range(4) for d in range(4)]
+    with torch.no_grad():
+        p = torch.softmax(target.model(torch.tensor([ids + list(o) for o in outcomes])).logits.float(), -1)
+    n = len(ids)
+    exact = {o: (p[row, n - 1, o[0]] * p[row, n, o[1]] * p[row, n + 1, o[2]] * p[row, n + 2, o[3]]).item()
+             for row, o in enumerate(outcomes)}
+    drafter = init_drafter(target, block_size=4, num_layers=1)
+    counts = {k: 0 for k in exact}
+    trials, whole = 1200, 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for s in range(trials):
+            out = speculative_generate(target, drafter, [ids], 4, temperature=1.0, seed=s, verify_tokens=2, verify_adaptive=True)
+            counts[tuple(out.tokens)] += 1
+            whole += 4 in out.verify_lengths
+    finally:
+        torch.set_num_threads(threads)
+    assert whole > 50  # the whole-block verify ran, not only the 2-token one
+    chi2 = sum((counts[k] - trials * p) ** 2 / (trials * p) for k, p in exact.items() if trials * p >= 5)
+    cells = sum(1 for p in exact.values() if trials * p >= 5)
+    assert cells > 20 and chi2 < cells + 4 * (2 * cells) ** 0.5, (chi2, cells)
 
 
 @pytest.mark.parametrize("bad", [1, 0, -3, 5, 16, True, 2.0])

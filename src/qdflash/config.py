@@ -192,7 +192,8 @@ def block_problems(where: str, profile: dict) -> list[str]:
     """What the schema cannot say: a training sequence cut to max_length must hold a drafter block
     after its first token (drafter.blocks: anchor a >= 1, then block_size - 1 tokens), or the drafter
     trains on nothing. A real cut must be far longer (the prompt comes first); the node checks that.
-    And a speculative round verifies at most one block: bench.verify_tokens <= drafter.block_size."""
+    And a speculative round verifies at most one block: bench.verify_tokens <= drafter.block_size; a
+    block drafts positions 1..block_size - 1: drafter_train.loss_positions (and the scaling study's) at most that."""
     block = profile["drafter"]["block_size"]
     lengths = {"drafter_train.max_length": profile["drafter_train"]["max_length"]}
     if (profile.get("scaling") or {}).get("drafter_train", {}).get("max_length") is not None:
@@ -203,6 +204,14 @@ def block_problems(where: str, profile: dict) -> list[str]:
     if verify is not None and verify > block:  # the schema says >= 2
         problems.append(f"{where}.bench.verify_tokens = {verify} exceeds drafter.block_size = {block}: a round verifies "
                         f"at most the block (2 <= verify_tokens <= {block}, or null for the whole block)")
+    sections = {"drafter_train": profile.get("drafter_train") or {},
+                "scaling.drafter_train": (profile.get("scaling") or {}).get("drafter_train") or {},
+                **{f"scaling.arms.{name}": arm or {} for name, arm in ((profile.get("scaling") or {}).get("arms") or {}).items()}}
+    for key, section in sections.items():
+        positions = section.get("loss_positions")
+        if positions is not None and positions > block - 1:  # the schema says >= 1
+            problems.append(f"{where}.{key}.loss_positions = {positions}: a block of drafter.block_size = {block} drafts "
+                            f"positions 1..{block - 1} (1 <= loss_positions <= {block - 1}, or null for all)")
     return problems
 
 

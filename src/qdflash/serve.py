@@ -94,6 +94,9 @@ class Stack:
             self.context = int(getattr(self.target.config, "max_position_embeddings", 0) or 4096)
         if self.mode == "spec":
             verify_length(self.drafter, self.verify_tokens)  # a bad --verify-tokens fails at start, not per request
+            if self.verify_adaptive and verify_length(self.drafter, self.verify_tokens) == self.drafter.block_size:
+                raise QdflashError("serve: --verify-adaptive grows a shorter verify to the whole block; give --verify-tokens V "
+                                   f"with V < the drafter's block size ({self.drafter.block_size})")
 
     def generate(self, ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int,
                  stop: list[str], on_tokens: Callable[[list[int]], None]) -> GenerationResult:
@@ -596,8 +599,9 @@ def main(argv: list[str] | None = None) -> None:
     except QdflashError as err:
         print(f"\nqdflash serve failed: {err}", file=sys.stderr)
         sys.exit(2)
-    log.info("serving %s (%s, window %s, verify %s, context %d) on http://%s:%d/v1", stack.name, stack.mode, stack.window,
-             stack.verify_tokens or "block", stack.context, args.host, args.port)
+    log.info("serving %s (%s, window %s, verify %s%s, context %d) on http://%s:%d/v1", stack.name, stack.mode, stack.window,
+             stack.verify_tokens or "block", ", the block after a full accept" if stack.verify_adaptive else "", stack.context,
+             args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

@@ -14,7 +14,9 @@ target; the target's cache holds positions < p):
    target compute); everything below follows from the V-token block. `verify_adaptive`: after a round
    whose drafts were accepted at least as far as a V-token verify reaches, the next round verifies
    the whole block (a run of easy tokens, e.g. text being copied, is not capped at V per round);
-   after one that stopped short, V again. Which length a round verifies never changes what it emits;
+   after one that stopped short, V again. Which length a round verifies never changes which token the
+   target commits at any position, only how many one round commits (so with stop strings, how far the
+   last round runs past one: the text is cut there by whoever stops on it);
 3. greedy: d_k is accepted while it equals the target's argmax; sampling: while it equals the token
    the target samples there. The first target token that differs (or the one after the last draft)
    is the bonus, so every committed token is the target's own choice: the output equals
