@@ -3,6 +3,7 @@
 completions and chat); bad requests get OpenAI-shaped 4xx and the server keeps serving; a full queue
 answers 503 (made deterministic by a generation that waits on an event)."""
 
+import json
 import threading
 import time
 
@@ -228,6 +229,13 @@ def test_selected_variant_reads_the_summary(tmp_path):
     chosen = selected_variant(tmp_path)
     assert chosen == {"variant": "a+b+win256", "window": 256, "target": tmp_path / "target/qad_x/model",
                       "drafter": tmp_path / "drafter/gptq_w4g64/drafter"}
+    # the verify length it was benchmarked with comes along, where the benchmark job recorded it
+    bench = tmp_path / "bench" / "speedup_win256"
+    bench.mkdir(parents=True)
+    (bench / "metrics.json").write_text(json.dumps({"verify_tokens": 6, "verify_adaptive": 1, "block_size": 16}))
+    assert selected_variant(tmp_path) == {**chosen, "verify_tokens": 6, "verify_adaptive": True}
+    (bench / "metrics.json").write_text(json.dumps({"verify_tokens": 16, "verify_adaptive": 0, "block_size": 16}))
+    assert selected_variant(tmp_path) == {**chosen, "verify_tokens": None, "verify_adaptive": False}
     (tmp_path / "tables" / "summary.csv").write_text(header + "c,qad_x,4,stage2,16,,0,0\n")
     with pytest.raises(QdflashError, match="found 0"):
         selected_variant(tmp_path)

@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .errors import QdflashError
 from .spec import GenerationResult, autoregressive_generate, speculative_generate, verify_length
+from .variants import window_name
 
 log = logging.getLogger("qdflash.serve")
 
@@ -55,7 +56,8 @@ MODES = ("spec", "ar", "hf")  # speculative (with the drafter), the target alone
 
 def selected_variant(results) -> dict:
     """The `selected` row of results/<experiment>/tables/summary.csv (qdflash.report), with the folders
-    of its target and drafter as the DAG writes them."""
+    of its target and drafter as the DAG writes them, and the verify length (`verify_tokens`, None for
+    the whole block; `verify_adaptive`) its benchmark job ran, where that job's metrics.json says."""
     results = Path(results)
     path = results / "tables" / "summary.csv"
     if not path.is_file():
@@ -66,9 +68,20 @@ def selected_variant(results) -> dict:
         raise QdflashError(f"{path}: expected exactly one row with selected = 1, found {len(rows)} "
                            "(no variant passed every gate: see the report's metrics.json)")
     row = rows[0]
-    return {"variant": row["variant"], "window": int(row["window"]) if row["window"] else None,
-            "target": results / "target" / row["target"] / "model",
-            "drafter": results / "drafter" / row["drafter"] / "drafter"}
+    window = int(row["window"]) if row["window"] else None
+    chosen = {"variant": row["variant"], "window": window,
+              "target": results / "target" / row["target"] / "model",
+              "drafter": results / "drafter" / row["drafter"] / "drafter"}
+    # the verify length its speed was measured with (bench_speedup's metrics.json), so it is served the same way
+    bench = results / "bench" / f"speedup_{window_name(window)}" / "metrics.json"
+    if bench.is_file():
+        measured = json.loads(bench.read_text())
+        if "verify_tokens" in measured:
+            verify = int(measured["verify_tokens"])
+            block = int(measured.get("block_size", verify))
+            chosen["verify_tokens"] = None if verify == block else verify
+            chosen["verify_adaptive"] = bool(measured.get("verify_adaptive", 0))
+    return chosen
 
 
 @dataclass
@@ -142,6 +155,8 @@ def load_stack(*, results=None, target=None, drafter=None, window=None, mode="sp
         chosen = selected_variant(results)
         target, drafter, name = chosen["target"], chosen["drafter"], name or chosen["variant"]
         window = chosen["window"] if window is None else window
+        if verify_tokens is None and not verify_adaptive:  # none given: the benchmark's, where it recorded them
+            verify_tokens, verify_adaptive = chosen.get("verify_tokens"), chosen.get("verify_adaptive", False)
     if target is None:
         raise QdflashError("serve: nothing to serve; give --results <experiment folder> or --target <preset or path>")
     if mode == "spec" and drafter is None:  # said before minutes of loading
@@ -566,7 +581,7 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--window", type=int, default=None, help="the drafter's sliding window (default: the variant's, else none)")
     what.add_argument("--verify-tokens", type=int, default=None,
                       help="tokens a speculative round verifies: the committed one + V-1 drafts, 1 < V <= block size "
-                           "(default: the whole block)")
+                           "(default: with --results, what the variant's benchmark ran; else the whole block)")
     what.add_argument("--verify-adaptive", action="store_true",
                       help="verify the whole block after a round whose drafts were accepted as far as --verify-tokens reaches")
     what.add_argument("--mode", choices=MODES, default="spec", help="spec: speculative (default); ar: the target alone; "
