@@ -69,6 +69,30 @@ def test_window_and_stop_strings_keep_the_output(tiny_qwen):
         assert cut.stop_reason == "stop_string" and cut.tokens == reference[: len(cut.tokens)]
 
 
+@pytest.mark.parametrize("verify, adaptive", [(None, False), (2, True)])
+def test_a_stop_string_ends_at_the_same_token_as_token_by_token_decoding(varied_llama, verify, adaptive, monkeypatch):
+    """Rounds that commit whole blocks (always-right drafts) stop at the token that completes the stop
+    string, as autoregressive decoding does: the same tokens, none past it (the server counts them)."""
+    ids = prompt(4, 12)
+    reference = autoregressive_generate(varied_llama, ids, 40).tokens
+    drafter = init_drafter(varied_llama, block_size=5, num_layers=1)
+    cut_inside_a_round = 0
+    for at in range(6, 30):  # stop strings completed at different places inside a round
+        stop = varied_llama.tokenizer.decode(reference[:at])[-3:]
+        if not stop.strip() or "\ufffd" in stop:  # a partial UTF-8 character: later bytes can change its text
+            continue
+        ar = autoregressive_generate(varied_llama, ids, 40, stop_strings=[stop])
+        with monkeypatch.context() as m:
+            oracle(m, reference, ids.shape[1])
+            sp = speculative_generate(varied_llama, drafter, ids, 40, stop_strings=[stop], verify_tokens=verify,
+                                      verify_adaptive=adaptive)
+        assert ar.stop_reason == sp.stop_reason == "stop_string"
+        assert sp.tokens == ar.tokens
+        # the last round was cut: it would have committed more than it kept
+        cut_inside_a_round += bool(sp.acceptance_lengths) and len(sp.tokens) < 1 + sum(sp.acceptance_lengths)
+    assert cut_inside_a_round >= 3
+
+
 def test_eos_stops_both_the_same_way(tiny_llama, monkeypatch):
     ids = prompt(1, 12)
     reference = autoregressive_generate(tiny_llama, ids, 20).tokens

@@ -14,9 +14,8 @@ target; the target's cache holds positions < p):
    target compute); everything below follows from the V-token block. `verify_adaptive`: after a round
    whose drafts were accepted at least as far as a V-token verify reaches, the next round verifies
    the whole block (a run of easy tokens, e.g. text being copied, is not capped at V per round);
-   after one that stopped short, V again. Which length a round verifies never changes which token the
-   target commits at any position, only how many one round commits (so with stop strings, how far the
-   last round runs past one: the text is cut there by whoever stops on it);
+   after one that stopped short, V again. Which length a round verifies never changes what is emitted
+   (generation ends at the token that completes a stop string, as token-by-token decoding does);
 3. greedy: d_k is accepted while it equals the target's argmax; sampling: while it equals the token
    the target samples there. The first target token that differs (or the one after the last draft)
    is the bonus, so every committed token is the target's own choice: the output equals
@@ -235,6 +234,12 @@ def _stop(tokens: list[int], eos: set[int], stop_strings, tokenizer, max_new_tok
     if stop_strings and tokenizer is not None:
         text = tokenizer.decode(tokens)
         if any(s in text for s in stop_strings):
+            # cut at the token that completes the stop string, as token-by-token decoding stops: a round that
+            # commits several tokens must not return (and count) the ones after it
+            for end in range(max(checked, 1), len(tokens)):
+                prefix = tokenizer.decode(tokens[:end])
+                if any(s in prefix for s in stop_strings):
+                    return tokens[:end], "stop_string"
             return tokens, "stop_string"
     return tokens, None
 
