@@ -56,7 +56,7 @@ def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
     ("gpu-drafter-schedule.yaml", {"n4000-L2", *(f"n4000-L2-{a}" for a in ("floor50", "const", "b8", "a32", "p8"))}, 4,
      ["drafter_train.min_lr_ratio=1.0", "drafter_train.batch_size=8", "drafter_train.anchors_per_seq=32",
       "drafter_train.loss_positions=8", "drafter_train.min_lr_ratio=0.0"]),
-    ("gpu-drafter-long.yaml", {"n8000-L2"}, 6, ["drafter_train.min_lr_ratio=1.0"]),
+    ("gpu-drafter-long.yaml", {"n8000-L2"}, 6, ["drafter_train.min_lr_ratio=1.0", "drafter_train.cache_features=memory"]),
     ("gpu-drafter-depth.yaml", {"n4000-L1", "n4000-L2", "n4000-L4"}, 4, ["drafter_train.min_lr_ratio=1.0", "drafter.num_layers=4"]),
 ])
 def test_drafter_arms_overlays_replace_the_profiles_arms(tmp_path, overlay, runs, epochs, flags):
@@ -506,6 +506,8 @@ def test_drafter_scaling_study_on_ci(tmp_path):
         assert (arm["train.examples"], arm["train.steps"], arm["drafter.layers"]) == (plain["train.examples"], plain["train.steps"], plain["drafter.layers"])
         block = CONFIG["profiles"]["ci"]["drafter"]["block_size"]  # trained block positions, where the arm sets them
         assert arm["train.loss_positions"] == overrides.get("loss_positions", block - 1) != plain["train.loss_positions"] == block - 1
+        if overrides.get("cache_features") == "memory":  # features kept in RAM: the second epoch reads them back
+            assert arm["train.feature_cache"] == "memory" and arm["train.feature_cache_hits"] > 0
         assert any(line.startswith(f"| n{max(scaling['sizes'])}-L{scaling['depths'][0]}-{name} ") for line in lines)
     assert runs[scaling["sizes"][0], 1]["drafter.parameters"] < runs[scaling["sizes"][0], 2]["drafter.parameters"]
 

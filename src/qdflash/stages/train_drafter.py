@@ -24,8 +24,8 @@ from ..drafter import init_drafter, load_drafter, save_drafter
 from ..drafter.blocks import loss_weights
 from ..data.split import unit_interval
 from ..distributed import all_sum, full_state_dict, setup, shard, shard_module, wrap
-from ..drafter.train import (FeatureCache, batch_anchors, batch_loss, check_labels, estimate_acceptance, feature_cache_folder,
-                             round_up)
+from ..drafter.train import (batch_anchors, batch_loss, check_labels, estimate_acceptance, feature_cache_folder,
+                             make_feature_cache, round_up)
 from ..errors import QdflashError
 from ..models import load_target, resolve_device, synchronize
 from ..qad import cosine_lr
@@ -217,9 +217,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     labels = check_labels(str(train_cfg.get("labels", "data")))  # before any step: batch_loss would say so only later
     run.metrics["train.labels"] = labels
     generator = torch.Generator().manual_seed(train_cfg.seed)
-    # cached features live beside the output (not inside it) and are removed when the node succeeds
-    cache = (FeatureCache(feature_cache_folder(cfg.out_dir, cfg.model.name, cfg.dtype, drafter.config.target_layer_ids))
-             if train_cfg.cache_features else None)
+    # cached features live beside the output (not inside it) and are removed when the node succeeds; or in RAM
+    cache = make_feature_cache(train_cfg.cache_features,
+                               feature_cache_folder(cfg.out_dir, cfg.model.name, cfg.dtype, drafter.config.target_layer_ids))
+    run.metrics["train.feature_cache"] = str(train_cfg.cache_features).lower()
     curve: list[float] = []
     # tau-hat after each epoch, and the training seconds by then: what more passes over the same data buy
     tau_by_epoch: list[float] = []
@@ -318,7 +319,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     run.metrics["train.sequences_per_process"] = sequences_here
     if cache is not None:
         run.metrics.update({"train.feature_cache_hits": cache.hits, "train.feature_cache_misses": cache.misses})
-        shutil.rmtree(cache.folder, ignore_errors=True)
+        if cache.folder is not None:
+            shutil.rmtree(cache.folder, ignore_errors=True)
     evaluate("final")
     run.metrics["train.tau_by_epoch"] = tau_by_epoch + [round(run.metrics["final.tau"], 4)]
     run.metrics["train.seconds_by_epoch"] = seconds_by_epoch + [run.metrics["train.seconds"]]
