@@ -494,7 +494,9 @@ def test_adaptive_verify_grows_to_the_block_after_a_full_accept_and_keeps_the_ou
     hits = []
     if path == "lean_graphs":
         engine = build_engine(target, max_len=48)
-        engine.capture([1, verify, block], drafter.config.target_layer_ids, cuda_graphs=False, lengths=[16, 48])
+        assert spec.verify_sizes(drafter, verify, True) == [verify, block] and spec.verify_sizes(drafter, verify) == [verify]
+        engine.capture([1, *spec.verify_sizes(drafter, verify, True)], drafter.config.target_layer_ids, cuda_graphs=False,
+                       lengths=[16, 48])
         find = engine.graph_for
         engine.graph_for = lambda t, layer_ids, end: hits.append(t) or find(t, layer_ids, end)
         target = dataclasses.replace(target, engine=engine)

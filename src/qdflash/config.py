@@ -195,9 +195,10 @@ def block_problems(where: str, profile: dict) -> list[str]:
     And a speculative round verifies at most one block: bench.verify_tokens <= drafter.block_size; a
     block drafts positions 1..block_size - 1: drafter_train.loss_positions (and the scaling study's) at most that."""
     block = profile["drafter"]["block_size"]
+    scaling = profile.get("scaling") or {}
     lengths = {"drafter_train.max_length": profile["drafter_train"]["max_length"]}
-    if (profile.get("scaling") or {}).get("drafter_train", {}).get("max_length") is not None:
-        lengths["scaling.drafter_train.max_length"] = profile["scaling"]["drafter_train"]["max_length"]
+    if (scaling.get("drafter_train") or {}).get("max_length") is not None:
+        lengths["scaling.drafter_train.max_length"] = scaling["drafter_train"]["max_length"]
     problems = [f"{where}.{key} = {n} leaves no room for a block of drafter.block_size = {block}: it must be >= {block + 1}"
                 for key, n in lengths.items() if n < block + 1]
     verify = (profile.get("bench") or {}).get("verify_tokens")
@@ -205,8 +206,8 @@ def block_problems(where: str, profile: dict) -> list[str]:
         problems.append(f"{where}.bench.verify_tokens = {verify} exceeds drafter.block_size = {block}: a round verifies "
                         f"at most the block (2 <= verify_tokens <= {block}, or null for the whole block)")
     sections = {"drafter_train": profile.get("drafter_train") or {},
-                "scaling.drafter_train": (profile.get("scaling") or {}).get("drafter_train") or {},
-                **{f"scaling.arms.{name}": arm or {} for name, arm in ((profile.get("scaling") or {}).get("arms") or {}).items()}}
+                "scaling.drafter_train": scaling.get("drafter_train") or {},
+                **{f"scaling.arms.{name}": arm or {} for name, arm in (scaling.get("arms") or {}).items()}}
     for key, section in sections.items():
         positions = section.get("loss_positions")
         if positions is not None and positions > block - 1:  # the schema says >= 1

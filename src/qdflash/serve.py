@@ -42,7 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .errors import QdflashError
-from .spec import GenerationResult, autoregressive_generate, speculative_generate, verify_length
+from .spec import GenerationResult, autoregressive_generate, speculative_generate, verify_length, verify_sizes
 from .variants import window_name
 
 log = logging.getLogger("qdflash.serve")
@@ -106,8 +106,8 @@ class Stack:
         if self.context <= 0:
             self.context = int(getattr(self.target.config, "max_position_embeddings", 0) or 4096)
         if self.mode == "spec":
-            verify_length(self.drafter, self.verify_tokens)  # a bad --verify-tokens fails at start, not per request
-            if self.verify_adaptive and verify_length(self.drafter, self.verify_tokens) == self.drafter.block_size:
+            verify = verify_length(self.drafter, self.verify_tokens)  # a bad --verify-tokens fails at start, not per request
+            if self.verify_adaptive and verify == self.drafter.block_size:
                 raise QdflashError("serve: --verify-adaptive grows a shorter verify to the whole block; give --verify-tokens V "
                                    f"with V < the drafter's block size ({self.drafter.block_size})")
 
@@ -180,8 +180,8 @@ def _build_engines(stack: Stack) -> None:
     if target.device.type == "cuda":
         target.engine.capture([1], None)
         if drafter is not None:
-            sizes = {verify_length(drafter, stack.verify_tokens), *([drafter.block_size] if stack.verify_adaptive else [])}
-            target.engine.capture([1, *sorted(sizes)], drafter.config.target_layer_ids)
+            target.engine.capture([1, *verify_sizes(drafter, stack.verify_tokens, stack.verify_adaptive)],
+                                  drafter.config.target_layer_ids)
     if drafter is not None:
         drafter.engine = DrafterEngine(drafter, max_len=stack.context + extra)
         drafter.engine.capture(stack.window)

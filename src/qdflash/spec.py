@@ -236,7 +236,7 @@ def _stop(tokens: list[int], eos: set[int], stop_strings, tokenizer, max_new_tok
         if any(s in text for s in stop_strings):
             # cut at the token that completes the stop string, as token-by-token decoding stops: a round that
             # commits several tokens must not return (and count) the ones after it
-            for end in range(max(checked, 1), len(tokens)):
+            for end in range(checked + 1, len(tokens)):  # tokens[:checked] held none
                 prefix = tokenizer.decode(tokens[:end])
                 if any(s in prefix for s in stop_strings):
                     return tokens[:end], "stop_string"
@@ -301,6 +301,12 @@ def verify_length(drafter: Drafter, verify_tokens: int | None = None) -> int:
         raise QdflashError(f"verify_tokens = {verify_tokens!r}: the verify length must be an integer with "
                            f"1 < verify_tokens <= the drafter's block size ({b}), or null for the whole block")
     return verify_tokens
+
+
+def verify_sizes(drafter: Drafter, verify_tokens: int | None = None, adaptive: bool = False) -> list[int]:
+    """Every verify length a round of `speculative_generate(..., verify_tokens, verify_adaptive=adaptive)`
+    can feed: V, and the whole block where adaptive (the lean engine captures a step for each)."""
+    return sorted({verify_length(drafter, verify_tokens), *([drafter.block_size] if adaptive else [])})
 
 
 class RoundTimer:
@@ -413,4 +419,4 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
 
 
 __all__ = ["GenerationResult", "RoundTimer", "accepted_prefix", "autoregressive_generate", "choose",
-           "speculative_generate", "verify_length"]
+           "speculative_generate", "verify_length", "verify_sizes"]

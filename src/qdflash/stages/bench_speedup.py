@@ -48,7 +48,7 @@ from ..drafter.static import DrafterEngine
 from ..engine import build_engine
 from ..errors import QdflashError
 from ..models import load_target
-from ..spec import verify_length
+from ..spec import verify_length, verify_sizes
 from ..tracking import NodeRun
 from ._app import stage
 
@@ -106,8 +106,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         if target.device.type == "cuda":  # decode steps and verify blocks replay CUDA graphs
             run.metrics[f"engine.{key}.kernel_tuning"] = tuning_summary(target.engine.tune_kernels())
             target.engine.capture([1], None, compile=compiled)
-            verify_sizes = [verify, stage1_16.block_size] if adaptive else [verify]  # the verify blocks
-            target.engine.capture([1, *verify_sizes], stage1_16.config.target_layer_ids, compile=compiled)
+            target.engine.capture([1, *verify_sizes(stage1_16, verify, adaptive)], stage1_16.config.target_layer_ids,
+                                  compile=compiled)  # the verify blocks
             run.metrics[f"engine.{key}.graphs"] = len(target.engine.graphs)
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
