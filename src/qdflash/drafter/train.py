@@ -168,9 +168,10 @@ class FeatureCache:
         return self._path(key).is_file()
 
     def _save(self, key: str, value: torch.Tensor) -> None:
-        tmp = self._path(key).with_name(self._path(key).name + ".tmp")
+        path = self._path(key)
+        tmp = path.with_name(path.name + ".tmp")
         torch.save(value, tmp)
-        os.replace(tmp, self._path(key))
+        os.replace(tmp, path)
 
     def _load(self, key: str) -> torch.Tensor:
         return load_tensor(self._path(key))
@@ -179,7 +180,7 @@ class FeatureCache:
 class MemoryFeatureCache(FeatureCache):
     """The same cache in host memory (`drafter_train.cache_features: memory`): for multi-epoch runs whose
     features fit the machine's RAM but not its disk (the gpu profile's 3,072-token sequences x 5 layers:
-    ~5 MB a sequence of median length, so 4,000 answers ~20 GB against the H200 machine's 64 GB of disk
+    ~5 MB a sequence of mean length, ~540 tokens, so 4,000 answers ~20 GB against the H200 machine's 64 GB of disk
     and 128 GB of RAM). Gone when the process ends; nothing to clean up."""
 
     def __init__(self):
