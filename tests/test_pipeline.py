@@ -56,7 +56,8 @@ def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
     ("gpu-drafter-schedule.yaml", {"n4000-L2", *(f"n4000-L2-{a}" for a in ("floor50", "const", "b8", "a32", "p8"))}, 4,
      ["drafter_train.min_lr_ratio=1.0", "drafter_train.batch_size=8", "drafter_train.anchors_per_seq=32",
       "drafter_train.loss_positions=8", "drafter_train.min_lr_ratio=0.0"]),
-    ("gpu-drafter-long.yaml", {"n8000-L2"}, 6, ["drafter_train.min_lr_ratio=1.0", "drafter_train.cache_features=memory"]),
+    ("gpu-drafter-long.yaml", {"n8000-L2", "n8000-L2-p8"}, 6,
+     ["drafter_train.min_lr_ratio=1.0", "drafter_train.cache_features=memory", "drafter_train.loss_positions=8"]),
     ("gpu-drafter-depth.yaml", {"n4000-L1", "n4000-L2", "n4000-L4"}, 4, ["drafter_train.min_lr_ratio=1.0", "drafter.num_layers=4"]),
 ])
 def test_drafter_arms_overlays_replace_the_profiles_arms(tmp_path, overlay, runs, epochs, flags):
