@@ -268,21 +268,24 @@ def test_batch_loss_equals_the_loss_of_the_drafters_logits(tiny_llama):
         torch.testing.assert_close(grads[k], p.grad, msg=k)
 
 
-@pytest.mark.parametrize("mode", [True, "memory"])
+@pytest.mark.parametrize("mode", [True, "memory", "device"])
 def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path, mode):
     """Misses of a batch are computed in one right-padded forward, hits read back; the loss equals the
     uncached one, and a sequence whose tokens changed (same id) is not served stale features. On disk
-    (cache_features: true) or in RAM (memory), which writes no file."""
+    (cache_features: true), in RAM (memory) or in the training device's memory (device; here the CPU),
+    which write no file."""
     from qdflash.drafter.train import feature_cache_folder, feature_key, make_feature_cache
 
     drafter = init_drafter(tiny_llama, block_size=4)
     layer_ids = drafter.config.target_layer_ids
     short, long = example(tiny_llama, 20, seed=1, id="short"), example(tiny_llama, 40, seed=2, id="long")
     folder = feature_cache_folder(tmp_path / "stage1", "tiny", "float32", layer_ids)
-    cache = make_feature_cache(mode, folder)
+    cache = make_feature_cache(mode, folder, "cpu")
     assert make_feature_cache(False, folder) is None
     with pytest.raises(QdflashError, match="cache_features='disk'"):
         make_feature_cache("disk", folder)
+    with pytest.raises(QdflashError, match="cache_features='device': no training device"):
+        make_feature_cache("device", folder)
     alone = [target_pass(tiny_llama, torch.tensor([ex["input_ids"]]), layer_ids)[0][0] for ex in (short, long)]
     w, g = loss_weights(4, 7.0), torch.Generator
     cached = batch_loss(drafter, tiny_llama, [short, long], w, 6, g().manual_seed(0), cache)
@@ -296,7 +299,9 @@ def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path, mo
     changed = dict(short, input_ids=list(reversed(short["input_ids"])))
     assert feature_key(changed) != feature_key(short)
     assert feature_cache_folder("o", "a", "float32", [1]) != feature_cache_folder("o", "b", "float32", [1])
-    assert folder.is_dir() == (mode is True) and (cache.folder is None) == (mode == "memory")
+    assert folder.is_dir() == (mode is True) and (cache.folder is None) == (mode != True)  # noqa: E712
+    if mode == "device":
+        assert all(v.device == torch.device("cpu") for v in cache.store.values())
 
 
 def test_a_planted_pickle_payload_in_the_feature_cache_does_not_run(tmp_path):

@@ -12,6 +12,7 @@ device call; the folder ROOT survives between calls while the machine stays warm
     python scripts/bench/study_drafter.py train ROOT NAME --epochs 4 --budget-s 480   # sized by the probe
     python scripts/bench/study_drafter.py train ROOT NAME2 --max-examples N --set drafter_train.labels=target  # an arm
     python scripts/bench/study_drafter.py bench ROOT NAME [--verify-tokens V]   # tau, speedup, mismatches
+    python scripts/bench/study_drafter.py bench ROOT NAME --drafter DIR --data DIR --verify-tokens 6,block --verify-adaptive
 
 `train` trains on as many examples as `epochs` passes fit in `budget-s` seconds at the probe's rate
 (all of them if they fit; `--max-examples` fixes the number instead). Results: ROOT/<step>/ (each
@@ -167,46 +168,59 @@ def step_bench(root: Path, args) -> None:
     from qdflash.drafter.static import DrafterEngine
     from qdflash.engine import build_engine
     from qdflash.models import load_target
-    from qdflash.spec import verify_length
+    from qdflash.spec import verify_sizes
 
     dtype = args.dtype
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(STUDY["model"], dtype=dtype, device=device)
-    drafter = load_drafter(root / args.name / "drafter", target)
-    verify = verify_length(drafter, args.verify_tokens)  # tokens a round verifies (default: the block)
+    drafter_dir = args.drafter or root / args.name / "drafter"
+    drafter = load_drafter(drafter_dir, target)
+    # one speculative method per verify length (None: the whole block), interleaved with AR on the same prompts
+    verifies = [None] if not args.verify_tokens else [None if v in ("block", "none") else int(v)
+                                                       for v in args.verify_tokens.split(",")]
+    sizes = sorted({s for v in verifies for s in verify_sizes(drafter, v, args.verify_adaptive)})
     tok = target.tokenizer
-    data = root / "data"
+    data = args.data or root / "data"
     cases = bench.category_cases(data, tok, args.per_category, args.max_new_tokens)
     cases += bench.bucket_cases(data, tok, [[args.long, args.max_new_tokens]], target.config.max_position_embeddings, True)
     longest = max(len(c.ids) + c.max_new_tokens for c in cases) + drafter.block_size + 1
     target.engine = build_engine(target, max_len=longest)
+    attention = args.attention or ("kernel" if device == "cuda" else "sdpa")  # the gpu profile's bench.attention
+    target.engine.set_attention(attention)
     if device == "cuda":  # as bench_speedup: tuned kernels, decode steps and verify blocks as CUDA graphs
         target.engine.tune_kernels()
         target.engine.capture([1], None)
-        target.engine.capture([1, verify], drafter.config.target_layer_ids)
-    drafter.engine = DrafterEngine(drafter, max_len=longest)
+        target.engine.capture([1, *sizes], drafter.config.target_layer_ids)
+    drafter.engine = DrafterEngine(drafter, max_len=longest, attention=attention)
     drafter.engine.capture(None)
-    methods = {"ar16": bench.ar(target), "spec16": bench.spec(target, drafter, None, verify)}
+    names = {v: f"spec16.v{v or drafter.block_size}" + ("a" if args.verify_adaptive else "") for v in verifies}
+    methods = {"ar16": bench.ar(target),
+               **{names[v]: bench.spec(target, drafter, None, v, args.verify_adaptive) for v in verifies}}
     results = bench.run_interleaved(methods, cases, warmup=2)
     fp32 = target.dtype == torch.float32
     out = {"dtype": str(target.dtype), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "prompts": len(cases),
-           "block_size": drafter.block_size, "verify_tokens": verify, "drafter": args.name}
+           "block_size": drafter.block_size, "verify_adaptive": bool(args.verify_adaptive), "attention": attention,
+           "drafter": str(drafter_dir),
+           "data": str(data)}
     groups = {"all": None, "chat+math+code": ("chat", "math", "code"), **{c.label: (c.label,) for c in cases}}
     for label, members in groups.items():
         keep = [members is None or c.label in members for c in cases]
         if not any(keep):
             continue
-        ar, sp = results["ar16"].subset(keep), results["spec16"].subset(keep)
-        check = bench.compare(target, [c for c, k in zip(cases, keep) if k], ar, sp, fp32)
-        tau = sum(sp.acceptance) / max(len(sp.acceptance), 1)
-        speedup = sp.tokens_per_s / max(ar.tokens_per_s, 1e-9)
-        out[label] = {"prompts": sum(keep), "tokens": sp.tokens, "ar16.tokens_per_s": round(ar.tokens_per_s, 1),
-                      "spec16.tokens_per_s": round(sp.tokens_per_s, 1), "tau": round(tau, 3),
-                      "speedup_vs_ar16": round(speedup, 3), "round_cost_in_ar_steps": round(tau / max(speedup, 1e-9), 3),
-                      "mismatches": check["mismatches"], "mismatch_bugs": check["mismatch_bugs"],
-                      "divergence_margins": check["divergence_margins"],
-                      "tau_histogram": [sp.acceptance.count(k) for k in range(1, drafter.block_size + 1)]}
-    record(root, f"bench.{args.name}.{dtype}" + ("" if args.verify_tokens is None else f".verify{verify}"), out)
+        ar = results["ar16"].subset(keep)
+        out[label] = {"prompts": sum(keep), "ar16.tokens_per_s": round(ar.tokens_per_s, 1)}
+        for v, name in names.items():
+            sp = results[name].subset(keep)
+            check = bench.compare(target, [c for c, k in zip(cases, keep) if k], ar, sp, fp32)
+            tau = sum(sp.acceptance) / max(len(sp.acceptance), 1)
+            speedup = sp.tokens_per_s / max(ar.tokens_per_s, 1e-9)
+            out[label][name] = {
+                "tokens": sp.tokens, "tokens_per_s": round(sp.tokens_per_s, 1), "tau": round(tau, 3),
+                "speedup_vs_ar16": round(speedup, 3), "round_cost_in_ar_steps": round(tau / max(speedup, 1e-9), 3),
+                "mismatches": check["mismatches"], "mismatch_bugs": check["mismatch_bugs"],
+                "divergence_margins": check["divergence_margins"],
+                "tau_histogram": [sp.acceptance.count(k) for k in range(1, drafter.block_size + 1)]}
+    record(root, f"bench.{args.name}.{dtype}", out)
 
 
 def main() -> None:
@@ -222,8 +236,19 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--long", type=int, default=2048, help="the long prompt's tokens (and the filler prompt's)")
-    parser.add_argument("--verify-tokens", type=int, default=None,
-                        help="bench: tokens a speculative round verifies, 1 < V <= block size (default: the whole block)")
+    parser.add_argument("--verify-tokens", default=None,
+                        help="bench: tokens a speculative round verifies, 1 < V <= block size, or a comma list (one "
+                             "method each, e.g. 6,block; default: the whole block)")
+    parser.add_argument("--verify-adaptive", action="store_true",
+                        help="bench: the whole block after a round that accepted that far (bench.verify_adaptive)")
+    parser.add_argument("--attention", choices=["sdpa", "kernel"], default=None,
+                        help="bench: the engines' attention (default: kernel on a GPU, as the gpu profile's bench; sdpa on the CPU)")
+    parser.add_argument("--drafter", type=Path, default=None,
+                        help="bench: the drafter folder (default: ROOT/NAME/drafter), e.g. a scaling run's "
+                             "$QDFLASH_RESULTS/<exp>/scaling/drafter/<run>/drafter")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="bench: the data folder whose held-out prompts are measured (default: ROOT/data), e.g. "
+                             "the scaling study's scaling/data/merged")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="train: one more drafter./drafter_train. override for this arm, e.g. "
                              "--set drafter_train.labels=target --set drafter_train.anchors_per_seq=256")

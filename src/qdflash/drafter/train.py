@@ -158,8 +158,11 @@ class FeatureCache:
             self.misses += len(missing)
         fresh = dict(zip(missing, compute(missing))) if missing else {}
         for i, value in fresh.items():
-            self._save(keys[i], value.detach().cpu().clone())  # clone: a row of a batch would keep the whole batch
+            self._save(keys[i], self._keep(value))
         return [fresh[i] if i in fresh else self._load(keys[i]) for i in range(len(keys))]
+
+    def _keep(self, value: torch.Tensor) -> torch.Tensor:
+        return value.detach().cpu().clone()  # clone: a row of a batch would keep the whole batch
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.pt"
@@ -181,11 +184,20 @@ class MemoryFeatureCache(FeatureCache):
     """The same cache in host memory (`drafter_train.cache_features: memory`): for multi-epoch runs whose
     features fit the machine's RAM but not its disk (the gpu profile's 3,072-token sequences x 5 layers:
     ~5 MB a sequence of mean length, ~540 tokens, so 4,000 answers ~20 GB against the H200 machine's 64 GB of disk
-    and 128 GB of RAM). Gone when the process ends; nothing to clean up."""
+    and 128 GB of RAM). Gone when the process ends; nothing to clean up.
+    `device`: kept in that device's memory instead (`cache_features: device`, the training device): an H200
+    holds 141 GB, more than its machine's RAM can spare for 16,000 answers (~87 GB), and a cached epoch then
+    copies nothing from the host."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | str | None = None):
         super().__init__(None)
         self.store: dict[str, torch.Tensor] = {}
+        self.device = None if device is None else torch.device(device)
+
+    def _keep(self, value: torch.Tensor) -> torch.Tensor:
+        if self.device is None:
+            return super()._keep(value)
+        return value.detach().to(self.device).clone()  # clone: a row of a batch would keep the whole batch
 
     def _has(self, key: str) -> bool:
         return key in self.store
@@ -197,13 +209,19 @@ class MemoryFeatureCache(FeatureCache):
         return self.store[key]
 
 
-def make_feature_cache(mode, folder: Path) -> FeatureCache | None:
-    """drafter_train.cache_features: true (on disk, in `folder`), memory (host RAM) or false (none)."""
+def make_feature_cache(mode, folder: Path, device: torch.device | str | None = None) -> FeatureCache | None:
+    """drafter_train.cache_features: true (on disk, in `folder`), memory (host RAM), device (the memory of
+    `device`, the training device) or false (none)."""
     if mode == "memory":
         return MemoryFeatureCache()
+    if mode == "device":
+        if device is None:
+            raise QdflashError("drafter_train.cache_features='device': no training device was given to keep the features on")
+        return MemoryFeatureCache(device)
     if mode is True or mode is False or mode is None:
         return FeatureCache(folder) if mode else None
-    raise QdflashError(f"drafter_train.cache_features={mode!r}: expected true (on disk), memory (host RAM) or false")
+    raise QdflashError(f"drafter_train.cache_features={mode!r}: expected true (on disk), memory (host RAM), "
+                       "device (the training device's memory) or false")
 
 
 def load_tensor(path: Path) -> torch.Tensor:

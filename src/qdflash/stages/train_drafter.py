@@ -218,8 +218,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     run.metrics["train.labels"] = labels
     generator = torch.Generator().manual_seed(train_cfg.seed)
     # cached features live beside the output (not inside it) and are removed when the node succeeds; or in RAM
+    # (memory), or in the training device's memory (device)
     cache = make_feature_cache(train_cfg.cache_features,
-                               feature_cache_folder(cfg.out_dir, cfg.model.name, cfg.dtype, drafter.config.target_layer_ids))
+                               feature_cache_folder(cfg.out_dir, cfg.model.name, cfg.dtype, drafter.config.target_layer_ids),
+                               device)
     run.metrics["train.feature_cache"] = str(train_cfg.cache_features).lower()
     curve: list[float] = []
     # tau-hat after each epoch, and the training seconds by then: what more passes over the same data buy
