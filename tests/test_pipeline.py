@@ -59,9 +59,9 @@ def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
     ("gpu-drafter-long.yaml", {"n8000-L2", "n8000-L2-p8"}, 6,
      ["drafter_train.min_lr_ratio=1.0", "drafter_train.cache_features=memory", "drafter_train.loss_positions=8"]),
     ("gpu-drafter-depth.yaml", {"n4000-L1", "n4000-L2", "n4000-L4"}, 4, ["drafter_train.min_lr_ratio=1.0", "drafter.num_layers=4"]),
-    ("gpu-drafter-16k.yaml", {"n16000-L2"}, 8,
+    ("gpu-drafter-12k.yaml", {"n12000-L2"}, 6,
      ["drafter_train.min_lr_ratio=1.0", "drafter_train.cache_features=device", "drafter_train.loss_positions=8",
-      "data.sources.sharegpt.n_train=5000"]),
+      "data.sources.sharegpt.n_train=6300"]),
 ])
 def test_drafter_arms_overlays_replace_the_profiles_arms(tmp_path, overlay, runs, epochs, flags):
     """The recipe-arm overlays over the gpu profile: their runs (arms beside the plain run), the profile's

@@ -183,13 +183,8 @@ def scaling_problems(where: str, profile: dict) -> list[str]:
         if unknown:
             return [f"{where}.{key}: {unknown} are not drafter_train keys ({sorted(train_keys)})"]
     total = sum(scaling["n_train"].values())
-    # a conversation gives one training sequence per answered turn (data.max_turns), so the bound is on those;
-    # how many follow-ups the prompts really have only the data node knows (drafter_train.max_examples says so)
-    turns = int(profile["data"].get("max_turns", 1) or 1)
-    if max(scaling["sizes"]) > total * turns:
-        can = f"{total} training prompts of n_train" + (f" (at most {total * turns} answers at data.max_turns = {turns})"
-                                                         if turns > 1 else "")
-        return [f"{where}.sizes: the largest size {max(scaling['sizes'])} exceeds the {can}"]
+    if max(scaling["sizes"]) > total:
+        return [f"{where}.sizes: the largest size {max(scaling['sizes'])} exceeds the {total} training prompts of n_train"]
     return []
 
 
