@@ -319,6 +319,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         raise QdflashError(f"none of the {steps} training steps had a trained block (drafter_train.max_length, anchors_per_seq "
                            f"and the data's answers leave none); the drafter is untrained")
     run.metrics["train.sequences_per_process"] = sequences_here
+    if torch.cuda.is_available() and torch.device(device).type == "cuda":  # what a cache on the device leaves room for
+        run.metrics["train.cuda_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     if cache is not None:
         run.metrics.update({"train.feature_cache_hits": cache.hits, "train.feature_cache_misses": cache.misses})
         if cache.folder is not None:
