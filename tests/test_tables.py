@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from qdflash.tables import scaling_rows
 
 
@@ -20,3 +22,31 @@ def test_scaling_table_reads_finished_runs_only(tmp_path):
     rows = scaling_rows(tmp_path)
     assert [(r["layers"], r["examples"]) for r in rows] == [(1, 4), (1, 8), (2, 8)]
     assert rows[0]["epochs"] == 1 and rows[0]["tau_chat"] == 1.1 and rows[0]["accept_pos1"] == 0.1
+
+
+def test_published_studies_side_by_side(tmp_path):
+    """Published studies (a table.csv each) in one table: runs named by their study, counts as numbers,
+    and the figure of tau-hat against passes draws them all."""
+    from qdflash.figures import scaling_figure
+    from qdflash.tables import SCALING_COLUMNS, main, studies_rows, write_csv
+
+    def study(name, runs):
+        folder = tmp_path / "published" / name
+        folder.mkdir(parents=True)
+        rows = [dict.fromkeys(SCALING_COLUMNS, "") | {"run": run, "examples": n, "layers": 2, "tau": taus[-1],
+                                                      "tau_by_epoch": " ".join(map(str, taus)), "seconds_by_epoch": "5 9"}
+                for run, n, taus in runs]
+        write_csv(rows, SCALING_COLUMNS, folder / "table.csv")
+        return folder
+
+    long = study("2026-12-03-h200-drafter-long", [("n8000-L2", 8000, [1.4, 1.6])])
+    more = study("2026-12-03-h200-drafter-12k", [("n8000-L2", 8000, [1.5, 1.8]), ("n12000-L2", 12000, [1.7, 2.1])])
+    rows = studies_rows([long, more])
+    assert [r["run"] for r in rows] == ["drafter-long/n8000-L2", "drafter-12k/n8000-L2", "drafter-12k/n12000-L2"]
+    assert rows[2]["examples"] == 12000 and rows[2]["layers"] == 2
+    assert len(scaling_figure(rows).axes[0].lines) == 3
+    main(["scaling", str(long), str(more), "--png", str(tmp_path / "all.png"), "--md", str(tmp_path / "all.md")])
+    assert (tmp_path / "all.png").stat().st_size > 0 and "drafter-12k/n12000-L2" in (tmp_path / "all.md").read_text()
+    (long / "table.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(SystemExit, match="not a drafter scaling table"):
+        studies_rows([long, more])

@@ -2,6 +2,7 @@
 
     python -m qdflash.tables target results/default              # markdown table of the target variants
     python -m qdflash.tables scaling results/gpu/scaling [--csv F] [--md F]   # the drafter scaling table
+    python -m qdflash.tables scaling results/published/2026-12-03-h200-drafter-{long,12k} --png F   # studies side by side
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ SCALING_COLUMNS = ["run", "examples", "train_tokens", "layers", "parameters", "s
 
 def scaling_rows(scaling_dir: Path) -> list[dict]:
     """One row per scaling run (`drafter/n{size}-L{depth}`, an arm's `n{size}-L{depth}-{arm}`), sorted by
-    depth, then data size, then run name (a size's plain run before its arms)."""
+    depth, then data size, then run name (a size's plain run before its arms). A folder without runs
+    but with the study's `table.csv` (a published study) gives that table's rows."""
+    if not (scaling_dir / "drafter").is_dir() and (scaling_dir / "table.csv").is_file():
+        return published_scaling_rows(scaling_dir / "table.csv")
     rows = []
     for folder in (scaling_dir / "drafter").glob("n*-L*/"):
         if not re.fullmatch(r"n\d+-L\d+(-[A-Za-z0-9_]+)?", folder.name):  # e.g. a *.partial-* folder of a run cut off
@@ -83,17 +87,59 @@ def scaling_rows(scaling_dir: Path) -> list[dict]:
     return sorted(rows, key=lambda r: (r["layers"], r["examples"], r["run"]))
 
 
+def published_scaling_rows(path: Path) -> list[dict]:
+    """The rows of a scaling `table.csv` as `scaling_rows` gives them (its counts as numbers again)."""
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    missing = sorted({"run", "examples", "layers", "tau"} - set(rows[0] if rows else {}))
+    if missing:
+        raise SystemExit(f"{path}: not a drafter scaling table (no column {', '.join(missing)})")
+    for r in rows:
+        r["examples"], r["layers"] = int(r["examples"]), int(r["layers"])
+    return sorted(rows, key=lambda r: (r["layers"], r["examples"], r["run"]))
+
+
+def studies_rows(folders: list[Path]) -> list[dict]:
+    """The runs of several scaling studies in one table, each run named `<study>/<run>` (two studies
+    have runs of the same name), so that one figure shows tau-hat against passes across them."""
+    if len(folders) == 1:
+        return scaling_rows(folders[0])
+    rows = []
+    for folder in folders:
+        rows += [dict(r, run=f"{study_name(folder)}/{r['run']}") for r in scaling_rows(folder)]
+    return rows
+
+
+def study_name(folder: Path) -> str:
+    """A short name for a study's folder: results/<experiment>/scaling -> <experiment>;
+    results/published/2026-12-02-h200-drafter-schedule/qwen -> drafter-schedule/qwen."""
+    parts = list(folder.resolve().parts)
+    if parts[-1] == "scaling":
+        return parts[-2]
+    for i in range(len(parts) - 1, -1, -1):
+        dated = re.fullmatch(r"\d{4}-\d{2}-\d{2}-(?:h200x?\d*-|cpu-)?(.+)", parts[i])
+        if dated:
+            return "/".join([dated.group(1), *parts[i + 1:]])
+    return parts[-1]
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m qdflash.tables")
     parser.add_argument("table", choices=["target", "scaling"])
-    parser.add_argument("folder", type=Path, help="results/<experiment> (target) or results/<experiment>/scaling")
+    parser.add_argument("folder", type=Path, nargs="+",
+                        help="results/<experiment> (target) or results/<experiment>/scaling; scaling: several studies "
+                             "(a study's folder, or a published one with its table.csv) side by side")
     parser.add_argument("--csv", type=Path, help="also write the rows as CSV")
     parser.add_argument("--md", type=Path, help="write the markdown table here instead of printing it")
     parser.add_argument("--png", type=Path, help="scaling: also draw tau-hat after every epoch (figures.scaling_figure)")
     args = parser.parse_args(argv)
-    rows, columns = (target_quality_rows(args.folder), TARGET_COLUMNS) if args.table == "target" else (scaling_rows(args.folder), SCALING_COLUMNS)
+    if args.table == "target" and len(args.folder) > 1:
+        sys.exit("target: one results/<experiment> folder at a time")
+    rows, columns = ((target_quality_rows(args.folder[0]), TARGET_COLUMNS) if args.table == "target"
+                     else (studies_rows(args.folder), SCALING_COLUMNS))
+    where = " ".join(str(f) for f in args.folder)
     if not rows:
-        sys.exit(f"{args.folder}: no finished runs to tabulate")
+        sys.exit(f"{where}: no finished runs to tabulate")
     if args.csv:
         write_csv(rows, columns, args.csv)
     if args.png:
@@ -103,7 +149,7 @@ def main(argv: list[str]) -> None:
 
         figure = scaling_figure(rows)
         if figure is None:
-            sys.exit(f"{args.folder}: no run recorded tau-hat by epoch; nothing to draw for --png")
+            sys.exit(f"{where}: no run recorded tau-hat by epoch; nothing to draw for --png")
         figure.savefig(args.png, dpi=120)
     text = markdown(rows, columns)
     if args.md:
