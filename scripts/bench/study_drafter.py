@@ -55,7 +55,9 @@ STUDY = {
     "drafter": {"num_layers": 2, "block_size": 16},
     "drafter_train": {"batch_size": 16, "anchors_per_seq": 64, "max_length": 3072, "lr": 6.0e-4, "warmup_ratio": 0.04,
                       "gamma": 7.0, "eval_every": 1000000, "eval_anchors_per_seq": 64, "heldout_samples": 256,
-                      "cache_features": False, "attention": "sdpa"},
+                      "cache_features": False, "attention": "sdpa",
+                      # the recipe as the study measured it (2026-12-01), not the profile's later one
+                      "min_lr_ratio": 0.0, "loss_positions": None, "epochs": None},
 }
 PROBE_STEPS = 40
 # `--rehearse`: the same steps on the CPU at toy sizes (tiny-qwen2), before device time is spent
@@ -220,6 +222,12 @@ def step_bench(root: Path, args) -> None:
                 "mismatches": check["mismatches"], "mismatch_bugs": check["mismatch_bugs"],
                 "divergence_margins": check["divergence_margins"],
                 "tau_histogram": [sp.acceptance.count(k) for k in range(1, drafter.block_size + 1)]}
+    # where a round's time goes (draft / verify / append / host, ms and in decode steps): a profiling pass after
+    # the timed runs, on the chat / math / code prompts, as bench_speedup's round_parts
+    core = [c for c in cases if c.label in ("chat", "math", "code")]
+    core_ar = results["ar16"].subset([c.label in ("chat", "math", "code") for c in cases])
+    for v, name in names.items():
+        out["chat+math+code"][name]["round"] = bench.round_parts(target, drafter, core, core_ar, None, v, args.verify_adaptive)
     record(root, f"bench.{args.name}.{dtype}", out)
 
 

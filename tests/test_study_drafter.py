@@ -1,0 +1,46 @@
+"""scripts/bench/study_drafter.py, the script behind the published drafter studies, runs every step at toy
+sizes on the CPU (`--rehearse`): data, probe, train, and the benchmark of a drafter given by its folder,
+with two verify lengths and the adaptive verify; in fp32 the speculative output is the autoregressive one."""
+
+import json
+import os
+import subprocess
+import sys
+
+from qdflash.paths import REPO_ROOT
+
+
+def study(root, *args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)  # the script copies its results to $OUT when it is set
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench" / "study_drafter.py"), args[0], str(root),
+                          *args[1:], "--rehearse"], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+
+
+def test_study_steps_and_a_bench_of_any_drafter_folder(tmp_path):
+    root = tmp_path / "study"
+    study(root, "data")
+    study(root, "probe")
+    study(root, "train", "s1", "--epochs", "1")
+    # the drafter and data by their folders, as for a scaling run's (here the study's own, under another name)
+    study(root, "bench", "other", "--drafter", str(root / "s1" / "drafter"), "--data", str(root / "data"),
+          "--dtype", "float32", "--per-category", "1", "--max-new-tokens", "8", "--long", "64",
+          "--verify-tokens", "2,block", "--verify-adaptive")
+    result = json.loads((root / "study.json").read_text())
+    assert {"data", "probe", "train.s1"} <= set(result)
+    # the study's recipe is its own, not the gpu profile's later one (block 4 here: loss_positions 8 would not fit)
+    assert result["train.s1"]["train.loss_positions"] == 3
+    bench = result["bench.other.float32"]
+    assert bench["drafter"] == str(root / "s1" / "drafter") and bench["verify_adaptive"] and bench["attention"] == "sdpa"
+    methods = ["spec16.v2a", "spec16.v4a"]  # verify 2 (+ the whole block after a long accept), and the whole block
+    for label in ("all", "chat+math+code", "filler"):
+        for name in methods:
+            run = bench[label][name]
+            assert run["mismatches"] == 0 and run["tokens"] > 0, (label, name, run)
+            assert 1.0 <= run["tau"] <= bench["block_size"]
+            assert sum(run["tau_histogram"]) > 0
+    for name in methods:
+        parts = bench["chat+math+code"][name]["round"]
+        assert parts["rounds"] > 0 and parts["ms"] > 0 and parts["decode_step_ms"] > 0
+        assert abs(parts["ms"] - sum(parts[f"{p}_ms"] for p in ("draft", "verify", "append", "host"))) < 1e-3
