@@ -26,12 +26,12 @@ def test_study_steps_and_a_bench_of_any_drafter_folder(tmp_path):
     # the drafter and data by their folders, as for a scaling run's (here the study's own, under another name)
     study(root, "bench", "other", "--drafter", str(root / "s1" / "drafter"), "--data", str(root / "data"),
           "--dtype", "float32", "--per-category", "1", "--max-new-tokens", "8", "--long", "64",
-          "--verify-tokens", "2,block", "--verify-adaptive")
+          "--verify-tokens", "2,4,block", "--verify-adaptive")  # 4 is the whole block: one method for both
     result = json.loads((root / "study.json").read_text())
     assert {"data", "probe", "train.s1"} <= set(result)
     # the study's recipe is its own, not the gpu profile's later one (block 4 here: loss_positions 8 would not fit)
     assert result["train.s1"]["train.loss_positions"] == 3
-    bench = result["bench.other.float32"]
+    bench = result["bench.other.float32.v2a.v4a.sdpa"]
     assert bench["drafter"] == str(root / "s1" / "drafter") and bench["verify_adaptive"] and bench["attention"] == "sdpa"
     methods = ["spec16.v2a", "spec16.v4a"]  # verify 2 (+ the whole block after a long accept), and the whole block
     for label in ("all", "chat+math+code", "filler"):

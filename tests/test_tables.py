@@ -47,6 +47,8 @@ def test_published_studies_side_by_side(tmp_path):
     assert len(scaling_figure(rows).axes[0].lines) == 3
     main(["scaling", str(long), str(more), "--png", str(tmp_path / "all.png"), "--md", str(tmp_path / "all.md")])
     assert (tmp_path / "all.png").stat().st_size > 0 and "drafter-12k/n12000-L2" in (tmp_path / "all.md").read_text()
+    with pytest.raises(SystemExit, match="no finished scaling runs"):
+        studies_rows([long, tmp_path / "published"])  # the studies' parent, not a study
     (long / "table.csv").write_text("a,b\n1,2\n")
     with pytest.raises(SystemExit, match="not a drafter scaling table"):
         studies_rows([long, more])

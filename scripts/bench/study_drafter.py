@@ -170,7 +170,7 @@ def step_bench(root: Path, args) -> None:
     from qdflash.drafter.static import DrafterEngine
     from qdflash.engine import build_engine
     from qdflash.models import load_target
-    from qdflash.spec import verify_sizes
+    from qdflash.spec import verify_length, verify_sizes
 
     dtype = args.dtype
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -178,8 +178,10 @@ def step_bench(root: Path, args) -> None:
     drafter_dir = args.drafter or root / args.name / "drafter"
     drafter = load_drafter(drafter_dir, target)
     # one speculative method per verify length (None: the whole block), interleaved with AR on the same prompts
-    verifies = [None] if not args.verify_tokens else [None if v in ("block", "none") else int(v)
-                                                       for v in args.verify_tokens.split(",")]
+    asked = [None] if not args.verify_tokens else [None if v in ("block", "none") else int(v)
+                                                    for v in args.verify_tokens.split(",")]
+    # each checked now, and one method per distinct length (16 and "block" are the same method at block 16)
+    verifies = list({verify_length(drafter, v): v for v in asked}.values())
     sizes = sorted({s for v in verifies for s in verify_sizes(drafter, v, args.verify_adaptive)})
     tok = target.tokenizer
     data = args.data or root / "data"
@@ -225,10 +227,14 @@ def step_bench(root: Path, args) -> None:
     # where a round's time goes (draft / verify / append / host, ms and in decode steps): a profiling pass after
     # the timed runs, on the chat / math / code prompts, as bench_speedup's round_parts
     core = [c for c in cases if c.label in ("chat", "math", "code")]
-    core_ar = results["ar16"].subset([c.label in ("chat", "math", "code") for c in cases])
-    for v, name in names.items():
-        out["chat+math+code"][name]["round"] = bench.round_parts(target, drafter, core, core_ar, None, v, args.verify_adaptive)
-    record(root, f"bench.{args.name}.{dtype}", out)
+    if core:
+        core_ar = results["ar16"].subset([c.label in ("chat", "math", "code") for c in cases])
+        for v, name in names.items():
+            out["chat+math+code"][name]["round"] = bench.round_parts(target, drafter, core, core_ar, None, v,
+                                                                     args.verify_adaptive)
+    # one entry per drafter, dtype, verify lengths and attention: a bench with other options does not replace it
+    key = ".".join([f"bench.{args.name}.{dtype}", *(n.removeprefix("spec16.") for n in names.values()), attention])
+    record(root, key, out)
 
 
 def main() -> None:
@@ -250,7 +256,8 @@ def main() -> None:
     parser.add_argument("--verify-adaptive", action="store_true",
                         help="bench: the whole block after a round that accepted that far (bench.verify_adaptive)")
     parser.add_argument("--attention", choices=["sdpa", "kernel"], default=None,
-                        help="bench: the engines' attention (default: kernel on a GPU, as the gpu profile's bench; sdpa on the CPU)")
+                        help="bench: the engines' attention (default: kernel on a GPU, as the gpu profile's bench; sdpa "
+                             "on the CPU; the 2026-12-01 study's bench ran sdpa)")
     parser.add_argument("--drafter", type=Path, default=None,
                         help="bench: the drafter folder (default: ROOT/NAME/drafter), e.g. a scaling run's "
                              "$QDFLASH_RESULTS/<exp>/scaling/drafter/<run>/drafter")

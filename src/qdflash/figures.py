@@ -12,6 +12,7 @@ import csv
 import re
 from pathlib import Path
 
+import matplotlib
 from matplotlib.figure import Figure
 
 from .errors import QdflashError
@@ -191,19 +192,24 @@ def scaling_figure(rows: list[dict]) -> Figure | None:
     runs = [r for r in rows if str(r.get("tau_by_epoch") or "").strip()]
     if not runs:
         return None
-    fig = Figure(figsize=(6.4, 3.8), layout="constrained")
+    many = len(runs) > 6  # several studies side by side: the legend beside the axes, a color for each of up to 20
+    fig = Figure(figsize=(10.5, 4.6) if many else (6.4, 3.8), layout="constrained")
     ax = fig.subplots()
-    for r in runs:
+    colors = matplotlib.colormaps["tab20" if len(runs) > 10 else "tab10"].colors
+    for k, r in enumerate(runs):
         taus = [float(t) for t in str(r["tau_by_epoch"]).split()]
         passes = [int(r["examples"]) * (i + 1) for i in range(len(taus))]
         seconds = str(r.get("seconds_by_epoch") or "").split()
         label = f"{r.get('run') or r['examples']} ({r['layers']} layers" + (f", {seconds[-1]} s)" if seconds else ")")
-        ax.plot(passes, taus, marker="o", ms=3, label=label)
+        ax.plot(passes, taus, marker="o", ms=3, label=label, color=colors[k % len(colors)])
     ax.set_xscale("log")
     ax.set_xlabel("sequence passes (epochs x examples)")
     ax.set_ylabel("held-out τ̂ (teacher-forced)")
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
-    ax.legend(fontsize=8)
+    if many:
+        ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=8)
     ax.set_title("Drafter stage 1: τ̂ after every epoch", fontsize=11)
     return fig
 

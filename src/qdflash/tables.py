@@ -106,7 +106,10 @@ def studies_rows(folders: list[Path]) -> list[dict]:
         return scaling_rows(folders[0])
     rows = []
     for folder in folders:
-        rows += [dict(r, run=f"{study_name(folder)}/{r['run']}") for r in scaling_rows(folder)]
+        found = scaling_rows(folder)
+        if not found:  # e.g. results/<experiment> for results/<experiment>/scaling: say so, not a figure without it
+            raise SystemExit(f"{folder}: no finished scaling runs (drafter/n*-L*/metrics.json) and no table.csv")
+        rows += [dict(r, run=f"{study_name(folder)}/{r['run']}") for r in found]
     return rows
 
 

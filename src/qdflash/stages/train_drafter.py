@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -153,6 +154,11 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     if cfg.stage == 2 and not cfg.init_from:
         raise QdflashError("stage 2 needs init_from=<stage-1 drafter folder> (weights-only warm start)")
     torch.manual_seed(train_cfg.seed)
+    if train_cfg.cache_features == "device":
+        # tens of GB of per-sequence tensors of every length, kept while the batches' come and go: segments that
+        # grow in place instead of fixed blocks (read when CUDA first allocates, so before the target loads);
+        # the H200 run that measured this cache ran with it (results/published/2026-12-03-h200-drafter-12k)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     world, device = setup(str(resolve_device(cfg.device)))  # one process per GPU under torchrun (qdflash.distributed)
     if train_cfg.batch_size % world.size:
         raise QdflashError(f"drafter_train.batch_size={train_cfg.batch_size} must be a multiple of the {world.size} processes")
@@ -325,6 +331,9 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         run.metrics.update({"train.feature_cache_hits": cache.hits, "train.feature_cache_misses": cache.misses})
         if cache.folder is not None:
             shutil.rmtree(cache.folder, ignore_errors=True)
+        cache = None  # a cache in RAM or on the device is freed now, not after the final evaluation and the save:
+        if torch.device(device).type == "cuda":  # the GPU is shared with other nodes (share_device)
+            torch.cuda.empty_cache()
     evaluate("final")
     run.metrics["train.tau_by_epoch"] = tau_by_epoch + [round(run.metrics["final.tau"], 4)]
     run.metrics["train.seconds_by_epoch"] = seconds_by_epoch + [run.metrics["train.seconds"]]
