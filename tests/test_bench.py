@@ -44,6 +44,24 @@ def test_methods_take_turns_prompt_by_prompt_in_a_rotating_order():
     assert results["y"].subset([False, True]).tokens == 5
 
 
+def test_timed_turns_collect_only_what_they_made():
+    """What exists before the timed turns is frozen during them (the per-turn collection does not walk
+    every model and tokenizer object again), and the collector is back to normal afterwards."""
+    import gc
+
+    frozen = []
+
+    def run(ids, n):
+        frozen.append(gc.get_freeze_count())
+        return GenerationResult([1] * n, seconds=0.5)
+
+    gc.unfreeze()
+    bench.run_interleaved({"x": run}, [PromptCase("a", [1, 2], 12), PromptCase("b", [1], 3)], warmup=1)
+    assert frozen[:2] == [0, 0] and len(frozen) == 4  # the warm-up (at 8 and 12 new tokens) runs before the freeze
+    assert all(count > 1000 for count in frozen[2:])  # the timed turns: every object alive before them frozen
+    assert gc.get_freeze_count() == 0
+
+
 def test_long_buckets_are_capped_at_the_context(tokenizer, tmp_path):
     """Long prompts are summarization requests over held-out text (prompts and answers no drafter trained on),
     then training text only where the held-out text runs short, which each case says."""
