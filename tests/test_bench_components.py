@@ -41,7 +41,8 @@ def runs(tmp_path_factory):
                                "--attention", "sdpa,kernel", "--kernels", "on"),
                # --compile (traced with aot_eager: Triton's interpreter does not run under dynamo, so sdpa here)
                "round_compiled": Started(folder, "round_compiled", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4",
-                                         "--reps", "1", "--new", "8", "--verify-tokens", "2,3", "--compile", "aot_eager")}
+                                         "--reps", "1", "--new", "8", "--verify-tokens", "2,3", "--compile", "aot_eager",
+                                         "--draft-variants", "aot_eager")}
     yield started
     for s in started.values():  # a test that failed before waiting leaves no process behind
         if s.process.poll() is None:
@@ -107,3 +108,8 @@ def test_round_bench_with_compiled_steps_on_the_cpu(runs):
     assert r["compile"] == "aot_eager" and r["drafts_equal"] and r["rounds_equal"] == [True] * 5
     assert r["loop_static_same_tokens_as_ar"] and r["round_static_in_decode_steps"] > 0
     assert set(r["verify"]) == {"2", "3"}
+    # --draft-variants: the static draft with fp32 and bf16 weights, captured as is and compiled, side by side
+    variants = r["draft_variants"]
+    assert set(variants) == {"float32", "float32+compiled", "bfloat16", "bfloat16+compiled"}
+    assert all(v["draft_ms"] > 0 and v["in_decode_steps"] > 0 for v in variants.values())
+    assert variants["float32"]["same_drafts"] and variants["float32+compiled"]["same_drafts"]  # fp32, traced: exact

@@ -637,3 +637,30 @@ def test_length_grouped_batches_cover_each_epoch_and_hold_similar_lengths():
     assert batches[:12] != sorted(batches[:12], key=lambda b: lengths[b[0]])  # batch order still random
     # off (the default): the original stream of batches, unchanged
     assert plain == list(itertools.islice(epoch_batches(96, 8, 0, lengths, group=0), 24))
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_drafter_loaded_in_another_dtype_drafts_there_and_stays_lossless(tiny_llama, tmp_path, compressed):
+    """load_drafter(dtype=bf16) against an fp32 target (the benchmark's bench.drafter_dtype=target in bf16 runs):
+    every floating weight in bf16, the ints of a compressed drafter untouched, and speculative decoding
+    still emits exactly the target's greedy tokens, because drafts only propose."""
+    from qdflash.drafter.compress import compress_drafter
+    from qdflash.quant.grid import GridSpec
+    from qdflash.quant.quantlinear import QuantLinear
+    from qdflash.spec import autoregressive_generate, speculative_generate
+
+    drafter = init_drafter(tiny_llama, block_size=4, seed=2)
+    if compressed:
+        compress_drafter(drafter, GridSpec(4, 32, True), "rtn", None)
+    save_drafter(drafter, tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d", tiny_llama, dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    if compressed:
+        layer = loaded.get_submodule("layers.0.q_proj")
+        assert isinstance(layer, QuantLinear) and layer.weight_int.dtype == torch.int8
+        assert torch.equal(layer.weight_int, drafter.get_submodule("layers.0.q_proj").weight_int)
+    assert load_drafter(tmp_path / "d", tiny_llama).norm.weight.dtype == torch.float32  # as saved by default
+    ids = torch.randint(10, 900, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    ar = autoregressive_generate(tiny_llama, [ids], 24)
+    spec = speculative_generate(tiny_llama, loaded, [ids], 24)
+    assert spec.tokens == ar.tokens and len(spec.acceptance_lengths) > 0

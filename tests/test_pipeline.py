@@ -355,6 +355,7 @@ def check_bench(results):
             # rounds verify bench.verify_tokens, or the whole block after one that accepted that far
             assert ci["bench"]["verify_tokens"] <= m[f"all.{name}.verified_per_round"] <= ci["drafter"]["block_size"]
         assert m["verify_tokens"] == ci["bench"]["verify_tokens"] and m["verify_adaptive"] == 1
+        assert m["bench.drafter_dtype"] == "float32" and m["bench.compile_drafter"] == 0  # cast to the fp32 target's dtype
 
 
 def check_drafter_stage(results):

@@ -77,6 +77,32 @@ class Target:
         self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
 
 
+def draft_variants(drafter, target, features, max_len: int, attention: str, args, device, decode_ms: float) -> dict:
+    """The static draft with the drafter's weights in fp32 and in bf16, each captured as it is and
+    compiled first, on the same context: ms, in decode steps, and whether its drafts are the first
+    variant's (bf16 or a compiled step may round a near-tie otherwise: recorded, not required; drafts
+    only propose, so what the target emits never depends on it)."""
+    from qdflash.drafter.model import Drafter
+
+    cuda = device.type == "cuda"
+    out, first = {}, None
+    for dtype in (torch.float32, torch.bfloat16):
+        for compile in (False, args.draft_variants):
+            copy = Drafter(drafter.config)
+            copy.load_state_dict(drafter.state_dict())
+            copy = copy.to(device=device, dtype=dtype).eval().bind(target)
+            engine = DrafterEngine(copy, max_len=max_len, cuda_graphs=cuda, attention=attention, compile=compile)
+            engine.capture(None)
+            engine.session().append(features, 0)
+            drafts = engine.draft(11, args.context).tolist()
+            first = drafts if first is None else first
+            ms = timed(lambda: engine.draft(11, args.context), device, args.reps)
+            out[str(dtype).removeprefix("torch.") + ("+compiled" if compile else "")] = {
+                "draft_ms": round(ms, 4), "in_decode_steps": round(ms / decode_ms, 3), "same_drafts": drafts == first}
+            del engine, copy
+    return out
+
+
 def timed(fn, device, reps: int) -> float:
     """Median milliseconds of `fn` over `reps` calls, synchronized around each (after 3 warm-ups).
     Wall clock, not CUDA events (qdflash.bench.device_timer): an eager draft's host work before its
@@ -117,6 +143,11 @@ def main() -> None:
     parser.add_argument("--compile", nargs="?", const=True, default=False,
                         help="the target's steps and the static drafter's draft step through torch.compile before capture "
                              "(bench.compile); a value: the torch.compile backend (the CPU: aot_eager)")
+    parser.add_argument("--draft-variants", nargs="?", const=True, default=False, metavar="BACKEND",
+                        help="the static draft again with the drafter's weights in fp32 (as training saves them, what "
+                             "bench_speedup ran until bench.drafter_dtype) and in bf16, each as a CUDA graph and compiled then "
+                             "captured (bench.compile_drafter), side by side on the same context ('draft_variants' in the JSON); "
+                             "a value: the torch.compile backend (the CPU: aot_eager)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -200,6 +231,9 @@ def main() -> None:
     result["drafts_equal"] = bool(same)
     result["draft_eager_ms"] = timed(lambda: eager.draft(11, args.context), device, args.reps)
     result["draft_static_ms"] = timed(lambda: static.draft(11, args.context), device, args.reps)
+    if args.draft_variants:
+        result["draft_variants"] = draft_variants(drafter, target, features, max_len, attentions[0], args, device,
+                                                  result["target_decode_ms"])
     hidden = torch.randn(args.block - 1, target.config.hidden_size, device=device, dtype=dtype)
     with torch.no_grad():
         result["lm_head_block_ms"] = timed(lambda: target.model.lm_head(hidden), device, args.reps)

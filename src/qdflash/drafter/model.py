@@ -319,8 +319,11 @@ def save_drafter(drafter: Drafter, path: str | Path) -> None:
     os.rename(tmp, path)
 
 
-def load_drafter(path: str | Path, target) -> Drafter:
-    """Load a drafter saved by save_drafter and bind it to `target` (contract in docs/design.md)."""
+def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> Drafter:
+    """Load a drafter saved by save_drafter and bind it to `target` (contract in docs/design.md).
+    `dtype`: its floating weights cast to it (None: as saved; training saves fp32). For inference only:
+    drafts only propose, so a drafter's dtype can change how many are accepted, never what the target
+    emits."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -345,4 +348,4 @@ def load_drafter(path: str | Path, target) -> Drafter:
     if missing or unexpected:
         raise QdflashError(f"{path}: checkpoint does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     device = next(target.model.parameters()).device
-    return drafter.to(device).bind(target)
+    return drafter.to(device=device, dtype=dtype).bind(target)

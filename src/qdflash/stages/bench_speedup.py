@@ -60,10 +60,20 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     b = cfg.bench
     target16 = load_target(cfg.model.name, dtype=cfg.dtype, device=cfg.device)
     qad = load_target(cfg.qad_model, dtype=cfg.dtype, device=cfg.device)
-    stage1_16, stage1_qad = load_drafter(cfg.stage1, target16), load_drafter(cfg.stage1, qad)
-    stage2_qad = load_drafter(cfg.stage2, qad)
+    # bench.drafter_dtype: the drafters as saved (training saves fp32) or in the target's dtype. Drafts only
+    # propose, so either is lossless; the choice moves tau (rounding) and the draft's cost (fp32 GEMMs)
+    drafter_dtype = b.get("drafter_dtype", "checkpoint")
+    if drafter_dtype not in ("checkpoint", "target"):
+        raise QdflashError(f"bench.drafter_dtype={drafter_dtype!r}: expected 'checkpoint' (as saved) or 'target' (the target's dtype)")
+
+    def drafter_for(path, target):
+        return load_drafter(path, target, dtype=target.dtype if drafter_dtype == "target" else None)
+
+    stage1_16, stage1_qad = drafter_for(cfg.stage1, target16), drafter_for(cfg.stage1, qad)
+    stage2_qad = drafter_for(cfg.stage2, qad)
     # compressed stage-2 drafters: one method each, named after their folder (e.g. gptq_w4g64)
-    compressed = {f"spec_qad_{Path(path).parent.name}": load_drafter(path, qad) for path in cfg.compressed}
+    compressed = {f"spec_qad_{Path(path).parent.name}": drafter_for(path, qad) for path in cfg.compressed}
+    run.metrics["bench.drafter_dtype"] = str(stage2_qad.norm.weight.dtype).removeprefix("torch.")
     tok = target16.tokenizer
     context_len = getattr(target16.config, "max_position_embeddings", 4096)
     window = b.window
@@ -93,6 +103,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     # speculative methods run the same fused steps; CUDA graphs only (a CPU run would time compilation)
     compiled = bool(b.get("compile", False)) and target16.device.type == "cuda"
     run.metrics["bench.compile"] = int(compiled)
+    # bench.compile_drafter: only the drafters' draft steps compiled (the target's steps as captured): drafts only
+    # propose, so a compiled draft's rounding moves tau at most, never what is emitted
+    compile_drafts = (compiled or bool(b.get("compile_drafter", False))) and target16.device.type == "cuda"
+    run.metrics["bench.compile_drafter"] = int(compile_drafts)
     for key, target in (("target16", target16), ("qad", qad)):
         try:
             target.engine = build_engine(target, max_len=longest)
@@ -131,7 +145,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     drafters = {name: drafter for name, drafter in {"spec16_stage1": stage1_16, "spec_qad_stage1": stage1_qad,
                                                     "spec_qad_stage2": stage2_qad, **compressed}.items() if name in methods}
     for name, drafter in drafters.items():  # drafts through its static engine: K/V in place, a CUDA graph per bucket
-        drafter.engine = DrafterEngine(drafter, max_len=longest, attention=b.attention, compile=compiled)
+        drafter.engine = DrafterEngine(drafter, max_len=longest, attention=b.attention, compile=compile_drafts)
         run.metrics[f"drafter_engine.{name}.graphs"] = drafter.engine.capture(window)
     # achieved bandwidth (gpt-fast's tokens/s x weight bytes) against the copy bandwidth of this GPU
     decode_bytes = {"target16": bench.weight_bytes(target16.model), "qad": bench.weight_bytes(qad.model)}
