@@ -2,7 +2,8 @@
 (`stage.py --results ...`, placed by setup.sh), in the dtype asked for.
 
     python3 scripts/bench/bench_artifacts.py --dtype bfloat16 --name h200-default-bf16 [hydra overrides]
-    python3 scripts/bench/bench_artifacts.py --dtype float32 --profile gpu --source h200 --name h200-fp32   # after run.sh 540 gpu h200
+    python3 scripts/bench/bench_artifacts.py --dtype float32 --profile gpu --source h200 --name h200-fp32 \
+        bench.plain_baseline=false bench.compiled_baseline=false                    # after run.sh 1350 gpu h200: lossless?
 
 It runs the node with exactly the overrides the DAG gives it for the profile (qdflash.config.
 node_overrides: the same bench section, the same inputs), with device=cuda (--device) and the dtype asked for, so

@@ -26,7 +26,8 @@ every prompt of the window-less job, so that its variants' "all" rows are measur
 selection (qdflash.report.select_fastest); either way with this project's autoregressive
 baselines (b), (c) and the stage-2 drafters (uncompressed and compressed); transformers' (a) and (a')
 do not depend on the window and are measured in the window-less job only (its speed.csv and
-metrics.json), so a window job's `speedup_vs_plain16` is blank.
+metrics.json), so a window job's `speedup_vs_plain16` is blank (and every job's with
+`bench.plain_baseline: false`, which leaves (a) out: a run that only checks losslessness).
 Prompts: held-out prompts per category, and length buckets (real text; the filler prompt apart).
 Every speculative greedy output is compared with the autoregressive output of its target; all
 outputs are kept in `outputs.jsonl` (token ids per prompt and method).
@@ -135,6 +136,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     cuda = target16.device.type == "cuda"
     if cuda and b.compiled_baseline:
         methods["static16"] = lambda ids, n: bench.plain_generate(target16, ids, n, static=True)
+    if not b.get("plain_baseline", True):  # e.g. an fp32 run that checks losslessness: (a) is its slowest method
+        methods.pop("plain16")
     if window is not None:
         # the window sweep is about the adapted (stage-2) drafters: the rest are in the window-less job;
         # so are transformers' baselines (a) and (a'), which no drafter window changes and which are the
