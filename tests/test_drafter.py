@@ -429,6 +429,13 @@ def test_draft_agreement_sees_what_compression_changes(tiny_llama):
     assert draft_agreement(drafter, copy.deepcopy(drafter), tiny_llama, examples, 8) == 1.0
     two_bit = compress_drafter(copy.deepcopy(drafter), GridSpec(2, 32, True), "rtn")
     assert draft_agreement(drafter, two_bit, tiny_llama, examples, 8) < 1.0
+    # in batches (right-padded, padding anchors left out) the same blocks are compared: the same fraction
+    examples += [{"id": "b", "input_ids": list(range(100, 110)), "loss_mask": [0] * 5 + [1] * 5},  # < 8 anchors
+                 {"id": "c", "input_ids": list(range(200, 237)), "loss_mask": [0] * 7 + [1] * 30}]
+    four_bit = compress_drafter(copy.deepcopy(drafter), GridSpec(4, 32, True), "rtn")
+    alone = draft_agreement(drafter, four_bit, tiny_llama, examples, 8)
+    assert 0.0 < alone < 1.0
+    assert draft_agreement(drafter, four_bit, tiny_llama, examples, 8, batch_size=3) == alone
 
 
 def test_compressed_checkpoint_that_does_not_match_says_so(tiny_llama, tmp_path):

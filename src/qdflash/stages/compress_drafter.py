@@ -66,7 +66,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     compress_drafter(drafter, spec, c.method, hessians, damp=float(c.damp), act_order=bool(c.act_order),
                      scale_dtype=SCALE_DTYPES[c.scale_dtype])
     after = acceptance("compressed")
-    run.metrics["draft_agreement"] = draft_agreement(original, drafter, target, heldout, c.eval.anchors_per_seq, c.seed)
+    run.metrics["draft_agreement"] = draft_agreement(original, drafter, target, heldout, c.eval.anchors_per_seq, c.seed,
+                                                   batch_size=c.eval.batch_size)
     log.info("the compressed drafter drafts the uncompressed one's token at %.1f%% of held-out block positions",
              100 * run.metrics["draft_agreement"])
     run.metrics.update({
