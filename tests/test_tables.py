@@ -52,3 +52,44 @@ def test_published_studies_side_by_side(tmp_path):
     (long / "table.csv").write_text("a,b\n1,2\n")
     with pytest.raises(SystemExit, match="not a drafter scaling table"):
         studies_rows([long, more])
+
+
+def test_node_times_from_a_snakemake_log(tmp_path, capsys):
+    """`python -m qdflash.tables nodes <snakemake.log>`: each job's rule, output, start and wall time, and
+    whether it finished, failed, or was still running when the log ends (a run cut by its time limit)."""
+    from qdflash.tables import main, node_rows
+
+    log = tmp_path / "snakemake.log"
+    log.write_text("""Building DAG of jobs...
+[Thu Dec  3 07:08:42 2026]
+localrule prepare_data:
+    output: /root/q/results/h200-x/data/bf16
+    log: /root/q/results/h200-x/logs/prepare_data.log
+    jobid: 1
+    threads: 4
+[Thu Dec  3 07:12:17 2026]
+Finished jobid: 1 (Rule: prepare_data)
+[Thu Dec  3 07:12:18 2026]
+rule drafter_stage1:
+    output: /root/q/results/h200-x/drafter/stage1
+    jobid: 5
+[Thu Dec  3 07:12:20 2026]
+localrule bench_speedup:
+    output: /root/q/results/h200-x/bench/speedup_winnone
+    jobid: 14
+    wildcards: window=none
+[Thu Dec  3 07:20:00 2026]
+Error in rule bench_speedup:
+    message: None
+    jobid: 14
+    output: /root/q/results/h200-x/bench/speedup_winnone
+[Thu Dec  3 07:21:40 2026]
+Select jobs to execute...
+""")
+    rows = node_rows(log)
+    assert [(r["rule"], r["output"], r["start_s"], r["status"]) for r in rows] == [
+        ("prepare_data", "data/bf16", 0, "done"), ("drafter_stage1", "drafter/stage1", 216, "not finished"),
+        ("bench_speedup", "bench/speedup_winnone", 218, "failed")]
+    assert [r["took_s"] for r in rows] == [215, 778 - 216, 678 - 218]  # done / until the log ends / until it failed
+    main(["nodes", str(log)])
+    assert "| drafter_stage1 | drafter/stage1 | 216 | 562 | not finished |" in capsys.readouterr().out

@@ -3,6 +3,7 @@
     python -m qdflash.tables target results/default              # markdown table of the target variants
     python -m qdflash.tables scaling results/gpu/scaling [--csv F] [--md F]   # the drafter scaling table
     python -m qdflash.tables scaling results/published/2026-12-03-h200-drafter-{long,12k} --png F   # studies side by side
+    python -m qdflash.tables nodes results/published/2026-12-03-h200-qwen-recipe/snakemake.log   # what each node took
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import csv
 import json
 import re
 import sys
+from datetime import datetime
 from pathlib import Path
 
 from .variants import group_label, parse_target
@@ -126,20 +128,75 @@ def study_name(folder: Path) -> str:
     return parts[-1]
 
 
+NODE_COLUMNS = ["rule", "output", "start_s", "took_s", "status"]
+_STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
+_RULE = re.compile(r"^(?:local)?rule (\w+):$")
+
+
+def node_rows(log: Path) -> list[dict]:
+    """What each job of a Snakemake run took, from its log (a PROVENANCE's node-time table): the rule,
+    its output (the part after results/<experiment>/), seconds from the run's first job to its start,
+    and its wall time, or the time it had run when the log ends ("not finished": cut, or still running)
+    or failed. Nodes that share a device run side by side, so a took_s is that node's wall time there."""
+    rows, by_id, stamp, first, current = [], {}, None, None, None
+    for line in log.read_text(errors="replace").splitlines():
+        line = line.rstrip()
+        match = _STAMP.match(line)
+        if match:
+            stamp = datetime.strptime(" ".join(match.group(1).split()), "%a %b %d %H:%M:%S %Y")
+            continue
+        match = _RULE.match(line)
+        if match:
+            current = {"rule": match.group(1), "output": "", "start": stamp, "end": None, "status": "not finished"}
+            first = first or stamp
+            continue
+        key, _, value = line.strip().partition(": ")
+        if line.startswith("Error in rule "):
+            current = {"failed": True}  # its jobid line names the job that failed
+        elif current is not None and current.get("failed"):
+            if key == "jobid" and value.isdigit():
+                job = by_id.get(int(value))
+                if job is not None:
+                    job["end"], job["status"] = stamp, "failed"
+                current = None
+        elif line.startswith("Finished jobid: "):
+            job = by_id.get(int(line.split()[2]))
+            if job is not None:
+                job["end"], job["status"] = stamp, "done"
+        elif current is not None and key == "output" and not current["output"]:
+            current["output"] = re.sub(r"^.*?/results/[^/]+/", "", value.split(",")[0].strip())
+        elif current is not None and key == "jobid" and value.isdigit() and "id" not in current:
+            current["id"] = int(value)
+            by_id[current["id"]] = current
+            rows.append(current)
+    last = stamp
+    out = []
+    for job in rows:
+        if job["rule"] == "all" or job["start"] is None:
+            continue
+        end = job["end"] or last
+        out.append({"rule": job["rule"], "output": job["output"], "start_s": int((job["start"] - first).total_seconds()),
+                    "took_s": int((end - job["start"]).total_seconds()), "status": job["status"]})
+    return out
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m qdflash.tables")
-    parser.add_argument("table", choices=["target", "scaling"])
+    parser.add_argument("table", choices=["target", "scaling", "nodes"])
     parser.add_argument("folder", type=Path, nargs="+",
                         help="results/<experiment> (target) or results/<experiment>/scaling; scaling: several studies "
-                             "(a study's folder, or a published one with its table.csv) side by side")
+                             "(a study's folder, or a published one with its table.csv) side by side; nodes: a Snakemake log")
     parser.add_argument("--csv", type=Path, help="also write the rows as CSV")
     parser.add_argument("--md", type=Path, help="write the markdown table here instead of printing it")
     parser.add_argument("--png", type=Path, help="scaling: also draw tau-hat after every epoch (figures.scaling_figure)")
     args = parser.parse_args(argv)
-    if args.table == "target" and len(args.folder) > 1:
-        sys.exit("target: one results/<experiment> folder at a time")
-    rows, columns = ((target_quality_rows(args.folder[0]), TARGET_COLUMNS) if args.table == "target"
-                     else (studies_rows(args.folder), SCALING_COLUMNS))
+    if args.table in ("target", "nodes") and len(args.folder) > 1:
+        sys.exit(f"{args.table}: one {'results/<experiment> folder' if args.table == 'target' else 'Snakemake log'} at a time")
+    if args.table == "nodes" and not args.folder[0].is_file():
+        sys.exit(f"nodes: {args.folder[0]} is not a file (a Snakemake log, e.g. results/published/<run>/snakemake.log)")
+    rows, columns = {"target": lambda: (target_quality_rows(args.folder[0]), TARGET_COLUMNS),
+                     "scaling": lambda: (studies_rows(args.folder), SCALING_COLUMNS),
+                     "nodes": lambda: (node_rows(args.folder[0]), NODE_COLUMNS)}[args.table]()
     where = " ".join(str(f) for f in args.folder)
     if not rows:
         sys.exit(f"{where}: no finished runs to tabulate")
