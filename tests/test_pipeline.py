@@ -364,6 +364,11 @@ def check_drafter_stage(results):
 
     qad_data = json.loads((results / "data" / "qad" / "metrics.json").read_text())
     assert qad_data["model.source"].endswith("target/qad_gptq_w4g32/model/dense")  # the QAD twin regenerated it
+    # data.stage2_prompts: fresh in ci: stage 2's answers are to other training prompts, the held-out ones the same
+    ids = {(role, split): [json.loads(line)["id"] for line in open(results / "data" / role / f"{split}.jsonl")]
+           for role in ("bf16", "qad") for split in ("train", "heldout")}
+    assert qad_data["data.fresh_prompts"] == 1 and ids["qad", "train"] and ids["qad", "heldout"] == ids["bf16", "heldout"]
+    assert not set(ids["qad", "train"]) & set(ids["bf16", "train"])
     block = CONFIG["profiles"]["ci"]["drafter"]["block_size"]
     for stage in ("stage1", "stage2"):
         m = json.loads((results / "drafter" / stage / "metrics.json").read_text())

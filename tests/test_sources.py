@@ -156,3 +156,15 @@ def test_copy_prompts_wrap_sharegpt_texts_and_split_with_them(tmp_path, monkeypa
     train_texts = {i.prompt for i in train if i.source == "sharegpt"} | {i.split_text for i in train if i.source == "copy"}
     assert held_texts and train_texts and not held_texts & train_texts
     assert all(is_heldout(i.split_text, 0.3) for i in heldout if i.source == "copy")
+    # data.stage2_prompts: fresh (regenerate_data): the next n_train prompts of each source, none of stage 1's,
+    # the same held-out prompts
+    few = OmegaConf.create({"heldout_fraction": 0.3, "sources": {"sharegpt": {"n_train": 3, "n_heldout": 2},
+                                                                 "copy": {"n_train": 2, "n_heldout": 2}}})
+    first, held = choose_prompts({"sharegpt": chat, "copy": copy}, few, lambda item: True, Run())
+    second, held2 = choose_prompts({"sharegpt": chat, "copy": copy}, few, lambda item: True, Run(), fresh=True)
+    assert [i.source for i in second] == [i.source for i in first] == ["sharegpt"] * 3 + ["copy"] * 2
+    assert not {i.id for i in first} & {i.id for i in second} and [i.id for i in held2] == [i.id for i in held]
+    both = OmegaConf.create({"heldout_fraction": 0.3, "sources": {"sharegpt": {"n_train": 6, "n_heldout": 2},
+                                                                  "copy": {"n_train": 4, "n_heldout": 2}}})
+    assert {i.id for i in choose_prompts({"sharegpt": chat, "copy": copy}, both, lambda item: True, Run())[0]} == \
+        {i.id for i in first + second}  # the same order: the next ones, not another draw

@@ -62,9 +62,11 @@ def load_sources(data: DictConfig, run: NodeRun) -> dict[str, LoadedSource]:
 
 
 def choose_prompts(
-    loaded: dict[str, LoadedSource], data: DictConfig, accept, run: NodeRun
+    loaded: dict[str, LoadedSource], data: DictConfig, accept, run: NodeRun, fresh: bool = False
 ) -> tuple[list[PromptItem], list[PromptItem]]:
-    """Deterministic train / held-out selection; evaluation items never enter training."""
+    """Deterministic train / held-out selection; evaluation items never enter training. `fresh`: the
+    training prompts are the next n_train of each source in the same order, disjoint from the ones a
+    run without it takes (`data.stage2_prompts: fresh`); the held-out prompts stay the same."""
     forbidden = {content_key(item.prompt) for src in loaded.values() for item in src.eval_items}
     train: list[PromptItem] = []
     heldout: list[PromptItem] = []
@@ -75,7 +77,10 @@ def choose_prompts(
             heldout_pool, forbidden_here = src.eval_items, set()
         else:
             forbidden_here = forbidden
-        picked_train, skip_train = select_prompts(train_pool, text=lambda i: i.prompt, n=spec.n_train, forbidden=forbidden, accept=accept)
+        picked_train, skip_train = select_prompts(train_pool, text=lambda i: i.prompt, n=spec.n_train * (2 if fresh else 1),
+                                                  forbidden=forbidden, accept=accept)
+        if fresh:  # the first n_train are the ones stage 1's data answered
+            picked_train = picked_train[spec.n_train:]
         picked_held, skip_held = select_prompts(heldout_pool, text=lambda i: i.prompt, n=spec.n_heldout, forbidden=forbidden_here, accept=accept)
         for split, picked, wanted, skipped in (("train", picked_train, spec.n_train, skip_train), ("heldout", picked_held, spec.n_heldout, skip_held)):
             run.metrics[f"source.{name}.{split}"] = len(picked)
@@ -219,7 +224,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         prompt_ids[item.id] = ids
         return True
 
-    train, heldout = choose_prompts(loaded, data, accept, run)
+    # regenerate_data (data_role qad): stage 2's prompts, the same as stage 1's or the next ones (data.stage2_prompts)
+    fresh = cfg.data_role == "qad" and data.get("stage2_prompts", "same") == "fresh"
+    run.metrics["data.fresh_prompts"] = int(fresh)
+    train, heldout = choose_prompts(loaded, data, accept, run, fresh=fresh)
     if cfg.shard.count > 1:  # this node generates every count-th prompt; merge_data interleaves them back
         if not 0 <= cfg.shard.index < cfg.shard.count:
             raise QdflashError(f"shard.index={cfg.shard.index}: expected 0..{cfg.shard.count - 1} (shard.count={cfg.shard.count})")
