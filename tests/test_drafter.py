@@ -383,6 +383,14 @@ def test_calibration_captures_every_drafter_linear(tiny_llama):
         eig = torch.linalg.eigvalsh(hess)
         assert torch.allclose(hess, hess.T) and eig.min() > -1e-6 * eig.max(), name  # PSD up to fp32 rounding
         assert hess.diagonal().sum() > 0, f"{name} saw no input"
+    # the target's features in padded batches of examples of different lengths: the same Hessians (no padding
+    # position or padding anchor adds to them)
+    examples[1] = {"id": "1", "input_ids": list(range(11, 25)), "loss_mask": [0] * 10 + [1] * 4}  # shorter, < 5 anchors
+    one, n_one = calibration_hessians(drafter, tiny_llama, examples, anchors_per_seq=5)
+    batched, n_batched = calibration_hessians(drafter, tiny_llama, examples, anchors_per_seq=5, batch_size=3)
+    assert n_batched == n_one < 15
+    for name in names:
+        torch.testing.assert_close(batched[name], one[name], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])

@@ -32,24 +32,30 @@ def drafter_linears(drafter: Drafter) -> list[str]:
 
 @torch.no_grad()
 def calibration_hessians(drafter: Drafter, target, examples: list[dict], anchors_per_seq: int, seed: int = 0,
-                         names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], int]:
+                         names: list[str] | None = None, batch_size: int = 1) -> tuple[dict[str, torch.Tensor], int]:
     """Hessians (2 X^T X / n) of each linear's inputs over teacher-forced anchor blocks of `examples`
-    (token examples with input_ids / loss_mask). Returns (hessians, number of blocks)."""
+    (token examples with input_ids / loss_mask). Returns (hessians, number of blocks). The target's
+    features come `batch_size` examples per forward (right padding: a causal target's features of the
+    real tokens do not change); the drafter then runs each example alone, so that no padding position
+    or padding anchor adds to a Hessian."""
     names = names or drafter_linears(drafter)
     generator = torch.Generator().manual_seed(seed)
     device = drafter.norm.weight.device
+    drawn = [(ex, sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator)) for ex in examples]
+    drawn = [(ex, a) for ex, a in drawn if a.numel()]
     blocks = 0
     was_training = drafter.training
     drafter.eval()
-    with capture_hessians(drafter, names) as acc:
-        for ex in tqdm(examples, desc="drafter calibration", unit="seq"):
-            anchors = sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator)
-            if not anchors.numel():
-                continue
-            input_ids, loss_masks, anchor_rows, valid = padded_batch([ex], [anchors])
-            features = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids, greedy=False)[0]
-            draft_blocks(drafter, features, input_ids, loss_masks, anchor_rows, valid)
-            blocks += int(anchors.numel())
+    with capture_hessians(drafter, names) as acc, tqdm(total=len(drawn), desc="drafter calibration", unit="seq") as bar:
+        for start in range(0, len(drawn), batch_size):
+            chunk = drawn[start : start + batch_size]
+            padded = padded_batch([ex for ex, _ in chunk], [a for _, a in chunk])[0]
+            features = target_pass(target, padded.to(device), drafter.config.target_layer_ids, greedy=False)[0]
+            for i, (ex, anchors) in enumerate(chunk):
+                input_ids, loss_masks, anchor_rows, valid = padded_batch([ex], [anchors])
+                draft_blocks(drafter, features[i : i + 1, : input_ids.shape[1]], input_ids, loss_masks, anchor_rows, valid)
+                blocks += int(anchors.numel())
+            bar.update(len(chunk))
     drafter.train(was_training)
     return {name: a.hessian() for name, a in acc.items()}, blocks
 

@@ -59,7 +59,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         chosen = hash_subset(train, min(c.calibration.sequences, len(train)), "drafter-calibration")
         chosen = [{"id": ex["id"], "input_ids": ex["input_ids"][: c.calibration.max_length],
                    "loss_mask": ex["loss_mask"][: c.calibration.max_length]} for ex in chosen]
-        hessians, blocks = calibration_hessians(drafter, target, chosen, c.calibration.anchors_per_seq, c.seed)
+        hessians, blocks = calibration_hessians(drafter, target, chosen, c.calibration.anchors_per_seq, c.seed,
+                                                batch_size=c.eval.batch_size)
         run.metrics.update({"calibration.sequences": len(chosen), "calibration.blocks": blocks})
         log.info("calibrated on %d anchor blocks of %d sequences", blocks, len(chosen))
     original = copy.deepcopy(drafter)
