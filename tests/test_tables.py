@@ -71,7 +71,7 @@ localrule prepare_data:
 Finished jobid: 1 (Rule: prepare_data)
 [Thu Dec  3 07:12:18 2026]
 rule drafter_stage1:
-    output: /root/q/results/h200-x/drafter/stage1
+    output: results/h200-x/drafter/stage1
     jobid: 5
 [Thu Dec  3 07:12:20 2026]
 localrule bench_speedup:

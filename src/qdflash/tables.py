@@ -164,7 +164,7 @@ def node_rows(log: Path) -> list[dict]:
             if job is not None:
                 job["end"], job["status"] = stamp, "done"
         elif current is not None and key == "output" and not current["output"]:
-            current["output"] = re.sub(r"^.*?/results/[^/]+/", "", value.split(",")[0].strip())
+            current["output"] = re.sub(r"^(?:.*?/)?results/[^/]+/", "", value.split(",")[0].strip())
         elif current is not None and key == "jobid" and value.isdigit() and "id" not in current:
             current["id"] = int(value)
             by_id[current["id"]] = current
