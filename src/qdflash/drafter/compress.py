@@ -20,9 +20,9 @@ from tqdm.auto import tqdm
 
 from ..quant.apply import capture_hessians, quantize_weights, replace_linears
 from ..quant.grid import GridSpec
-from .blocks import linear_argmax, sample_anchors
+from .blocks import linear_argmax
 from .model import Drafter
-from .train import draft_blocks, padded_batch, target_pass
+from .train import anchored_examples, draft_blocks, padded_batch, target_pass
 
 
 def drafter_linears(drafter: Drafter) -> list[str]:
@@ -39,10 +39,8 @@ def calibration_hessians(drafter: Drafter, target, examples: list[dict], anchors
     real tokens do not change); the drafter then runs each example alone, so that no padding position
     or padding anchor adds to a Hessian."""
     names = names or drafter_linears(drafter)
-    generator = torch.Generator().manual_seed(seed)
     device = drafter.norm.weight.device
-    drawn = [(ex, sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator)) for ex in examples]
-    drawn = [(ex, a) for ex, a in drawn if a.numel()]
+    drawn = anchored_examples(examples, anchors_per_seq, seed)
     blocks = 0
     was_training = drafter.training
     drafter.eval()
@@ -68,10 +66,8 @@ def draft_agreement(reference: Drafter, other: Drafter, target, examples: list[d
     Anchors are drawn per example in order, so which blocks are compared does not depend on
     `batch_size` (one target forward per batch: one per example took 18 s of the gpu DAG's
     compression node on the H200, on its critical path)."""
-    generator = torch.Generator().manual_seed(seed)
     device = reference.norm.weight.device
-    drawn = [(ex, sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator)) for ex in examples]
-    drawn = [(ex, a) for ex, a in drawn if a.numel()]
+    drawn = anchored_examples(examples, anchors_per_seq, seed)
     same = total = 0
     for start in range(0, len(drawn), batch_size):
         chunk = drawn[start : start + batch_size]

@@ -250,6 +250,16 @@ def feature_cache_folder(out_dir: str | Path, target_name: str, dtype: str, laye
     return Path(f"{out_dir}.features-{key}")
 
 
+def anchored_examples(examples: list[dict], anchors_per_seq: int, seed: int,
+                      full_block: int | None = None) -> list[tuple[dict, torch.Tensor]]:
+    """Each example with its anchors, drawn example by example from one generator seeded with `seed`
+    (so which blocks an evaluation sees does not depend on how the examples are batched afterwards);
+    examples without an anchor are left out. `full_block`: as sample_anchors."""
+    generator = torch.Generator().manual_seed(seed)
+    drawn = [(ex, sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator, full_block)) for ex in examples]
+    return [(ex, a) for ex, a in drawn if a.numel()]
+
+
 def batch_anchors(examples: list[dict], anchors_per_seq: int, generator: torch.Generator) -> list[torch.Tensor]:
     """Random anchor positions of every sequence of a batch, in batch order (data-parallel ranks draw
     them for the whole batch, then take their slice, so they train on the 1-process run's blocks)."""
@@ -338,14 +348,12 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
     length (the longest example, rounded up) and `anchors_per_seq` anchors, i.e. one shape (flex).
     """
     b = drafter.block_size
-    generator = torch.Generator().manual_seed(seed)
     device = next(drafter.parameters()).device
     lengths: list[torch.Tensor] = []
     by_category: dict[str, list[torch.Tensor]] = defaultdict(list)
     was_training = drafter.training
     drafter.eval()
-    drawn = [(ex, sample_anchors(torch.tensor(ex["loss_mask"]), anchors_per_seq, generator, full_block=b)) for ex in examples]
-    drawn = [(ex, a) for ex, a in drawn if a.numel()]
+    drawn = anchored_examples(examples, anchors_per_seq, seed, full_block=b)
     offsets = torch.arange(b - 1)
     length = width = None
     if length_multiple and drawn:
@@ -375,5 +383,5 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
     return result
 
 
-__all__ = ["IGNORE", "LABELS", "FeatureCache", "batch_loss", "check_labels", "draft_blocks", "estimate_acceptance", "pad_anchors", "pad_right",
+__all__ = ["IGNORE", "LABELS", "FeatureCache", "anchored_examples", "batch_loss", "check_labels", "draft_blocks", "estimate_acceptance", "pad_anchors", "pad_right",
            "target_labels", "target_pass", "teacher_states"]
