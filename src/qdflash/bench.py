@@ -175,7 +175,8 @@ def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1) -> 
     garbage is not collected in another's. What is alive after the warm-up (models, tokenizers, engines,
     compiled code: ~0.4 M objects with two 0.5B targets) is frozen first (`gc.freeze`), so that those
     collections walk only what the turns made: a full collection of that heap took ~0.25 s on a laptop
-    CPU, and the H200 benchmark job spent about as long per turn (~1 minute a job) collecting it."""
+    CPU, and that many turns' worth (~80-150 a job) fits the untimed time of the H200 benchmark jobs
+    (results/published/2026-12-03-h200-qwen-recipe, "Changed since"; an estimate, not measured there)."""
     import gc
 
     from tqdm.auto import tqdm

@@ -200,7 +200,8 @@ def gguf_read_once():
 
     class ReadOnce(original):
         def __new__(cls, path, mode="r"):
-            return readers.get((os.fspath(path), mode)) or super().__new__(cls)
+            key = (os.fspath(path), mode)
+            return readers[key] if key in readers else super().__new__(cls)
 
         def __init__(self, path, mode="r"):
             key = (os.fspath(path), mode)

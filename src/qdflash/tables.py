@@ -138,7 +138,7 @@ def node_rows(log: Path) -> list[dict]:
     its output (the part after results/<experiment>/), seconds from the run's first job to its start,
     and its wall time, or the time it had run when the log ends ("not finished": cut, or still running)
     or failed. Nodes that share a device run side by side, so a took_s is that node's wall time there."""
-    rows, by_id, stamp, first, current = [], {}, None, None, None
+    rows, by_id, stamp, first, current, failing = [], {}, None, None, None, False
     for line in log.read_text(errors="replace").splitlines():
         line = line.rstrip()
         match = _STAMP.match(line)
@@ -152,13 +152,13 @@ def node_rows(log: Path) -> list[dict]:
             continue
         key, _, value = line.strip().partition(": ")
         if line.startswith("Error in rule "):
-            current = {"failed": True}  # its jobid line names the job that failed
-        elif current is not None and current.get("failed"):
+            current, failing = None, True  # its jobid line names the job that failed
+        elif failing:
             if key == "jobid" and value.isdigit():
                 job = by_id.get(int(value))
                 if job is not None:
                     job["end"], job["status"] = stamp, "failed"
-                current = None
+                failing = False
         elif line.startswith("Finished jobid: "):
             job = by_id.get(int(line.split()[2]))
             if job is not None:

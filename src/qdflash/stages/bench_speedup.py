@@ -59,13 +59,13 @@ log = logging.getLogger("qdflash.bench_speedup")
 @stage("bench_speedup")
 def main(cfg: DictConfig, run: NodeRun) -> None:
     b = cfg.bench
-    target16 = load_target(cfg.model.name, dtype=cfg.dtype, device=cfg.device)
-    qad = load_target(cfg.qad_model, dtype=cfg.dtype, device=cfg.device)
     # bench.drafter_dtype: the drafters as saved (training saves fp32) or in the target's dtype. Drafts only
     # propose, so either is lossless; the choice moves tau (rounding) and the draft's cost (fp32 GEMMs)
     drafter_dtype = b.get("drafter_dtype", "checkpoint")
-    if drafter_dtype not in ("checkpoint", "target"):
+    if drafter_dtype not in ("checkpoint", "target"):  # before the targets load: bad input fails at once
         raise QdflashError(f"bench.drafter_dtype={drafter_dtype!r}: expected 'checkpoint' (as saved) or 'target' (the target's dtype)")
+    target16 = load_target(cfg.model.name, dtype=cfg.dtype, device=cfg.device)
+    qad = load_target(cfg.qad_model, dtype=cfg.dtype, device=cfg.device)
 
     def drafter_for(path, target):
         return load_drafter(path, target, dtype=target.dtype if drafter_dtype == "target" else None)
