@@ -356,6 +356,9 @@ def check_bench(results):
             assert ci["bench"]["verify_tokens"] <= m[f"all.{name}.verified_per_round"] <= ci["drafter"]["block_size"]
         assert m["verify_tokens"] == ci["bench"]["verify_tokens"] and m["verify_adaptive"] == 1
         assert m["bench.drafter_dtype"] == "float32" and m["bench.compile_drafter"] == 0  # cast to the fp32 target's dtype
+        # each drafter's static engine: its graphs (CUDA only) and what capturing them cost, outside the timings
+        assert all(m[f"drafter_engine.{name}.capture_seconds"] >= 0 and f"drafter_engine.{name}.graphs" in m
+                   for name in methods - baselines)
 
 
 def check_drafter_stage(results):

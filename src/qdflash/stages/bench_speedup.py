@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -149,7 +150,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                                                     "spec_qad_stage2": stage2_qad, **compressed}.items() if name in methods}
     for name, drafter in drafters.items():  # drafts through its static engine: K/V in place, a CUDA graph per bucket
         drafter.engine = DrafterEngine(drafter, max_len=longest, attention=b.attention, compile=compile_drafts)
+        started = time.perf_counter()
         run.metrics[f"drafter_engine.{name}.graphs"] = drafter.engine.capture(window)
+        # what capturing (and with bench.compile_drafter, compiling) cost this job: outside the measurement
+        run.metrics[f"drafter_engine.{name}.capture_seconds"] = round(time.perf_counter() - started, 2)
     # achieved bandwidth (gpt-fast's tokens/s x weight bytes) against the copy bandwidth of this GPU
     decode_bytes = {"target16": bench.weight_bytes(target16.model), "qad": bench.weight_bytes(qad.model)}
     run.metrics.update({f"{key}.decode_weight_mib": round(v / 2**20, 2) for key, v in decode_bytes.items()})
