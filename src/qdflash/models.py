@@ -233,8 +233,11 @@ def _convert_gguf_model(gguf: Path, out: Path, tie: bool = False) -> None:
         # (the converter's choice of the finer type) as the one matrix
         config.tie_word_embeddings = True
         state["model.embed_tokens.weight"] = state.pop("lm_head.weight")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    # on the meta device: no random initialization of weights that the GGUF's replace at once
+    # (scripts/investigations/gguf_conversion_time.py times both)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise QdflashError(f"GGUF {gguf}: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
