@@ -329,6 +329,42 @@ def test_compiled_static_drafter_drafts_what_the_eager_session_drafts(tiny_llama
     assert len(traced) >= len(engine.buckets)  # a graph per bucket the context crossed (8, 16, 32, 48)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compressed_drafter_compiled_first_drafts_what_it_drafts_uncompiled(tiny_llama, tmp_path, dtype):
+    """What the gpu profile's benchmark runs (bench.drafter_dtype: target, bench.compile_drafter: true): a
+    compressed drafter, loaded in the target's dtype or another, compiled on its first draft, while its
+    QuantLinear layers still dequantize their ints (a module attribute set inside the traced call). The
+    compiled engine's logits and drafts equal the same engine's run uncompiled, as the context grows."""
+    from qdflash.drafter import load_drafter, save_drafter
+    from qdflash.drafter.compress import compress_drafter
+    from qdflash.drafter.train import target_pass
+    from qdflash.quant.grid import GridSpec
+
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=2, seed=7)
+    compress_drafter(drafter, GridSpec(4, 32, True), "rtn", None)
+    save_drafter(drafter, tmp_path / "d")
+    traced = []
+
+    def backend(graph_module, example_inputs):  # runs the traced graph as it is
+        traced.append(graph_module)
+        return graph_module.forward
+
+    compiled, plain = (DrafterEngine(load_drafter(tmp_path / "d", tiny_llama, dtype=dtype).eval(), max_len=48,
+                                     smallest_bucket=8, compile=compile) for compile in (backend, False))
+    ids = prompt(3, 40)
+    features, _ = target_pass(tiny_llama, ids, drafter.config.target_layer_ids)
+    start = 0
+    for engine in (compiled, plain):
+        engine.session(6)
+    for n in (5, 3, 9, 12):
+        for engine in (compiled, plain):
+            engine.append(features[0, start : start + n], start)
+        start += n
+        (logits, drafts), (want, want_drafts) = (e.draft_logits(int(ids[0, start]), start) for e in (compiled, plain))
+        assert torch.equal(logits, want) and drafts.tolist() == want_drafts.tolist()
+    assert traced and compiled.dtype == plain.dtype == dtype  # compiled, in the dtype it was loaded in
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_static_drafter_through_the_attention_kernel_drafts_what_the_eager_session_drafts(tiny_llama, window):
     """DrafterEngine(attention='kernel'): the block's K/V written after the context and
