@@ -310,17 +310,23 @@ def test_static_drafter_drafts_what_the_eager_session_drafts(fixture, window, re
         engine.session().append(features[0, :40].repeat(2, 1), 0)
 
 
-def test_compiled_static_drafter_drafts_what_the_eager_session_drafts(tiny_llama):
-    """DrafterEngine(compile=backend): the draft step goes through torch.compile (here a backend that counts
-    the graphs it is given and runs them as traced), once per (bucket, window), and drafts as before."""
-    from qdflash.drafter.train import target_pass
-
+def counting_backend():
+    """A torch.compile backend that records the graphs it is given and runs each as traced, and that record."""
     traced = []
 
     def backend(graph_module, example_inputs):
         traced.append(graph_module)
         return graph_module.forward
 
+    return backend, traced
+
+
+def test_compiled_static_drafter_drafts_what_the_eager_session_drafts(tiny_llama):
+    """DrafterEngine(compile=backend): the draft step goes through torch.compile (here a backend that counts
+    the graphs it is given and runs them as traced), once per (bucket, window), and drafts as before."""
+    from qdflash.drafter.train import target_pass
+
+    backend, traced = counting_backend()
     drafter = init_drafter(tiny_llama, block_size=4, num_layers=2, seed=7).eval()
     ids = prompt(3, 40)
     features, _ = target_pass(tiny_llama, ids, drafter.config.target_layer_ids)
@@ -343,12 +349,7 @@ def test_a_compressed_drafter_compiled_first_drafts_what_it_drafts_uncompiled(ti
     drafter = init_drafter(tiny_llama, block_size=4, num_layers=2, seed=7)
     compress_drafter(drafter, GridSpec(4, 32, True), "rtn", None)
     save_drafter(drafter, tmp_path / "d")
-    traced = []
-
-    def backend(graph_module, example_inputs):  # runs the traced graph as it is
-        traced.append(graph_module)
-        return graph_module.forward
-
+    backend, traced = counting_backend()
     compiled, plain = (DrafterEngine(load_drafter(tmp_path / "d", tiny_llama, dtype=dtype).eval(), max_len=48,
                                      smallest_bucket=8, compile=compile) for compile in (backend, False))
     ids = prompt(3, 40)
