@@ -142,3 +142,25 @@ def test_verify_tokens_setting_is_checked_before_anything_runs(tiny_llama):
     assert block_problems("profiles.p", {**profile, "bench": {"verify_tokens": 5}}) == [
         "profiles.p.bench.verify_tokens = 5 exceeds drafter.block_size = 4: a round verifies at most the block "
         "(2 <= verify_tokens <= 4, or null for the whole block)"]
+
+
+def test_keep_methods_restricts_a_job_and_refuses_what_could_not_be_checked():
+    """bench.methods: a subset, in the job's order; an unknown or empty list, or a speculative method kept
+    without the autoregressive run its output is compared with, is refused, naming the setting."""
+    import pytest
+
+    from qdflash.errors import QdflashError
+
+    methods = dict.fromkeys(["plain16", "ar16", "spec16_stage1", "ar_qad", "spec_qad_stage2", "spec_qad_gptq_w4g128"])
+    assert bench.keep_methods(methods, None) == methods
+    assert list(bench.keep_methods(methods, ["spec_qad_gptq_w4g128", "ar_qad"])) == ["ar_qad", "spec_qad_gptq_w4g128"]
+    assert list(bench.keep_methods(methods, ["ar16", "spec16_stage1"])) == ["ar16", "spec16_stage1"]
+    with pytest.raises(QdflashError, match=r"bench.methods=.*unknown spec_qad_stage3; this job's methods are plain16"):
+        bench.keep_methods(methods, ["ar_qad", "spec_qad_stage3"])
+    with pytest.raises(QdflashError, match="bench.methods=.*: add ar_qad"):
+        bench.keep_methods(methods, ["ar16", "spec_qad_stage2"])
+    with pytest.raises(QdflashError, match="add ar16"):
+        bench.keep_methods(methods, ["spec16_stage1", "ar_qad"])
+    with pytest.raises(QdflashError, match="empty"):
+        bench.keep_methods(methods, [])
+    assert (bench.reference_of("spec16_stage1"), bench.reference_of("spec_qad_gptq_w8g128")) == ("ar16", "ar_qad")

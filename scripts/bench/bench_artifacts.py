@@ -2,8 +2,8 @@
 (`stage.py --results ...`, placed by setup.sh), in the dtype asked for.
 
     python3 scripts/bench/bench_artifacts.py --dtype bfloat16 --name h200-default-bf16 [hydra overrides]
-    python3 scripts/bench/bench_artifacts.py --dtype float32 --profile gpu --source h200 --name h200-fp32 \
-        bench.plain_baseline=false bench.compiled_baseline=false                    # after run.sh 1350 gpu h200: lossless?
+    python3 scripts/bench/bench_artifacts.py --dtype float32 --profile gpu --source h200 --name h200-fp32 --served \
+        bench.compile_drafter=false                     # after run.sh 1330 gpu h200: is the served stack lossless?
 
 It runs the node with exactly the overrides the DAG gives it for the profile (qdflash.config.
 node_overrides: the same bench section, the same inputs), with device=cuda (--device) and the dtype asked for, so
@@ -39,6 +39,9 @@ def main() -> None:
                         "served one, as the DAG names it: qad_<qad_from>_w<first target bits>g<group>)")
     parser.add_argument("--compressed", nargs="*", default=None,
                         help="drafter/<these> (default: the profile's compressed drafters, as the DAG names them)")
+    parser.add_argument("--served", action="store_true",
+                        help="only the methods the selection chooses from (the stage-2 drafter and the compressed ones, on "
+                             "the QAD target) and the autoregressive run they are checked against: bench.methods")
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. 'bench.buckets=[[64,128],[2048,256],[8192,256]]'")
     args = parser.parse_args()
 
@@ -59,6 +62,9 @@ def main() -> None:
              "stage1": str(source / "drafter" / "stage1" / "drafter"), "stage2": str(source / "drafter" / "stage2" / "drafter"),
              "compressed": [str(source / "drafter" / c / "drafter") for c in args.compressed]}
     overrides = node_overrides(config, "bench_speedup", out_dir, ["bench"], extra) + args.overrides
+    if args.served:  # the same names bench_speedup gives these methods
+        served = ["ar_qad", "spec_qad_stage2", *(f"spec_qad_{c}" for c in args.compressed)]
+        overrides.append(f"bench.methods=[{','.join(served)}]")
     print("bench_artifacts: python3 -m qdflash.stages.bench_speedup " + " ".join(overrides), flush=True)
     status = subprocess.call([sys.executable, "-m", "qdflash.stages.bench_speedup", *overrides])
     dest = Path(os.environ.get("OUT", "/tmp/out")) / args.name

@@ -20,6 +20,7 @@ import torch
 
 from .data.chat import render_prompt_ids
 from .data.jsonl import read_jsonl
+from .errors import QdflashError
 from .models import synchronize
 from .spec import GenerationResult, RoundTimer, autoregressive_generate, speculative_generate, target_session, verify_length
 
@@ -251,6 +252,29 @@ def spec(target, drafter, window=None, verify_tokens=None, verify_adaptive=False
     verify_length(drafter, verify_tokens)
     return lambda ids, n: speculative_generate(target, drafter, [ids], n, window=window, verify_tokens=verify_tokens,
                                                verify_adaptive=verify_adaptive)
+
+
+def reference_of(method: str) -> str:
+    """The autoregressive method a speculative method's output is checked against: its own target's."""
+    return "ar16" if method.startswith("spec16") else "ar_qad"
+
+
+def keep_methods(methods: dict, keep, setting: str = "bench.methods") -> dict:
+    """`methods` restricted to the names in `keep` (None: all), in their order. An unknown name, or a
+    speculative method kept without the autoregressive run it is checked against, is an error that
+    names the setting: a run that leaves the reference out could not say whether it is lossless."""
+    if keep is None:
+        return dict(methods)
+    keep = list(keep)
+    unknown = [name for name in keep if name not in methods]
+    if unknown or not keep:
+        raise QdflashError(f"{setting}={keep}: {'unknown ' + ', '.join(unknown) if unknown else 'empty'}; "
+                           f"this job's methods are {', '.join(methods)}")
+    missing = sorted({reference_of(n) for n in keep if n.startswith("spec")} - set(keep))
+    if missing:
+        raise QdflashError(f"{setting}={keep}: add {', '.join(missing)}: every speculative output is checked "
+                           "against its target's autoregressive output")
+    return {name: fn for name, fn in methods.items() if name in keep}
 
 
 def weight_bytes(module: torch.nn.Module) -> int:

@@ -9,6 +9,8 @@ Methods, on the same prompts, side by side in this process (qdflash.bench):
 - `spec16_stage1`: the stage-1 drafter on the 16-bit target;
 - `spec_qad_stage1` / `spec_qad_stage2`: the stage-1 / stage-2 drafter on the QAD target;
 - `spec_qad_<method>_w<bits>g<group>`: each compressed stage-2 drafter (`compressed=[...]`) on it.
+`bench.methods` (a list of these names; default all) restricts a job to some of them, e.g. the fp32 run
+that checks the served stack's losslessness (each speculative method with the autoregressive run it is checked against).
 The drafter of every speculative method the job measures drafts through its static engine
 (qdflash.drafter.static: one CUDA graph per context bucket on a GPU, captured before measuring;
 `drafter_engine.<method>.graphs` in metrics.json).
@@ -65,6 +67,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     drafter_dtype = b.get("drafter_dtype", "checkpoint")
     if drafter_dtype not in ("checkpoint", "target"):  # before the targets load: bad input fails at once
         raise QdflashError(f"bench.drafter_dtype={drafter_dtype!r}: expected 'checkpoint' (as saved) or 'target' (the target's dtype)")
+    # bench.methods names what the job can run (below): a typo fails here, before any model loads
+    bench.keep_methods(dict.fromkeys(["plain16", "static16", "ar16", "spec16_stage1", "ar_qad", "spec_qad_stage1",
+                                      "spec_qad_stage2", *(f"spec_qad_{Path(p).parent.name}" for p in cfg.compressed)]),
+                       b.get("methods"))
     target16 = load_target(cfg.model.name, dtype=cfg.dtype, device=cfg.device)
     qad = load_target(cfg.qad_model, dtype=cfg.dtype, device=cfg.device)
 
@@ -145,6 +151,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         # slowest methods by far (results/published/2026-11-30-h200-gpu-dag)
         methods = {k: v for k, v in methods.items()
                    if not k.startswith(("spec16_", "spec_qad_stage1")) and k not in ("plain16", "static16")}
+    # bench.methods: a subset of the job's methods, e.g. the fp32 run that checks the served stack's losslessness
+    methods = bench.keep_methods(methods, b.get("methods"))
     # the drafter of each speculative method this job measures
     drafters = {name: drafter for name, drafter in {"spec16_stage1": stage1_16, "spec_qad_stage1": stage1_qad,
                                                     "spec_qad_stage2": stage2_qad, **compressed}.items() if name in methods}
@@ -169,7 +177,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         log.info("%s: %.1f tokens/s", name, r.tokens_per_s)
     fp32 = target16.dtype == torch.float32
     # each speculative output against autoregressive decoding of its own target
-    checks = {name: ("ar16", target16) if name.startswith("spec16") else ("ar_qad", qad) for name in drafters}
+    checks = {name: (bench.reference_of(name), target16 if name.startswith("spec16") else qad) for name in drafters}
     rows = []
     for label in ["all", *dict.fromkeys(c.label for c in cases)]:
         keep = [label == "all" or c.label == label for c in cases]
