@@ -149,7 +149,7 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     # then cuBLAS on the 16-bit weight 5
     timer([3.0, 2.0, 4.0, 5.0])
     assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (
-        w4_configs[1], 2.0, 5.0, {"tinygemm": 4.0, "gemlite": None})
+        w4_configs[1], 2.0, 5.0, {"tinygemm": 4.0, "gemlite": None, "fbgemm": None})
     assert w4a16.default_config(16, 512, 32, rows=1, dtype=torch.float32) == w4_configs[1]
     assert not w4a16.dense_faster(16, 512, 32, 1, torch.float32) and w4a16.backend(16, 512, 32, 1, torch.float32) == "w4a16"
     assert (16, 512, 32, 1, torch.bfloat16) not in w4a16._TUNED  # a bf16 engine's tiles are its own
@@ -164,7 +164,7 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     assert w4a16.backend(32, 512, 32, 16, torch.float32) == "w4a16"  # another row bucket: not tuned, the kernel
     timer([3.0, 2.0, 5.0])  # a shape tinygemm does not take (N not a multiple of 8): tiles, then cuBLAS only
     assert w4a16.tune(12, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (
-        w4_configs[1], 2.0, 5.0, {"tinygemm": None, "gemlite": None})
+        w4_configs[1], 2.0, 5.0, {"tinygemm": None, "gemlite": None, "fbgemm": None})
 
 
 def test_tinygemm_is_checked_before_it_is_timed(monkeypatch):
@@ -327,7 +327,7 @@ def test_gemlite_is_timed_checked_and_dispatched_like_tinygemm(monkeypatch):
     monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {})
     configs = w4a16.candidate_configs(k, group, None, rows=1)[:2]
     monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: configs)
-    assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == {"tinygemm": 4.0, "gemlite": 1.0}
+    assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == {"tinygemm": 4.0, "gemlite": 1.0, "fbgemm": None}
     assert w4a16.backend(n, k, group, 1, torch.float32) == "gemlite"
 
     layer = QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False), QuantizedWeight(q, scale, None, GridSpec(4, group, True)))
@@ -346,6 +346,22 @@ def test_gemlite_is_timed_checked_and_dispatched_like_tinygemm(monkeypatch):
     with pytest.warns(UserWarning, match="gemlite on 64x512 .* is off the dequantized product"):
         assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3]["gemlite"] is None
     assert w4a16.backend(n, k, group, 1, torch.float32) == "w4a16"
+
+
+def test_fbgemm_takes_our_ints_two_per_byte_low_nibble_first():
+    """kernels.fbgemm_w4 (FBGEMM's CUTLASS int4 GEMM; CUDA only, so not a candidate here): our packed ints
+    become FBGEMM's int8 layout, column 2i in the low nibble and 2i+1 in the high one, each signed, as
+    FBGEMM's `pack_int4` writes them; the nibbles read back (sign-extended) are the ints."""
+    from qdflash.kernels import fbgemm_w4
+
+    q, _, _ = quantized(16, 256, 128)
+    two = fbgemm_w4.two_per_byte(unpack_int4(pack_int4(q)))
+    assert two.dtype == torch.int8 and two.shape == (16, 128)
+    low, high = torch.bitwise_right_shift(torch.bitwise_left_shift(two, 4), 4), torch.bitwise_right_shift(two, 4)
+    assert torch.equal(low, q[:, 0::2]) and torch.equal(high, q[:, 1::2])
+    assert not fbgemm_w4.supported(16, 256, 128, torch.bfloat16, "cpu")  # CUDA only
+    with pytest.raises(QdflashError, match="odd"):
+        fbgemm_w4.two_per_byte(q[:, :3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -28,8 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "src" / "qdflash"
 # what the DAG runs without: the OpenAI-compatible server (qdflash serve) and its client, which the DAG never
-# imports, and gemlite (one more W4 kernel that the tuning times where it imports: kernels.gemlite_w4)
-OPTIONAL = {"fastapi", "uvicorn", "openai", "starlette", "pydantic_core", "gemlite"}
+# imports, and gemlite and FBGEMM (more W4 kernels that the tuning times where they import: kernels.gemlite_w4,
+# kernels.fbgemm_w4)
+OPTIONAL = {"fastapi", "uvicorn", "openai", "starlette", "pydantic_core", "gemlite", "fbgemm_gpu"}
 
 
 def imported_modules(root: Path = PACKAGE) -> dict[str, list[str]]:

@@ -6,11 +6,11 @@
 Issue 23 asks for the maintained int4 kernels to be timed against bf16 cuBLAS at the model's shapes in
 one process before any kernel of our own is kept. This is that table, without building a model: for
 each [N, K] projection and 1 / 16 rows, `kernels.w4a16.tune` times our Triton kernel, every EXTERNAL
-kernel that imports here (torch's tinygemm, gemlite: each first checked against the dequantized
+kernel that imports here (torch's tinygemm, gemlite, FBGEMM's preshuffled CUTLASS GEMM: each first checked against the dequantized
 product) and cuBLAS on the 16-bit weight, each over weight copies larger than L2 inside one CUDA graph.
 Beside each time: the bytes it must read (packed ints + scales, or the 16-bit weight) over that time,
 so a kernel bound by its work per weight shows as GB/s far under the device's bandwidth.
-Needs only torch and triton (`PYTHONPATH=src` on a bare GPU machine; gemlite where installed).
+Needs only torch and triton (`PYTHONPATH=src` on a bare GPU machine; gemlite, fbgemm-gpu-genai where installed).
 """
 
 from __future__ import annotations
@@ -79,6 +79,12 @@ def main() -> None:
         result["gemlite"] = getattr(gemlite, "__version__", "?")
     except Exception:  # noqa: BLE001 - not installed, or its import fails off a supported device
         result["gemlite"] = None
+    try:
+        from importlib.metadata import version
+
+        result["fbgemm_gpu_genai"] = version("fbgemm-gpu-genai")
+    except Exception:  # noqa: BLE001 - not installed
+        result["fbgemm_gpu_genai"] = None
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
