@@ -141,3 +141,22 @@ def test_one_gguf_reader_per_file_while_converting():
         assert isinstance(first, original) and first.fields["general.architecture"].contents() == "llama"
     assert gguf.GGUFReader is original
     assert gguf.GGUFReader(path) is not first
+
+
+def test_an_empty_cache_or_config_variable_is_unset_not_the_current_folder(tmp_path, monkeypatch):
+    """`export QDFLASH_CACHE_DIR=` must not send a model conversion (gigabytes) into the current folder:
+    empty variables fall back to the defaults, as unset ones do; a set one is used."""
+    from qdflash import paths
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("QDFLASH_CACHE_DIR", "")
+    assert paths.cache_dir() == tmp_path / "xdg" / "qdflash"
+    monkeypatch.setenv("XDG_CACHE_HOME", " ")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert paths.cache_dir() == tmp_path / "home" / ".cache" / "qdflash"
+    monkeypatch.setenv("QDFLASH_CACHE_DIR", str(tmp_path / "mine"))
+    assert paths.cache_dir() == tmp_path / "mine" and (tmp_path / "mine").is_dir()
+    monkeypatch.setenv("QDFLASH_CONFIG_DIR", "")
+    assert paths.config_dir() == paths.REPO_ROOT / "config"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "mine", "xdg"]  # nothing in the current folder
