@@ -149,7 +149,7 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     # then cuBLAS on the 16-bit weight 5
     timer([3.0, 2.0, 4.0, 5.0])
     assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (
-        w4_configs[1], 2.0, 5.0, {"tinygemm": 4.0, "gemlite": None, "fbgemm": None})
+        w4_configs[1], 2.0, 5.0, {"tinygemm": 4.0, "gemlite": None, "fbgemm": None, "marlin": None})
     assert w4a16.default_config(16, 512, 32, rows=1, dtype=torch.float32) == w4_configs[1]
     assert not w4a16.dense_faster(16, 512, 32, 1, torch.float32) and w4a16.backend(16, 512, 32, 1, torch.float32) == "w4a16"
     assert (16, 512, 32, 1, torch.bfloat16) not in w4a16._TUNED  # a bf16 engine's tiles are its own
@@ -164,7 +164,7 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     assert w4a16.backend(32, 512, 32, 16, torch.float32) == "w4a16"  # another row bucket: not tuned, the kernel
     timer([3.0, 2.0, 5.0])  # a shape tinygemm does not take (N not a multiple of 8): tiles, then cuBLAS only
     assert w4a16.tune(12, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (
-        w4_configs[1], 2.0, 5.0, {"tinygemm": None, "gemlite": None, "fbgemm": None})
+        w4_configs[1], 2.0, 5.0, {"tinygemm": None, "gemlite": None, "fbgemm": None, "marlin": None})
 
 
 def test_tinygemm_is_checked_before_it_is_timed(monkeypatch):
@@ -327,7 +327,7 @@ def test_gemlite_is_timed_checked_and_dispatched_like_tinygemm(monkeypatch):
     monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {})
     configs = w4a16.candidate_configs(k, group, None, rows=1)[:2]
     monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: configs)
-    assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == {"tinygemm": 4.0, "gemlite": 1.0, "fbgemm": None}
+    assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == {"tinygemm": 4.0, "gemlite": 1.0, "fbgemm": None, "marlin": None}
     assert w4a16.backend(n, k, group, 1, torch.float32) == "gemlite"
 
     layer = QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False), QuantizedWeight(q, scale, None, GridSpec(4, group, True)))
@@ -362,6 +362,32 @@ def test_fbgemm_takes_our_ints_two_per_byte_low_nibble_first():
     assert not fbgemm_w4.supported(16, 256, 128, torch.bfloat16, "cpu")  # CUDA only
     with pytest.raises(QdflashError, match="odd"):
         fbgemm_w4.two_per_byte(q[:, :3])
+
+
+def test_marlin_reads_our_words_as_gptq_and_its_scales_in_8x8_tiles():
+    """kernels.marlin_w4 (vLLM's Marlin ops; CUDA only, so not a candidate here): our words [N, K/8] are
+    GPTQ's [K/8, N] transposed (word i of output n holds features 8i..8i+7, nibble j = q + 8 of feature
+    8i + j); the scales go [K/group, N] with every 64 consecutive entries an 8 x 8 tile transposed."""
+    from qdflash.kernels import marlin_w4
+
+    n, k, group = 64, 256, 32
+    q, scale, _ = quantized(n, k, group)
+    gptq = marlin_w4.gptq_words(pack_int4(q))
+    assert gptq.shape == (k // 8, n) and gptq.dtype == torch.int32
+    for out, feature in ((0, 0), (5, 13), (63, 255), (17, 128)):
+        word = int(gptq[feature // 8, out]) & 0xFFFFFFFF
+        assert (word >> (4 * (feature % 8))) & 0xF == int(q[out, feature]) + 8
+    permuted = marlin_w4.permute_scales(scale)
+    assert permuted.shape == (k // group, n)
+    flat, source = permuted.reshape(-1), scale.t().reshape(-1)
+    for index in (0, 1, 8, 9, 63, 64, 100, 511):
+        tile, within = divmod(index, 64)
+        row, col = divmod(within, 8)
+        assert flat[index] == source[64 * tile + 8 * col + row]
+    assert not marlin_w4.supported(n, k, group, torch.bfloat16, "cpu")  # CUDA only
+    assert marlin_w4.UINT4B8 == 1125899907892224  # vLLM's scalar_types.uint4b8.id (vllm 0.26.0)
+    with pytest.raises(QdflashError, match="64-entry tiles"):
+        marlin_w4.permute_scales(scale[:8, :1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -6,11 +6,12 @@
 Issue 23 asks for the maintained int4 kernels to be timed against bf16 cuBLAS at the model's shapes in
 one process before any kernel of our own is kept. This is that table, without building a model: for
 each [N, K] projection and 1 / 16 rows, `kernels.w4a16.tune` times our Triton kernel, every EXTERNAL
-kernel that imports here (torch's tinygemm, gemlite, FBGEMM's preshuffled CUTLASS GEMM: each first checked against the dequantized
+kernel that imports here (torch's tinygemm, gemlite, FBGEMM's preshuffled CUTLASS GEMM, vLLM's Marlin: each first checked against the dequantized
 product) and cuBLAS on the 16-bit weight, each over weight copies larger than L2 inside one CUDA graph.
 Beside each time: the bytes it must read (packed ints + scales, or the 16-bit weight) over that time,
 so a kernel bound by its work per weight shows as GB/s far under the device's bandwidth.
-Needs only torch and triton (`PYTHONPATH=src` on a bare GPU machine; gemlite, fbgemm-gpu-genai where installed).
+Needs only torch and triton (`PYTHONPATH=src` on a bare GPU machine; gemlite, fbgemm-gpu-genai where installed, Marlin where
+$QDFLASH_MARLIN_LIB names vLLM's `_C_stable_libtorch.abi3.so` or vllm is installed: kernels.marlin_w4).
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def main() -> None:
         result["gemlite"] = getattr(gemlite, "__version__", "?")
     except Exception:  # noqa: BLE001 - not installed, or its import fails off a supported device
         result["gemlite"] = None
+    from qdflash.kernels import marlin_w4
+
+    result["marlin_library"] = marlin_w4.SOURCE[0] if marlin_w4.SOURCE else None
     try:
         from importlib.metadata import version
 

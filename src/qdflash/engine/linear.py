@@ -6,7 +6,7 @@ weights are concatenated; `QuantLinear`s on the symmetric 4-bit grid become pack
 run by the W4A16 Triton kernel (`qdflash.kernels.w4a16`) for up to 16 rows where the kernels run
 (a GPU), except for a shape and row count where tuning timed cuBLAS on the dequantized 16-bit weight
 faster (`w4a16.backend` "dense": then that weight is kept beside the packed one and used) or another
-int4 kernel (`w4a16.EXTERNAL`: torch's tinygemm, gemlite, FBGEMM's; then its repacking of the same ints is kept),
+int4 kernel (`w4a16.EXTERNAL`: torch's tinygemm, gemlite, FBGEMM's, vLLM's Marlin; then its repacking of the same ints is kept),
 and by a dequantized matmul
 for longer inputs (a prefill). A 16-bit projection at one row
 runs the Triton GEMV where `kernels.gemv.tune` found it faster than cuBLAS for its shape (`dense_linear`). Without kernels (the CPU) and for
