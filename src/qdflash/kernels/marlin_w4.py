@@ -117,6 +117,6 @@ def matmul(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor, workspace
            group: int) -> torch.Tensor:
     """x [M, K] @ dequant(W).T -> [M, N] in the scales' dtype (fp32 reduction across thread blocks)."""
     x = x.to(scales.dtype).contiguous()
-    empty = torch.empty(0, dtype=torch.int32, device=x.device)
-    return torch.ops._C.marlin_gemm(x, None, tiled, None, scales, None, None, None, empty, empty, workspace, UINT4B8,
+    empty = torch.empty(0, dtype=torch.int32, device=x.device)  # no zero points, no reordering: empty, as vLLM passes them
+    return torch.ops._C.marlin_gemm(x, None, tiled, None, scales, None, None, empty, empty, empty, workspace, UINT4B8,
                                     x.shape[0], n, x.shape[1], True, False, True, False)
