@@ -660,3 +660,37 @@ def test_round_timer_times_every_round_without_changing_the_output(fixture, requ
     assert parts["rounds"] == len(timed.acceptance_lengths)
     assert parts["ms"] == pytest.approx(sum(parts[f"{p}_ms"] for p in RoundTimer.PARTS), abs=1e-3)
     assert parts["in_decode_steps"] == pytest.approx(parts["ms"] / parts["decode_step_ms"], rel=1e-2)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_decoding_drafts_from_the_logits_training_computes_at_the_same_anchors(fixture, request, monkeypatch):
+    """No train/inference mismatch: at every round of greedy speculative decoding, the drafter's block
+    logits (context = the target's features of the committed tokens, fed incrementally through prefill
+    and verify blocks; block = the committed token and masks) equal what training computes for a block
+    anchored at that position over the whole output sequence in one target forward (draft_blocks: the
+    same logits the loss and tau-hat read). A difference here would be a tau-hat that decoding cannot reach."""
+    from qdflash.drafter.train import draft_blocks, target_pass
+
+    target = request.getfixturevalue(fixture)
+    drafter = init_drafter(target, block_size=4, num_layers=2, seed=3).eval()
+    ids = prompt(5, 12)
+    seen = {}
+    real = spec.DrafterSession.draft_logits
+
+    def recording(self, last_token, position):
+        logits, drafts = real(self, last_token, position)
+        seen[position] = (last_token, logits.clone())
+        return logits, drafts
+
+    monkeypatch.setattr(spec.DrafterSession, "draft_logits", recording)
+    out = speculative_generate(target, drafter, ids, 24)
+    assert out.tokens == autoregressive_generate(target, ids, 24).tokens and len(seen) >= 6
+    full = torch.cat([ids[0], torch.tensor(out.tokens)])[None]
+    features, _ = target_pass(target, full, drafter.config.target_layer_ids)
+    anchors = torch.tensor([sorted(seen)])
+    with torch.no_grad():
+        logits, _ = draft_blocks(drafter, features, full, torch.ones_like(full), anchors, head=True)
+    for i, position in enumerate(sorted(seen)):
+        token, decoded = seen[position]
+        assert token == int(full[0, position])
+        torch.testing.assert_close(logits[0, i], decoded, atol=1e-4, rtol=1e-4)
