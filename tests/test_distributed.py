@@ -62,6 +62,8 @@ def run_drafter_one_process(root, vocab):
     data = tiny_data(root / "data", vocab)
     one, _ = run_node("qdflash.stages.train_drafter", [*DRAFTER_ARGS, f"data_dir={data}"], 1, root, "one")
     assert one["train.world_size"] == 1 and one["train.parallel"] == "none"
+    # tau-hat by where blocks start in their answers, in metrics.json beside tau-hat
+    assert sum(one["final.blocks_by_answer_offset"]) == one["final.blocks"] and len(one["final.tau_by_answer_offset"]) == 3
     return data, one
 
 

@@ -365,6 +365,27 @@ def test_acceptance_does_not_depend_on_batching(tiny_llama):
     one = estimate_acceptance(drafter, tiny_llama, examples, anchors_per_seq=6, batch_size=1)
     three = estimate_acceptance(drafter, tiny_llama, examples, anchors_per_seq=6, batch_size=3, length_multiple=16)
     assert one["blocks"] == three["blocks"] and one["tau"] == pytest.approx(three["tau"])
+    # tau by where each block starts in its answer: the buckets hold every block, and their blocks' tau is tau
+    assert one["answer_offset_bounds"] == [0, 32, 128] and sum(one["blocks_by_answer_offset"]) == one["blocks"]
+    assert one["blocks_by_answer_offset"] == three["blocks_by_answer_offset"]
+    parts = [(t, n) for t, n in zip(one["tau_by_answer_offset"], one["blocks_by_answer_offset"]) if n]
+    assert sum(t * n for t, n in parts) / one["blocks"] == pytest.approx(one["tau"])
+    assert all((t == 0) == (n == 0) for t, n in zip(one["tau_by_answer_offset"], one["blocks_by_answer_offset"]))
+    assert 0 in one["blocks_by_answer_offset"]  # these short answers leave the 128+ bucket empty: 0, not null
+    from qdflash.tracking import check_metric_value
+
+    for key in ("tau_by_answer_offset", "blocks_by_answer_offset", "answer_offset_bounds"):
+        check_metric_value(key, one[key])  # what metrics.json takes
+
+
+def test_answer_offsets_count_from_each_answers_first_token():
+    """A block anchored at a drafts a+1..: its offset is how many tokens of that answer precede a+1; each
+    turn of a multi-turn sequence (each run of trained tokens) counts from its own first token."""
+    from qdflash.drafter.blocks import answer_offsets
+
+    mask = torch.tensor([1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1])
+    anchors = torch.tensor([0, 3, 4, 6, 9, 10, 11])
+    assert answer_offsets(mask, anchors).tolist() == [1, 0, 1, 3, 0, 1, 2]
 
 
 # -- compression ------------------------------------------------------------------------------------

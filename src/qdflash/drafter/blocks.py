@@ -51,6 +51,18 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator |
     return candidates[pick].sort().values
 
 
+def answer_offsets(loss_mask: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """For each anchor a (whose next token a+1 is trained), how many tokens of its answer come before a+1:
+    0 where a+1 opens an answer (a run of trained tokens: a turn of a multi-turn sequence starts its own).
+    Greedy decoding's rounds draft from offset 1 on (the target's prefill chooses the first token)."""
+    mask = loss_mask.bool()
+    index = torch.arange(mask.numel())
+    opens = mask & ~torch.cat([torch.zeros(1, dtype=torch.bool), mask[:-1]])
+    run_start = torch.cummax(torch.where(opens, index, torch.zeros_like(index)), dim=0).values
+    nxt = anchors + 1
+    return nxt - run_start[nxt]
+
+
 def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
                  mask_token: int, label_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block token ids [n, B] (anchor token then `mask_token`), targets [n, B] (token a+k of `label_ids`,

@@ -21,12 +21,14 @@ import torch
 from ..distill import pad_right
 from ..errors import QdflashError
 from ..ops import tap_features
-from .blocks import (IGNORE, acceptance_lengths, batch_attention_mask, block_inputs, block_mask_mod, linear_argmax,
-                     sample_anchors, weighted_linear_block_loss_parts)
+from .blocks import (IGNORE, acceptance_lengths, answer_offsets, batch_attention_mask, block_inputs, block_mask_mod,
+                     linear_argmax, sample_anchors, weighted_linear_block_loss_parts)
 from .model import Drafter
 
 
 LABELS = ("data", "target", "soft")  # drafter_train.labels: what a block position learns (batch_loss)
+# estimate_acceptance's tau by answer offset: [0, 32), [32, 128) (what a 128-token benchmark answer decodes), [128, ...)
+ANSWER_OFFSET_BOUNDS = (0, 32, 128)
 
 
 def check_labels(labels: str) -> str:
@@ -350,6 +352,7 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
     b = drafter.block_size
     device = next(drafter.parameters()).device
     lengths: list[torch.Tensor] = []
+    offsets_seen: list[torch.Tensor] = []  # each block's answer_offsets
     by_category: dict[str, list[torch.Tensor]] = defaultdict(list)
     was_training = drafter.training
     drafter.eval()
@@ -370,6 +373,7 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
             want = greedy[i][a[:, None] + offsets[None, :]]
             acc = acceptance_lengths(draft[i, : a.numel()], want)
             lengths.append(acc)
+            offsets_seen.append(answer_offsets(torch.tensor(ex["loss_mask"]), a))
             if categories:
                 by_category[categories.get(ex["id"], "unknown")].append(acc)
     drafter.train(was_training)
@@ -378,6 +382,17 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
     acc = torch.cat(lengths).float()
     rates = [(acc > k).float().mean().item() for k in range(1, b)]  # P(draft position k accepted)
     result = {"tau": acc.mean().item(), "blocks": int(acc.numel()), "accept_rate_by_position": rates}
+    # tau by where the block starts in its answer: a benchmark decodes the first max_new_tokens of each
+    # answer, these blocks come from anywhere in answers of up to ~3,000 tokens
+    offset = torch.cat(offsets_seen)
+    edges = [*ANSWER_OFFSET_BOUNDS, None]
+    result["answer_offset_bounds"] = list(ANSWER_OFFSET_BOUNDS)
+    result["tau_by_answer_offset"], result["blocks_by_answer_offset"] = [], []
+    for low, high in zip(edges[:-1], edges[1:]):
+        inside = (offset >= low) & (offset < high if high is not None else True)
+        # 0 for a bucket without blocks (a tau is >= 1; metrics.json holds no nulls)
+        result["tau_by_answer_offset"].append(acc[inside].mean().item() if inside.any() else 0.0)
+        result["blocks_by_answer_offset"].append(int(inside.sum()))
     for category, parts in sorted(by_category.items()):
         result[f"tau.{category}"] = torch.cat(parts).float().mean().item()
     return result

@@ -47,6 +47,11 @@ def record_acceptance(run: NodeRun, prefix: str, result: dict) -> None:
         run.metrics[f"{prefix}.{key}"] = value
     per_cat = ", ".join(f"{k[4:]} {v:.3f}" for k, v in result.items() if k.startswith("tau."))
     log.info("%s: tau %.3f over %d blocks (%s)", prefix, result["tau"], result["blocks"], per_cat)
+    if "tau_by_answer_offset" in result:
+        bounds = [*result["answer_offset_bounds"], None]
+        log.info("%s: tau by answer offset: %s", prefix, ", ".join(
+            f"{low}-{'' if high is None else high - 1}: {t:.3f} ({n} blocks)" for low, high, t, n in
+            zip(bounds[:-1], bounds[1:], result["tau_by_answer_offset"], result["blocks_by_answer_offset"])))
 
 
 def hash_subset(rows: list[dict], n: int, salt: str) -> list[dict]:
