@@ -164,3 +164,22 @@ def test_keep_methods_restricts_a_job_and_refuses_what_could_not_be_checked():
     with pytest.raises(QdflashError, match="empty"):
         bench.keep_methods(methods, [])
     assert (bench.reference_of("spec16_stage1"), bench.reference_of("spec_qad_gptq_w8g128")) == ("ar16", "ar_qad")
+
+
+def test_tau_pass_pools_rounds_and_tokens_per_label(tiny_llama):
+    """bench.tau_pass: per label and over all cases, the rounds of greedy speculative decoding and the tokens
+    they committed (the first token comes from the prefill, not a round), tau their ratio, as each
+    generation's own tau."""
+    from qdflash.drafter import init_drafter
+    from qdflash.spec import speculative_generate
+
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=1, seed=2)
+    cases = [PromptCase("chat", [11, 12, 13, 14], 9), PromptCase("code", [21, 22, 23], 7), PromptCase("chat", [31, 32], 5)]
+    out = bench.tau_pass(tiny_llama, drafter, cases, verify_tokens=3, verify_adaptive=True)
+    runs = [speculative_generate(tiny_llama, drafter, [c.ids], c.max_new_tokens, verify_tokens=3, verify_adaptive=True)
+            for c in cases]
+    assert out["code"]["rounds"] == len(runs[1].acceptance_lengths) and out["code"]["tau"] == round(runs[1].tau, 4)
+    assert out["chat"]["tokens"] == sum(runs[0].acceptance_lengths) + sum(runs[2].acceptance_lengths)
+    assert out["all"]["rounds"] == sum(len(r.acceptance_lengths) for r in runs)
+    assert out["all"]["tokens"] == sum(len(r.tokens) - 1 for r in runs)  # every token after the prefill's
+    assert out["all"]["tau"] == round(out["all"]["tokens"] / out["all"]["rounds"], 4)

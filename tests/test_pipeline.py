@@ -337,6 +337,12 @@ def check_bench(results):
         assert m["window"] == (-1 if window is None else window)
         if window is None:
             assert methods == baselines | {"spec16_stage1", "spec_qad_stage1", "spec_qad_stage2"} | compressed
+            # the untimed tau pass of the stage-2 drafter over more held-out prompts (bench.tau_prompts_per_category)
+            passed = {k.split(".")[2] for k in m if k.startswith("tau_pass.spec_qad_stage2.")}
+            assert {"all", "chat", "knowledge", "code"} <= passed, passed
+            assert m["tau_pass.prompts_per_category"] == ci["bench"]["tau_prompts_per_category"]
+            assert 1 <= m["tau_pass.spec_qad_stage2.all.tau"] <= ci["drafter"]["block_size"]
+            assert m["tau_pass.spec_qad_stage2.all.rounds"] == sum(m[f"tau_pass.spec_qad_stage2.{c}.rounds"] for c in passed - {"all"})
             labels = {r["prompts"] for r in rows}
             assert {"all", "chat", "knowledge", "code", "filler"} <= labels and any(l.startswith("p") for l in labels)
         else:  # only prompts longer than the window, where it engages; the stage-2 drafters; no transformers
@@ -344,6 +350,7 @@ def check_bench(results):
             assert all(r["speedup_vs_plain16"] == "" for r in rows)
             labels = {r["prompts"] for r in rows}
             assert m["prompts"] >= 1 and any(l.startswith("p") for l in labels)
+            assert not any(k.startswith("tau_pass.") for k in m)  # the window-less job's only
         outputs = [json.loads(line) for line in open(folder / "outputs.jsonl")]
         assert len(outputs) == m["prompts"] and all(set(o) >= methods for o in outputs)
         # float32 on the CPU: speculative greedy output must equal autoregressive output exactly

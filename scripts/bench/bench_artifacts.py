@@ -41,7 +41,8 @@ def main() -> None:
                         help="drafter/<these> (default: the profile's compressed drafters, as the DAG names them)")
     parser.add_argument("--served", action="store_true",
                         help="only the methods the selection chooses from (the stage-2 drafter and the compressed ones, on "
-                             "the QAD target) and the autoregressive run they are checked against: bench.methods")
+                             "the QAD target) and the autoregressive run they are checked against (bench.methods), and "
+                             "no untimed tau pass (bench.tau_prompts_per_category=0)")
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. 'bench.buckets=[[64,128],[2048,256],[8192,256]]'")
     args = parser.parse_args()
 
@@ -65,6 +66,7 @@ def main() -> None:
     if args.served:  # the same names bench_speedup gives these methods
         served = ["ar_qad", "spec_qad_stage2", *(f"spec_qad_{c}" for c in args.compressed)]
         overrides.append(f"bench.methods=[{','.join(served)}]")
+        overrides.append("bench.tau_prompts_per_category=0")  # a losslessness check: no untimed tau pass
     print("bench_artifacts: python3 -m qdflash.stages.bench_speedup " + " ".join(overrides), flush=True)
     status = subprocess.call([sys.executable, "-m", "qdflash.stages.bench_speedup", *overrides])
     dest = Path(os.environ.get("OUT", "/tmp/out")) / args.name

@@ -245,6 +245,22 @@ def round_parts(target, drafter, cases: list[PromptCase], reference: MethodResul
             "in_decode_steps": round(total / max(decode_ms, 1e-9), 3), "rounds": timer.rounds}
 
 
+def tau_pass(target, drafter, cases: list[PromptCase], window=None, verify_tokens=None, verify_adaptive=False) -> dict:
+    """Greedy speculative decoding of every case, untimed: per case label, the rounds, the tokens they
+    committed and tau (tokens / rounds), and the same over all cases ("all"). A pooled tau of any set of
+    labels is the sum of their tokens over the sum of their rounds."""
+    from tqdm.auto import tqdm
+
+    parts: dict[str, list[int]] = {}
+    for case in tqdm(cases, desc="tau pass", unit="prompt"):
+        out = speculative_generate(target, drafter, [case.ids], case.max_new_tokens, window=window,
+                                   verify_tokens=verify_tokens, verify_adaptive=verify_adaptive)
+        for label in (case.label, "all"):
+            rounds, tokens = parts.get(label, [0, 0])
+            parts[label] = [rounds + len(out.acceptance_lengths), tokens + sum(out.acceptance_lengths)]
+    return {label: {"rounds": r, "tokens": t, "tau": round(t / max(r, 1), 4)} for label, (r, t) in parts.items()}
+
+
 def spec(target, drafter, window=None, verify_tokens=None, verify_adaptive=False):
     """Speculative decoding with the drafter `window` and the verify length `verify_tokens` (None:
     the whole block; qdflash.spec.verify_length checks it now, not at the first prompt), the whole
@@ -367,5 +383,5 @@ def summary(name: str, result: MethodResult, block: int | None = None, decode_by
 
 
 __all__ = ["PromptCase", "MethodResult", "ar", "bucket_cases", "category_cases", "compare", "copy_bandwidth",
-           "device_timer", "plain_generate", "run_interleaved", "spec", "summary", "tensor_bytes", "top2_margin",
+           "device_timer", "plain_generate", "run_interleaved", "spec", "summary", "tau_pass", "tensor_bytes", "top2_margin",
            "warmup_lengths", "weight_bytes"]

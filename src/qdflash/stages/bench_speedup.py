@@ -9,6 +9,9 @@ Methods, on the same prompts, side by side in this process (qdflash.bench):
 - `spec16_stage1`: the stage-1 drafter on the 16-bit target;
 - `spec_qad_stage1` / `spec_qad_stage2`: the stage-1 / stage-2 drafter on the QAD target;
 - `spec_qad_<method>_w<bits>g<group>`: each compressed stage-2 drafter (`compressed=[...]`) on it.
+`bench.tau_prompts_per_category` (default 0: off): after the timed runs, the window-less job decodes that many
+held-out prompts a category with the stage-2 drafter on the QAD target, untimed, for its tau per category
+(`tau_pass.spec_qad_stage2.<category>.{tau,rounds,tokens}` in metrics.json).
 `bench.methods` (a list of these names; default all) restricts a job to some of them, e.g. the fp32 run
 that checks the served stack's losslessness (each speculative method with the autoregressive run it is checked against).
 The drafter of every speculative method the job measures drafts through its static engine
@@ -215,6 +218,18 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             log.info("%s %s: a round %.2f ms = %.2f decode steps (draft %.2f, verify %.2f, append %.2f, host %.2f ms)",
                      label, name, parts["ms"], parts["in_decode_steps"], parts["draft_ms"], parts["verify_ms"],
                      parts["append_ms"], parts["host_ms"])
+    # bench.tau_prompts_per_category: the served drafter's tau over more held-out prompts than the timed ones,
+    # untimed (a few prompts a category time a round well but measure tau loosely). Window-less job only: a window
+    # engages only past its length, so on these prompts every window job would measure the same
+    tau_n = int(b.get("tau_prompts_per_category") or 0)
+    if tau_n and window is None and "spec_qad_stage2" in methods:
+        wide = bench.category_cases(cfg.data_dir, tok, tau_n, b.max_new_tokens)
+        measured = bench.tau_pass(qad, stage2_qad, wide, window, verify, adaptive)
+        for label, part in measured.items():
+            run.metrics.update({f"tau_pass.spec_qad_stage2.{label}.{k}": v for k, v in part.items()})
+        run.metrics["tau_pass.prompts_per_category"] = tau_n
+        log.info("tau pass (spec_qad_stage2, up to %d held-out prompts a category, untimed): %s", tau_n,
+                 ", ".join(f"{label} {part['tau']:.3f} ({part['rounds']} rounds)" for label, part in measured.items()))
     columns = ["prompts", "method", "tokens", "seconds", "tokens_per_s", "tau", "speedup_vs_plain16", "speedup_vs_ar16",
                "speedup_vs_ar_qad", "mismatches", "mismatch_bugs", "gb_per_s", "peak_working_mib"]
     with open(run.dir / "speed.csv", "w", newline="") as handle:
