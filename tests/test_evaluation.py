@@ -172,6 +172,27 @@ def test_gate_verdicts():
         judge("t", [1.0], [1.0, 0.0], 0.9, 1)
 
 
+def test_the_point_rule_is_the_recipes_and_both_verdicts_are_reported():
+    """gates.rule: point passes a variant whose mean is >= ratio x the reference's whatever the interval
+    (RECIPE.md's rule) and fails one below it; too_few and uninformative stay; every result carries the
+    point rule's verdict, so the interval rule's table shows both."""
+    same = [1.0, 0.0] * 100
+    noisy = [1.0, 0.0, 0.0, 1.0] * 25  # mean 0.5 vs 0.5: >= 0.95 x the reference, but not shown
+    interval = judge("t", noisy, same[:100], 0.95, min_samples=50)
+    point = judge("t", noisy, same[:100], 0.95, min_samples=50, rule="point")
+    assert (interval.verdict, interval.point_verdict, interval.rule) == ("inconclusive", "pass", "interval")
+    assert (point.verdict, point.point_verdict, point.rule) == ("pass", "pass", "point")
+    assert (point.low, point.high, point.margin) == (interval.low, interval.high, interval.margin)
+    below = [1.0, 0.0, 0.0, 0.0] * 25 + [1.0, 0.0] * 50  # mean 0.375 < 0.95 x 0.5
+    assert judge("t", below, same[:200], 0.95, min_samples=50, rule="point").verdict == "fail"
+    assert judge("t", same[:10], same[:10], 0.9, min_samples=50, rule="point").verdict == "too_few"
+    chance = [1.0, 0.0, 0.0, 0.0] * 250
+    result = judge("mmlu", chance, chance, 0.9, min_samples=50, floor=0.25, rule="point")
+    assert (result.verdict, result.point_verdict) == ("uninformative", "uninformative")
+    with pytest.raises(ValueError, match="gates.rule='loose'"):
+        judge("t", same, same, 0.9, 50, rule="loose")
+
+
 def test_an_uninformative_task_blocks_unless_reported_and_something_else_passes():
     """when_uninformative: report excuses that task's `uninformative` verdict only: its fail still
     blocks, other tasks still count, and a variant judged on nothing but excused tasks does not pass."""

@@ -14,6 +14,11 @@ approximation, the items' own variance):
   a reference of all zeros and a variant of all zeros would otherwise "pass" with an interval of
   [0, 0], and a reference at chance would pass any variant at chance. (SmolLM2-135M scores 0 on
   GSM8K and chance on MMLU.)
+That is `rule="interval"`, the default. `rule="point"` is the reference recipe's own rule (RECIPE.md:
+"IFEval inst-level strict >= 0.814 (95% of 0.857)"): `pass` where the variant's mean is at least `ratio`
+times the reference's (margin >= 0), else `fail`, whatever the interval; `too_few` and `uninformative`
+stay as they are. Every result also carries `point_verdict`, the point rule's verdict, so a table shows
+both rules side by side whichever one decides.
 Only `pass` passes: a tiny or noisy sample can neither pass nor fail a variant by luck, a variant
 that is not shown to be good enough is never selected, and neither is one judged on a task the
 16-bit target cannot do. One exception, opted into per task (`when_uninformative: report`) for a
@@ -35,6 +40,7 @@ import math
 from dataclasses import dataclass
 
 Z95 = 1.959963984540054
+RULES = ("interval", "point")  # gates.rule (module docstring)
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class GateResult:
     reference_low: float = math.nan  # lower end of the 95% interval of the 16-bit target's mean
     needed_difference: float = math.nan  # variant - reference that passing needs at this spread (module docstring)
     power_if_equal: float = math.nan     # chance that a variant of equal mean and this spread passes
+    rule: str = "interval"               # which rule gave `verdict` (RULES)
+    point_verdict: str = ""              # the point rule's verdict (variant >= ratio x reference), either way
 
     @property
     def passes(self) -> bool:
@@ -67,31 +75,39 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
 
 
 def judge(task: str, variant_scores: list[float], reference_scores: list[float], ratio: float,
-          min_samples: int, floor: float = 0.0) -> GateResult:
+          min_samples: int, floor: float = 0.0, rule: str = "interval") -> GateResult:
     """The gate for one task from per-item scores of the variant and the 16-bit target (same items,
-    same order). `floor`: the task's chance score (see the module docstring)."""
+    same order). `floor`: the task's chance score; `rule`: interval or point (see the module docstring)."""
+    if rule not in RULES:
+        raise ValueError(f"gates.rule={rule!r}: expected one of {', '.join(RULES)}")
     if len(variant_scores) != len(reference_scores):
         raise ValueError(f"{task}: {len(variant_scores)} variant scores but {len(reference_scores)} reference scores")
     n = len(variant_scores)
     if n == 0:
-        return GateResult(task, 0, math.nan, math.nan, ratio, math.nan, math.nan, math.nan, "too_few", floor)
+        return GateResult(task, 0, math.nan, math.nan, ratio, math.nan, math.nan, math.nan, "too_few", floor,
+                          rule=rule, point_verdict="too_few")
     mean, half = mean_interval([x - ratio * y for x, y in zip(variant_scores, reference_scores)])
     low, high = mean - half, mean + half
     reference, reference_half = mean_interval(reference_scores)
     reference_low = reference - reference_half
     if n < min_samples:
-        verdict = "too_few"
+        verdict = point = "too_few"
     elif reference_low <= floor:
-        verdict = "uninformative"
-    elif low >= 0:
-        verdict = "pass"
-    elif high < 0:
-        verdict = "fail"
+        verdict = point = "uninformative"
     else:
-        verdict = "inconclusive"
+        point = "pass" if mean >= 0 else "fail"
+        if rule == "point":
+            verdict = point
+        elif low >= 0:
+            verdict = "pass"
+        elif high < 0:
+            verdict = "fail"
+        else:
+            verdict = "inconclusive"
     slack = (1.0 - ratio) * reference  # how far above ratio x reference a variant of equal mean sits
     return GateResult(task, n, reference, sum(variant_scores) / n, ratio, mean, low, high, verdict, floor, reference_low,
-                      needed_difference=half - slack, power_if_equal=pass_probability(slack, half))
+                      needed_difference=half - slack, power_if_equal=pass_probability(slack, half), rule=rule,
+                      point_verdict=point)
 
 
 def pass_probability(margin: float, half: float) -> float:

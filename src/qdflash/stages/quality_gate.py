@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 
 from ..data.sources import load_source
 from ..errors import QdflashError, SourceNotFound
-from ..evaluation.gates import judge, passes_all
+from ..evaluation.gates import RULES, judge, passes_all
 from ..evaluation.lm import QdflashLM
 from ..evaluation.humaneval import write_humaneval_task
 from ..evaluation.ifeval import SENTENCE_SPLITTER, load_ifeval_items, write_ifeval_task
@@ -183,6 +183,9 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         return
     if cfg.reference is None:
         raise QdflashError("reference: the 16-bit target's quality_gate folder (variant=null) is required to judge a variant")
+    rule = str(cfg.gates.get("rule") or "interval")
+    if rule not in RULES:  # before a variant is scored: bad input fails at once
+        raise QdflashError(f"gates.rule={rule!r}: expected one of {', '.join(RULES)}")
     reference = read_reference(Path(cfg.reference), {p.key: p.ids for p in plans})
     variant = score(cfg.variant, cfg, folder, plans, run)
     write_scores(run.dir, variant)
@@ -193,16 +196,16 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             raise QdflashError(f"{cfg.reference}: the 16-bit target was scored on other {plan.key} items than this variant")
         task_cfg = cfg.gates.tasks[plan.key]
         result = judge(plan.key, values, ref_scores, float(task_cfg.ratio),
-                       int(task_cfg.get("min_samples") or cfg.gates.min_samples), plan.floor)
+                       int(task_cfg.get("min_samples") or cfg.gates.min_samples), plan.floor, rule)
         results.append(result)
         for key, value in dataclasses.asdict(result).items():
             if key != "task":
                 run.metrics[f"{plan.key}.{key}"] = value
         log.info("%s: 16-bit %.3f (>= %.3f; floor %.2f), variant %.3f over %d items; variant - %.2f x 16-bit = %.3f "
                  "[%.3f, %.3f]: %s (at this spread, passing needs variant - 16-bit >= %+.3f; a variant as good as the "
-                 "16-bit target would pass with probability %.2f)", plan.key, result.reference, result.reference_low,
-                 result.floor, result.variant, result.n, result.ratio, result.margin, result.low, result.high,
-                 result.verdict, result.needed_difference, result.power_if_equal)
+                 "16-bit target would pass with probability %.2f); %s rule; the point rule says %s", plan.key, result.reference,
+                 result.reference_low, result.floor, result.variant, result.n, result.ratio, result.margin, result.low,
+                 result.high, result.verdict, result.needed_difference, result.power_if_equal, rule, result.point_verdict)
     with open(run.dir / "gates.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=[f.name for f in dataclasses.fields(results[0])])
         writer.writeheader()
