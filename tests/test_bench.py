@@ -155,7 +155,7 @@ def test_keep_methods_restricts_a_job_and_refuses_what_could_not_be_checked():
     assert bench.keep_methods(methods, None) == methods
     assert list(bench.keep_methods(methods, ["spec_qad_gptq_w4g128", "ar_qad"])) == ["ar_qad", "spec_qad_gptq_w4g128"]
     assert list(bench.keep_methods(methods, ["ar16", "spec16_stage1"])) == ["ar16", "spec16_stage1"]
-    with pytest.raises(QdflashError, match=r"bench.methods=.*unknown spec_qad_stage3; this job's methods are plain16"):
+    with pytest.raises(QdflashError, match=r"bench.methods=.*spec_qad_stage3 not run by this job; its methods are plain16"):
         bench.keep_methods(methods, ["ar_qad", "spec_qad_stage3"])
     with pytest.raises(QdflashError, match="bench.methods=.*: add ar_qad"):
         bench.keep_methods(methods, ["ar16", "spec_qad_stage2"])
@@ -183,3 +183,24 @@ def test_tau_pass_pools_rounds_and_tokens_per_label(tiny_llama):
     assert out["all"]["rounds"] == sum(len(r.acceptance_lengths) for r in runs)
     assert out["all"]["tokens"] == sum(len(r.tokens) - 1 for r in runs)  # every token after the prefill's
     assert out["all"]["tau"] == round(out["all"]["tokens"] / out["all"]["rounds"], 4)
+
+
+def test_a_job_knows_its_methods_before_loading_anything():
+    """bench_speedup.job_methods: (a') only on a GPU with bench.compiled_baseline, (a) only with
+    bench.plain_baseline, a window job only the AR baselines and the stage-2 drafters; so a bench.methods
+    name this job would not run (e.g. stage 1 in a window job) is refused before any model loads."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    from qdflash.errors import QdflashError
+    from qdflash.stages.bench_speedup import job_methods
+
+    b = OmegaConf.create({"compiled_baseline": True, "plain_baseline": True})
+    full = ["plain16", "ar16", "spec16_stage1", "ar_qad", "spec_qad_stage1", "spec_qad_stage2", "spec_qad_gptq_w4g128"]
+    assert job_methods(["spec_qad_gptq_w4g128"], None, False, b) == full
+    assert job_methods(["spec_qad_gptq_w4g128"], None, True, b) == [*full, "static16"]
+    assert job_methods([], None, True, OmegaConf.create({"compiled_baseline": False, "plain_baseline": False})) == full[1:6]
+    window = job_methods(["spec_qad_gptq_w4g128"], 1024, True, b)
+    assert window == ["ar16", "ar_qad", "spec_qad_stage2", "spec_qad_gptq_w4g128"]
+    with pytest.raises(QdflashError, match="spec_qad_stage1 not run by this job"):
+        bench.keep_methods(dict.fromkeys(window), ["ar_qad", "spec_qad_stage1"])

@@ -174,7 +174,7 @@ def test_gate_verdicts():
 
 def test_the_point_rule_is_the_recipes_and_both_verdicts_are_reported():
     """gates.rule: point passes a variant whose mean is >= ratio x the reference's whatever the interval
-    (RECIPE.md's rule) and fails one below it; too_few and uninformative stay; every result carries the
+    (docs/recipe.md's rule) and fails one below it; too_few and uninformative stay; every result carries the
     point rule's verdict, so the interval rule's table shows both."""
     same = [1.0, 0.0] * 100
     noisy = [1.0, 0.0, 0.0, 1.0] * 25  # mean 0.5 vs 0.5: >= 0.95 x the reference, but not shown
@@ -183,6 +183,8 @@ def test_the_point_rule_is_the_recipes_and_both_verdicts_are_reported():
     assert (interval.verdict, interval.point_verdict, interval.rule) == ("inconclusive", "pass", "interval")
     assert (point.verdict, point.point_verdict, point.rule) == ("pass", "pass", "point")
     assert (point.low, point.high, point.margin) == (interval.low, interval.high, interval.margin)
+    # what each rule can resolve: a variant equal to the reference passes the point rule more often than the interval
+    assert point.needed_difference == pytest.approx(-0.05 * 0.5) and point.power_if_equal > interval.power_if_equal
     below = [1.0, 0.0, 0.0, 0.0] * 25 + [1.0, 0.0] * 50  # mean 0.375 < 0.95 x 0.5
     assert judge("t", below, same[:200], 0.95, min_samples=50, rule="point").verdict == "fail"
     assert judge("t", same[:10], same[:10], 0.9, min_samples=50, rule="point").verdict == "too_few"

@@ -385,6 +385,13 @@ def test_marlin_reads_our_words_as_gptq_and_its_scales_in_8x8_tiles():
         row, col = divmod(within, 8)
         assert flat[index] == source[64 * tile + 8 * col + row]
     assert not marlin_w4.supported(n, k, group, torch.bfloat16, "cpu")  # CUDA only
+    marlin_w4._MODULE[:] = [True]  # as if the ops loaded: the shape rules alone
+    try:
+        assert marlin_w4.supported(64, 256, 128, torch.bfloat16, "cuda")
+        assert not marlin_w4.supported(64, 128, 128, torch.bfloat16, "cuda")  # one group: per-channel scale order
+        assert not marlin_w4.supported(96, 256, 128, torch.bfloat16, "cuda")  # N not a multiple of 64
+    finally:
+        marlin_w4._MODULE[:] = []
     assert marlin_w4.UINT4B8 == 1125899907892224  # vLLM's scalar_types.uint4b8.id (vllm 0.26.0)
     with pytest.raises(QdflashError, match="64-entry tiles"):
         marlin_w4.permute_scales(scale[:8, :1])

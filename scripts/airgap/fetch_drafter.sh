@@ -23,7 +23,11 @@ state = load_file(sys.argv[1])
 save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}, sys.argv[2])
 EOF
 (cd "$work" && sha256sum model.safetensors | sed 's#model.safetensors#drafter/model.safetensors#' > "$out/drafter.sha256")
-split -b 15M -d -a 1 "$work/model.safetensors" "$out/drafter.safetensors.part-"
+# a call returns at most 8 files: the pieces, the config and the sha256 must fit (a 2-layer drafter at the
+# 4B shape, ~2.5x the 0.5B one, would not: bring it back over several calls, or compressed)
+pieces=$(( ($(stat -c %s "$work/model.safetensors") + 15 * 1048576 - 1) / (15 * 1048576) ))
+if [ "$pieces" -gt 6 ]; then rm -rf "$work"; echo "fetch_drafter: $pieces pieces of 15 MiB, more than the 6 a call can return beside the config and sha256"; exit 2; fi
+split -b 15M -d -a 2 "$work/model.safetensors" "$out/drafter.safetensors.part-"
 cp "$src/config.json" "$out/drafter-config.json"
 rm -rf "$work"
 echo "fetch_drafter: $node of $experiment -> $(ls "$out"/drafter.safetensors.part-* | wc -l) pieces ($(du -ch "$out"/drafter.safetensors.part-* | tail -1 | cut -f1))"

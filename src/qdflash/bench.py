@@ -276,7 +276,7 @@ def reference_of(method: str) -> str:
 
 
 def keep_methods(methods: dict, keep, setting: str = "bench.methods") -> dict:
-    """`methods` restricted to the names in `keep` (None: all), in their order. An unknown name, or a
+    """`methods` restricted to the names in `keep` (None: all), in their order. A name not among them, or a
     speculative method kept without the autoregressive run it is checked against, is an error that
     names the setting: a run that leaves the reference out could not say whether it is lossless."""
     if keep is None:
@@ -284,8 +284,8 @@ def keep_methods(methods: dict, keep, setting: str = "bench.methods") -> dict:
     keep = list(keep)
     unknown = [name for name in keep if name not in methods]
     if unknown or not keep:
-        raise QdflashError(f"{setting}={keep}: {'unknown ' + ', '.join(unknown) if unknown else 'empty'}; "
-                           f"this job's methods are {', '.join(methods)}")
+        raise QdflashError(f"{setting}={keep}: {', '.join(unknown) + ' not run by this job' if unknown else 'empty'}; "
+                           f"its methods are {', '.join(methods)}")
     missing = sorted({reference_of(n) for n in keep if n.startswith("spec")} - set(keep))
     if missing:
         raise QdflashError(f"{setting}={keep}: add {', '.join(missing)}: every speculative output is checked "

@@ -14,11 +14,12 @@ approximation, the items' own variance):
   a reference of all zeros and a variant of all zeros would otherwise "pass" with an interval of
   [0, 0], and a reference at chance would pass any variant at chance. (SmolLM2-135M scores 0 on
   GSM8K and chance on MMLU.)
-That is `rule="interval"`, the default. `rule="point"` is the reference recipe's own rule (RECIPE.md:
+That is `rule="interval"`, the default. `rule="point"` is the reference recipe's own rule (docs/recipe.md:
 "IFEval inst-level strict >= 0.814 (95% of 0.857)"): `pass` where the variant's mean is at least `ratio`
 times the reference's (margin >= 0), else `fail`, whatever the interval; `too_few` and `uninformative`
 stay as they are. Every result also carries `point_verdict`, the point rule's verdict, so a table shows
-both rules side by side whichever one decides.
+both rules side by side whichever one decides; `needed_difference` and `power_if_equal` (below) are those of
+the rule that decides.
 Only `pass` passes: a tiny or noisy sample can neither pass nor fail a variant by luck, a variant
 that is not shown to be good enough is never selected, and neither is one judged on a task the
 16-bit target cannot do. One exception, opted into per task (`when_uninformative: report`) for a
@@ -105,19 +106,22 @@ def judge(task: str, variant_scores: list[float], reference_scores: list[float],
         else:
             verdict = "inconclusive"
     slack = (1.0 - ratio) * reference  # how far above ratio x reference a variant of equal mean sits
+    # what the rule can resolve: the interval rule needs the whole interval >= 0, the point rule the estimate
+    needed, power = ((half - slack, pass_probability(slack, half)) if rule == "interval"
+                     else (-slack, pass_probability(slack, half, z=0.0)))
     return GateResult(task, n, reference, sum(variant_scores) / n, ratio, mean, low, high, verdict, floor, reference_low,
-                      needed_difference=half - slack, power_if_equal=pass_probability(slack, half), rule=rule,
-                      point_verdict=point)
+                      needed_difference=needed, power_if_equal=power, rule=rule, point_verdict=point)
 
 
-def pass_probability(margin: float, half: float) -> float:
+def pass_probability(margin: float, half: float, z: float = Z95) -> float:
     """Probability that a margin estimate of true value `margin`, whose 95% interval has half-width
-    `half`, comes out with its whole interval >= 0 (normal approximation): Phi(margin / se - z)."""
+    `half`, comes out with its whole interval >= 0 (normal approximation): Phi(margin / se - z); with
+    z = 0, that the estimate itself comes out >= 0 (the point rule)."""
     if math.isnan(half) or math.isinf(half):  # one item: no spread to judge by
         return math.nan
     if half == 0:  # every item's difference is the same: the estimate is the margin itself
         return float(margin >= 0)
-    return 0.5 * (1.0 + math.erf((margin / (half / Z95) - Z95) / math.sqrt(2.0)))
+    return 0.5 * (1.0 + math.erf((margin / (half / Z95) - z) / math.sqrt(2.0)))
 
 
 def passes_all(results: list[GateResult], report_uninformative: frozenset[str] | set[str] = frozenset()) -> bool:

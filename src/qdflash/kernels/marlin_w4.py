@@ -80,10 +80,11 @@ def load():
 
 
 def supported(n: int, k: int, group: int, dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether Marlin takes this shape here: CUDA, 16-bit activations, a group it has (dividing K), N a
-    multiple of 64 and K of 128 (its thread tiles; vLLM pads other shapes, this project does not), the ops loaded."""
+    """Whether Marlin takes this shape here: CUDA, 16-bit activations, a group it has (dividing K, and more
+    than one group: with one, Marlin reads the scales as per-channel, in another order than `permute_scales`),
+    N a multiple of 64 and K of 128 (its thread tiles; vLLM pads other shapes, this project does not), the ops loaded."""
     return (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and group in GROUPS
-            and k % group == 0 and n % 64 == 0 and k % 128 == 0 and load() is not None)
+            and k % group == 0 and k > group and n % 64 == 0 and k % 128 == 0 and load() is not None)
 
 
 def gptq_words(words: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ from ..drafter import load_drafter
 from ..drafter.static import DrafterEngine
 from ..engine import build_engine
 from ..errors import QdflashError
-from ..models import load_target
+from ..models import load_target, resolve_device
 from ..spec import verify_length, verify_sizes
 from ..tracking import NodeRun
 from ._app import stage
@@ -70,10 +70,11 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     drafter_dtype = b.get("drafter_dtype", "checkpoint")
     if drafter_dtype not in ("checkpoint", "target"):  # before the targets load: bad input fails at once
         raise QdflashError(f"bench.drafter_dtype={drafter_dtype!r}: expected 'checkpoint' (as saved) or 'target' (the target's dtype)")
-    # bench.methods names what the job can run (below): a typo fails here, before any model loads
-    bench.keep_methods(dict.fromkeys(["plain16", "static16", "ar16", "spec16_stage1", "ar_qad", "spec_qad_stage1",
-                                      "spec_qad_stage2", *(f"spec_qad_{Path(p).parent.name}" for p in cfg.compressed)]),
-                       b.get("methods"))
+    # what this job runs (its window, device and baselines), restricted by bench.methods: a name the job does
+    # not run fails here, before any model loads
+    names = job_methods([f"spec_qad_{Path(p).parent.name}" for p in cfg.compressed], b.window,
+                        resolve_device(cfg.device).type == "cuda", b)
+    kept = list(bench.keep_methods(dict.fromkeys(names), b.get("methods")))
     target16 = load_target(cfg.model.name, dtype=cfg.dtype, device=cfg.device)
     qad = load_target(cfg.qad_model, dtype=cfg.dtype, device=cfg.device)
 
@@ -108,8 +109,15 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     log.info("%d prompts: %s", len(cases), ", ".join(f"{c.label} ({len(c.ids)} tokens)" for c in cases))
     # where each long prompt's text came from: held-out text, or training text too where held-out ran short
     run.metrics.update({f"prompts.{c.label}.text_from": c.text_from for c in cases if c.text_from})
-    # this project's loops run on the lean engine where the family has one (transformers' forward otherwise)
-    longest = max(len(c.ids) + c.max_new_tokens for c in cases) + stage1_16.block_size + 1
+    # bench.tau_prompts_per_category: the served drafter's tau over more held-out prompts than the timed ones,
+    # untimed (a few prompts a category time a round well but measure tau loosely). Window-less job only: a window
+    # engages only past its length, so on these prompts every window job would measure the same
+    tau_n = int(b.get("tau_prompts_per_category") or 0)
+    wide = (bench.category_cases(cfg.data_dir, tok, tau_n, b.max_new_tokens)
+            if tau_n and window is None and "spec_qad_stage2" in kept else [])
+    # this project's loops run on the lean engine where the family has one (transformers' forward otherwise);
+    # its caches hold the longest prompt and answer of the timed runs and of the tau pass
+    longest = max(len(c.ids) + c.max_new_tokens for c in cases + wide) + stage1_16.block_size + 1
     # bench.compile: every captured step (decode, verify, draft) through torch.compile, so the AR and the
     # speculative methods run the same fused steps; CUDA graphs only (a CPU run would time compilation)
     compiled = bool(b.get("compile", False)) and target16.device.type == "cuda"
@@ -118,7 +126,11 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     # propose, so a compiled draft's rounding moves tau at most, never what is emitted
     compile_drafts = (compiled or bool(b.get("compile_drafter", False))) and target16.device.type == "cuda"
     run.metrics["bench.compile_drafter"] = int(compile_drafts)
+    uses = {"target16": ("ar16", "spec16_stage1"), "qad": ("ar_qad", "spec_qad_stage1", "spec_qad_stage2", *compressed)}
     for key, target in (("target16", target16), ("qad", qad)):
+        if not any(name in kept for name in uses[key]):  # e.g. the 16-bit target in the served fp32 run
+            run.metrics[f"engine.{key}"] = "unused"
+            continue
         try:
             target.engine = build_engine(target, max_len=longest)
         except QdflashError as err:  # a family without an engine
@@ -144,18 +156,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         **{name: bench.spec(qad, drafter, window, verify, adaptive) for name, drafter in compressed.items()},
     }
     cuda = target16.device.type == "cuda"
-    if cuda and b.compiled_baseline:
-        methods["static16"] = lambda ids, n: bench.plain_generate(target16, ids, n, static=True)
-    if not b.get("plain_baseline", True):  # e.g. an fp32 run that checks losslessness: (a) is its slowest method
-        methods.pop("plain16")
-    if window is not None:
-        # the window sweep is about the adapted (stage-2) drafters: the rest are in the window-less job;
-        # so are transformers' baselines (a) and (a'), which no drafter window changes and which are the
-        # slowest methods by far (results/published/2026-11-30-h200-gpu-dag)
-        methods = {k: v for k, v in methods.items()
-                   if not k.startswith(("spec16_", "spec_qad_stage1")) and k not in ("plain16", "static16")}
-    # bench.methods: a subset of the job's methods, e.g. the fp32 run that checks the served stack's losslessness
-    methods = bench.keep_methods(methods, b.get("methods"))
+    methods["static16"] = lambda ids, n: bench.plain_generate(target16, ids, n, static=True)
+    methods = {name: methods[name] for name in kept}  # job_methods, then bench.methods
     # the drafter of each speculative method this job measures
     drafters = {name: drafter for name, drafter in {"spec16_stage1": stage1_16, "spec_qad_stage1": stage1_qad,
                                                     "spec_qad_stage2": stage2_qad, **compressed}.items() if name in methods}
@@ -218,12 +220,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             log.info("%s %s: a round %.2f ms = %.2f decode steps (draft %.2f, verify %.2f, append %.2f, host %.2f ms)",
                      label, name, parts["ms"], parts["in_decode_steps"], parts["draft_ms"], parts["verify_ms"],
                      parts["append_ms"], parts["host_ms"])
-    # bench.tau_prompts_per_category: the served drafter's tau over more held-out prompts than the timed ones,
-    # untimed (a few prompts a category time a round well but measure tau loosely). Window-less job only: a window
-    # engages only past its length, so on these prompts every window job would measure the same
-    tau_n = int(b.get("tau_prompts_per_category") or 0)
-    if tau_n and window is None and "spec_qad_stage2" in methods:
-        wide = bench.category_cases(cfg.data_dir, tok, tau_n, b.max_new_tokens)
+    if wide:  # the untimed tau pass (bench.tau_prompts_per_category, above)
         measured = bench.tau_pass(qad, stage2_qad, wide, window, verify, adaptive)
         for label, part in measured.items():
             run.metrics.update({f"tau_pass.spec_qad_stage2.{label}.{k}": v for k, v in part.items()})
@@ -247,6 +244,22 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                         "block_size": stage1_16.block_size, "verify_tokens": verify, "verify_adaptive": int(adaptive)})
     bugs = sum(v for k, v in run.metrics.items() if k.startswith("all.") and k.endswith(".mismatch_bugs"))
     log.info("speculative vs autoregressive: %d mismatch bugs (%s)", bugs, "float32: any mismatch" if fp32 else f"margin > {bench.MARGIN_BUG}")
+
+
+def job_methods(compressed: list[str], window, cuda: bool, b) -> list[str]:
+    """The methods a job runs, before bench.methods: every one of the module docstring's, but (a') only on
+    a GPU with bench.compiled_baseline, (a) only with bench.plain_baseline, and in a window job only the
+    AR baselines and the stage-2 drafters: the window sweep is about the adapted drafters, and
+    transformers' baselines, which no drafter window changes, are the slowest methods by far
+    (results/published/2026-11-30-h200-gpu-dag)."""
+    names = ["plain16", "ar16", "spec16_stage1", "ar_qad", "spec_qad_stage1", "spec_qad_stage2", *compressed]
+    if cuda and b.get("compiled_baseline", True):
+        names.append("static16")
+    if not b.get("plain_baseline", True):  # e.g. an fp32 run that checks losslessness: (a) is its slowest method
+        names.remove("plain16")
+    if window is not None:
+        names = [n for n in names if not n.startswith(("spec16_", "spec_qad_stage1")) and n not in ("plain16", "static16")]
+    return names
 
 
 def tuning_summary(tuned: dict) -> list[str]:
