@@ -10,7 +10,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parents[1]
 
 
-def _env_path(name: str) -> Path | None:
+def env_path(name: str) -> Path | None:
     """$name as a path, or None where it is unset or empty: an empty variable (`export QDFLASH_CACHE_DIR=`)
     would otherwise be the current folder, where a model conversion would write gigabytes unasked."""
     value = os.environ.get(name, "").strip()
@@ -19,13 +19,13 @@ def _env_path(name: str) -> Path | None:
 
 def config_dir() -> Path:
     """The Hydra config root (`config/` of the repository, or $QDFLASH_CONFIG_DIR)."""
-    return (_env_path("QDFLASH_CONFIG_DIR") or REPO_ROOT / "config").resolve()
+    return (env_path("QDFLASH_CONFIG_DIR") or REPO_ROOT / "config").resolve()
 
 
 def cache_dir() -> Path:
     """Converted models and tokenizers are cached here ($QDFLASH_CACHE_DIR, else ~/.cache/qdflash)."""
-    default = (_env_path("XDG_CACHE_HOME") or Path.home() / ".cache") / "qdflash"
-    path = _env_path("QDFLASH_CACHE_DIR") or default
+    default = (env_path("XDG_CACHE_HOME") or Path.home() / ".cache") / "qdflash"
+    path = env_path("QDFLASH_CACHE_DIR") or default
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -373,7 +373,7 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
             want = greedy[i][a[:, None] + offsets[None, :]]
             acc = acceptance_lengths(draft[i, : a.numel()], want)
             lengths.append(acc)
-            offsets_seen.append(answer_offsets(torch.tensor(ex["loss_mask"]), a))
+            offsets_seen.append(answer_offsets(loss_masks[i], a))
             if categories:
                 by_category[categories.get(ex["id"], "unknown")].append(acc)
     drafter.train(was_training)

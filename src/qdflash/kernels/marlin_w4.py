@@ -27,12 +27,12 @@ order Marlin's threads load them in).
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import torch
 
 from ..errors import QdflashError
+from ..paths import env_path
 
 LIBRARY = "_C_stable_libtorch.abi3.so"  # the library of vLLM's wheel that holds the Marlin ops
 GROUPS = (32, 64, 128)  # Marlin's group sizes (besides per-channel, which this project's grid never uses)
@@ -45,9 +45,7 @@ SOURCE: list[str] = []  # where they came from: "registered" (before load) or th
 
 
 def _library_paths() -> list[Path]:
-    paths = []
-    if os.environ.get("QDFLASH_MARLIN_LIB", "").strip():
-        paths.append(Path(os.environ["QDFLASH_MARLIN_LIB"].strip()))
+    paths = [lib] if (lib := env_path("QDFLASH_MARLIN_LIB")) else []
     try:
         spec = importlib.util.find_spec("vllm")  # where vllm is installed, without importing it
     except (ImportError, ValueError):

@@ -72,8 +72,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         raise QdflashError(f"bench.drafter_dtype={drafter_dtype!r}: expected 'checkpoint' (as saved) or 'target' (the target's dtype)")
     # what this job runs (its window, device and baselines), restricted by bench.methods: a name the job does
     # not run fails here, before any model loads
-    names = job_methods([f"spec_qad_{Path(p).parent.name}" for p in cfg.compressed], b.window,
-                        resolve_device(cfg.device).type == "cuda", b)
+    cuda = resolve_device(cfg.device).type == "cuda"  # where load_target puts both targets
+    names = job_methods([f"spec_qad_{Path(p).parent.name}" for p in cfg.compressed], b.window, cuda, b)
     kept = list(bench.keep_methods(dict.fromkeys(names), b.get("methods")))
     target16 = load_target(cfg.model.name, dtype=cfg.dtype, device=cfg.device)
     qad = load_target(cfg.qad_model, dtype=cfg.dtype, device=cfg.device)
@@ -120,15 +120,15 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     longest = max(len(c.ids) + c.max_new_tokens for c in cases + wide) + stage1_16.block_size + 1
     # bench.compile: every captured step (decode, verify, draft) through torch.compile, so the AR and the
     # speculative methods run the same fused steps; CUDA graphs only (a CPU run would time compilation)
-    compiled = bool(b.get("compile", False)) and target16.device.type == "cuda"
+    compiled = bool(b.get("compile", False)) and cuda
     run.metrics["bench.compile"] = int(compiled)
     # bench.compile_drafter: only the drafters' draft steps compiled (the target's steps as captured): drafts only
     # propose, so a compiled draft's rounding moves tau at most, never what is emitted
-    compile_drafts = (compiled or bool(b.get("compile_drafter", False))) and target16.device.type == "cuda"
+    compile_drafts = (compiled or bool(b.get("compile_drafter", False))) and cuda
     run.metrics["bench.compile_drafter"] = int(compile_drafts)
-    uses = {"target16": ("ar16", "spec16_stage1"), "qad": ("ar_qad", "spec_qad_stage1", "spec_qad_stage2", *compressed)}
-    for key, target in (("target16", target16), ("qad", qad)):
-        if not any(name in kept for name in uses[key]):  # e.g. the 16-bit target in the served fp32 run
+    for key, target, ar in (("target16", target16, "ar16"), ("qad", qad, "ar_qad")):
+        # a target's engine runs its AR method and, only beside it (bench.keep_methods), its speculative ones
+        if ar not in kept:  # e.g. the 16-bit target in the served fp32 run
             run.metrics[f"engine.{key}"] = "unused"
             continue
         try:
@@ -155,7 +155,6 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         "spec_qad_stage2": bench.spec(qad, stage2_qad, window, verify, adaptive),
         **{name: bench.spec(qad, drafter, window, verify, adaptive) for name, drafter in compressed.items()},
     }
-    cuda = target16.device.type == "cuda"
     methods["static16"] = lambda ids, n: bench.plain_generate(target16, ids, n, static=True)
     methods = {name: methods[name] for name in kept}  # job_methods, then bench.methods
     # the drafter of each speculative method this job measures
