@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from .data.jsonl import read_jsonl
 from .errors import QdflashError
 from .models import synchronize
 from .spec import GenerationResult, RoundTimer, autoregressive_generate, speculative_generate, target_session, verify_length
+
+log = logging.getLogger(__name__)
 
 MARGIN_BUG = 1e-2  # relative top-2 logit margin above which a bf16 divergence is a bug
 FILLER = "the cat sat on the mat. "  # the repetitive prompt: drafters look best on it, so it is its own row
@@ -182,10 +185,12 @@ def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1) -> 
 
     from tqdm.auto import tqdm
 
-    for fn in methods.values():
+    for name, fn in methods.items():
+        started = time.perf_counter()
         for case in cases[:warmup]:  # compile / allocate / fill caches outside the measurement
             for n in warmup_lengths(case.max_new_tokens):
                 fn(case.ids, n)
+        log.info("warm-up %s: %.1f s", name, time.perf_counter() - started)
     results = {name: MethodResult() for name in methods}
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     names = list(methods)

@@ -141,11 +141,15 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         run.metrics[f"engine.{key}"] = "lean"
         run.metrics[f"engine.{key}.attention"] = target.engine.attention
         if target.device.type == "cuda":  # decode steps and verify blocks replay CUDA graphs
+            started = time.perf_counter()
             run.metrics[f"engine.{key}.kernel_tuning"] = tuning_summary(target.engine.tune_kernels())
             target.engine.capture([1], None, compile=compiled)
             target.engine.capture([1, *verify_sizes(stage1_16, verify, adaptive)], stage1_16.config.target_layer_ids,
                                   compile=compiled)  # the verify blocks
             run.metrics[f"engine.{key}.graphs"] = len(target.engine.graphs)
+            # said as it happens: a job cut here (a lost machine) shows in its log how far it got
+            log.info("engine %s: kernels tuned, %d graphs captured%s in %.1f s", key, len(target.engine.graphs),
+                     " (compiled)" if compiled else "", time.perf_counter() - started)
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
         "ar16": bench.ar(target16),
@@ -166,6 +170,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         run.metrics[f"drafter_engine.{name}.graphs"] = drafter.engine.capture(window)
         # what capturing (and with bench.compile_drafter, compiling) cost this job: outside the measurement
         run.metrics[f"drafter_engine.{name}.capture_seconds"] = round(time.perf_counter() - started, 2)
+        log.info("drafter engine %s: %d graphs captured%s in %.1f s", name, run.metrics[f"drafter_engine.{name}.graphs"],
+                 " (compiled)" if compile_drafts else "", run.metrics[f"drafter_engine.{name}.capture_seconds"])
     # achieved bandwidth (gpt-fast's tokens/s x weight bytes) against the copy bandwidth of this GPU
     decode_bytes = {"target16": bench.weight_bytes(target16.model), "qad": bench.weight_bytes(qad.model)}
     run.metrics.update({f"{key}.decode_weight_mib": round(v / 2**20, 2) for key, v in decode_bytes.items()})
