@@ -320,6 +320,32 @@ def check_gates(results):
         assert abs(m["mmlu.reference"] - sum(reference["mmlu"]["scores"]) / len(reference["mmlu"]["scores"])) < 1e-9
 
 
+def check_cut_after_timed_runs(folder):
+    """A benchmark job cut after its timed runs (here: its tau pass fails) keeps them: speed.csv is in its
+    partial folder, which the H200 runs bring back, and nothing is taken as done (two H200 runs lost every
+    timed result to a cut in the tau pass). The same job's overrides, on two of its methods."""
+    import csv
+
+    overrides = [o for o in yaml.safe_load((folder / "hydra" / "overrides.yaml").read_text()) if not o.startswith("out_dir=")]
+    out_dir = folder.parent / "cut_in_tau_pass"
+    cut = ("import sys, qdflash.bench as bench\n"
+           "def cut(*args, **kwargs): raise RuntimeError('cut in the tau pass')\n"
+           "bench.tau_pass = cut\n"
+           "from qdflash.stages.bench_speedup import main\n"
+           "sys.argv = ['bench_speedup', *sys.argv[1:]]\n"
+           "main()\n")
+    out = subprocess.run([sys.executable, "-c", cut, *overrides, f"out_dir={out_dir}", "bench.methods=[ar_qad,spec_qad_stage2]",
+                          "tracking.wandb.mode=disabled"], capture_output=True, text=True, timeout=600,
+                         cwd=folder.parents[3])  # the DAG's clone: its overrides name paths in it
+    assert out.returncode != 0 and "cut in the tau pass" in out.stderr, out.stderr[-3000:]
+    assert not out_dir.exists()
+    (partial,) = folder.parent.glob("cut_in_tau_pass.partial-*")
+    rows = list(csv.DictReader(open(partial / "speed.csv")))
+    assert {(r["prompts"], r["method"]) for r in rows} >= {("all", "ar_qad"), ("all", "spec_qad_stage2"), ("chat", "spec_qad_stage2")}
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    shutil.rmtree(partial)
+
+
 def check_bench(results):
     import csv
 
@@ -345,6 +371,7 @@ def check_bench(results):
             assert m["tau_pass.spec_qad_stage2.all.rounds"] == sum(m[f"tau_pass.spec_qad_stage2.{c}.rounds"] for c in passed - {"all"})
             labels = {r["prompts"] for r in rows}
             assert {"all", "chat", "knowledge", "code", "filler"} <= labels and any(l.startswith("p") for l in labels)
+            check_cut_after_timed_runs(folder)
         else:  # only prompts longer than the window, where it engages; the stage-2 drafters; no transformers
             assert methods == (baselines - {"plain16"}) | {"spec_qad_stage2"} | compressed
             assert all(r["speedup_vs_plain16"] == "" for r in rows)

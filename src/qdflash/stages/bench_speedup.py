@@ -211,6 +211,23 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                 row.update({"mismatches": check["mismatches"], "mismatch_bugs": check["mismatch_bugs"]})
                 run.metrics.update({f"{label}.{name}.{k}": v for k, v in check.items()})
             rows.append(row)
+    # the timed results are written (and summarized in the log) before the round profile and the tau pass:
+    # a job cut after its timed runs (results/published/2026-12-03-h200-qwen-complete lost them so, in the
+    # tau pass) still leaves them in its partial folder, which the H200 runs bring back
+    columns = ["prompts", "method", "tokens", "seconds", "tokens_per_s", "tau", "speedup_vs_plain16", "speedup_vs_ar16",
+               "speedup_vs_ar_qad", "mismatches", "mismatch_bugs", "gb_per_s", "peak_working_mib"]
+    with open(run.dir / "speed.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    # every method's tokens per prompt: a divergence can be looked at (and re-scored) afterwards
+    write_jsonl(run.dir / "outputs.jsonl", [{"prompt": i, "label": case.label, "prompt_tokens": len(case.ids),
+                                             **{name: r.runs[i].tokens for name, r in results.items()}}
+                                            for i, case in enumerate(cases)])
+    for row in rows:  # every drafter over all prompts; the served one (stage 2) per prompt kind too
+        if row["method"] in drafters and (row["prompts"] == "all" or row["method"] == "spec_qad_stage2"):
+            log.info("%s %s: tau %s, %.1f tokens/s, %s", row["prompts"], row["method"], row["tau"], row["tokens_per_s"],
+                     ", ".join(f"{row[k]}x {k[len('speedup_vs_'):]}" for k in ("speedup_vs_ar16", "speedup_vs_ar_qad") if k in row))
     # what a round costs, part by part, for the drafter the stack serves and its 16-bit counterpart: one
     # profiling pass per prompt kind after the timed runs (it synchronizes between parts)
     for name, target, drafter, reference in (("spec16_stage1", target16, stage1_16, "ar16"),
@@ -232,16 +249,6 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         run.metrics["tau_pass.prompts_per_category"] = tau_n
         log.info("tau pass (spec_qad_stage2, up to %d held-out prompts a category, untimed): %s", tau_n,
                  ", ".join(f"{label} {part['tau']:.3f} ({part['rounds']} rounds)" for label, part in measured.items()))
-    columns = ["prompts", "method", "tokens", "seconds", "tokens_per_s", "tau", "speedup_vs_plain16", "speedup_vs_ar16",
-               "speedup_vs_ar_qad", "mismatches", "mismatch_bugs", "gb_per_s", "peak_working_mib"]
-    with open(run.dir / "speed.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    # every method's tokens per prompt: a divergence can be looked at (and re-scored) afterwards
-    write_jsonl(run.dir / "outputs.jsonl", [{"prompt": i, "label": case.label, "prompt_tokens": len(case.ids),
-                                             **{name: r.runs[i].tokens for name, r in results.items()}}
-                                            for i, case in enumerate(cases)])
     if cuda:
         run.metrics["cuda.device"] = torch.cuda.get_device_name()
     run.metrics.update({"prompts": len(cases), "prompt_set": bench.prompt_set(cases), "dtype": str(target16.dtype),
