@@ -322,8 +322,9 @@ def check_gates(results):
 
 def check_cut_after_timed_runs(folder):
     """A benchmark job cut after its timed runs (here: its tau pass fails) keeps them: speed.csv is in its
-    partial folder, which the H200 runs bring back, and nothing is taken as done (two H200 runs lost every
-    timed result to a cut in the tau pass). The same job's overrides, on two of its methods."""
+    partial folder, which the H200 runs bring back, and nothing is taken as done (results/published/
+    2026-12-03-h200-qwen-complete lost its per-category results to a cut in the tau pass). The same job's
+    overrides, on two of its methods."""
     import csv
 
     overrides = [o for o in yaml.safe_load((folder / "hydra" / "overrides.yaml").read_text()) if not o.startswith("out_dir=")]
@@ -343,6 +344,8 @@ def check_cut_after_timed_runs(folder):
     rows = list(csv.DictReader(open(partial / "speed.csv")))
     assert {(r["prompts"], r["method"]) for r in rows} >= {("all", "ar_qad"), ("all", "spec_qad_stage2"), ("chat", "spec_qad_stage2")}
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    outputs = read(partial / "outputs.jsonl")  # every prompt's tokens, per method
+    assert outputs and all(o["spec_qad_stage2"] == o["ar_qad"] for o in outputs)  # fp32: lossless
     shutil.rmtree(partial)
 
 

@@ -6,17 +6,20 @@
 #   bash scripts/airgap/fetch_drafter.sh EXPERIMENT [NODE] [FIRST]  # NODE: stage2 (default), stage1, gptq_w4g128, ...
 #                                                   # FIRST: the first piece this call returns (0, then 4, ...)
 # Here, from the call's files_at:
-#   mkdir -p drafter && cat <files_at>/drafter.safetensors.part-* > drafter/model.safetensors \
-#     && cp <files_at>/drafter-config.json drafter/config.json && sha256sum -c <files_at>/drafter.sha256
+#   mkdir -p drafter && cat <files_at 1>/drafter.safetensors.part-* <files_at 2>/drafter.safetensors.part-* \
+#     > drafter/model.safetensors && cp <files_at 1>/drafter-config.json drafter/config.json \
+#     && sha256sum -c <files_at 1>/drafter.sha256          # every call's pieces, in call order
 # Only floating tensors are cast; what is packed (a compressed drafter's ints) stays as it is.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 experiment=${1:?usage: fetch_drafter.sh EXPERIMENT [NODE] [FIRST]}; node=${2:-stage2}; first=${3:-0}
 [[ "$first" =~ ^[0-9]+$ ]] || { echo "fetch_drafter: FIRST must be a piece number (0, 4, ...), not '$first'"; exit 2; }
+first=$((10#$first))  # "08" is piece 8, not an octal error
 piece_kib=${QDFLASH_PIECE_KIB:-15360}  # 15 MiB: a call's limit is 16 MiB a file (the tests cut tiny drafters finer)
 src=$QDFLASH_RESULTS/$experiment/drafter/$node/drafter
 [ -f "$src/model.safetensors" ] || { echo "fetch_drafter: no drafter at $src"; exit 2; }
 out=${OUT:-/tmp/out}; work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 python3 - "$src/model.safetensors" "$work/model.safetensors" <<'EOF'
 import sys
 

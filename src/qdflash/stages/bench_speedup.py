@@ -32,7 +32,8 @@ selection (qdflash.report.select_fastest); either way with this project's autore
 baselines (b), (c) and the stage-2 drafters (uncompressed and compressed); transformers' (a) and (a')
 do not depend on the window and are measured in the window-less job only (its speed.csv and
 metrics.json), so a window job's `speedup_vs_plain16` is blank (and every job's with
-`bench.plain_baseline: false`, which leaves (a) out: a run that only checks losslessness).
+`bench.plain_baseline: false`, which leaves (a) out: a run that only checks losslessness, or the gpu
+profile, to fit the DAG into a session's device time).
 Prompts: held-out prompts per category, and length buckets (real text; the filler prompt apart).
 Every speculative greedy output is compared with the autoregressive output of its target; all
 outputs are kept in `outputs.jsonl` (token ids per prompt and method).
