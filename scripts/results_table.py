@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from qdflash.bench import is_pooled  # noqa: E402  (the pooled chat / math / code row)
 from qdflash.variants import window_name  # noqa: E402  (one source of the variant names)
 
 WINDOWLESS = f"speedup_{window_name(None)}"  # the benchmark job without a drafter window: bench/speedup_winnone
@@ -124,7 +125,7 @@ def compile_caveat(folder: Path, row: dict) -> str | None:
     path = folder / "bench" / WINDOWLESS / "speed.csv"
     if row["speedup_vs_hf_compiled"] in ("", None) or not path.is_file():
         return None
-    rows = [r for r in read_csv(path) if r["prompts"] != "all" and int(r["tokens"]) > 0]
+    rows = [r for r in read_csv(path) if r["prompts"] != "all" and not is_pooled(r["prompts"]) and int(r["tokens"]) > 0]
     static = {r["prompts"]: float(r["seconds"]) / int(r["tokens"]) for r in rows if r["method"] == "static16"}
     if len(static) < 3:
         return None
@@ -148,6 +149,20 @@ def compile_caveat(folder: Path, row: dict) -> str | None:
             f"for {tokens} tokens on the {', '.join(slow)} prompts, over 10× its median time per token. That is a "
             f"compilation inside the measurement; the warm-up now compiles both cache shapes first "
             f"(`qdflash.bench.warmup_lengths`). Without those prompts, for both methods: {ratio:.2f}×.")
+
+
+def pooled_text(folder: Path, row: dict) -> str | None:
+    """The shown variant's τ and speedups on the pooled chat / math / code row of its own benchmark job
+    (issue 21 states its targets there); None for a run whose speed.csv has no pooled row."""
+    path = folder / "bench" / f"speedup_{window_name(int(row['window']) if row['window'] else None)}" / "speed.csv"
+    method = f"spec_qad_{row['drafter']}"
+    found = [r for r in read_csv(path) if is_pooled(r["prompts"]) and r["method"] == method] if path.is_file() else []
+    if not found:
+        return None
+    r = found[0]
+    kinds = " / ".join(r["prompts"].split("+"))
+    return (f"On the held-out {kinds} prompts alone: τ {float(r['tau']):.2f}, {times(r['speedup_vs_ar16'])} autoregressive "
+            f"16-bit decoding, {times(r['speedup_vs_ar_qad'])} autoregressive decoding of the quantized target.")
 
 
 def differences(model: str, device: str, answers: int | None) -> str:
@@ -185,6 +200,7 @@ def table(folder: Path, model: str | None = None) -> str:
         f"| {label}, window {window} | {float(row['tau_mean']):.2f} | {float(row['tokens_per_s']):.1f} | "
         f"{times(row['speedup_vs_hf'])} | {times(row['speedup_vs_hf_compiled'])} | {times(row['speedup_vs_ar16'])} | "
         f"{times(row['speedup_vs_ar_quant'])} | {gate_text(quality, row['target'])} |",
+        *(["", pooled] if (pooled := pooled_text(folder, row)) else []),
         *(["", caveat] if (caveat := compile_caveat(folder, row)) else []),
         *(["", agreement(folder)] if agreement(folder) else []),
         "",

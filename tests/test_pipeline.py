@@ -374,6 +374,13 @@ def check_bench(results):
             assert m["tau_pass.spec_qad_stage2.all.rounds"] == sum(m[f"tau_pass.spec_qad_stage2.{c}.rounds"] for c in passed - {"all"})
             labels = {r["prompts"] for r in rows}
             assert {"all", "chat", "knowledge", "code", "filler"} <= labels and any(l.startswith("p") for l in labels)
+            # the pooled row of the kinds issue 21's targets are stated over: their tokens and seconds, summed
+            pooled = "chat+math+code" if "math" in labels else "chat+code"
+            for method in methods:
+                (row,) = [r for r in rows if r["prompts"] == pooled and r["method"] == method]
+                parts = [r for r in rows if r["prompts"] in pooled.split("+") and r["method"] == method]
+                assert int(row["tokens"]) == sum(int(r["tokens"]) for r in parts)
+                assert abs(float(row["seconds"]) - sum(float(r["seconds"]) for r in parts)) < 1e-3
             check_cut_after_timed_runs(folder)
         else:  # only prompts longer than the window, where it engages; the stage-2 drafters; no transformers
             assert methods == (baselines - {"plain16"}) | {"spec_qad_stage2"} | compressed

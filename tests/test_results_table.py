@@ -91,3 +91,46 @@ def test_a_reported_uninformative_gate_says_it_is_not_required():
     text = module.gate_text([row], "qad_x")
     assert "mmlu 0.250 vs 0.254 (n 2000): uninformative (reported, not required)" in text
     assert "gsm8k 0.250 vs 0.254 (n 1319): pass" in text and "pass (reported" not in text
+
+
+def test_the_pooled_chat_math_code_row_is_shown_and_left_out_of_sums_over_rows(tmp_path):
+    """A benchmark job's pooled row (qdflash.bench.pooled_label: issue 21's targets are stated over chat + math
+    + code) gives the shown variant's own sentence, and sums over per-prompt rows (the compile caveat) skip it:
+    with the row added to the published H200 run, the caveat's numbers stay what they were."""
+    copy = tmp_path / "run"
+    shutil.copytree(H200 / "tables", copy / "tables")
+    shutil.copytree(H200 / "bench", copy / "bench")
+    speed = copy / "bench" / "speedup_winnone" / "speed.csv"
+    rows = list(csv.DictReader(open(speed)))
+    kinds = ("chat", "math", "code")
+
+    def pooled(method):
+        part = [r for r in rows if r["method"] == method and r["prompts"] in kinds]
+        tokens, seconds = sum(int(r["tokens"]) for r in part), sum(float(r["seconds"]) for r in part)
+        tau = tokens / sum(int(r["tokens"]) / float(r["tau"]) for r in part) if part[0]["tau"] else ""
+        return {"prompts": "chat+math+code", "method": method, "tokens": tokens, "seconds": seconds, "tau": tau,
+                "tokens_per_s": tokens / seconds}
+
+    added = [pooled(m) for m in ("ar16", "ar_qad", "static16", "spec_qad_gptq_w8g64")]
+    rate = {r["method"]: r["tokens_per_s"] for r in added}
+    for r in added:
+        r["speedup_vs_ar16"], r["speedup_vs_ar_qad"] = r["tokens_per_s"] / rate["ar16"], r["tokens_per_s"] / rate["ar_qad"]
+    with open(speed, "a", newline="") as handle:
+        csv.DictWriter(handle, fieldnames=list(rows[0])).writerows(added)
+    out = run(copy, "--model", "smollm2-135m")
+    assert out.returncode == 0, out.stderr
+    spec = added[-1]
+    assert (f"On the held-out chat / math / code prompts alone: τ {spec['tau']:.2f}, {spec['speedup_vs_ar16']:.2f}× "
+            f"autoregressive 16-bit decoding, {spec['speedup_vs_ar_qad']:.2f}× autoregressive decoding") in out.stdout
+    assert "took 27.7 s for 80 tokens on the chat prompts" in out.stdout and "for both methods: 0.65×." in out.stdout
+    # a run without the pooled row (every published one so far) shows no such sentence
+    assert "prompts alone" not in run(H200).stdout
+
+
+def test_pooled_label_names_the_kinds_a_job_measured():
+    from qdflash.bench import is_pooled, pooled_label
+
+    assert pooled_label(["chat", "math", "knowledge", "code", "p64", "filler"]) == "chat+math+code"
+    assert pooled_label(["chat", "knowledge", "code"]) == "chat+code"  # a profile without math prompts
+    assert pooled_label(["chat", "knowledge", "p64"]) is None and pooled_label([]) is None
+    assert is_pooled("chat+code") and not is_pooled("chat") and not is_pooled("p2048(capped 2000)")

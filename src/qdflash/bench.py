@@ -29,6 +29,20 @@ log = logging.getLogger(__name__)
 
 MARGIN_BUG = 1e-2  # relative top-2 logit margin above which a bf16 divergence is a bug
 FILLER = "the cat sat on the mat. "  # the repetitive prompt: drafters look best on it, so it is its own row
+# the prompt kinds issue 21's targets are stated over (tau >= 3, 2x): a pooled row of their own in speed.csv
+POOLED = ("chat", "math", "code")
+
+
+def pooled_label(labels) -> str | None:
+    """The pooled row's label over the POOLED kinds a job measured ("chat+math+code"; "chat+code" where
+    a profile has no math prompts), or None where fewer than two were measured (nothing to pool)."""
+    present = [kind for kind in POOLED if kind in set(labels)]
+    return "+".join(present) if len(present) >= 2 else None
+
+
+def is_pooled(label: str) -> bool:
+    """A pooled row (pooled_label), which sums prompts that other rows hold too: leave it out of sums over rows."""
+    return "+" in label
 
 
 @dataclass

@@ -190,8 +190,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     # each speculative output against autoregressive decoding of its own target
     checks = {name: (bench.reference_of(name), target16 if name.startswith("spec16") else qad) for name in drafters}
     rows = []
-    for label in ["all", *dict.fromkeys(c.label for c in cases)]:
-        keep = [label == "all" or c.label == label for c in cases]
+    kinds = list(dict.fromkeys(c.label for c in cases))
+    pooled = bench.pooled_label(kinds)  # chat + math + code: what issue 21's targets are stated over
+    for label in ["all", *kinds, *([pooled] if pooled else [])]:
+        keep = [label == "all" or c.label == label or (label == pooled and c.label in bench.POOLED) for c in cases]
         part = {name: r.subset(keep) for name, r in results.items()}
         for name, r in part.items():
             reads = decode_bytes["target16" if name in ("plain16", "static16", "ar16") or name.startswith("spec16") else "qad"]
