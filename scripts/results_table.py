@@ -22,8 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from qdflash.bench import is_pooled  # noqa: E402  (the pooled chat / math / code row)
-from qdflash.variants import window_name  # noqa: E402  (one source of the variant names)
+from qdflash.variants import is_pooled, window_name  # noqa: E402  (one source of the variant and row names)
 
 WINDOWLESS = f"speedup_{window_name(None)}"  # the benchmark job without a drafter window: bench/speedup_winnone
 
@@ -161,7 +160,7 @@ def pooled_text(folder: Path, row: dict) -> str | None:
         return None
     r = found[0]
     kinds = " / ".join(r["prompts"].split("+"))
-    return (f"On the held-out {kinds} prompts alone: τ {float(r['tau']):.2f}, {times(r['speedup_vs_ar16'])} autoregressive "
+    return (f"On the timed held-out {kinds} prompts alone: τ {float(r['tau']):.2f}, {times(r['speedup_vs_ar16'])} autoregressive "
             f"16-bit decoding, {times(r['speedup_vs_ar_qad'])} autoregressive decoding of the quantized target.")
 
 

@@ -120,7 +120,7 @@ def test_the_pooled_chat_math_code_row_is_shown_and_left_out_of_sums_over_rows(t
     out = run(copy, "--model", "smollm2-135m")
     assert out.returncode == 0, out.stderr
     spec = added[-1]
-    assert (f"On the held-out chat / math / code prompts alone: τ {spec['tau']:.2f}, {spec['speedup_vs_ar16']:.2f}× "
+    assert (f"On the timed held-out chat / math / code prompts alone: τ {spec['tau']:.2f}, {spec['speedup_vs_ar16']:.2f}× "
             f"autoregressive 16-bit decoding, {spec['speedup_vs_ar_qad']:.2f}× autoregressive decoding") in out.stdout
     assert "took 27.7 s for 80 tokens on the chat prompts" in out.stdout and "for both methods: 0.65×." in out.stdout
     # a run without the pooled row (every published one so far) shows no such sentence
@@ -128,9 +128,9 @@ def test_the_pooled_chat_math_code_row_is_shown_and_left_out_of_sums_over_rows(t
 
 
 def test_pooled_label_names_the_kinds_a_job_measured():
-    from qdflash.bench import is_pooled, pooled_label
+    from qdflash.variants import is_pooled, pooled_label
 
     assert pooled_label(["chat", "math", "knowledge", "code", "p64", "filler"]) == "chat+math+code"
     assert pooled_label(["chat", "knowledge", "code"]) == "chat+code"  # a profile without math prompts
     assert pooled_label(["chat", "knowledge", "p64"]) is None and pooled_label([]) is None
-    assert is_pooled("chat+code") and not is_pooled("chat") and not is_pooled("p2048(capped 2000)")
+    assert is_pooled("chat+code") and not is_pooled("chat") and not is_pooled("p2048(capped 2000)") and not is_pooled("c++")

@@ -24,25 +24,12 @@ from .data.jsonl import read_jsonl
 from .errors import QdflashError
 from .models import synchronize
 from .spec import GenerationResult, RoundTimer, autoregressive_generate, speculative_generate, target_session, verify_length
+from .variants import POOLED, is_pooled, pooled_label  # noqa: F401  (the pooled row's names)
 
 log = logging.getLogger(__name__)
 
 MARGIN_BUG = 1e-2  # relative top-2 logit margin above which a bf16 divergence is a bug
 FILLER = "the cat sat on the mat. "  # the repetitive prompt: drafters look best on it, so it is its own row
-# the prompt kinds issue 21's targets are stated over (tau >= 3, 2x): a pooled row of their own in speed.csv
-POOLED = ("chat", "math", "code")
-
-
-def pooled_label(labels) -> str | None:
-    """The pooled row's label over the POOLED kinds a job measured ("chat+math+code"; "chat+code" where
-    a profile has no math prompts), or None where fewer than two were measured (nothing to pool)."""
-    present = [kind for kind in POOLED if kind in set(labels)]
-    return "+".join(present) if len(present) >= 2 else None
-
-
-def is_pooled(label: str) -> bool:
-    """A pooled row (pooled_label), which sums prompts that other rows hold too: leave it out of sums over rows."""
-    return "+" in label
 
 
 @dataclass
@@ -159,18 +146,30 @@ def top2_margin(target, prompt: list[int], generated: list[int]) -> float:
     return ((top[0] - top[1]) / top[0].abs().clamp_min(1e-9)).item()
 
 
-def compare(target, cases: list[PromptCase], reference: MethodResult, candidate: MethodResult, fp32: bool) -> dict:
-    """Mismatches of `candidate` against the autoregressive `reference`, with margins at divergence."""
-    mismatches, margins, bugs = 0, [], 0
+def divergences(target, cases: list[PromptCase], reference: MethodResult, candidate: MethodResult) -> list[float | None]:
+    """Per prompt: None where `candidate` equals the autoregressive `reference`, else the reference's top-2
+    margin where they first diverge (a replay of its own computation: `top2_margin`)."""
+    margins = []
     for case, ref, got in zip(cases, reference.outputs, candidate.outputs):
         if ref == got:
+            margins.append(None)
             continue
-        mismatches += 1
         first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-        margin = top2_margin(target, case.ids, ref[:first])
-        margins.append(round(margin, 6))
-        bugs += 1 if fp32 or margin > MARGIN_BUG else 0
-    return {"mismatches": mismatches, "divergence_margins": margins, "mismatch_bugs": bugs}
+        margins.append(top2_margin(target, case.ids, ref[:first]))
+    return margins
+
+
+def tally(margins: list[float | None], fp32: bool) -> dict:
+    """Mismatches among per-prompt `divergences` (any subset of them), and how many are bugs: every one in
+    fp32, one whose margin exceeds MARGIN_BUG in bf16."""
+    found = [m for m in margins if m is not None]
+    return {"mismatches": len(found), "divergence_margins": [round(m, 6) for m in found],
+            "mismatch_bugs": sum(1 for m in found if fp32 or m > MARGIN_BUG)}
+
+
+def compare(target, cases: list[PromptCase], reference: MethodResult, candidate: MethodResult, fp32: bool) -> dict:
+    """Mismatches of `candidate` against the autoregressive `reference`, with margins at divergence."""
+    return tally(divergences(target, cases, reference, candidate), fp32)
 
 
 def warmup_lengths(max_new_tokens: int) -> list[int]:

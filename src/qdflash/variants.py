@@ -94,3 +94,19 @@ def compressed_drafters(profile: dict) -> list[str]:
     compress = profile["compress"]
     return [drafter_name(compress["method"], bits, compress["group_size"])
             for bits in profile["variants"]["drafter_bits"] if bits != 16]
+
+
+# the prompt kinds issue 21's targets are stated over (tau >= 3, 2x): a pooled row of their own in speed.csv
+POOLED = ("chat", "math", "code")
+
+
+def pooled_label(labels) -> str | None:
+    """The pooled row's label over the POOLED kinds a job measured ("chat+math+code"; "chat+code" where
+    a profile has no math prompts), or None where fewer than two were measured (nothing to pool)."""
+    present = [kind for kind in POOLED if kind in set(labels)]
+    return "+".join(present) if len(present) >= 2 else None
+
+
+def is_pooled(label: str) -> bool:
+    """A pooled row (pooled_label), which sums prompts that other rows hold too: leave it out of sums over rows."""
+    return "+" in label and set(label.split("+")) <= set(POOLED)
