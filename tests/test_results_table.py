@@ -94,7 +94,7 @@ def test_a_reported_uninformative_gate_says_it_is_not_required():
 
 
 def test_the_pooled_chat_math_code_row_is_shown_and_left_out_of_sums_over_rows(tmp_path):
-    """A benchmark job's pooled row (qdflash.bench.pooled_label: issue 21's targets are stated over chat + math
+    """A benchmark job's pooled row (qdflash.variants.pooled_label: issue 21's targets are stated over chat + math
     + code) gives the shown variant's own sentence, and sums over per-prompt rows (the compile caveat) skip it:
     with the row added to the published H200 run, the caveat's numbers stay what they were."""
     copy = tmp_path / "run"

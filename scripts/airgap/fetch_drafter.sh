@@ -33,11 +33,10 @@ EOF
 # a call returns at most 8 files and 64 MiB together: 4 pieces of 15 MiB with the config and the sha256. A
 # larger drafter (the 0.5B one: 5 pieces) comes back over several calls, FIRST naming the first piece of each
 total=$(( ($(stat -c %s "$work/model.safetensors") + piece_kib * 1024 - 1) / (piece_kib * 1024) ))
-[ "$first" -lt "$total" ] || { rm -rf "$work"; echo "fetch_drafter: FIRST=$first, but the drafter is $total pieces (0-$((total - 1)))"; exit 2; }
+[ "$first" -lt "$total" ] || { echo "fetch_drafter: FIRST=$first, but the drafter is $total pieces (0-$((total - 1)))"; exit 2; }
 split -b "${piece_kib}K" -d -a 2 "$work/model.safetensors" "$work/drafter.safetensors.part-"
 last=$(( first + 3 < total - 1 ? first + 3 : total - 1 ))
 for i in $(seq "$first" "$last"); do mv "$work/drafter.safetensors.part-$(printf %02d "$i")" "$out/"; done
 cp "$src/config.json" "$out/drafter-config.json"
-rm -rf "$work"
 echo "fetch_drafter: $node of $experiment -> pieces $first-$last of 0-$((total - 1)) ($(du -ch "$out"/drafter.safetensors.part-* | tail -1 | cut -f1))"
 [ "$last" -eq $((total - 1)) ] || echo "fetch_drafter: the rest in the next call: bash scripts/airgap/fetch_drafter.sh $experiment $node $((last + 1))"

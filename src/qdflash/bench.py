@@ -24,7 +24,6 @@ from .data.jsonl import read_jsonl
 from .errors import QdflashError
 from .models import synchronize
 from .spec import GenerationResult, RoundTimer, autoregressive_generate, speculative_generate, target_session, verify_length
-from .variants import POOLED, is_pooled, pooled_label  # noqa: F401  (the pooled row's names)
 
 log = logging.getLogger(__name__)
 

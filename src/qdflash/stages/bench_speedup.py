@@ -58,6 +58,7 @@ from ..errors import QdflashError
 from ..models import load_target, resolve_device
 from ..spec import verify_length, verify_sizes
 from ..tracking import NodeRun
+from ..variants import POOLED, pooled_label
 from ._app import stage
 
 log = logging.getLogger("qdflash.bench_speedup")
@@ -194,9 +195,9 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                 for name, (reference, model) in checks.items()}
     rows = []
     kinds = list(dict.fromkeys(c.label for c in cases))
-    pooled = bench.pooled_label(kinds)  # chat + math + code: what issue 21's targets are stated over
+    pooled = pooled_label(kinds)  # chat + math + code: what issue 21's targets are stated over
     for label in ["all", *kinds, *([pooled] if pooled else [])]:
-        keep = [label == "all" or c.label == label or (label == pooled and c.label in bench.POOLED) for c in cases]
+        keep = [label == "all" or c.label == label or (label == pooled and c.label in POOLED) for c in cases]
         part = {name: r.subset(keep) for name, r in results.items()}
         for name, r in part.items():
             reads = decode_bytes["target16" if name in ("plain16", "static16", "ar16") or name.startswith("spec16") else "qad"]
