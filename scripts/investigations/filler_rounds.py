@@ -36,7 +36,7 @@ from qdflash.spec import autoregressive_generate, speculative_generate
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafter", required=True, help="a drafter folder (config.json + model.safetensors)")
+    ap.add_argument("--drafter", type=Path, required=True, help="a drafter folder (config.json + model.safetensors)")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--prompt-tokens", type=int, default=2048, help="the filler prompt's length (the benchmark: 8,192, capped)")
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -44,6 +44,10 @@ def main() -> None:
     ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    # before the target loads (~10 s): a folder that is not a drafter is a one-line error, not a traceback
+    if not ((args.drafter / "config.json").is_file() and (args.drafter / "model.safetensors").is_file()):
+        raise SystemExit(f"filler_rounds: --drafter {args.drafter} is not a drafter folder (expected config.json and "
+                         "model.safetensors; scripts/airgap/fetch_drafter.sh says how to join one)")
     torch.manual_seed(0)
     target = load_target(args.model, dtype="float32", device="cpu")
     drafter = load_drafter(args.drafter, target, dtype=torch.float32)
