@@ -62,6 +62,9 @@ def test_gpu_rehearsal_overlay_gives_the_gpu_dag_on_the_cpu(tmp_path):
     ("gpu-drafter-12k.yaml", {"n12000-L2"}, 6,
      ["drafter_train.min_lr_ratio=1.0", "drafter_train.cache_features=device", "drafter_train.loss_positions=8",
       "data.sources.sharegpt.n_train=6300"]),
+    ("gpu-drafter-copy.yaml", {"n12000-L2", "n12000-L2-p8"}, 6,
+     ["drafter_train.min_lr_ratio=1.0", "drafter_train.cache_features=device", "drafter_train.loss_positions=null",
+      "drafter_train.loss_positions=8", "data.sources.copy.n_train=1000", "drafter_train.max_examples=12000"]),
 ])
 def test_drafter_arms_overlays_replace_the_profiles_arms(tmp_path, overlay, runs, epochs, flags):
     """The recipe-arm overlays over the gpu profile: their runs (arms beside the plain run), the profile's

@@ -19,6 +19,13 @@ each synchronized, median over --steps batches:
   also times the node's step with more anchors per sequence. Sequences per second is what sets how
   much data a training minute sees;
 - with `--profile`, three steps before and now under torch.profiler: the top kernels by GPU time.
+
+`--cached` times the step of the node's later epochs instead: the target's features read from a
+feature cache in the GPU's memory (`drafter_train.cache_features: device`, filled before timing),
+block positions 1..`--loss-positions` trained (`drafter_train.loss_positions`), TF32, against that
+step with the drafter's forward through torch.compile (dynamic shapes) or under bf16 autocast. With
+`--profile` it profiles the node's cached step: top ops by GPU time and by host time, and the share
+of the step's wall time the GPU is busy (a host-bound step leaves it idle between kernels).
 """
 
 from __future__ import annotations
@@ -58,6 +65,47 @@ def timed(fn, device, reps):
     return round(statistics.median(times), 2)
 
 
+def cached_variants(args, drafter, target, examples, batches, device, gen, autocast_forward) -> dict:
+    """The node's step on a cached epoch (module docstring, `--cached`) and its variants, name -> (loss of a
+    batch, TF32). The cache is filled here, so no timed step runs the target."""
+    from qdflash.drafter.train import make_feature_cache
+
+    cache = make_feature_cache("device" if device.type == "cuda" else "memory", Path("."), device)
+    weights = loss_weights(16, 7.0, args.loss_positions)
+    with torch.no_grad():
+        for idx in batches:  # every batch a timed or warm-up step may read
+            batch_loss(drafter, target, [examples[i] for i in idx], weights, args.anchors, gen, cache=cache)
+    compiled_drafter = torch.compile(drafter, dynamic=True)
+
+    def compiled(*a, **k):  # a function: draft_blocks tests `module or drafter`, and a module's truth is its len()
+        return compiled_drafter(*a, **k)
+
+    def loss(module=None):
+        return lambda chunk: batch_loss(drafter, target, chunk, weights, args.anchors, gen, cache=cache, module=module)
+
+    return {"node-cached": (loss(), True), "node-cached+compile": (loss(compiled), True),
+            "node-cached+autocast": (loss(autocast_forward), True)}
+
+
+def profile_steps(run, device) -> dict:
+    """torch.profiler over `run()` (a few steps): the top ops by GPU time and by host time, and how much of
+    the wall time the GPU was busy (kernels' summed time / wall: well below 1 means the host sets the pace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"wall_ms": round(wall * 1e3, 1), "gpu_busy_ms": round(gpu_us / 1e3, 1),
+            "gpu_busy_share": round(gpu_us / 1e6 / wall, 3),
+            "by_gpu_time": events.table(sort_by="self_device_time_total", row_limit=25).splitlines(),
+            "by_host_time": events.table(sort_by="self_cpu_time_total", row_limit=20).splitlines()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=24)
@@ -71,6 +119,8 @@ def main() -> None:
     parser.add_argument("--anchor-sweep", type=lambda t: [int(x) for x in t.split(",") if x], default=[],
                         help="also time the node's step with these anchors per sequence (e.g. 128,256)")
     parser.add_argument("--profile", action="store_true", help="also profile 3 steps before / now (torch.profiler, by kernel)")
+    parser.add_argument("--cached", action="store_true", help="time the node's cached-epoch step and its variants (module docstring)")
+    parser.add_argument("--loss-positions", type=int, default=8, help="--cached: block positions trained (null in the node: all)")
     parser.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -157,11 +207,24 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
         return chunk
 
+    if args.cached:
+        variants, base_name = cached_variants(args, drafter, target, examples, grouped_batches, device, gen, autocast_forward), "node-cached"
+    else:
+        base_name = "fp32+whole-logits"
     if args.only:
-        variants = {k: v for k, v in variants.items() if k in args.only.split(",") or k == "fp32+whole-logits"}
-    for name, fn in variants.items():  # allocate for the largest shapes first
-        for idx in sorted(grouped_batches[: args.steps + 2], key=lambda b: -max(lengths[i] for i in b))[:1]:
-            step(idx, fn)
+        variants = {k: v for k, v in variants.items() if k in args.only.split(",") or k == base_name}
+    failed = {}
+    for name, fn in list(variants.items()):  # allocate for the largest shapes first
+        try:
+            for idx in sorted(grouped_batches[: args.steps + 2], key=lambda b: -max(lengths[i] for i in b))[:1] + grouped_batches[:2]:
+                step(idx, fn)  # (and two more shapes: a dynamic-shape compile settles before timing)
+        except Exception as error:  # noqa: BLE001  a variant that cannot run here (e.g. no compiler) is reported, not fatal
+            if name == base_name:
+                raise
+            failed[name] = f"{type(error).__name__}: {str(error)[:300]}"
+            print(f"{name}: left out: {failed[name]}", flush=True)
+            del variants[name]
+    result["variants_left_out"] = failed
     # the variants take turns, batch by batch (length-grouped batches, as the node trains), so none
     # runs on a colder allocator or on other batches
     timing = {name: [] for name in variants}
@@ -181,7 +244,12 @@ def main() -> None:
                                  "padded_tokens_per_step": round(sum(p for _, p, _ in rows) / len(rows)),
                                  "real_tokens_per_step": round(sum(r for _, _, r in rows) / len(rows))}
         print(name, result["steps"][name], flush=True)
-    if args.profile and device.type == "cuda":  # where a step's GPU time goes, by kernel, before and now
+    if args.profile and device.type == "cuda" and args.cached:
+        result["profile"] = profile_steps(lambda: [step(idx, variants[base_name]) for idx in grouped_batches[2:5]], device)
+        for line in result["profile"]["by_gpu_time"] + result["profile"]["by_host_time"]:
+            print(line, flush=True)
+        print({k: v for k, v in result["profile"].items() if not k.startswith("by_")}, flush=True)
+    elif args.profile and device.type == "cuda":  # where a step's GPU time goes, by kernel, before and now
         from torch.profiler import ProfilerActivity, profile
 
         for name in ("fp32+whole-logits", "tf32+chunked-head"):
@@ -192,8 +260,8 @@ def main() -> None:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
             print(name, "\n", table, flush=True)
             result[f"profile_top_ops[{name}]"] = table.splitlines()
-    base = result["steps"]["fp32+whole-logits"]["ms_mean"]
-    result["speedup_vs_fp32_whole_logits"] = {name: round(base / r["ms_mean"], 3) for name, r in result["steps"].items()}
+    base = result["steps"][base_name]["ms_mean"]
+    result[f"speedup_vs_{base_name}"] = {name: round(base / r["ms_mean"], 3) for name, r in result["steps"].items()}
     if device.type == "cuda":
         result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     text = json.dumps(result, indent=1)
