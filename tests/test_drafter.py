@@ -268,6 +268,33 @@ def test_batch_loss_equals_the_loss_of_the_drafters_logits(tiny_llama):
         torch.testing.assert_close(grads[k], p.grad, msg=k)
 
 
+def test_attention_in_bf16_changes_only_the_attentions_rounding(tiny_llama):
+    """drafter_train.attention_bf16: the same loss and gradients up to bf16's rounding of the attention (its
+    output is fp32 again, so the weights and their gradients stay fp32); off again, exactly the fp32 step."""
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=2)
+    batch = [example(tiny_llama, 30, seed=3, id="a"), example(tiny_llama, 45, seed=4, id="b")]
+    w = loss_weights(4, 7.0)
+
+    def loss_and_grads():
+        drafter.zero_grad()
+        loss = batch_loss(drafter, tiny_llama, batch, w, 6, torch.Generator().manual_seed(0))
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in drafter.named_parameters()}
+
+    fp32_loss, fp32_grads = loss_and_grads()
+    drafter.set_attention_dtype(torch.bfloat16)
+    bf16_loss, bf16_grads = loss_and_grads()
+    assert bf16_loss.dtype == torch.float32 and bf16_loss != fp32_loss  # it did run in bf16
+    torch.testing.assert_close(bf16_loss, fp32_loss, rtol=2e-2, atol=0)
+    for k, g in fp32_grads.items():
+        assert bf16_grads[k].dtype == torch.float32
+        cosine = torch.nn.functional.cosine_similarity(bf16_grads[k].flatten(), g.flatten(), dim=0)
+        assert cosine > 0.99, (k, float(cosine))
+    drafter.set_attention_dtype(None)
+    again, grads = loss_and_grads()
+    assert again == fp32_loss and all(torch.equal(grads[k], g) for k, g in fp32_grads.items())
+
+
 @pytest.mark.parametrize("mode", [True, "memory", "device"])
 def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path, mode):
     """Misses of a batch are computed in one right-padded forward, hits read back; the loss equals the

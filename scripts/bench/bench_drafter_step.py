@@ -23,7 +23,8 @@ each synchronized, median over --steps batches:
 `--cached` times the step of the node's later epochs instead: the target's features read from a
 feature cache in the GPU's memory (`drafter_train.cache_features: device`, filled before timing),
 block positions 1..`--loss-positions` trained (`drafter_train.loss_positions`), TF32, against that
-step with the drafter's forward through torch.compile (dynamic shapes) or under bf16 autocast. With
+step with its attention kernel in bf16 (`drafter_train.attention_bf16`), with the drafter's forward
+through torch.compile (dynamic shapes) or under bf16 autocast. With
 `--profile` it profiles the node's cached step: top ops by GPU time and by host time, and the share
 of the step's wall time the GPU is busy (a host-bound step leaves it idle between kernels).
 """
@@ -83,8 +84,15 @@ def cached_variants(args, drafter, target, examples, batches, device, gen, autoc
     def loss(module=None):
         return lambda chunk: batch_loss(drafter, target, chunk, weights, args.anchors, gen, cache=cache, module=module)
 
-    return {"node-cached": (loss(), True), "node-cached+compile": (loss(compiled), True),
-            "node-cached+autocast": (loss(autocast_forward), True)}
+    def bf16_attention(*a, **k):  # drafter_train.attention_bf16: the attention kernel in bf16, the rest as the node
+        drafter.set_attention_dtype(torch.bfloat16)
+        try:
+            return drafter(*a, **k)
+        finally:
+            drafter.set_attention_dtype(None)
+
+    return {"node-cached": (loss(), True), "node-cached+bf16-attention": (loss(bf16_attention), True),
+            "node-cached+compile": (loss(compiled), True), "node-cached+autocast": (loss(autocast_forward), True)}
 
 
 def profile_steps(run, device) -> dict:

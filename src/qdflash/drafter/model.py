@@ -101,15 +101,20 @@ def _flex_attention(compiled: bool):
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
-def attend(q, k, v, mask) -> torch.Tensor:
+def attend(q, k, v, mask, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, Tq, D] over k, v [B, Hkv, Tk, D] under `mask`: a boolean tensor
     [B, Tq, Tk] (SDPA, dense: correct everywhere) or a flex_attention BlockMask (GPU: skips the
-    masked tiles, which are most of them when many blocks share one context)."""
+    masked tiles, which are most of them when many blocks share one context). `dtype`: the attention
+    kernel runs in it (q, k, v cast; the output cast back to q's dtype), e.g. bf16 for an fp32 drafter
+    in training (`Drafter.set_attention_dtype`); None: in q's dtype."""
+    out_dtype = q.dtype
+    if dtype is not None and dtype != q.dtype:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if isinstance(mask, torch.Tensor):
         rep = q.shape[1] // k.shape[1]  # repeated, not enable_gqa: SDPA's fused kernels then accept the mask
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-    return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]).to(out_dtype)
+    return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True).to(out_dtype)
 
 
 class DrafterLayer(nn.Module):
@@ -127,6 +132,7 @@ class DrafterLayer(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.attention_dtype: torch.dtype | None = None  # `attend`'s dtype (Drafter.set_attention_dtype); not saved
 
     def _heads(self, x, n):
         return x.view(*x.shape[:-1], n, self.c.head_dim).transpose(-3, -2)  # [B, heads, T, D]
@@ -156,7 +162,8 @@ class DrafterLayer(nn.Module):
 
     def _attend_block(self, h, q_pos, ctx_k, ctx_v, mask):
         q, block_k, block_v = self.block_qkv(h, q_pos)
-        return self.finish(h, attend(q, torch.cat([ctx_k, block_k], dim=2), torch.cat([ctx_v, block_v], dim=2), mask))
+        return self.finish(h, attend(q, torch.cat([ctx_k, block_k], dim=2), torch.cat([ctx_v, block_v], dim=2), mask,
+                                     self.attention_dtype))
 
     def forward(self, h, context, q_pos, k_pos, mask):
         """h [B, Tq, H] block states; context [B, Tc, H] features (extra keys / values); k_pos [B, Tc + Tq]
@@ -201,6 +208,14 @@ class Drafter(nn.Module):
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def set_attention_dtype(self, dtype: torch.dtype | None) -> "Drafter":
+        """Run every layer's attention kernel in `dtype` (None: the weights' dtype), the rest as it is.
+        Training's option (drafter_train.attention_bf16): the fp32 drafter's attention was the largest
+        item of a cached training step on the H200 (results/published/2026-12-03-h200-drafter-copy)."""
+        for layer in self.layers:
+            layer.attention_dtype = dtype
+        return self
 
     def context_features(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, len(ids) * H] concatenated target hidden states -> [B, T, H] context features."""

@@ -193,11 +193,13 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     steps = training_steps(train_cfg, len(train))
     attention = attention_kind(train_cfg.attention, drafter.norm.weight.device)
     tf32 = use_tf32(bool(train_cfg.tf32), drafter.norm.weight.device)
+    attention_bf16 = bool(train_cfg.attention_bf16)
+    drafter.set_attention_dtype(torch.bfloat16 if attention_bf16 else None)
     ends = epoch_ends(steps, len(train), int(train_cfg.batch_size))
     run.metrics.update({"train.examples": len(train), "train.steps": steps, "train.attention": attention,
                         "train.epochs": round(steps * int(train_cfg.batch_size) / len(train), 4),
                         "train.batch_size": int(train_cfg.batch_size), "train.anchors_per_seq": int(train_cfg.anchors_per_seq),
-                        "train.tf32": int(tf32),
+                        "train.tf32": int(tf32), "train.attention_bf16": int(attention_bf16),
                         "train.tokens": sum(len(ex["input_ids"]) for ex in train)})
     log.info("%d training sequences (%d tokens), %d steps of %d sequences, %s attention", len(train),
              run.metrics["train.tokens"], steps, train_cfg.batch_size, attention)
