@@ -24,9 +24,10 @@ each synchronized, median over --steps batches:
 feature cache in the GPU's memory (`drafter_train.cache_features: device`, filled before timing),
 block positions 1..`--loss-positions` trained (`drafter_train.loss_positions`), TF32, against that
 step with its attention kernel in bf16 (`drafter_train.attention_bf16`), with the drafter's forward
-through torch.compile (dynamic shapes) or under bf16 autocast. With
-`--profile` it profiles the node's cached step: top ops by GPU time and by host time, and the share
-of the step's wall time the GPU is busy (a host-bound step leaves it idle between kernels).
+through torch.compile (dynamic shapes) or under bf16 autocast. With `--profile` it profiles the node's
+cached step and every variant slower than it (bf16 autocast was ~3x slower, unexplained): the top ops by
+GPU time and by host time, and the share of the step's wall time the GPU is busy (a host-bound step
+leaves it idle between kernels).
 """
 
 from __future__ import annotations
@@ -252,11 +253,16 @@ def main() -> None:
                                  "padded_tokens_per_step": round(sum(p for _, p, _ in rows) / len(rows)),
                                  "real_tokens_per_step": round(sum(r for _, _, r in rows) / len(rows))}
         print(name, result["steps"][name], flush=True)
-    if args.profile and device.type == "cuda" and args.cached:
-        result["profile"] = profile_steps(lambda: [step(idx, variants[base_name]) for idx in grouped_batches[2:5]], device)
-        for line in result["profile"]["by_gpu_time"] + result["profile"]["by_host_time"]:
-            print(line, flush=True)
-        print({k: v for k, v in result["profile"].items() if not k.startswith("by_")}, flush=True)
+    if args.profile and device.type == "cuda" and args.cached:  # the node's step, and each variant slower than it
+        slower = [name for name in variants if name != base_name
+                  and result["steps"][name]["ms_median"] > result["steps"][base_name]["ms_median"]]
+        for name in [base_name, *slower]:
+            key = "profile" if name == base_name else f"profile[{name}]"
+            result[key] = profile_steps(lambda name=name: [step(idx, variants[name]) for idx in grouped_batches[2:5]], device)
+            print(name, flush=True)
+            for line in result[key]["by_gpu_time"] + result[key]["by_host_time"]:
+                print(line, flush=True)
+            print({k: v for k, v in result[key].items() if not k.startswith("by_")}, flush=True)
     elif args.profile and device.type == "cuda":  # where a step's GPU time goes, by kernel, before and now
         from torch.profiler import ProfilerActivity, profile
 
