@@ -97,6 +97,17 @@ def test_copy_overlay_adds_copy_prompts_to_the_gpu_data(tmp_path):
     assert all(any(r["messages"][0]["content"].startswith(t.split("{text}")[0]) for t in COPY_TEMPLATES) for r in copies)
 
 
+def test_repeat_overlay_adds_repeat_prompts_to_the_gpu_data(tmp_path):
+    """config/gpu-repeat.yaml validates over the gpu profile and puts the repeat source into every data node
+    (stage 1's answers and stage 2's fresh prompts)."""
+    out = snakemake(tmp_path, "-n", "-p", "--configfile", str(REPO_ROOT / "config" / "gpu-repeat.yaml"),
+                    "--config", "profile=gpu", "experiment=repeat")
+    assert out.returncode == 0, out.stderr[-3000:]
+    data_nodes = [line for line in out.stdout.splitlines() if "qdflash.stages.prepare_data" in line]
+    assert len(data_nodes) == 2  # prepare_data and regenerate_data (stage 2's fresh prompts)
+    assert all("+data.sources.repeat.n_train=500" in line and "+data.sources.repeat.n_heldout=0" in line for line in data_nodes)
+
+
 def test_ci_profile_end_to_end(tmp_path):
     """The README's ci command, as written (plus one core per node), in a tree like a fresh clone; then every check of its
     outputs, and the README's commands that read them (report, targets table, lm_eval)."""

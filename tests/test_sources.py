@@ -168,3 +168,30 @@ def test_copy_prompts_wrap_sharegpt_texts_and_split_with_them(tmp_path, monkeypa
                                                                   "copy": {"n_train": 4, "n_heldout": 2}}})
     assert {i.id for i in choose_prompts({"sharegpt": chat, "copy": copy}, both, lambda item: True, Run())[0]} == \
         {i.id for i in first + second}  # the same order: the next ones, not another draw
+
+
+def test_repeat_prompts_ask_for_a_short_sentence_many_times_and_never_the_benchmarks_filler(tmp_path, monkeypatch):
+    """repeat: the first sentence (15-160 characters) of each ShareGPT opening turn inside one of the repeat
+    instructions, chosen by the sentence's hash; split with its chat prompt's text; a sentence holding the
+    benchmark's filler (its row measures a cycle no drafter was trained on) or none of that length is left out."""
+    from qdflash.bench import FILLER
+
+    texts = [f"Question number {i} is about foxes. Then more text follows here." for i in range(200)]
+    texts += ["ok. fine", "A" * 300 + ".", f"{FILLER.strip().capitalize()} {FILLER.strip()}", "no sentence end at all"]
+    data = [{"id": str(i), "conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "ok"}]}
+            for i, t in enumerate(texts)]
+    (tmp_path / "sharegpt").mkdir()
+    (tmp_path / "sharegpt" / "ShareGPT_V3_unfiltered_cleaned_split.json").write_text(json.dumps(data))
+    monkeypatch.setenv("QDFLASH_DATA_DIR", str(tmp_path))
+    repeat = load_source("repeat")
+    assert len(repeat.pool) == 200 and all("fox" in i.prompt for i in repeat.pool)
+    assert not any(FILLER.strip().lower().rstrip(".") in i.prompt.lower() for i in repeat.pool)
+    forms = set()
+    for item, text in zip(repeat.pool, texts):
+        sentence = f"Question number {text.split()[2]} is about foxes."
+        assert item.category == "repeat" and item.id.startswith("repeat-") and not item.eval_item
+        assert item.split_text == text and sentence in item.prompt and "Then more" not in item.prompt
+        forms |= {(t, n) for t in sources.REPEAT_TEMPLATES for n in sources.REPEAT_TIMES
+                  if item.prompt == t.format(sentence=sentence, n=n)}
+    assert len({t for t, _ in forms}) == len(sources.REPEAT_TEMPLATES) and len({n for _, n in forms}) == len(sources.REPEAT_TIMES)
+    assert [i.prompt for i in load_source("repeat").pool] == [i.prompt for i in repeat.pool]  # deterministic

@@ -1,5 +1,6 @@
-"""Prompt sources: ShareGPT (chat), GSM8K (math), MMLU (knowledge), HumanEval (code), and copy (ShareGPT
-texts with an instruction to repeat them, whose answers teach a drafter to copy from its context).
+"""Prompt sources: ShareGPT (chat), GSM8K (math), MMLU (knowledge), HumanEval (code), copy (ShareGPT
+texts with an instruction to repeat them, whose answers teach a drafter to copy from its context) and repeat
+(a ShareGPT sentence to write many times in a row: answers that are short cycles).
 
 A source resolves, in this order (docs/design.md contract), from
 1. an explicit path (file or folder) given in the config,
@@ -21,6 +22,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -198,6 +200,65 @@ def _copy_hub(options) -> LoadedSource:
 
 
 # ---------------------------------------------------------------------------------------------
+# repeat: the first sentence of a ShareGPT opening turn, with an instruction to write it many times in a row.
+# The target's answers are short cycles, where a drafter must wrap around: with a period of P tokens, the
+# P-th draft of a block is the block's own first token again. Copy answers (a long text written out once) did not
+# teach that: on the benchmark's filler (a 7-token cycle) no round committed more than 7 tokens with them
+# (results/published/2026-12-03-h200-drafter-copy). The benchmark's own filler sentence is never one of these.
+
+REPEAT_TEMPLATES = (
+    "Write the following sentence {n} times in a row, separated by spaces:\n\n{sentence}",
+    "Repeat this {n} times: {sentence}",
+    "Continue the pattern for a while: {sentence} {sentence} {sentence}",
+)
+REPEAT_TIMES = (10, 20, 40)
+REPEAT_CHARS = (15, 160)  # a sentence of a few words to a few dozen tokens: periods like the filler's and longer
+_SENTENCE = re.compile(r"[A-Za-z][^.!?\n]*[.!?]")
+
+
+def first_sentence(text: str) -> str | None:
+    """The first sentence of `text` (from its first letter to the first . ! or ?, one line) when it has
+    REPEAT_CHARS characters, else None."""
+    match = _SENTENCE.search(text)
+    if match is None:
+        return None
+    sentence = match.group(0).strip()
+    return sentence if REPEAT_CHARS[0] <= len(sentence) <= REPEAT_CHARS[1] else None
+
+
+def repeat_items(chat: list[PromptItem]) -> list[PromptItem]:
+    """A repeat prompt per chat prompt whose first sentence has REPEAT_CHARS characters (the template and the
+    count chosen by the sentence's hash), split by the chat prompt's text, so it lands where that prompt does.
+    Sentences holding the benchmark's filler (qdflash.bench.FILLER) are left out: its row must measure a
+    cycle the drafter was not trained on."""
+    from ..bench import FILLER  # (lazy: the benchmark module imports the engine)
+
+    filler = FILLER.strip().lower().rstrip(".")
+    items = []
+    for chat_item in chat:
+        sentence = first_sentence(chat_item.prompt)
+        if sentence is None or filler in sentence.lower():
+            continue
+        h = int(content_key(sentence)[:8], 16)
+        template = REPEAT_TEMPLATES[h % len(REPEAT_TEMPLATES)]
+        times = REPEAT_TIMES[(h // len(REPEAT_TEMPLATES)) % len(REPEAT_TIMES)]
+        item = _item("repeat", "repeat", template.format(sentence=sentence, n=times), eval_item=False)
+        item.split_text = chat_item.prompt
+        items.append(item)
+    return items
+
+
+def _repeat_local(path: Path, options) -> LoadedSource:
+    chat = _sharegpt_local(path, options)
+    return LoadedSource("repeat", chat.location, pool=repeat_items(chat.pool))
+
+
+def _repeat_hub(options) -> LoadedSource:
+    chat = _sharegpt_hub(options)
+    return LoadedSource("repeat", chat.location, pool=repeat_items(chat.pool))
+
+
+# ---------------------------------------------------------------------------------------------
 # GSM8K: {train,test}.jsonl with question / answer ("... #### 42")
 
 
@@ -350,6 +411,8 @@ SOURCES: dict[str, SourceSpec] = {
     # ShareGPT's files, wherever they are found (the same package and Hub dataset)
     "copy": replace(_SHAREGPT, name="copy", category="copy", read_local=_copy_local, read_hub=_copy_hub,
                      reads="sharegpt"),
+    "repeat": replace(_SHAREGPT, name="repeat", category="repeat", read_local=_repeat_local, read_hub=_repeat_hub,
+                       reads="sharegpt"),
 }
 
 
