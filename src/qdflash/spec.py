@@ -128,6 +128,11 @@ class TargetSession:
                     for key, value in copies.items():
                         if value is not None:
                             states[key].copy_(value)
+                # transformers >= 5.25 also counts the positions a linear-attention layer has seen, and reads the
+                # cache's length (hence the next positions) from it: back to `keep` with the states
+                length = getattr(layer, "cumulative_length_linear", None)
+                if length is not None:
+                    length.fill_(keep)
             elif layer.get_seq_length() > keep:
                 layer.crop(keep - layer.get_seq_length())  # a negative count: tokens to remove
         self.length = keep
