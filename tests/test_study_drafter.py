@@ -44,3 +44,10 @@ def test_study_steps_and_a_bench_of_any_drafter_folder(tmp_path):
         parts = bench["chat+math+code"][name]["round"]
         assert parts["rounds"] > 0 and parts["ms"] > 0 and parts["decode_step_ms"] > 0
         assert abs(parts["ms"] - sum(parts[f"{p}_ms"] for p in ("draft", "verify", "append", "host"))) < 1e-3
+    assert bench["drafter_dtype"] == "float32" and bench["compile_drafter"] is False  # as saved, eager
+    # --served: the drafter as the gpu profile's benchmark runs it, in the target's dtype (its compile is GPU-only)
+    study(root, "bench", "other", "--drafter", str(root / "s1" / "drafter"), "--data", str(root / "data"),
+          "--dtype", "bfloat16", "--per-category", "1", "--max-new-tokens", "8", "--long", "64", "--served")
+    served = json.loads((root / "study.json").read_text())["bench.other.bfloat16.v4.sdpa.served"]
+    assert served["drafter_dtype"] == "bfloat16" and served["compile_drafter"] is False
+    assert served["all"]["spec16.v4"]["tokens"] > 0 and served["all"]["spec16.v4"]["mismatch_bugs"] == 0

@@ -13,6 +13,7 @@ device call; the folder ROOT survives between calls while the machine stays warm
     python scripts/bench/study_drafter.py train ROOT NAME2 --max-examples N --set drafter_train.labels=target  # an arm
     python scripts/bench/study_drafter.py bench ROOT NAME [--verify-tokens V]   # tau, speedup, mismatches
     python scripts/bench/study_drafter.py bench ROOT NAME --drafter DIR --data DIR --verify-tokens 6,block --verify-adaptive
+    python scripts/bench/study_drafter.py bench ROOT NAME ... --served    # the drafter in bf16, compiled: as the DAG serves it
 
 `train` trains on as many examples as `epochs` passes fit in `budget-s` seconds at the probe's rate
 (all of them if they fit; `--max-examples` fixes the number instead). Results: ROOT/<step>/ (each
@@ -176,7 +177,12 @@ def step_bench(root: Path, args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(STUDY["model"], dtype=dtype, device=device)
     drafter_dir = args.drafter or root / args.name / "drafter"
-    drafter = load_drafter(drafter_dir, target)
+    # --served: the drafter as the gpu profile's benchmark runs it (bench.drafter_dtype, bench.compile_drafter; the
+    # compile on a GPU only, as bench_speedup); else as saved (fp32) and eager, as the published studies ran
+    served = study_config()["profiles"]["gpu"]["bench"] if args.served else {}
+    in_target_dtype = served.get("drafter_dtype", "checkpoint") == "target"
+    compile_drafts = bool(served.get("compile_drafter", False)) and device == "cuda"
+    drafter = load_drafter(drafter_dir, target, dtype=target.dtype if in_target_dtype else None)
     # one speculative method per verify length (None: the whole block), interleaved with AR on the same prompts
     asked = [None] if not args.verify_tokens else [None if v in ("block", "none") else int(v)
                                                     for v in args.verify_tokens.split(",")]
@@ -195,7 +201,7 @@ def step_bench(root: Path, args) -> None:
         target.engine.tune_kernels()
         target.engine.capture([1], None)
         target.engine.capture([1, *sizes], drafter.config.target_layer_ids)
-    drafter.engine = DrafterEngine(drafter, max_len=longest, attention=attention)
+    drafter.engine = DrafterEngine(drafter, max_len=longest, attention=attention, compile=compile_drafts)
     drafter.engine.capture(None)
     names = {v: f"spec16.v{v or drafter.block_size}" + ("a" if args.verify_adaptive else "") for v in verifies}
     methods = {"ar16": bench.ar(target),
@@ -204,8 +210,8 @@ def step_bench(root: Path, args) -> None:
     fp32 = target.dtype == torch.float32
     out = {"dtype": str(target.dtype), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "prompts": len(cases),
            "block_size": drafter.block_size, "verify_adaptive": bool(args.verify_adaptive), "attention": attention,
-           "drafter": str(drafter_dir),
-           "data": str(data)}
+           "drafter": str(drafter_dir), "drafter_dtype": str(drafter.norm.weight.dtype).removeprefix("torch."),
+           "compile_drafter": compile_drafts, "data": str(data)}
     groups = {"all": None, "chat+math+code": ("chat", "math", "code"), **{c.label: (c.label,) for c in cases}}
     for label, members in groups.items():
         keep = [members is None or c.label in members for c in cases]
@@ -233,7 +239,8 @@ def step_bench(root: Path, args) -> None:
             out["chat+math+code"][name]["round"] = bench.round_parts(target, drafter, core, core_ar, None, v,
                                                                      args.verify_adaptive)
     # one entry per drafter, dtype, verify lengths and attention: a bench with other options does not replace it
-    key = ".".join([f"bench.{args.name}.{dtype}", *(n.removeprefix("spec16.") for n in names.values()), attention])
+    key = ".".join([f"bench.{args.name}.{dtype}", *(n.removeprefix("spec16.") for n in names.values()), attention,
+                    *(["served"] if args.served else [])])
     record(root, key, out)
 
 
@@ -264,6 +271,9 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=None,
                         help="bench: the data folder whose held-out prompts are measured (default: ROOT/data), e.g. "
                              "the scaling study's scaling/data/merged")
+    parser.add_argument("--served", action="store_true",
+                        help="bench: the drafter as the gpu profile's benchmark runs it (bench.drafter_dtype, "
+                             "bench.compile_drafter: bf16, compiled on a GPU); default: as saved (fp32), eager")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="train: one more drafter./drafter_train. override for this arm, e.g. "
                              "--set drafter_train.labels=target --set drafter_train.anchors_per_seq=256")
