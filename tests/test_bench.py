@@ -81,6 +81,21 @@ def test_long_buckets_are_capped_at_the_context(tokenizer, tmp_path):
     assert "held" in tokenizer.decode(cases[1].ids) and "word" in tokenizer.decode(cases[1].ids)
 
 
+def test_filler_prompt_holds_every_token_of_the_cycle_its_answer_writes(tokenizer, tmp_path):
+    """The target answers a repeated sentence from its capital, then repeats it: every token of that cycle must be
+    in the prompt, or a drafter that copies from the prompt misses one each cycle (what capped the lowercase
+    sentence's rounds at 7 tokens on the H200). The first token of the answer, with no space before it, is
+    the one token allowed to be new."""
+    (tmp_path / "heldout.jsonl").write_text('{"messages": [{"role": "user", "content": "a text"}], "response": "its summary"}\n')
+    *_, case = bench.bucket_cases(tmp_path, tokenizer, [[2048, 16]], context_len=4096, filler=True)
+    assert case.label == "filler"
+    sentence = bench.FILLER.strip()
+    answer = tokenizer(" ".join([sentence[0].upper() + sentence[1:]] * 3), add_special_tokens=False)["input_ids"]
+    assert set(answer[1:]) <= set(case.ids), tokenizer.convert_ids_to_tokens(sorted(set(answer[1:]) - set(case.ids)))
+    lowercase = tokenizer(sentence.lower() + " ", add_special_tokens=False)["input_ids"] * 50
+    assert not set(answer[1:]) <= set(lowercase)  # the check sees the lowercase sentence's missing token
+
+
 def test_weight_bytes_counts_a_shared_head_once_and_skips_an_unshared_embedding(tiny_llama):
     model = tiny_llama.model
     every = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}

@@ -28,7 +28,13 @@ from .spec import GenerationResult, RoundTimer, autoregressive_generate, specula
 log = logging.getLogger(__name__)
 
 MARGIN_BUG = 1e-2  # relative top-2 logit margin above which a bf16 divergence is a bug
-FILLER = "the cat sat on the mat. "  # the repetitive prompt: drafters look best on it, so it is its own row
+# The repetitive prompt (its own row: drafters look best on it): the sentence of the reference recipe's public
+# latency harness (docs/recipe.md). Why not a lowercase one: the target answers a repeated sentence from its
+# capital, so the cycle it writes then holds a token the prompt never had (" The" after "."), and a drafter that
+# copies from the prompt misses it once per cycle. On the H200 no round passed 7 tokens on "the cat sat on the
+# mat. " (results/published/2026-12-03-h200-qwen-repeat); this one starts with its capital, so every token of
+# the answer's cycle is in the prompt.
+FILLER = "The quick brown fox jumps over the lazy dog. "
 
 
 @dataclass

@@ -195,8 +195,10 @@ def copy_items(chat: list[PromptItem]) -> list[PromptItem]:
 # repeat: the first sentence of a ShareGPT opening turn, with an instruction to write it many times in a row.
 # The target's answers are short cycles, where a drafter must wrap around: with a period of P tokens, the
 # P-th draft of a block is the block's own first token again. Copy answers (a long text written out once) did not
-# teach that: on the benchmark's filler (a 7-token cycle) no round committed more than 7 tokens with them
-# (results/published/2026-12-03-h200-drafter-copy). The benchmark's own filler sentence is never one of these.
+# teach that: on the benchmark's filler of then (a 7-token cycle) no round committed more than 7 tokens with them
+# (results/published/2026-12-03-h200-drafter-copy). Neither did these (results/published/2026-12-03-h200-qwen-repeat):
+# that filler's answer needed a token its prompt never held (qdflash.bench.FILLER). The benchmark's own filler
+# sentence is never one of these.
 
 REPEAT_TEMPLATES = (
     "Write the following sentence {n} times in a row, separated by spaces:\n\n{sentence}",

@@ -10,6 +10,7 @@ token id of the target's vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -101,6 +102,20 @@ def _flex_attention(compiled: bool):
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
+def _training_backends(q: torch.Tensor, dtype: torch.dtype | None):
+    """SDPA's kernels for training's bf16 attention (`dtype` given, CUDA): memory-efficient attention, the
+    kernel the fp32 step runs, else the math one. Why: left to SDPA's own choice, the bf16 step was several
+    times slower than the fp32 one on the H200, with a mean far above its median (the PROVENANCE of
+    results/published/2026-12-03-h200-qwen-repeat), which looks like a kernel planned per shape (batch
+    lengths change every step; SDPA may pick cuDNN attention for 16-bit inputs only). Not yet timed with this
+    choice. Elsewhere: SDPA's choice."""
+    if dtype is None or not q.is_cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def attend(q, k, v, mask, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, Tq, D] over k, v [B, Hkv, Tk, D] under `mask`: a boolean tensor
     [B, Tq, Tk] (SDPA, dense: correct everywhere) or a flex_attention BlockMask (GPU: skips the
@@ -113,7 +128,8 @@ def attend(q, k, v, mask, dtype: torch.dtype | None = None) -> torch.Tensor:
     if isinstance(mask, torch.Tensor):
         rep = q.shape[1] // k.shape[1]  # repeated, not enable_gqa: SDPA's fused kernels then accept the mask
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]).to(out_dtype)
+        with _training_backends(q, dtype):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]).to(out_dtype)
     return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True).to(out_dtype)
 
 
