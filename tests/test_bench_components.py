@@ -113,3 +113,38 @@ def test_round_bench_with_compiled_steps_on_the_cpu(runs):
     assert set(variants) == {"float32", "float32+compiled", "bfloat16", "bfloat16+compiled"}
     assert all(v["draft_ms"] > 0 and v["in_decode_steps"] > 0 for v in variants.values())
     assert variants["float32"]["same_drafts"] and variants["float32+compiled"]["same_drafts"]  # fp32, traced: exact
+
+
+def test_round_profile_sets_each_verify_against_the_decode_step(monkeypatch):
+    """bench_round.py --profile: every part profiled by bench_components.kernel_breakdown, and each verify's
+    excess over the decode step by kernel group (a group only one of them has counts from zero)."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_components
+    import bench_round
+    import torch
+
+    calls = []
+
+    def breakdown(fn, device):
+        name = fn()
+        calls.append((name, device))
+        if name == "draft":
+            raise RuntimeError("no profiler here")
+        groups = {"decode": {"matmul": 10.0, "attention": 2.0}, "verify4": {"matmul": 13.0, "attention": 2.5, "other": 1.0},
+                  "verify2": {"matmul": 11.0, "attention": 2.0}, "append2": {"other": 3.0}}[name]
+        return {"groups_us": groups}
+
+    class Engine:
+        def forward(self, ids, start, layer_ids):
+            return "decode" if ids.shape[0] == 1 else f"verify{ids.shape[0]}"
+
+    class Static:
+        def draft(self, first, position):
+            return "draft"
+
+    monkeypatch.setattr(bench_components, "kernel_breakdown", breakdown)
+    out = bench_round.profile_parts(Engine(), Static(), torch.zeros(1), torch.zeros(4), [2], [0], 40, lambda: "append2")
+    assert [c[0] for c in calls] == ["decode", "verify4", "verify2", "draft", "append2"] and {c[1] for c in calls} == {"cuda"}
+    assert out["verify4"]["excess_over_decode_us"] == {"attention": 0.5, "matmul": 3.0, "other": 1.0}
+    assert out["verify2"]["excess_over_decode_us"] == {"attention": 0.0, "matmul": 1.0}
+    assert out["draft"]["error"].startswith("RuntimeError") and "excess_over_decode_us" not in out["append2"]

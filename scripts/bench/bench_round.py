@@ -18,6 +18,10 @@ Each is timed with the context holding `--context` positions (median of `--reps`
 - appending the features of 2 accepted positions to the drafter's context, eager and static (one
   graph per count); then five rounds accepting 1..5 positions, checked to draft the same both ways.
 `--compile`: every captured step (decode, verify, draft) through torch.compile first, as bench.compile.
+`--profile` (CUDA): where each part's device time goes, kernel by kernel (bench_components.kernel_breakdown:
+torch.profiler over replays, grouped into matmuls, attention, ...): the decode step, the whole block's verify and
+each V-token verify, the static draft and the append ('profile' in the JSON, with each verify's excess over the
+decode step by group: what makes a verify cost more than a decode step).
 `--attention sdpa,kernel`: the decode step, the verify blocks and the static draft again with each other
 attention (EngineBase.set_attention, DrafterEngine(attention=)), on the same context, with the block's
 logits against the first's, and each verify length's round.
@@ -103,6 +107,30 @@ def draft_variants(drafter, target, features, max_len: int, attention: str, args
     return out
 
 
+def profile_parts(engine, static, one, block, verify_counts, layer_ids, context: int, append) -> dict:
+    """Device time by kernel group of the decode step, each verify (the whole block and every V), the static
+    draft and the append (bench_components.kernel_breakdown), and each verify's excess over the decode step by
+    group. A profile that fails is reported, not raised: it is extra to the timings."""
+    from bench_components import kernel_breakdown
+
+    parts = {"decode": lambda: engine.forward(one, context, layer_ids),
+             f"verify{block.shape[0]}": lambda: engine.forward(block, context, layer_ids),
+             **{f"verify{v}": (lambda v=v: engine.forward(block[:v], context, layer_ids)) for v in verify_counts},
+             "draft": lambda: static.draft(11, context), "append2": append}
+    out = {}
+    for name, fn in parts.items():
+        try:
+            out[name] = kernel_breakdown(fn, "cuda")
+        except Exception as err:  # noqa: BLE001
+            out[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    decode = out["decode"].get("groups_us", {})
+    for name, row in list(out.items()):
+        if name.startswith("verify") and "groups_us" in row:
+            groups = set(decode) | set(row["groups_us"])
+            row["excess_over_decode_us"] = {g: round(row["groups_us"].get(g, 0.0) - decode.get(g, 0.0), 1) for g in sorted(groups)}
+    return out
+
+
 def timed(fn, device, reps: int) -> float:
     """Median milliseconds of `fn` over `reps` calls, synchronized around each (after 3 warm-ups).
     Wall clock, not CUDA events (qdflash.bench.device_timer): an eager draft's host work before its
@@ -148,6 +176,8 @@ def main() -> None:
                              "bench_speedup ran until bench.drafter_dtype) and in bf16, each as a CUDA graph and compiled then "
                              "captured (bench.compile_drafter), side by side on the same context ('draft_variants' in the JSON); "
                              "a value: the torch.compile backend (the CPU: aot_eager)")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: each part's device time by kernel and kernel group ('profile' in the JSON)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -250,6 +280,8 @@ def main() -> None:
 
     result["append2_eager_ms"] = timed(append_eager, device, args.reps)
     result["append2_static_ms"] = timed(append_static, device, args.reps)
+    if args.profile and cuda:
+        result["profile"] = profile_parts(engine, static, one, block, verify_counts, layer_ids, args.context, append_static)
     # five rounds that accept 1..5 positions each, through the append graphs captured on first use:
     # the static drafts must stay the eager ones
     agree, position = [], args.context
