@@ -106,9 +106,10 @@ def _training_backends(q: torch.Tensor, dtype: torch.dtype | None):
     """SDPA's kernels for training's bf16 attention (`dtype` given, CUDA): memory-efficient attention, the
     kernel the fp32 step runs, else the math one. Why: left to SDPA's own choice, the bf16 step was several
     times slower than the fp32 one on the H200, with a mean far above its median (the PROVENANCE of
-    results/published/2026-12-03-h200-qwen-repeat), which looks like a kernel planned per shape (batch
-    lengths change every step; SDPA may pick cuDNN attention for 16-bit inputs only). Not yet timed with this
-    choice. Elsewhere: SDPA's choice."""
+    results/published/2026-12-03-h200-qwen-repeat). Since torch 2.11, SDPA prefers cuDNN attention for 16-bit
+    inputs on Hopper, which plans a kernel per shape (batch lengths change every step here), and whose backward
+    with an attn_mask gave NaN query gradients at some lengths (pytorch/pytorch#196678). Not yet timed with this
+    choice. Elsewhere (inference, fp32, the CPU): SDPA's choice."""
     if dtype is None or not q.is_cuda:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
