@@ -24,7 +24,10 @@ each synchronized, median over --steps batches:
 feature cache in the GPU's memory (`drafter_train.cache_features: device`, filled before timing),
 block positions 1..`--loss-positions` trained (`drafter_train.loss_positions`), TF32, against that
 step with its attention kernel in bf16 (`drafter_train.attention_bf16`), with the drafter's forward
-through torch.compile (dynamic shapes) or under bf16 autocast. With `--profile` it profiles the node's
+through torch.compile (dynamic shapes) or under bf16 autocast, and with `--block-variants 9x64,9x112` the node's
+cached step of a drafter with another block size and anchor count (each its own drafter and optimizer; blocks
+carry the anchor + block-1 masks, so a 9-token block holding the trained positions 1-8 is ~9/16 of a 16-token
+block's query rows: config/gpu-block9.yaml). With `--profile` it profiles the node's
 cached step and every variant slower than it (bf16 autocast was ~3x slower, unexplained): the top ops by
 GPU time and by host time, and the share of the step's wall time the GPU is busy (a host-bound step
 leaves it idle between kernels).
@@ -92,8 +95,15 @@ def cached_variants(args, drafter, target, examples, batches, device, gen, autoc
         finally:
             drafter.set_attention_dtype(None)
 
-    return {"node-cached": (loss(), True), "node-cached+bf16-attention": (loss(bf16_attention), True),
-            "node-cached+compile": (loss(compiled), True), "node-cached+autocast": (loss(autocast_forward), True)}
+    out = {"node-cached": (loss(), True), "node-cached+bf16-attention": (loss(bf16_attention), True),
+           "node-cached+compile": (loss(compiled), True), "node-cached+autocast": (loss(autocast_forward), True)}
+    for block, anchors in args.block_variants:  # the same cache (target features do not depend on the block)
+        other = init_drafter(target, block_size=block, num_layers=args.drafter_layers).to(device).train()
+        other_weights = loss_weights(block, 7.0, args.loss_positions)
+        out[f"node-cached@block{block}x{anchors}"] = (
+            lambda chunk, other=other, w=other_weights, a=anchors: batch_loss(other, target, chunk, w, a, gen, cache=cache), True,
+            torch.optim.AdamW(other.parameters(), lr=1e-4))
+    return out
 
 
 def profile_steps(run, device) -> dict:
@@ -131,6 +141,8 @@ def main() -> None:
     parser.add_argument("--cached", action="store_true", help="time the node's cached-epoch step and its variants (module docstring)")
     parser.add_argument("--loss-positions", type=int, default=8, help="--cached: block positions trained (null in the node: all)")
     parser.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
+    parser.add_argument("--block-variants", type=lambda t: [tuple(int(x) for x in v.split("x")) for v in t.split(",") if v],
+                        default=[], help="--cached: BxA,... the node's cached step with a drafter of block B, A anchors a sequence")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -206,13 +218,14 @@ def main() -> None:
             lambda chunk, more=more: batch_loss(drafter, target, chunk, weights, more, gen), True)
 
     def step(idx, variant):
-        loss_fn, tf32 = variant
+        loss_fn, tf32, *own = variant  # a variant of another drafter brings its optimizer
+        opt = own[0] if own else optimizer
         torch.backends.cuda.matmul.allow_tf32 = tf32
         chunk = [examples[i] for i in idx]
-        optimizer.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
         loss = loss_fn(chunk)
         loss.backward()
-        optimizer.step()
+        opt.step()
         torch.backends.cuda.matmul.allow_tf32 = False
         return chunk
 
@@ -221,7 +234,7 @@ def main() -> None:
     else:
         base_name = "fp32+whole-logits"
     if args.only:
-        variants = {k: v for k, v in variants.items() if k in args.only.split(",") or k == base_name}
+        variants = {k: v for k, v in variants.items() if k in args.only.split(",") or k == base_name or "@block" in k}
     failed = {}
     for name, fn in list(variants.items()):  # allocate for the largest shapes first
         try:
