@@ -148,3 +148,16 @@ def test_round_profile_sets_each_verify_against_the_decode_step(monkeypatch):
     assert out["verify4"]["excess_over_decode_us"] == {"attention": 0.5, "matmul": 3.0, "other": 1.0}
     assert out["verify2"]["excess_over_decode_us"] == {"attention": 0.0, "matmul": 1.0}
     assert out["draft"]["error"].startswith("RuntimeError") and "excess_over_decode_us" not in out["append2"]
+
+
+def test_drafter_step_block_variants_parse_or_name_the_bad_item():
+    """bench_drafter_step.py --block-variants: BLOCKxANCHORS items, and a clear error naming a malformed one."""
+    import argparse
+
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_drafter_step
+
+    assert bench_drafter_step.block_variants("9x64,9x112,") == [(9, 64), (9, 112)]
+    for bad in ("9", "9x", "1x64", "9x0", "ax64", "9x64x2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BLOCKxANCHORS"):
+            bench_drafter_step.block_variants(f"16x64,{bad}")

@@ -106,6 +106,18 @@ def cached_variants(args, drafter, target, examples, batches, device, gen, autoc
     return out
 
 
+def block_variants(text: str) -> list[tuple[int, int]]:
+    """`--block-variants` "9x64,9x112" -> [(9, 64), (9, 112)]: block sizes of at least 2 (the anchor and one draft),
+    at least one anchor a sequence."""
+    out = []
+    for item in filter(None, text.split(",")):
+        parts = item.split("x")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) < 2 or int(parts[1]) < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected BLOCKxANCHORS, e.g. 9x112 (block >= 2, anchors >= 1)")
+        out.append((int(parts[0]), int(parts[1])))
+    return out
+
+
 def profile_steps(run, device) -> dict:
     """torch.profiler over `run()` (a few steps): the top ops by GPU time and by host time, and how much of
     the wall time the GPU was busy (kernels' summed time / wall: well below 1 means the host sets the pace)."""
@@ -141,10 +153,12 @@ def main() -> None:
     parser.add_argument("--cached", action="store_true", help="time the node's cached-epoch step and its variants (module docstring)")
     parser.add_argument("--loss-positions", type=int, default=8, help="--cached: block positions trained (null in the node: all)")
     parser.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
-    parser.add_argument("--block-variants", type=lambda t: [tuple(int(x) for x in v.split("x")) for v in t.split(",") if v],
-                        default=[], help="--cached: BxA,... the node's cached step with a drafter of block B, A anchors a sequence")
+    parser.add_argument("--block-variants", type=block_variants, default=[],
+                        help="--cached: BxA,... the node's cached step with a drafter of block B, A anchors a sequence")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.block_variants and not args.cached:
+        parser.error("--block-variants times variants of the cached step: add --cached")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
