@@ -397,6 +397,41 @@ def test_marlin_reads_our_words_as_gptq_and_its_scales_in_8x8_tiles():
         marlin_w4.permute_scales(scale[:8, :1])
 
 
+def test_marlin_is_one_node_a_compiled_step_traces_through(monkeypatch):
+    """marlin_w4.matmul goes through our custom op `qdflash::marlin_w4_mm`, whose fake kernel lets
+    torch.compile trace it without a graph break (vLLM's `_C::marlin_gemm` loaded alone has none: the H200
+    step broke at every projection). Marlin itself is CUDA only, so its call (`_gemm`) is stood in for by
+    the dequantized product here; what is tested is the op's registration: the fake's shape and dtype
+    against the real call (torch.library.opcheck), and a fullgraph compile that keeps it as one node."""
+    from qdflash.kernels import marlin_w4
+
+    n, k, group = 64, 256, 32
+    q, scale, weight = quantized(n, k, group)
+
+    def reference(x, tiled, scales, workspace, n_out):  # what Marlin computes, from the same weight
+        assert n_out == weight.shape[0]
+        return (x.float() @ weight.float().t()).to(scales.dtype)
+
+    monkeypatch.setattr(marlin_w4, "_gemm", reference)
+    tiled, scales, workspace = pack_int4(q), scale.to(torch.bfloat16), torch.zeros(8, dtype=torch.int32)
+    x = torch.randn(3, k)
+    torch.library.opcheck(marlin_w4._marlin_mm, (x.to(torch.bfloat16), tiled, scales, workspace, n))
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def step(x):  # a projection between elementwise work, as in a decode step
+        return torch.nn.functional.silu(marlin_w4.matmul(x * 2.0, tiled, scales, workspace, n, group)) + 1.0
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    assert torch.equal(compiled(x), step(x))
+    ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert ops.count(torch.ops.qdflash.marlin_w4_mm.default) == 1, ops
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_attention_split_and_shared_row(dtype, splits):

@@ -112,10 +112,35 @@ def pack(words: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtyp
     return tiled, permute_scales(scale).to(dtype), workspace, n
 
 
-def matmul(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor, workspace: torch.Tensor, n: int,
-           group: int) -> torch.Tensor:
-    """x [M, K] @ dequant(W).T -> [M, N] in the scales' dtype (fp32 reduction across thread blocks)."""
-    x = x.to(scales.dtype).contiguous()
+def _gemm(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor, workspace: torch.Tensor, n: int) -> torch.Tensor:
+    """vLLM's op itself: a, c, b_q_weight, bias, b_scales, a_scales, global_scale, b_zeros, g_idx, perm,
+    workspace, b_q_type, size_m, size_n, size_k, is_k_full, use_atomic_add, use_fp32_reduce, is_zp_float."""
     empty = torch.empty(0, dtype=torch.int32, device=x.device)  # no zero points, no reordering: empty, as vLLM passes them
     return torch.ops._C.marlin_gemm(x, None, tiled, None, scales, None, None, empty, empty, empty, workspace, UINT4B8,
                                     x.shape[0], n, x.shape[1], True, False, True, False)
+
+
+# Why a custom op of our own: `_C::marlin_gemm`, loaded from vLLM's library alone, has no fake (meta) kernel
+# (vLLM registers those in Python, which we do not import), so torch.compile cannot trace it and breaks the
+# compiled decode step at every projection: on the H200 that cost more than Marlin saved (nearly twice the
+# kernels per step, the norms and adds around each projection left unfused: PROVENANCE of
+# results/published/2026-12-04-h200-components-marlin). Wrapped here with a fake that gives the output's
+# shape, the op is one opaque node in the compiled graph. `mutates_args=()` although Marlin writes its
+# workspace: it uses it as per-block locks that it leaves zeroed again, so no state is changed between calls,
+# and declaring it mutated would make compiled graphs clone it before every call.
+@torch.library.custom_op("qdflash::marlin_w4_mm", mutates_args=())
+def _marlin_mm(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor, workspace: torch.Tensor,
+               n: int) -> torch.Tensor:
+    return _gemm(x, tiled, scales, workspace, n)
+
+
+@_marlin_mm.register_fake
+def _(x, tiled, scales, workspace, n):
+    return x.new_empty((x.shape[0], n), dtype=scales.dtype)
+
+
+def matmul(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor, workspace: torch.Tensor, n: int,
+           group: int) -> torch.Tensor:
+    """x [M, K] @ dequant(W).T -> [M, N] in the scales' dtype (fp32 reduction across thread blocks). The
+    group is in the scales' shape: Marlin reads it from there."""
+    return _marlin_mm(x.to(scales.dtype).contiguous(), tiled, scales, workspace, n)
