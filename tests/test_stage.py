@@ -39,3 +39,27 @@ def test_fetch_listed_keeps_a_cached_wheel_whose_sha256_matches_and_drops_one_th
     with pytest.raises(SystemExit, match="does not match its sha256"):
         stage.fetch_listed(listing, wheel.parent)
     assert not wheel.exists()
+
+
+def test_a_piece_fits_beside_the_working_tree_in_one_device_call(tmp_path):
+    """A call carries 64 MiB with the working tree: the default piece is what is left (less the margin), a
+    larger --piece-mib stops before anything is packed, and the tree counts untracked files git does not
+    ignore but not ignored ones (the pieces themselves live in an ignored folder)."""
+    mib = 2**20
+    assert stage.piece_mib(None, 14 * mib - 5) == 64 - 4 - 14
+    assert stage.piece_mib(None, 14 * mib + 1) == 64 - 4 - 15  # a started MiB counts
+    assert stage.piece_mib(40, 14 * mib) == 40
+    with pytest.raises(SystemExit, match=r"--piece-mib 50: .*14\.0 MiB.*1\.\.46 MiB"):
+        stage.piece_mib(50, 14 * mib)
+    with pytest.raises(SystemExit, match="no room for a piece"):
+        stage.piece_mib(None, 61 * mib)
+
+    import subprocess
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "piece").write_bytes(b"x" * 5000)
+    (tmp_path / "tracked.py").write_bytes(b"y" * 300)
+    subprocess.run(["git", "add", "tracked.py", ".gitignore"], cwd=tmp_path, check=True)
+    (tmp_path / "untracked.md").write_bytes(b"z" * 20)
+    assert stage.tree_bytes(tmp_path) == 300 + 20 + len("ignored/\n")

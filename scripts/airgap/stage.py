@@ -1,6 +1,10 @@
 """Pack what the H200 machine lacks into pieces that fit one device call each (docs/airgap.md).
 
-    python scripts/airgap/stage.py [--piece-mib 48] [--out .gpu-stage]
+    python scripts/airgap/stage.py [--piece-mib N] [--out .gpu-stage]
+
+A device call carries 64 MiB in all, the working tree included (tracked files and untracked ones git does
+not ignore), so a piece is at most 64 MiB less that tree: the default piece size is what is left after the
+tree and a 4 MiB margin, and a --piece-mib that does not fit stops here, not on the device.
 
 The bundle (one tar, checked by sha256 on the other side) holds:
 - wheels/: ../shared/device-wheels/core, the `workflow` set (snakemake + wandb, rebuilt with the
@@ -191,9 +195,35 @@ def collect_results(dest: Path, folders: list[Path]) -> None:
         shutil.copytree(folder, target, ignore=shutil.ignore_patterns("wandb", "hydra", "dense", ".snakemake_timestamp"))
 
 
+CARRY_MIB = 64  # what one device call carries, working tree and piece together
+MARGIN_MIB = 4  # room for files the tree gains between staging and the calls (logs, a published folder)
+
+
+def tree_bytes(repo: Path = REPO) -> int:
+    """Bytes of the working tree a device call carries: tracked files and untracked ones git does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                            capture_output=True, check=True).stdout.split(b"\0")
+    return sum(path.stat().st_size for name in listed if name and (path := repo / os.fsdecode(name)).is_file())
+
+
+def piece_mib(requested: int | None, tree: int) -> int:
+    """The piece size: `requested`, checked against what a call carries beside the tree, or the most that fits."""
+    room = CARRY_MIB - MARGIN_MIB - -(-tree // 2**20)  # whole MiB left once the tree (rounded up) and margin are in
+    if requested is None:
+        if room < 1:
+            sys.exit(f"stage.py: the working tree is {tree / 2**20:.1f} MiB: no room for a piece in a "
+                     f"{CARRY_MIB} MiB call (with a {MARGIN_MIB} MiB margin)")
+        return room
+    if requested < 1 or requested > room:
+        sys.exit(f"stage.py: --piece-mib {requested}: a call carries {CARRY_MIB} MiB with the working tree "
+                 f"({tree / 2**20:.1f} MiB) and a {MARGIN_MIB} MiB margin, so a piece may be 1..{room} MiB")
+    return requested
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--piece-mib", type=int, default=48)
+    parser.add_argument("--piece-mib", type=int, default=None,
+                        help="piece size (default: the most that fits in a call beside the working tree)")
     parser.add_argument("--out", type=Path, default=REPO / ".gpu-stage")
     parser.add_argument("--results", type=Path, nargs="*", default=[], help="finished node folders under results/ to bring along")
     parser.add_argument("--extra", type=Path, nargs="*", default=[], help="files to bring along as they are (bundle/extra/)")
@@ -204,6 +234,7 @@ def main() -> None:
                         help="leave out the serve set (fastapi, uvicorn, openai: qdflash serve and bench_latency; 3 MiB, "
                              "for CPython 3.12 x86-64 beside the default sets)")
     args = parser.parse_args()
+    piece = piece_mib(args.piece_mib, tree_bytes()) << 20
 
     out = args.out
     for old in [*out.glob("part-*"), out / "tree"]:  # earlier pieces only: other carried folders here stay
@@ -222,7 +253,6 @@ def main() -> None:
     shutil.rmtree(tree)
 
     digest, size = sha256(bundle), bundle.stat().st_size
-    piece = args.piece_mib << 20
     count = (size + piece - 1) // piece
     manifest = {"sha256": digest, "bytes": size, "pieces": count}
     with open(bundle, "rb") as handle:
