@@ -99,6 +99,13 @@ def test_gemv_equals_linear_and_is_used_only_where_tuned(dtype, monkeypatch):
         torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
     with pytest.raises(QdflashError, match="does not tile"):
         gemv_module.gemv(x, w, gemv_module.GemvConfig(8, 512, split_k=4))
+    # a weight too narrow for those tiles (Qwen3.5's GDN a/b, 64 x 2,560) still gets candidates, K split where it divides
+    narrow = gemv_module.candidate_configs(64, 2560)
+    assert narrow and all(gemv_module.fits(c, 2560) for c in narrow) and {c.split_k for c in narrow} >= {1, 5, 10}
+    w64, x64 = torch.randn(64, 2560, generator=g).to(DEVICE, dtype), torch.randn(1, 2560, generator=g).to(DEVICE, dtype)
+    for config in (narrow[0], max(narrow, key=lambda c: c.split_k)):
+        torch.testing.assert_close(gemv_module.gemv(x64, w64, config).float(), x64.float() @ w64.float().T,
+                                   atol=5e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
     # the engine's dense projections take the GEMV only for a tuned shape, one row, kernels on
     calls = []
     monkeypatch.setattr("qdflash.engine.linear.gemv", lambda *a: calls.append(a) or gemv_module.gemv(*a))

@@ -90,6 +90,23 @@ def candidate_configs(n: int, k: int) -> list[GemvConfig]:
                     c = GemvConfig(block_n, block_k, split_k, warps)
                     if fits(c, k) and 128 <= -(-n // block_n) * split_k <= 4096:
                         out.append(c)
+    if not out:
+        out = narrow_configs(n, k)
+    return out
+
+
+def narrow_configs(n: int, k: int) -> list[GemvConfig]:
+    """For a weight too narrow for the tiles above (e.g. Qwen3.5's GDN a/b projection, 64 x 2,560: no tile
+    launches 128 programs with a split that tiles K): smaller tiles, fewer programs, and K split wherever it
+    divides. Such a weight is a few hundred KB, so a call is bound by latency, where cuBLAS's fixed cost is
+    what a GEMV may beat; `tune` keeps one only if it does."""
+    out = []
+    for block_n in (2, 4, 8):
+        for block_k in (256, 512, 1024):
+            for split_k in sorted({s for s in range(1, 17) if k % (s * block_k) == 0}):
+                c = GemvConfig(block_n, block_k, split_k, 4)
+                if 16 <= -(-n // block_n) * split_k <= 4096:
+                    out.append(c)
     return out
 
 
