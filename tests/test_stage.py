@@ -54,6 +54,8 @@ def test_a_piece_fits_beside_the_working_tree_in_one_device_call(tmp_path):
     with pytest.raises(SystemExit, match="no room for a piece"):
         stage.piece_mib(None, 61 * mib)
 
+    with pytest.raises(SystemExit, match="git ls-files.*stage from a git checkout"):
+        stage.tree_bytes(tmp_path)  # not a checkout yet
     import subprocess
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     (tmp_path / ".gitignore").write_text("ignored/\n")

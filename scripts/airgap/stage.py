@@ -201,8 +201,12 @@ MARGIN_MIB = 4  # room for files the tree gains between staging and the calls (l
 
 def tree_bytes(repo: Path = REPO) -> int:
     """Bytes of the working tree a device call carries: tracked files and untracked ones git does not ignore."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
-                            capture_output=True, check=True).stdout.split(b"\0")
+    listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                             capture_output=True)
+    if listing.returncode:
+        sys.exit(f"stage.py: cannot size the working tree a device call carries: `git ls-files` in {repo} failed "
+                 f"({listing.stderr.decode(errors='replace').strip()}); stage from a git checkout")
+    listed = listing.stdout.split(b"\0")
     return sum(path.stat().st_size for name in listed if name and (path := repo / os.fsdecode(name)).is_file())
 
 

@@ -79,7 +79,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Ten
 
 
 def candidate_configs(n: int, k: int) -> list[GemvConfig]:
-    """Tiles of 1K-8K weights (the fp32 accumulator stays in registers) launching 128..4096 programs."""
+    """Tiles of 1K-8K weights (the fp32 accumulator stays in registers) launching 128..4096 programs; for a
+    weight where none does, `narrow_configs`."""
     out = []
     for block_n in (2, 4, 8, 16, 32):
         for block_k in (256, 512, 1024, 2048):
@@ -103,9 +104,9 @@ def narrow_configs(n: int, k: int) -> list[GemvConfig]:
     out = []
     for block_n in (2, 4, 8):
         for block_k in (256, 512, 1024):
-            for split_k in sorted({s for s in range(1, 17) if k % (s * block_k) == 0}):
+            for split_k in range(1, 17):
                 c = GemvConfig(block_n, block_k, split_k, 4)
-                if 16 <= -(-n // block_n) * split_k <= 4096:
+                if fits(c, k) and 16 <= -(-n // block_n) * split_k <= 4096:
                     out.append(c)
     return out
 

@@ -113,8 +113,11 @@ def pack(words: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtyp
 
 
 def _gemm(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor, workspace: torch.Tensor, n: int) -> torch.Tensor:
-    """vLLM's op itself: a, c, b_q_weight, bias, b_scales, a_scales, global_scale, b_zeros, g_idx, perm,
-    workspace, b_q_type, size_m, size_n, size_k, is_k_full, use_atomic_add, use_fp32_reduce, is_zp_float."""
+    """vLLM's op itself. Its schema in vLLM 0.26.0's library: marlin_gemm(Tensor a, Tensor? c_or_none,
+    Tensor b_q_weight, Tensor? b_bias_or_none, Tensor b_scales, Tensor? a_scales, Tensor? global_scale,
+    Tensor? b_zeros_or_none, Tensor? g_idx_or_none, Tensor? perm_or_none, Tensor workspace, int b_type_id,
+    SymInt size_m, SymInt size_n, SymInt size_k, bool is_k_full, bool use_atomic_add, bool use_fp32_reduce,
+    bool is_zp_float) -> Tensor."""
     empty = torch.empty(0, dtype=torch.int32, device=x.device)  # no zero points, no reordering: empty, as vLLM passes them
     return torch.ops._C.marlin_gemm(x, None, tiled, None, scales, None, None, empty, empty, empty, workspace, UINT4B8,
                                     x.shape[0], n, x.shape[1], True, False, True, False)
@@ -126,8 +129,9 @@ def _gemm(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor, workspace:
 # kernels per step, the norms and adds around each projection left unfused: PROVENANCE of
 # results/published/2026-12-04-h200-components-marlin). Wrapped here with a fake that gives the output's
 # shape, the op is one opaque node in the compiled graph. `mutates_args=()` although Marlin writes its
-# workspace: it uses it as per-block locks that it leaves zeroed again, so no state is changed between calls,
-# and declaring it mutated would make compiled graphs clone it before every call.
+# workspace: it uses it as per-block locks that it leaves zeroed again, so no state is changed between calls
+# (vLLM's own schema, above, declares `Tensor workspace`, not mutated, for the same reason), and declaring it
+# mutated would make compiled graphs clone it before every call.
 @torch.library.custom_op("qdflash::marlin_w4_mm", mutates_args=())
 def _marlin_mm(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor, workspace: torch.Tensor,
                n: int) -> torch.Tensor:
