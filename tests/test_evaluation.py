@@ -175,13 +175,15 @@ def test_gate_verdicts():
 def test_the_point_rule_is_the_recipes_and_both_verdicts_are_reported():
     """gates.rule: point passes a variant whose mean is >= ratio x the reference's whatever the interval
     (docs/recipe.md's rule) and fails one below it; too_few and uninformative stay; every result carries the
-    point rule's verdict, so the interval rule's table shows both."""
+    point rule's verdict and the interval rule's, so either rule's table shows both."""
     same = [1.0, 0.0] * 100
     noisy = [1.0, 0.0, 0.0, 1.0] * 25  # mean 0.5 vs 0.5: >= 0.95 x the reference, but not shown
     interval = judge("t", noisy, same[:100], 0.95, min_samples=50)
     point = judge("t", noisy, same[:100], 0.95, min_samples=50, rule="point")
-    assert (interval.verdict, interval.point_verdict, interval.rule) == ("inconclusive", "pass", "interval")
-    assert (point.verdict, point.point_verdict, point.rule) == ("pass", "pass", "point")
+    assert (interval.verdict, interval.point_verdict, interval.interval_verdict, interval.rule) == (
+        "inconclusive", "pass", "inconclusive", "interval")
+    assert (point.verdict, point.point_verdict, point.interval_verdict, point.rule) == (
+        "pass", "pass", "inconclusive", "point")
     assert (point.low, point.high, point.margin) == (interval.low, interval.high, interval.margin)
     # what each rule can resolve: a variant equal to the reference passes the point rule more often than the interval
     assert point.needed_difference == pytest.approx(-0.05 * 0.5) and point.power_if_equal > interval.power_if_equal
@@ -190,7 +192,7 @@ def test_the_point_rule_is_the_recipes_and_both_verdicts_are_reported():
     assert judge("t", same[:10], same[:10], 0.9, min_samples=50, rule="point").verdict == "too_few"
     chance = [1.0, 0.0, 0.0, 0.0] * 250
     result = judge("mmlu", chance, chance, 0.9, min_samples=50, floor=0.25, rule="point")
-    assert (result.verdict, result.point_verdict) == ("uninformative", "uninformative")
+    assert (result.verdict, result.point_verdict, result.interval_verdict) == ("uninformative",) * 3
     with pytest.raises(ValueError, match="gates.rule='loose'"):
         judge("t", same, same, 0.9, 50, rule="loose")
 

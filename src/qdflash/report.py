@@ -122,8 +122,9 @@ def quality_rows(target_rows: list[dict], gate_dirs: list[Path]) -> list[dict]:
         tasks = sorted({k.split(".")[0] for k in m if k.endswith(".verdict")})
         gates[Path(folder).name] = {"passes_gates": m["passes_gates"],
                                     **{f"{t}.{f}": m[f"{t}.{f}"] for t in tasks for f in ("n", "reference", "variant", "low", "high", "verdict")},
-                                    # the point rule's verdict beside it (gates.rule); absent in folders older than it
-                                    **{f"{t}.point_verdict": m[f"{t}.point_verdict"] for t in tasks if f"{t}.point_verdict" in m},
+                                    # both rules' verdicts beside the deciding one (gates.rule); absent in folders older than them
+                                    **{f"{t}.{v}": m[f"{t}.{v}"] for t in tasks for v in ("point_verdict", "interval_verdict")
+                                       if f"{t}.{v}" in m},
                                     # 0: an uninformative verdict only reported (gates.tasks.<t>.when_uninformative)
                                     **{f"{t}.counts": m.get(f"{t}.counts", 1) for t in tasks}}
     return [{**row, **gates.get(row["variant"], {})} for row in target_rows]

@@ -17,8 +17,8 @@ approximation, the items' own variance):
 That is `rule="interval"`, the default. `rule="point"` is the reference recipe's own rule (docs/recipe.md:
 "IFEval inst-level strict >= 0.814 (95% of 0.857)"): `pass` where the variant's mean is at least `ratio`
 times the reference's (margin >= 0), else `fail`, whatever the interval; `too_few` and `uninformative`
-stay as they are. Every result also carries `point_verdict`, the point rule's verdict, so a table shows
-both rules side by side whichever one decides; `needed_difference` and `power_if_equal` (below) are those of
+stay as they are. Every result also carries `point_verdict` and `interval_verdict`, both rules' verdicts, so a
+table shows them side by side whichever one decides; `needed_difference` and `power_if_equal` (below) are those of
 the rule that decides.
 Only `pass` passes: a tiny or noisy sample can neither pass nor fail a variant by luck, a variant
 that is not shown to be good enough is never selected, and neither is one judged on a task the
@@ -61,6 +61,7 @@ class GateResult:
     power_if_equal: float = math.nan     # chance that a variant of equal mean and this spread passes
     rule: str = "interval"               # which rule gave `verdict` (RULES)
     point_verdict: str = ""              # the point rule's verdict (variant >= ratio x reference), either way
+    interval_verdict: str = ""           # the interval rule's verdict, either way
 
     @property
     def passes(self) -> bool:
@@ -86,31 +87,26 @@ def judge(task: str, variant_scores: list[float], reference_scores: list[float],
     n = len(variant_scores)
     if n == 0:
         return GateResult(task, 0, math.nan, math.nan, ratio, math.nan, math.nan, math.nan, "too_few", floor,
-                          rule=rule, point_verdict="too_few")
+                          rule=rule, point_verdict="too_few", interval_verdict="too_few")
     mean, half = mean_interval([x - ratio * y for x, y in zip(variant_scores, reference_scores)])
     low, high = mean - half, mean + half
     reference, reference_half = mean_interval(reference_scores)
     reference_low = reference - reference_half
     if n < min_samples:
-        verdict = point = "too_few"
+        point = interval = "too_few"
     elif reference_low <= floor:
-        verdict = point = "uninformative"
+        point = interval = "uninformative"
     else:
         point = "pass" if mean >= 0 else "fail"
-        if rule == "point":
-            verdict = point
-        elif low >= 0:
-            verdict = "pass"
-        elif high < 0:
-            verdict = "fail"
-        else:
-            verdict = "inconclusive"
+        interval = "pass" if low >= 0 else "fail" if high < 0 else "inconclusive"
+    verdict = point if rule == "point" else interval
     slack = (1.0 - ratio) * reference  # how far above ratio x reference a variant of equal mean sits
     # what the rule can resolve: the interval rule needs the whole interval >= 0, the point rule the estimate
     needed, power = ((half - slack, pass_probability(slack, half)) if rule == "interval"
                      else (-slack, pass_probability(slack, half, z=0.0)))
     return GateResult(task, n, reference, sum(variant_scores) / n, ratio, mean, low, high, verdict, floor, reference_low,
-                      needed_difference=needed, power_if_equal=power, rule=rule, point_verdict=point)
+                      needed_difference=needed, power_if_equal=power, rule=rule, point_verdict=point,
+                      interval_verdict=interval)
 
 
 def pass_probability(margin: float, half: float, z: float = Z95) -> float:

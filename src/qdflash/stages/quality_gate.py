@@ -203,9 +203,10 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                 run.metrics[f"{plan.key}.{key}"] = value
         log.info("%s: 16-bit %.3f (>= %.3f; floor %.2f), variant %.3f over %d items; variant - %.2f x 16-bit = %.3f "
                  "[%.3f, %.3f]: %s (at this spread, passing needs variant - 16-bit >= %+.3f; a variant as good as the "
-                 "16-bit target would pass with probability %.2f, by the %s rule); the point rule says %s", plan.key, result.reference,
+                 "16-bit target would pass with probability %.2f, by the %s rule); point rule: %s, interval rule: %s", plan.key, result.reference,
                  result.reference_low, result.floor, result.variant, result.n, result.ratio, result.margin, result.low,
-                 result.high, result.verdict, result.needed_difference, result.power_if_equal, rule, result.point_verdict)
+                 result.high, result.verdict, result.needed_difference, result.power_if_equal, rule, result.point_verdict,
+                 result.interval_verdict)
     with open(run.dir / "gates.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=[f.name for f in dataclasses.fields(results[0])])
         writer.writeheader()
