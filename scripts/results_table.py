@@ -62,7 +62,16 @@ def gate_text(quality: list[dict], target: str) -> str:
     tasks = sorted({k.split(".")[0] for k in row if k.endswith(".verdict") and row[k]})
     return "; ".join(f"{t} {float(row[t + '.variant']):.3f} vs {float(row[t + '.reference']):.3f} (n {row[t + '.n']}): "
                      f"{row[t + '.verdict']}{' (reported, not required)' if str(row.get(t + '.counts', 1)) == '0' else ''}"
-                     for t in tasks) or "none"
+                     f"{other_rule(row, t)}" for t in tasks) or "none"
+
+
+def other_rule(row: dict, task: str) -> str:
+    """Where the rule that did not decide (gates.rule) says otherwise, its verdict, so a reader sees both."""
+    for rule in ("interval", "point"):
+        other = row.get(f"{task}.{rule}_verdict")
+        if other and other != row[f"{task}.verdict"]:
+            return f" ({rule} rule: {other})"
+    return ""
 
 
 def device_of(folder: Path) -> str:

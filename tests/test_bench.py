@@ -37,11 +37,17 @@ def test_methods_take_turns_prompt_by_prompt_in_a_rotating_order():
     results = bench.run_interleaved({"x": method("x"), "y": method("y")}, cases, warmup=1)
     # warm-up: the first prompt at 8 new tokens, then at its measured length (two cache shapes)
     assert calls[:4] == [("x", 2, 8), ("x", 2, 12), ("y", 2, 8), ("y", 2, 12)]
-    # the order rotates per prompt: no method always runs right after the same one
-    assert calls[4:] == [("x", 2, 12), ("y", 2, 12), ("y", 3, 5), ("x", 3, 5)]
+    # the order rotates per prompt: no method always runs right after the same one; each prompt is touched
+    # first, untimed, by the method whose turn comes first, so that no timed turn is a prompt's first visit
+    assert calls[4:] == [("x", 2, 12), ("x", 2, 12), ("y", 2, 12), ("y", 3, 5), ("y", 3, 5), ("x", 3, 5)]
     assert [len(r.tokens) for r in results["x"].runs] == [12, 5]  # each method's runs stay in prompt order
-    assert results["x"].tokens == 17 and results["x"].tokens_per_s == 17.0
+    assert results["x"].tokens == 17 and results["x"].tokens_per_s == 17.0  # the touches are not timed
     assert results["y"].subset([False, True]).tokens == 5
+    assert list(results["x"].touches) == [0] and list(results["y"].touches) == [1]
+    assert len(results["y"].touches[1].tokens) == 5
+    calls.clear()
+    untouched = bench.run_interleaved({"x": method("x"), "y": method("y")}, cases, warmup=0, touch=False)
+    assert calls == [("x", 2, 12), ("y", 2, 12), ("y", 3, 5), ("x", 3, 5)] and not untouched["x"].touches
 
 
 def test_timed_turns_collect_only_what_they_made():
@@ -57,8 +63,8 @@ def test_timed_turns_collect_only_what_they_made():
 
     gc.unfreeze()
     bench.run_interleaved({"x": run}, [PromptCase("a", [1, 2], 12), PromptCase("b", [1], 3)], warmup=1)
-    assert frozen[:2] == [0, 0] and len(frozen) == 4  # the warm-up (at 8 and 12 new tokens) runs before the freeze
-    assert all(count > 1000 for count in frozen[2:])  # the timed turns: every object alive before them frozen
+    assert frozen[:2] == [0, 0] and len(frozen) == 6  # the warm-up (at 8 and 12 new tokens) runs before the freeze
+    assert all(count > 1000 for count in frozen[2:])  # the touches and timed turns: what was alive before them frozen
     assert gc.get_freeze_count() == 0
 
 

@@ -404,6 +404,15 @@ def check_bench(results):
             assert not any(k.startswith("tau_pass.") for k in m)  # the window-less job's only
         outputs = [json.loads(line) for line in open(folder / "outputs.jsonl")]
         assert len(outputs) == m["prompts"] and all(set(o) >= methods for o in outputs)
+        # every prompt's timed seconds per method (they sum to the rows'), and which method touched it first, untimed
+        for method in methods:
+            (row,) = [r for r in rows if r["prompts"] == "all" and r["method"] == method]
+            assert abs(sum(o["seconds"][method] for o in outputs) - float(row["seconds"])) < 1e-3 * len(outputs)
+        assert all(o["first_visit"] in methods for o in outputs)
+        for name in methods - baselines:  # each round's committed and verified tokens (the last round may be cut short)
+            assert all(sum(o["committed"][name][:-1]) < len(o[name]) - 1 <= sum(o["committed"][name])
+                       and len(o["verified"][name]) == len(o["committed"][name]) for o in outputs if len(o[name]) > 1), name
+        assert len(m["first_visit.extra_seconds"]) == len(outputs) == len(m["first_visit.extra_prefill_seconds"])
         # float32 on the CPU: speculative greedy output must equal autoregressive output exactly
         for name in methods - baselines:
             reference = "ar16" if name.startswith("spec16") else "ar_qad"

@@ -134,3 +134,22 @@ def test_pooled_label_names_the_kinds_a_job_measured():
     assert pooled_label(["chat", "knowledge", "code"]) == "chat+code"  # a profile without math prompts
     assert pooled_label(["chat", "knowledge", "p64"]) is None and pooled_label([]) is None
     assert is_pooled("chat+code") and not is_pooled("chat") and not is_pooled("p2048(capped 2000)") and not is_pooled("c++")
+
+
+def test_a_gate_decided_by_one_rule_shows_the_other_rules_verdict_where_it_differs():
+    """gates.rule: point passes IFEval where the interval rule is inconclusive (the published gpu run): the
+    README cell says both, and says nothing more where the two rules agree."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    row = {"variant": "qad_x", "ifeval.verdict": "pass", "ifeval.point_verdict": "pass",
+           "ifeval.interval_verdict": "inconclusive", "ifeval.variant": 0.350, "ifeval.reference": 0.359, "ifeval.n": 541,
+           "gsm8k.verdict": "pass", "gsm8k.point_verdict": "pass", "gsm8k.interval_verdict": "pass",
+           "gsm8k.variant": 0.265, "gsm8k.reference": 0.263, "gsm8k.n": 1319}
+    text = module.gate_text([row], "qad_x")
+    assert "ifeval 0.350 vs 0.359 (n 541): pass (interval rule: inconclusive)" in text
+    assert text.startswith("gsm8k 0.265 vs 0.263 (n 1319): pass; ifeval")  # the rules agree: nothing added
+    interval_decided = {**row, "ifeval.verdict": "inconclusive"}
+    assert "inconclusive (point rule: pass)" in module.gate_text([interval_decided], "qad_x")

@@ -51,6 +51,7 @@ class MethodResult:
 
     runs: list[GenerationResult] = field(default_factory=list)
     peak_working_bytes: list[int] = field(default_factory=list)  # CUDA only: allocation peak above the start, per run
+    touches: dict[int, GenerationResult] = field(default_factory=dict)  # case index -> this method's untimed first touch
 
     @property
     def outputs(self) -> list[list[int]]:
@@ -186,7 +187,7 @@ def warmup_lengths(max_new_tokens: int) -> list[int]:
     return sorted({min(max_new_tokens, 8), max_new_tokens})
 
 
-def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1) -> dict[str, MethodResult]:
+def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1, touch: bool = True) -> dict[str, MethodResult]:
     """Every method on every prompt, the methods taking turns prompt by prompt, so that a change of
     machine load in the middle of the benchmark hits all methods alike (ratios stay fair). The turn
     order rotates by one method per prompt, so that no method always runs right after the same one:
@@ -198,7 +199,14 @@ def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1) -> 
     compiled code: ~0.4 M objects with two 0.5B targets) is frozen first (`gc.freeze`), so that those
     collections walk only what the turns made: a full collection of that heap took ~0.25 s on a laptop
     CPU, and that many turns' worth (~80-150 a job) fits the untimed time of the H200 benchmark jobs
-    (results/published/2026-12-03-h200-qwen-recipe, "Changed since"; an estimate, not measured there)."""
+    (results/published/2026-12-03-h200-qwen-recipe, "Changed since"; an estimate, not measured there).
+
+    `touch`: before a prompt's timed turns, the turn's first method runs it once untimed (kept in that method's
+    `touches`). Whatever ran a prompt first paid for it: on the H200 the first turn of every prompt took
+    0.03-0.1 s longer than methods of the same tau after it, whichever method it was
+    (results/published/2026-12-04-h200-qwen-fox, "The benchmark's first turn"), so a method's row depended on how
+    often the rotation put it first. The touch makes every timed turn a second visit; the touch's excess over the
+    same method's timed run is what a first visit costs, reported by the job."""
     import gc
 
     from tqdm.auto import tqdm
@@ -216,7 +224,11 @@ def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1) -> 
     gc.freeze()  # the long-lived objects move to the permanent generation until the turns are over
     try:
         for i, case in enumerate(tqdm(cases, desc="benchmark", unit="prompt")):
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            turns = names[i % len(names):] + names[: i % len(names)]
+            if touch:
+                gc.collect()
+                results[turns[0]].touches[i] = methods[turns[0]](case.ids, case.max_new_tokens)
+            for name in turns:
                 fn = methods[name]
                 gc.collect()
                 if cuda:  # what the run allocates on top of what is resident (weights, static caches)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import statistics
 import time
 from pathlib import Path
 
@@ -184,9 +185,20 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             if getattr(target, "engine", None) is not None:
                 run.metrics[f"engine.{key}.own_mib"] = round(bench.tensor_bytes(target.engine, exclude=target.model) / 2**20, 1)
         run.metrics["cuda.resident_mib"] = round(torch.cuda.memory_allocated() / 2**20, 1)  # every model and engine
-    results = bench.run_interleaved(methods, cases, warmup=b.warmup)
+    results = bench.run_interleaved(methods, cases, warmup=b.warmup, touch=bool(b.get("touch_prompts", True)))
     for name, r in results.items():
         log.info("%s: %.1f tokens/s", name, r.tokens_per_s)
+    # what a prompt's first visit cost beyond the same method's timed (second) visit: untimed, reported
+    first_visit = {i: (name, r.touches[i], r.runs[i]) for name, r in results.items() for i in r.touches}
+    if first_visit:
+        extra = [round(touch.seconds - timed.seconds, 4) for _, touch, timed in (first_visit[i] for i in sorted(first_visit))]
+        extra_prefill = [round(touch.prefill_seconds - timed.prefill_seconds, 4)
+                         for _, touch, timed in (first_visit[i] for i in sorted(first_visit))]
+        run.metrics.update({"first_visit.extra_seconds": extra, "first_visit.extra_prefill_seconds": extra_prefill,
+                            "first_visit.extra_seconds_median": round(statistics.median(extra), 4)})
+        log.info("a prompt's first visit (untimed) took %+.3f s (median; prefill %+.3f s) beyond the same method's timed "
+                 "run, per prompt: %s", statistics.median(extra), statistics.median(extra_prefill),
+                 ", ".join(f"{x:+.3f}" for x in extra))
     fp32 = target16.dtype == torch.float32
     # each speculative output against autoregressive decoding of its own target
     checks = {name: (bench.reference_of(name), target16 if name.startswith("spec16") else qad) for name in drafters}
@@ -226,8 +238,16 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         writer.writeheader()
         writer.writerows(rows)
     # every method's tokens per prompt: a divergence can be looked at (and re-scored) afterwards
+    # and its timed seconds per method (a row's total hides which prompt a difference came from), and each
+    # speculative method's rounds: tokens committed and tokens verified per round (what caps a row's tau)
     write_jsonl(run.dir / "outputs.jsonl", [{"prompt": i, "label": case.label, "prompt_tokens": len(case.ids),
-                                             **{name: r.runs[i].tokens for name, r in results.items()}}
+                                             **{name: r.runs[i].tokens for name, r in results.items()},
+                                             "seconds": {name: round(r.runs[i].seconds, 5) for name, r in results.items()},
+                                             "committed": {name: r.runs[i].acceptance_lengths for name, r in results.items()
+                                                           if r.runs[i].acceptance_lengths},
+                                             "verified": {name: r.runs[i].verify_lengths for name, r in results.items()
+                                                          if r.runs[i].verify_lengths},
+                                             "first_visit": next((name for name, r in results.items() if i in r.touches), None)}
                                             for i, case in enumerate(cases)])
     for row in rows:  # every drafter over all prompts; the served one (stage 2) per prompt kind too
         if row["method"] in drafters and (row["prompts"] == "all" or row["method"] == "spec_qad_stage2"):
