@@ -25,7 +25,7 @@ def test_harness_report_structure(tiny_llama, tmp_path):
     out = tmp_path / "latency"
     main(["--target", "tiny-llama", "--drafter", str(tmp_path / "drafter"), "--baseline-target", "tiny-llama",
           "--data-dir", str(data), "--out", str(out), "--categories", "24:4", "--requests", "2", "--warmup", "1",
-          "--device", "cpu"])
+          "--device", "cpu", "--verify-tokens", "3", "--verify-adaptive"])
     report = json.loads((out / "latency.json").read_text())
     with (out / "latency.csv").open() as f:
         table = list(csv.DictReader(f))
@@ -40,4 +40,8 @@ def test_harness_report_structure(tiny_llama, tmp_path):
         else:
             assert r["tau_mean"] == "" and r["speedup"] == ""
     assert "--mode" in report["baseline_server"] and "hf" in report["baseline_server"]
+    # the rounds the variant was benchmarked with reach the stack server (its log says what it serves)
+    stack = report["stack_server"]
+    assert stack[stack.index("--verify-tokens") + 1] == "3" and "--verify-adaptive" in stack
+    assert "verify 3" in (out / "server-stack.log").read_text()
     assert (out / "server-stack.log").is_file() and (out / "server-baseline.log").is_file()

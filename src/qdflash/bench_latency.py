@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", help="or this target (with --drafter, --window)")
     p.add_argument("--drafter")
     p.add_argument("--window", type=int)
+    # a variant served without its results folder is served with the rounds its benchmark ran only if told
+    p.add_argument("--verify-tokens", type=int, help="passed to the stack server (qdflash serve --verify-tokens)")
+    p.add_argument("--verify-adaptive", action="store_true", help="passed to the stack server (qdflash serve --verify-adaptive)")
     p.add_argument("--baseline-target", required=True, help="the 16-bit target the baseline server runs (transformers' generate)")
     p.add_argument("--data-dir", required=True, help="a data folder with train.jsonl (the real-text prompts)")
     p.add_argument("--out", required=True, help="folder for latency.csv, latency.json and the servers' logs")
@@ -244,6 +247,10 @@ def main(argv: list[str] | None = None) -> None:
             raise QdflashError("bench_latency: give --results or --target")
         if args.window is not None:
             stack_args += ["--window", str(args.window)]
+        if args.verify_tokens is not None:
+            stack_args += ["--verify-tokens", str(args.verify_tokens)]
+        if args.verify_adaptive:
+            stack_args += ["--verify-adaptive"]
         stack_args += common + (["--engine"] if args.engine else [])
         baseline_args = ["--target", args.baseline_target, "--mode", "hf", *common]
         report = run(stack_args, baseline_args, source, args.data_dir, args.out, categories=categories,
