@@ -327,3 +327,40 @@ def test_kernel_attention_says_what_it_needs(tiny_llama):
     engine.capture([1], None, cuda_graphs=False)
     with pytest.raises(QdflashError, match="before capture"):
         engine.set_attention("sdpa")
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_prefill_attention_is_causal_attention_over_the_cache(start, monkeypatch):
+    """The eager prefill's attention (engine.base.prefill_attention: flash-style causal from position 0, the
+    mask after it, KV heads repeated) equals causal softmax attention written out, with grouped KV heads; from
+    position 0 SDPA gets no mask tensor (what lets flash attention take it on CUDA instead of cuDNN's per-shape plans)."""
+    import torch.nn.functional as F
+
+    from qdflash.engine import base
+    from qdflash.engine.base import cached_attention
+
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(base.F, "scaled_dot_product_attention", recording)
+
+    g = torch.Generator().manual_seed(start)
+    heads, kv_heads, d, t, max_len = 6, 2, 8, 7, 32
+    k_cache, v_cache = torch.zeros(kv_heads, max_len, d), torch.zeros(kv_heads, max_len, d)
+    k_cache[:, :start] = torch.randn(kv_heads, start, d, generator=g)  # what earlier feeds cached
+    v_cache[:, :start] = torch.randn(kv_heads, start, d, generator=g)
+    q, k, v = (torch.randn(h, t, d, generator=g) for h in (heads, kv_heads, kv_heads))
+    positions = torch.arange(start, start + t)
+    out = cached_attention(q, k, v, k_cache, v_cache, positions, start + t, exact=True)
+    keys = k_cache[:, :start + t].repeat_interleave(heads // kv_heads, 0)
+    values = v_cache[:, :start + t].repeat_interleave(heads // kv_heads, 0)
+    scores = q @ keys.transpose(1, 2) / d ** 0.5
+    scores = scores.masked_fill(torch.arange(start + t)[None, :] > positions[:, None], float("-inf"))
+    expected = (scores.softmax(-1) @ values).transpose(0, 1).reshape(t, -1)
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert torch.equal(k_cache[:, start:start + t], k)  # the tokens' own K/V written at their positions
+    (call,) = calls
+    assert (call["attn_mask"] is None, call["is_causal"], call.get("enable_gqa", False)) == (start == 0, start == 0, False)

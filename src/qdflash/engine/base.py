@@ -5,6 +5,8 @@ graphs, and the attention over a static KV cache (batch 1: `cached_attention`; m
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -38,11 +40,43 @@ def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_
     n = attend_len or k_cache.shape[1]
     rep = q.shape[0] // k.shape[0]
     keys, values = k_cache[:, :n], v_cache[:, :n]
+    if exact and t > 1:  # an eager prefill (captured steps are never exact)
+        return prefill_attention(q, keys, values, positions, rep)
     mask = None
     if t > 1 or not exact:
         mask = torch.arange(n, device=q.device)[None, :] <= positions[:, None]
     out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=rep > 1)
     return out[0].transpose(0, 1).reshape(t, -1)
+
+
+def prefill_attention(q, keys, values, positions: torch.Tensor, rep: int) -> torch.Tensor:
+    """Eager attention of T tokens q [heads, T, D] that end the cache's keys / values [kv_heads, n, D]
+    (`cached_attention`'s exact path: a prompt). Returns [T, heads*D].
+    Left to its own choice, SDPA runs 16-bit attention on Hopper through cuDNN (torch >= 2.11), which builds
+    a plan for every new shape: every prompt length is new, and the first prompt of each length paid for
+    it (on the H200 every benchmark prompt's first visit, whichever method made it, took 0.03-0.1 s longer
+    in bf16, ~0.005 s in fp32, where cuDNN attention does not run: results/published/2026-12-04-h200-qwen-fox,
+    "The benchmark's first turn"). So the prefill runs flash attention where it can: from position 0 the
+    mask is the square causal one, which flash takes without a tensor; otherwise the memory-efficient kernel
+    takes the mask. Neither plans per shape. The KV heads are repeated (not enable_gqa) so that both accept
+    the call; a prefill runs once a prompt, so the copy is small against it."""
+    t, n = q.shape[1], keys.shape[1]
+    if rep > 1:
+        keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
+    causal = n == t  # exact: the tokens end at position n - 1, so n == t means they start at 0
+    mask = None if causal else torch.arange(n, device=q.device)[None, :] <= positions[:, None]
+    with _prefill_backends(q):
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal)
+    return out[0].transpose(0, 1).reshape(t, -1)
+
+
+def _prefill_backends(q: torch.Tensor):
+    """SDPA's kernels for a prefill on CUDA: flash, memory-efficient, else math; never cuDNN (prefill_attention)."""
+    if not q.is_cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def rows_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int,
