@@ -1,0 +1,59 @@
+"""Does a prompt's first prefill of a new length cost more than the next one, and does the engine's prefill
+attention (qdflash.engine.base.prefill_attention) remove that? Pure torch, on the GPU at hand: SDPA over a
+Qwen2.5-0.5B-shaped prefill (14 query heads, 2 KV heads, head dim 64, bf16) at lengths never seen before in the
+process, first call against second call, (a) as the engine ran it before (a boolean causal mask, enable_gqa, SDPA's
+own backend choice) and (b) as prefill_attention runs it. Each arm gets its own lengths, so no arm reuses
+another's per-shape state.
+    python scripts/investigations/prefill_first_call.py --out $OUT/prefill_first_call.json
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from qdflash.engine.base import prefill_attention
+
+
+def old_way(q, keys, values, positions, rep):
+    n, t = keys.shape[1], q.shape[1]
+    mask = torch.arange(n, device=q.device)[None, :] <= positions[:, None]
+    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=rep > 1)
+    return out[0].transpose(0, 1).reshape(t, -1)
+
+
+def timed(fn, *args):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(*args)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    dev, dtype, heads, kv, d = "cuda", torch.bfloat16, 14, 2, 64
+    rows = []
+    for arm, fn, lengths in (("sdpa_choice_mask_gqa", old_way, [71, 156, 349, 2049, 7453]),
+                             ("prefill_attention", prefill_attention, [73, 158, 351, 2051, 7455])):
+        for t in lengths:
+            q = torch.randn(heads, t, d, device=dev, dtype=dtype)
+            keys = torch.randn(kv, t, d, device=dev, dtype=dtype)
+            values = torch.randn(kv, t, d, device=dev, dtype=dtype)
+            positions = torch.arange(t, device=dev)
+            first = timed(fn, q, keys, values, positions, heads // kv)
+            second = timed(fn, q, keys, values, positions, heads // kv)
+            rows.append({"arm": arm, "tokens": t, "first_ms": round(first * 1e3, 3), "second_ms": round(second * 1e3, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
