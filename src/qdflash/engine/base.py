@@ -56,7 +56,8 @@ def prefill_attention(q, keys, values, positions: torch.Tensor, rep: int) -> tor
     a plan for every new shape: every prompt length is new, and the first prompt of each length paid for
     it (on the H200 every benchmark prompt's first visit, whichever method made it, took 0.03-0.1 s longer
     in bf16, ~0.005 s in fp32, where cuDNN attention does not run: results/published/2026-12-04-h200-qwen-fox,
-    "The benchmark's first turn"). So the prefill runs flash attention where it can: from position 0 the
+    "The benchmark's first turn"; in isolation 44-581 ms at each new length: results/published/
+    2026-12-04-h200-prefill-first-call). So the prefill runs flash attention where it can: from position 0 the
     mask is the square causal one, which flash takes without a tensor; otherwise the memory-efficient kernel
     takes the mask. Neither plans per shape. The KV heads are repeated (not enable_gqa) so that both accept
     the call; a prefill runs once a prompt, so the copy is small against it."""
