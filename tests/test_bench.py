@@ -34,7 +34,7 @@ def test_methods_take_turns_prompt_by_prompt_in_a_rotating_order():
         return run
 
     cases = [PromptCase("a", [1, 2], 12), PromptCase("b", [1, 2, 3], 5)]
-    results = bench.run_interleaved({"x": method("x"), "y": method("y")}, cases, warmup=1)
+    results = bench.run_interleaved({"x": method("x"), "y": method("y")}, cases, warmup=1, touch=True)
     # warm-up: the first prompt at 8 new tokens, then at its measured length (two cache shapes)
     assert calls[:4] == [("x", 2, 8), ("x", 2, 12), ("y", 2, 8), ("y", 2, 12)]
     # the order rotates per prompt: no method always runs right after the same one; each prompt is touched
@@ -46,7 +46,7 @@ def test_methods_take_turns_prompt_by_prompt_in_a_rotating_order():
     assert list(results["x"].touches) == [0] and list(results["y"].touches) == [1]
     assert len(results["y"].touches[1].tokens) == 5
     calls.clear()
-    untouched = bench.run_interleaved({"x": method("x"), "y": method("y")}, cases, warmup=0, touch=False)
+    untouched = bench.run_interleaved({"x": method("x"), "y": method("y")}, cases, warmup=0)
     assert calls == [("x", 2, 12), ("y", 2, 12), ("y", 3, 5), ("x", 3, 5)] and not untouched["x"].touches
 
 
@@ -62,7 +62,7 @@ def test_timed_turns_collect_only_what_they_made():
         return GenerationResult([1] * n, seconds=0.5)
 
     gc.unfreeze()
-    bench.run_interleaved({"x": run}, [PromptCase("a", [1, 2], 12), PromptCase("b", [1], 3)], warmup=1)
+    bench.run_interleaved({"x": run}, [PromptCase("a", [1, 2], 12), PromptCase("b", [1], 3)], warmup=1, touch=True)
     assert frozen[:2] == [0, 0] and len(frozen) == 6  # the warm-up (at 8 and 12 new tokens) runs before the freeze
     assert all(count > 1000 for count in frozen[2:])  # the touches and timed turns: what was alive before them frozen
     assert gc.get_freeze_count() == 0

@@ -187,7 +187,7 @@ def warmup_lengths(max_new_tokens: int) -> list[int]:
     return sorted({min(max_new_tokens, 8), max_new_tokens})
 
 
-def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1, touch: bool = True) -> dict[str, MethodResult]:
+def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1, touch: bool = False) -> dict[str, MethodResult]:
     """Every method on every prompt, the methods taking turns prompt by prompt, so that a change of
     machine load in the middle of the benchmark hits all methods alike (ratios stay fair). The turn
     order rotates by one method per prompt, so that no method always runs right after the same one:

@@ -185,7 +185,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             if getattr(target, "engine", None) is not None:
                 run.metrics[f"engine.{key}.own_mib"] = round(bench.tensor_bytes(target.engine, exclude=target.model) / 2**20, 1)
         run.metrics["cuda.resident_mib"] = round(torch.cuda.memory_allocated() / 2**20, 1)  # every model and engine
-    results = bench.run_interleaved(methods, cases, warmup=b.warmup, touch=bool(b.get("touch_prompts", True)))
+    results = bench.run_interleaved(methods, cases, warmup=b.warmup, touch=bool(b.touch_prompts))
     for name, r in results.items():
         log.info("%s: %.1f tokens/s", name, r.tokens_per_s)
     # what a prompt's first visit cost beyond the same method's timed (second) visit: untimed, reported
