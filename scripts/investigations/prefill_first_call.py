@@ -3,7 +3,8 @@ attention (qdflash.engine.base.prefill_attention) remove that? Pure torch, on th
 Qwen2.5-0.5B-shaped prefill (14 query heads, 2 KV heads, head dim 64, bf16) at lengths never seen before in the
 process, first call against second call, (a) as the engine ran it before (a boolean causal mask, enable_gqa, SDPA's
 own backend choice) and (b) as prefill_attention runs it. Each arm gets its own lengths, so no arm reuses
-another's per-shape state.
+another's per-shape state. Then one-query decode steps over a growing key length (transformers' eager
+`generate`), SDPA's choice against no cuDNN.
     python scripts/investigations/prefill_first_call.py --out $OUT/prefill_first_call.json
 """
 
@@ -54,7 +55,27 @@ def main():
             second = timed(fn, q, keys, values, positions, heads // kv)
             rows.append({"arm": arm, "tokens": t, "first_ms": round(first * 1e3, 3), "second_ms": round(second * 1e3, 3)})
             print(json.dumps(rows[-1]), flush=True)
-    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    # decoding as transformers' eager `generate` does it: one query over a key length that grows every step, so
+    # every step is a shape SDPA has not seen (the plain16 baseline's ~56 ms a token on the H200 is the suspect)
+    decode = []
+    for arm, backends, start in (("decode_sdpa_choice", None, 500), ("decode_no_cudnn", "pinned", 1500)):
+        keys = torch.randn(1, heads, start + 64, d, device=dev, dtype=dtype)
+        times = []
+        for step in range(64):
+            n = start + step
+            q = torch.randn(1, heads, 1, d, device=dev, dtype=dtype)
+            k, v = keys[:, :, :n], keys[:, :, :n]
+            if backends is None:
+                times.append(timed(F.scaled_dot_product_attention, q, k, v))
+            else:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                    times.append(timed(F.scaled_dot_product_attention, q, k, v))
+        times.sort()
+        decode.append({"arm": arm, "steps": 64, "median_ms": round(times[32] * 1e3, 3), "max_ms": round(times[-1] * 1e3, 3)})
+        print(json.dumps(decode[-1]), flush=True)
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "decode": decode}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=2)
