@@ -364,3 +364,18 @@ def test_prefill_attention_is_causal_attention_over_the_cache(start, monkeypatch
     assert torch.equal(k_cache[:, start:start + t], k)  # the tokens' own K/V written at their positions
     (call,) = calls
     assert (call["attn_mask"] is None, call["is_causal"], call.get("enable_gqa", False)) == (start == 0, start == 0, False)
+
+
+def test_the_prefill_never_runs_cudnn_attention_on_cuda():
+    """On CUDA the prefill's SDPA call runs with cuDNN attention off (its per-shape plans: prefill_attention) and
+    flash attention on; the flags are back as they were afterwards. The CPU build has the same switches."""
+    from qdflash.engine.base import _prefill_backends
+
+    class OnCuda:
+        is_cuda = True
+
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+    with _prefill_backends(OnCuda()):
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before

@@ -205,8 +205,10 @@ def run_interleaved(methods: dict, cases: list[PromptCase], warmup: int = 1, tou
     `touches`). Whatever ran a prompt first paid for it: on the H200 the first turn of every prompt took
     0.03-0.1 s longer than methods of the same tau after it, whichever method it was
     (results/published/2026-12-04-h200-qwen-fox, "The benchmark's first turn"), so a method's row depended on how
-    often the rotation put it first. The touch makes every timed turn a second visit; the touch's excess over the
-    same method's timed run is what a first visit costs, reported by the job."""
+    often the rotation put it first. The touch makes every later turn a second visit of what the methods share
+    (the engine methods' prompt shapes: one per prompt, whatever the target); transformers' `generate`
+    (plain16, static16) runs shapes of its own, so its first turn on a prompt may still be a first visit for it. The
+    touch's excess over the same method's timed run is what a first visit costs, reported by the job."""
     import gc
 
     from tqdm.auto import tqdm

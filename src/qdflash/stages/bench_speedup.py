@@ -191,13 +191,17 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     # what a prompt's first visit cost beyond the same method's timed (second) visit: untimed, reported
     first_visit = {i: (name, r.touches[i], r.runs[i]) for name, r in results.items() for i in r.touches}
     if first_visit:
-        extra = [round(touch.seconds - timed.seconds, 4) for _, touch, timed in (first_visit[i] for i in sorted(first_visit))]
-        extra_prefill = [round(touch.prefill_seconds - timed.prefill_seconds, 4)
-                         for _, touch, timed in (first_visit[i] for i in sorted(first_visit))]
+        visits = [first_visit[i] for i in sorted(first_visit)]
+        extra = [round(touch.seconds - timed.seconds, 4) for _, touch, timed in visits]
+        # None where the method times no prefill (transformers' generate: prefill_seconds stays 0)
+        extra_prefill = [round(touch.prefill_seconds - timed.prefill_seconds, 4) if timed.prefill_seconds else None
+                         for _, touch, timed in visits]
+        prefills = [x for x in extra_prefill if x is not None]
         run.metrics.update({"first_visit.extra_seconds": extra, "first_visit.extra_prefill_seconds": extra_prefill,
                             "first_visit.extra_seconds_median": round(statistics.median(extra), 4)})
-        log.info("a prompt's first visit (untimed) took %+.3f s (median; prefill %+.3f s) beyond the same method's timed "
-                 "run, per prompt: %s", statistics.median(extra), statistics.median(extra_prefill),
+        log.info("a prompt's first visit (untimed) took %+.3f s (median; prefill %s) beyond the same method's timed "
+                 "run, per prompt: %s", statistics.median(extra),
+                 f"{statistics.median(prefills):+.3f} s" if prefills else "not timed",
                  ", ".join(f"{x:+.3f}" for x in extra))
     fp32 = target16.dtype == torch.float32
     # each speculative output against autoregressive decoding of its own target
