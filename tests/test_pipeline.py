@@ -412,7 +412,12 @@ def check_bench(results):
         for name in methods - baselines:  # each round's committed and verified tokens (the last round may be cut short)
             assert all(sum(o["committed"][name][:-1]) < len(o[name]) - 1 <= sum(o["committed"][name])
                        and len(o["verified"][name]) == len(o["committed"][name]) for o in outputs if len(o[name]) > 1), name
-        assert len(m["first_visit.extra_seconds"]) == len(outputs) == len(m["first_visit.extra_prefill_seconds"])
+        assert len(m["first_visit.extra_seconds"]) == len(outputs) == len(m["first_visit.method"])
+        assert m["first_visit.method"] == [o["first_visit"] for o in outputs]
+        # the prefill's share where the first method times one (this engine's methods; not transformers' generate)
+        assert len(m["first_visit.extra_prefill_seconds"]) == len(m["first_visit.prefill_prompts"])
+        assert {outputs[i]["first_visit"] for i in m["first_visit.prefill_prompts"]} <= methods - {"plain16", "static16"}
+        assert len(m["first_visit.prefill_prompts"]) == sum(o["first_visit"] not in ("plain16", "static16") for o in outputs)
         # float32 on the CPU: speculative greedy output must equal autoregressive output exactly
         for name in methods - baselines:
             reference = "ar16" if name.startswith("spec16") else "ar_qad"

@@ -191,13 +191,13 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     # what a prompt's first visit cost beyond the same method's timed (second) visit: untimed, reported
     first_visit = {i: (name, r.touches[i], r.runs[i]) for name, r in results.items() for i in r.touches}
     if first_visit:
-        visits = [first_visit[i] for i in sorted(first_visit)]
-        extra = [round(touch.seconds - timed.seconds, 4) for _, touch, timed in visits]
-        # None where the method times no prefill (transformers' generate: prefill_seconds stays 0)
-        extra_prefill = [round(touch.prefill_seconds - timed.prefill_seconds, 4) if timed.prefill_seconds else None
-                         for _, touch, timed in visits]
-        prefills = [x for x in extra_prefill if x is not None]
-        run.metrics.update({"first_visit.extra_seconds": extra, "first_visit.extra_prefill_seconds": extra_prefill,
+        order = sorted(first_visit)
+        extra = [round(first_visit[i][1].seconds - first_visit[i][2].seconds, 4) for i in order]
+        # the prefill's share, on the prompts whose first method times its prefill (transformers' generate does not)
+        timed_prefill = [i for i in order if first_visit[i][2].prefill_seconds]
+        prefills = [round(first_visit[i][1].prefill_seconds - first_visit[i][2].prefill_seconds, 4) for i in timed_prefill]
+        run.metrics.update({"first_visit.method": [first_visit[i][0] for i in order], "first_visit.extra_seconds": extra,
+                            "first_visit.prefill_prompts": timed_prefill, "first_visit.extra_prefill_seconds": prefills,
                             "first_visit.extra_seconds_median": round(statistics.median(extra), 4)})
         log.info("a prompt's first visit (untimed) took %+.3f s (median; prefill %s) beyond the same method's timed "
                  "run, per prompt: %s", statistics.median(extra),
