@@ -42,11 +42,15 @@ def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_
     keys, values = k_cache[:, :n], v_cache[:, :n]
     if exact and t > 1:  # an eager prefill (captured steps are never exact)
         return prefill_attention(q, keys, values, positions, rep)
-    mask = None
-    if t > 1 or not exact:
-        mask = torch.arange(n, device=q.device)[None, :] <= positions[:, None]
+    mask = None if exact else causal_mask(n, positions)  # exact here: one token, the last position fed
     out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=rep > 1)
     return out[0].transpose(0, 1).reshape(t, -1)
+
+
+def causal_mask(n: int, positions: torch.Tensor) -> torch.Tensor:
+    """[..., n] boolean for positions [...] ([T], or [B, T] of a batch): the token at a position sees cache
+    positions 0..that position."""
+    return torch.arange(n, device=positions.device) <= positions[..., None]
 
 
 def prefill_attention(q, keys, values, positions: torch.Tensor, rep: int) -> torch.Tensor:
@@ -65,7 +69,7 @@ def prefill_attention(q, keys, values, positions: torch.Tensor, rep: int) -> tor
     if rep > 1:
         keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
     causal = n == t  # exact: the tokens end at position n - 1, so n == t means they start at 0
-    mask = None if causal else torch.arange(n, device=q.device)[None, :] <= positions[:, None]
+    mask = None if causal else causal_mask(n, positions)
     with _prefill_backends(q):
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal)
     return out[0].transpose(0, 1).reshape(t, -1)
@@ -102,7 +106,7 @@ def rows_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_le
     # grouped-query attention without repeating the cache: the `rep` query heads of one KV head are
     # stacked on the query axis ([B, kv_heads, rep*T, D] against [B, kv_heads, n, D])
     rep = heads // kv_heads
-    mask = torch.arange(attend_len, device=q.device)[None, None, :] <= positions[:, :, None]  # [B, T, n]
+    mask = causal_mask(attend_len, positions)  # [B, T, n]
     out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, rep * t, d), keys, values,
                                          attn_mask=mask.repeat(1, rep, 1)[:, None])
     return out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)

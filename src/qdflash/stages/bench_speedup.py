@@ -191,13 +191,14 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     # what a prompt's first visit cost beyond the same method's timed (second) visit: untimed, reported
     first_visit = {i: (name, r.touches[i], r.runs[i]) for name, r in results.items() for i in r.touches}
     if first_visit:
-        order = sorted(first_visit)
-        extra = [round(first_visit[i][1].seconds - first_visit[i][2].seconds, 4) for i in order]
+        visits = sorted(first_visit.items())
+        extra = [round(touch.seconds - timed.seconds, 4) for _, (_, touch, timed) in visits]
         # the prefill's share, on the prompts whose first method times its prefill (transformers' generate does not)
-        timed_prefill = [i for i in order if first_visit[i][2].prefill_seconds]
-        prefills = [round(first_visit[i][1].prefill_seconds - first_visit[i][2].prefill_seconds, 4) for i in timed_prefill]
-        run.metrics.update({"first_visit.method": [first_visit[i][0] for i in order], "first_visit.extra_seconds": extra,
-                            "first_visit.prefill_prompts": timed_prefill, "first_visit.extra_prefill_seconds": prefills,
+        timed_prefill = [(i, touch, timed) for i, (_, touch, timed) in visits if timed.prefill_seconds]
+        prefills = [round(touch.prefill_seconds - timed.prefill_seconds, 4) for _, touch, timed in timed_prefill]
+        run.metrics.update({"first_visit.method": [name for _, (name, _, _) in visits], "first_visit.extra_seconds": extra,
+                            "first_visit.prefill_prompts": [i for i, _, _ in timed_prefill],
+                            "first_visit.extra_prefill_seconds": prefills,
                             "first_visit.extra_seconds_median": round(statistics.median(extra), 4)})
         log.info("a prompt's first visit (untimed) took %+.3f s (median; prefill %s) beyond the same method's timed "
                  "run, per prompt: %s", statistics.median(extra),
@@ -251,7 +252,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                                                            if r.runs[i].acceptance_lengths},
                                              "verified": {name: r.runs[i].verify_lengths for name, r in results.items()
                                                           if r.runs[i].verify_lengths},
-                                             "first_visit": next((name for name, r in results.items() if i in r.touches), None)}
+                                             "first_visit": first_visit[i][0] if i in first_visit else None}
                                             for i, case in enumerate(cases)])
     for row in rows:  # every drafter over all prompts; the served one (stage 2) per prompt kind too
         if row["method"] in drafters and (row["prompts"] == "all" or row["method"] == "spec_qad_stage2"):
