@@ -160,3 +160,19 @@ def test_an_empty_cache_or_config_variable_is_unset_not_the_current_folder(tmp_p
     monkeypatch.setenv("QDFLASH_CONFIG_DIR", "")
     assert paths.config_dir() == paths.REPO_ROOT / "config"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "mine", "xdg"]  # nothing in the current folder
+
+
+def test_a_cuda_device_takes_cudnn_out_of_sdpas_choices(monkeypatch):
+    # cuDNN's per-shape plans made eager decoding ~3.5x slower on the H200 (models.no_cudnn_attention); the CPU
+    # build keeps the flag, so the rule is checked here with the device's availability faked
+    from qdflash.models import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        resolve_device("cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        assert resolve_device("cuda").type == "cuda"
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)

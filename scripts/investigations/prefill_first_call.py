@@ -4,7 +4,8 @@ Qwen2.5-0.5B-shaped prefill (14 query heads, 2 KV heads, head dim 64, bf16) at l
 process, first call against second call, (a) as the engine ran it before (a boolean causal mask, enable_gqa, SDPA's
 own backend choice) and (b) as prefill_attention runs it. Each arm gets its own lengths, so no arm reuses
 another's per-shape state. Then one-query decode steps over a growing key length (transformers' eager
-`generate`), SDPA's choice against no cuDNN.
+`generate`), SDPA's choice against no cuDNN; and transformers' own eager `generate` on a randomly initialized model of
+Qwen2.5-0.5B's shape (24 layers), ms a token with SDPA's choice against cuDNN's SDPA turned off.
     python scripts/investigations/prefill_first_call.py --out $OUT/prefill_first_call.json
 """
 
@@ -31,6 +32,31 @@ def timed(fn, *args):
     fn(*args)
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def hf_generate(new_tokens=64):
+    """ms a token of transformers' eager greedy `generate` (the latency harness's baseline server), cuDNN SDPA on
+    (torch's default) against off, each timed on prompt lengths the process has not run before."""
+    import transformers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768)
+    model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    out = []
+    for arm, cudnn, lengths in (("hf_sdpa_choice", True, [400, 503, 611]), ("hf_no_cudnn", False, [401, 505, 613]),
+                                ("hf_sdpa_choice_again", True, [402, 507, 617])):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        for t in lengths:
+            ids = torch.randint(0, 150000, (1, t), device="cuda")
+            kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+            seconds = timed(lambda: model.generate(ids, **kw))
+            out.append({"arm": arm, "prompt_tokens": t, "new_tokens": new_tokens,
+                        "ms_per_token": round(seconds * 1e3 / new_tokens, 2)})
+            print(json.dumps(out[-1]), flush=True)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    return {"transformers": transformers.__version__, "rows": out}
 
 
 def main():
@@ -75,7 +101,8 @@ def main():
         times.sort()
         decode.append({"arm": arm, "steps": 64, "median_ms": round(times[32] * 1e3, 3), "max_ms": round(times[-1] * 1e3, 3)})
         print(json.dumps(decode[-1]), flush=True)
-    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "decode": decode}
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "decode": decode,
+              "hf_generate": hf_generate()}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=2)

@@ -116,7 +116,18 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise QdflashError(f"device={device} was asked for, but torch sees no CUDA device; use device=cpu or auto")
+    if device.type == "cuda":
+        no_cudnn_attention()
     return device
+
+
+def no_cudnn_attention() -> None:
+    """Take cuDNN out of SDPA's choices for this process. On Hopper in bf16 SDPA picks cuDNN, which builds a plan for
+    every new shape: ~57 ms for a one-query decode step at a key length it has not seen (0.05 ms without cuDNN), so
+    transformers' eager `generate` (the latency harness's baseline server, lm-eval's gates) paid it on every token of
+    a new length, and a prefill on every new prompt length (results/published/2026-12-04-h200-sdpa-cudnn). Flash and
+    memory-efficient attention need no plan. The engine and the drafter pin their kernels anyway."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
