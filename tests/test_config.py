@@ -55,11 +55,11 @@ def test_plain_experiment_names_pass(config, name):
 
 
 def test_a_max_length_with_no_room_for_a_block_is_refused(config):
-    config["profiles"]["gpu"]["drafter_train"]["max_length"] = 8  # the schema's minimum; gpu's block_size is 16
-    config["profiles"]["gpu"]["scaling"]["drafter_train"]["max_length"] = 16
+    config["profiles"]["gpu"]["drafter_train"]["max_length"] = 8  # the schema's minimum; gpu's block_size is 9
+    config["profiles"]["gpu"]["scaling"]["drafter_train"]["max_length"] = 9
     msg = error_of(config)
-    assert "profiles.gpu.drafter_train.max_length = 8 leaves no room for a block of drafter.block_size = 16: it must be >= 17" in msg
-    assert "profiles.gpu.scaling.drafter_train.max_length = 16 leaves no room" in msg
+    assert "profiles.gpu.drafter_train.max_length = 8 leaves no room for a block of drafter.block_size = 9: it must be >= 10" in msg
+    assert "profiles.gpu.scaling.drafter_train.max_length = 9 leaves no room" in msg
 
 
 def test_unknown_key_lists_allowed_keys(config):

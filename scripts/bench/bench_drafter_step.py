@@ -27,7 +27,7 @@ step with its attention kernel in bf16 (`drafter_train.attention_bf16`), with th
 through torch.compile (dynamic shapes) or under bf16 autocast, and with `--block-variants 9x64,9x112` the node's
 cached step of a drafter with another block size and anchor count (each its own drafter and optimizer; blocks
 carry the anchor + block-1 masks, so a 9-token block holding the trained positions 1-8 is ~9/16 of a 16-token
-block's query rows: config/gpu-block9.yaml). With `--profile` it profiles the node's
+block's query rows: the gpu profile's block since 2026-12-04). With `--profile` it profiles the node's
 cached step and every variant slower than it (bf16 autocast was ~3x slower, unexplained): the top ops by
 GPU time and by host time, and the share of the step's wall time the GPU is busy (a host-bound step
 leaves it idle between kernels).
