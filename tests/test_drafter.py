@@ -756,3 +756,44 @@ def test_the_served_draft_is_the_training_forward_at_every_block_position(tiny_l
     assert trained.shape == served.shape == (b, tiny_llama.vocab_size)
     assert trained[1:].argmax(-1).unique().numel() > 1
     torch.testing.assert_close(served, trained, atol=1e-5, rtol=1e-5)
+
+
+def test_the_walked_rounds_are_the_rounds_speculative_decoding_runs(tiny_llama):
+    # walk_acceptance reads decoding's rounds off teacher-forced blocks: on the target's own greedy answer, with a
+    # drafter that is right or wrong by (anchor, block position), the rounds it walks are exactly the ones
+    # speculative_generate commits (whole-block verifies), up to where a whole block still fits
+    from qdflash.drafter.train import walk_acceptance
+    from qdflash.spec import autoregressive_generate, speculative_generate
+
+    b, prompt = 4, list(range(5, 15))
+    answer = autoregressive_generate(tiny_llama, [prompt], 60).tokens
+    seq = torch.tensor(prompt + answer)
+    ex = {"id": "x", "input_ids": seq.tolist(), "loss_mask": [0] * len(prompt) + [1] * len(answer)}
+    drafter = init_drafter(tiny_llama, block_size=b)
+    vocab = tiny_llama.vocab_size
+
+    def drafts(q_pos):  # [.., B] positions -> the token there, wrong where (anchor, k) says so
+        anchor, k = q_pos[..., :1], q_pos - q_pos[..., :1]
+        right = seq[q_pos.clamp(max=len(seq) - 1)]
+        return torch.where((anchor * 7 + k * 3) % 5 == 0, (right + 1) % vocab, right)
+
+    def states(tokens):  # argmax through the head below is `tokens` (test_oracle_drafter_gets_tau_equal_to_block_size)
+        return torch.stack([tokens.double(), torch.ones_like(tokens, dtype=torch.float64)], dim=-1)
+
+    v = torch.arange(vocab, dtype=torch.float64)
+    drafter.head_weight = lambda: torch.stack([v, -v * v / 2], dim=-1)
+    drafter.forward = lambda block_ids, context, q_pos, *a, **k: states(drafts(q_pos.reshape(q_pos.shape[0], -1, b)).reshape(q_pos.shape))
+    drafter.forward_block = lambda block_ids, q_pos, *a, **k: torch.nn.functional.one_hot(drafts(q_pos), vocab).float()
+
+    got = walk_acceptance(drafter, tiny_llama, [ex], max_tokens=40)
+    decoded = speculative_generate(tiny_llama, drafter, [prompt], len(answer))
+    assert decoded.tokens == answer
+    rounds, offset = [], 0  # the decoded rounds whose anchor (answer offset) is within the walk's reach
+    for n in decoded.acceptance_lengths:
+        if offset > min(len(answer) - b, 39):
+            break
+        rounds.append(n)
+        offset += n
+    assert 1 < got["tau"] < b and len(set(rounds)) > 2  # rounds of several lengths: the walk is tested, not a constant
+    assert got["rounds"] == len(rounds) and got["tau"] == pytest.approx(sum(rounds) / len(rounds))
+    assert got["accept_rate_by_position"] == pytest.approx([sum(n > k for n in rounds) / len(rounds) for k in range(1, b)])

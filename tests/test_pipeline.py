@@ -448,6 +448,10 @@ def check_drafter_stage(results):
     for stage in ("stage1", "stage2"):
         m = json.loads((results / "drafter" / stage / "metrics.json").read_text())
         assert 1 <= m["final.tau"] <= block and len(m["final.accept_rate_by_position"]) == block - 1
+        # decoding's own rounds over the held-out answers' first walk_tokens tokens (drafter.train.walk_acceptance)
+        assert m["final.walk.max_tokens"] == CONFIG["profiles"]["ci"]["drafter_train"]["walk_tokens"]
+        assert 1 <= m["final.walk.tau"] <= block and m["final.walk.rounds"] >= 1
+        assert len(m["final.walk.accept_rate_by_position"]) == block - 1
         assert len(m["train.loss_curve"]) == CONFIG["profiles"]["ci"]["drafter_train"]["steps"]
         assert m["train.feature_cache_misses"] > 0 and not list((results / "drafter").glob("*.features*"))
         assert list((results / "drafter" / stage / "wandb").glob("offline-run-*"))

@@ -101,12 +101,13 @@ def training_rows(drafter_dirs: list[Path]) -> list[dict]:
         m = read_metrics(folder)
         if "compressed.tau" in m:
             rows.append({"drafter": Path(folder).name, "kind": f"compressed ({m['compress.method']})",
-                         "bits": m["compress.bits"], "tau": m["compressed.tau"], "tau_before": m["uncompressed.tau"],
+                         "bits": m["compress.bits"], "tau": m["compressed.tau"], "tau_walk": "", "tau_before": m["uncompressed.tau"],
                          "draft_agreement": m.get("draft_agreement", ""), "weight_bytes": m["drafter.weight_bytes"],
                          "steps": "", "train_seconds": "", "epochs": "", "tau_by_epoch": ""})
         else:
             rows.append({"drafter": Path(folder).name, "kind": f"stage {m['stage']}", "bits": 16, "tau": m["final.tau"],
-                         "tau_before": m.get("stage1_on_this_target.tau", ""), "draft_agreement": "",
+                         # the rounds decoding runs on the held-out answers (drafter.train.walk_acceptance)
+                         "tau_walk": m.get("final.walk.tau", ""), "tau_before": m.get("stage1_on_this_target.tau", ""), "draft_agreement": "",
                          "weight_bytes": "", "steps": m["train.steps"], "train_seconds": m["train.seconds"],
                          # tau-hat after each pass over the data (the last: final), ";"-joined in one cell
                          "epochs": m.get("train.epochs", ""),

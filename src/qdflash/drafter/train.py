@@ -398,5 +398,78 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
     return result
 
 
-__all__ = ["IGNORE", "LABELS", "FeatureCache", "anchored_examples", "batch_loss", "check_labels", "draft_blocks", "estimate_acceptance", "pad_anchors", "pad_right",
+def first_answer(loss_mask: torch.Tensor) -> tuple[int, int] | None:
+    """[start, end) of a sequence's first answer (its first run of trained tokens), or None."""
+    mask = loss_mask.bool()
+    trained = torch.nonzero(mask).flatten()
+    if not trained.numel():
+        return None
+    start = int(trained[0])
+    untrained = torch.nonzero(~mask[start:]).flatten()
+    return start, start + (int(untrained[0]) if untrained.numel() else mask.numel() - start)
+
+
+def walk_acceptance(drafter: Drafter, target, examples: list[dict], *, max_tokens: int,
+                    categories: dict[str, str] | None = None, batch_size: int = 1, attention: str = "sdpa",
+                    length_multiple: int | None = None) -> dict:
+    """Greedy speculative decoding's own rounds on (greedy) held-out answers, without decoding.
+
+    `estimate_acceptance` draws its anchors anywhere in an answer; a decoding round starts where the last one
+    stopped, i.e. right after the target overruled a draft (or after a whole block). Here every position of each
+    example's first answer (up to `max_tokens` of it, as a benchmark decodes) gets its teacher-forced acceptance
+    length, and the rounds are walked as decoding walks them: the first at the answer's first token (the
+    prefill chose it), each next one at the previous anchor + its acceptance length, while a whole block fits
+    in the answer. On the target's own greedy answer these are exactly the rounds `speculative_generate` runs
+    with whole-block verifies (tested). Returns tau (tokens committed per round), the rounds, P(draft position k
+    accepted) over the rounds, and tau per category."""
+    b = drafter.block_size
+    device = next(drafter.parameters()).device
+    walked: list[tuple[dict, torch.Tensor]] = []
+    for ex in examples:
+        mask = torch.tensor(ex["loss_mask"])
+        run = first_answer(mask)
+        if run is None:
+            continue
+        start, end = run
+        last = min(end - b, start + max_tokens - 1)  # the block a+1..a+b-1 inside the answer, a within max_tokens
+        if last >= start:
+            walked.append((ex, torch.arange(start, last + 1)))
+    if not walked:
+        raise ValueError(f"no answer holds a whole block of {b} tokens after its first token")
+    was_training = drafter.training
+    drafter.eval()
+    offsets = torch.arange(b - 1)
+    length = width = None
+    if length_multiple:
+        length = round_up(max(len(ex["input_ids"]) for ex, _ in walked), length_multiple)
+        width = max(a.numel() for _, a in walked)
+    rounds: list[torch.Tensor] = []
+    by_category: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for first in range(0, len(walked), batch_size):
+        chunk = walked[first : first + batch_size]
+        input_ids, loss_masks, anchors, valid = padded_batch([ex for ex, _ in chunk], [a for _, a in chunk], length, width)
+        features, greedy = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)
+        hidden, _ = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, head=False)
+        draft = linear_argmax(hidden[:, :, 1:], drafter.head_weight()).cpu()
+        greedy = greedy.cpu()
+        for i, (ex, a) in enumerate(chunk):
+            acc = acceptance_lengths(draft[i, : a.numel()], greedy[i][a[:, None] + offsets[None, :]]).tolist()
+            path, k = [], 0
+            while k < len(acc):  # the rounds: anchor a[k] commits acc[k] tokens, the next round starts there
+                path.append(acc[k])
+                k += acc[k]
+            lengths = torch.tensor(path)
+            rounds.append(lengths)
+            if categories:
+                by_category[categories.get(ex["id"], "unknown")].append(lengths)
+    drafter.train(was_training)
+    acc = torch.cat(rounds).float()
+    result = {"tau": acc.mean().item(), "rounds": int(acc.numel()),
+              "accept_rate_by_position": [(acc > k).float().mean().item() for k in range(1, b)]}
+    for category, parts in sorted(by_category.items()):
+        result[f"tau.{category}"] = torch.cat(parts).float().mean().item()
+    return result
+
+
+__all__ = ["IGNORE", "LABELS", "FeatureCache", "anchored_examples", "batch_loss", "check_labels", "draft_blocks", "estimate_acceptance", "first_answer", "pad_anchors", "pad_right", "walk_acceptance",
            "target_labels", "target_pass", "teacher_states"]

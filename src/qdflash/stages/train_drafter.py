@@ -26,7 +26,7 @@ from ..drafter.blocks import loss_weights
 from ..data.split import unit_interval
 from ..distributed import all_sum, full_state_dict, setup, shard, shard_module, wrap
 from ..drafter.train import (batch_anchors, batch_loss, check_labels, estimate_acceptance, feature_cache_folder,
-                             make_feature_cache, round_up)
+                             make_feature_cache, round_up, walk_acceptance)
 from ..errors import QdflashError
 from ..models import load_target, resolve_device, synchronize
 from ..qad import cosine_lr
@@ -342,6 +342,17 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         if torch.device(device).type == "cuda":  # the GPU is shared with other nodes (share_device)
             torch.cuda.empty_cache()
     evaluate("final")
+    walk_tokens = int(train_cfg.get("walk_tokens") or 0)
+    if walk_tokens:  # decoding's own rounds on the held-out answers (random anchors overstate them)
+        walk = walk_acceptance(drafter, target, heldout, max_tokens=walk_tokens, categories=cats,
+                               batch_size=train_cfg.batch_size, attention=attention,
+                               length_multiple=FLEX_LENGTH_MULTIPLE if attention == "flex" else None)
+        run.metrics.update({f"final.walk.{key}": value for key, value in walk.items()})
+        run.metrics["final.walk.max_tokens"] = walk_tokens
+        log.info("final: the rounds decoding runs over the first %d tokens of each held-out answer: tau %.3f over %d "
+                 "rounds (%s); P(draft k accepted) %s", walk_tokens, walk["tau"], walk["rounds"],
+                 ", ".join(f"{k[4:]} {v:.3f}" for k, v in walk.items() if k.startswith("tau.")),
+                 " ".join(f"{r:.3f}" for r in walk["accept_rate_by_position"]))
     run.metrics["train.tau_by_epoch"] = tau_by_epoch + [round(run.metrics["final.tau"], 4)]
     run.metrics["train.seconds_by_epoch"] = seconds_by_epoch + [run.metrics["train.seconds"]]
     if fsdp:  # rank 0 saves a whole drafter with the trained weights gathered from every rank
