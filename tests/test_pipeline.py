@@ -411,7 +411,8 @@ def check_bench(results):
         assert all(o["first_visit"] in methods for o in outputs)
         for name in methods - baselines:  # each round's committed and verified tokens (the last round may be cut short)
             assert all(sum(o["committed"][name][:-1]) < len(o[name]) - 1 <= sum(o["committed"][name])
-                       and len(o["verified"][name]) == len(o["committed"][name]) for o in outputs if len(o[name]) > 1), name
+                       and len(o["verified"][name]) == len(o["committed"][name]) == len(o["rejected"][name])
+                       for o in outputs if len(o[name]) > 1), name
         assert len(m["first_visit.extra_seconds"]) == len(outputs) == len(m["first_visit.method"])
         assert m["first_visit.method"] == [o["first_visit"] for o in outputs]
         # the prefill's share where the first method times one (this engine's methods; not transformers' generate)

@@ -554,6 +554,15 @@ def test_adaptive_verify_grows_to_the_block_after_a_full_accept_and_keeps_the_ou
     assert set(partly.verify_lengths) == {verify, block}
     for a, (n, v) in enumerate(zip(partly.acceptance_lengths[:-1], partly.verify_lengths)):  # the rule, round by round
         assert partly.verify_lengths[a + 1] == (block if n - 1 >= verify - 1 else verify)
+    # each round's overruled draft: none (-1) where every verified draft was accepted, else a token other than the
+    # target's own at the bonus position (the prefill committed the first token)
+    assert len(partly.rejected) == len(partly.acceptance_lengths) and -1 in partly.rejected
+    done = 1
+    for n, v, wrong in zip(partly.acceptance_lengths, partly.verify_lengths, partly.rejected):
+        assert (wrong == -1) == (n == v)
+        if wrong != -1:
+            assert wrong != reference[done + n - 1]
+        done += n
     if path == "lean_graphs":
         rounds = full.verify_lengths + fixed.verify_lengths + partly.verify_lengths
         assert hits.count(block) == rounds.count(block) and hits.count(verify) == rounds.count(verify)  # one per round

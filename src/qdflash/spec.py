@@ -47,6 +47,7 @@ class GenerationResult:
     tokens: list[int]                       # new tokens only (the stop token included, if one was hit)
     acceptance_lengths: list[int] = field(default_factory=list)  # per verify round, bonus included
     verify_lengths: list[int] = field(default_factory=list)      # per speculative round: tokens it verified
+    rejected: list[int] = field(default_factory=list)  # per speculative round: the draft the target overruled (-1: none)
     stop_reason: str = "length"             # "length" | "eos" | "stop_string"
     prefill_seconds: float = 0.0            # time to the first new token
     seconds: float = 0.0
@@ -387,6 +388,7 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     _emit(on_tokens, tokens, 0)
     lengths: list[int] = []
     verified: list[int] = []
+    rejected: list[int] = []
     recurrent = session.has_recurrent_state()
     timer = phases if phases is not None else _NoTimer()
     timer.start()
@@ -409,9 +411,11 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
                 features = features[: n + 1]
         context.append(features[: n + 1], p)
         timer.lap("append")
-        new = [*draft[:n].tolist(), int(chosen[n])]
+        drafts = block[1:]  # on the host already
+        new = [*drafts[:n], int(chosen[n])]
         lengths.append(len(new))
         verified.append(v)
+        rejected.append(drafts[n] if n < len(drafts) else -1)
         if verify_adaptive:  # the host knows n already: choosing the next length costs no synchronization
             v = drafter.block_size if n >= short - 1 else short
         done = len(tokens)
@@ -419,7 +423,7 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
         _emit(on_tokens, tokens, done)
         timer.end_round()  # host: the stop checks and the rest
     synchronize(target.device)
-    return GenerationResult(tokens, lengths, verified, stop_reason=reason, prefill_seconds=prefill,
+    return GenerationResult(tokens, lengths, verified, rejected, stop_reason=reason, prefill_seconds=prefill,
                             seconds=time.perf_counter() - started)
 
 

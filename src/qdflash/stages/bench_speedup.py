@@ -252,6 +252,9 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                                                            if r.runs[i].acceptance_lengths},
                                              "verified": {name: r.runs[i].verify_lengths for name, r in results.items()
                                                           if r.runs[i].verify_lengths},
+                                             # the draft each round's target overruled (-1: none): what a drafter gets wrong
+                                             "rejected": {name: r.runs[i].rejected for name, r in results.items()
+                                                          if r.runs[i].rejected},
                                              "first_visit": first_visit[i][0] if i in first_visit else None}
                                             for i, case in enumerate(cases)])
     for row in rows:  # every drafter over all prompts; the served one (stage 2) per prompt kind too
