@@ -225,3 +225,33 @@ def test_batched_greedy_through_the_kernel_equals_batch1(tiny_qwen2):
     assert gen.kernel_attention and gen.len_buckets == [64]  # one graph per batch bucket
     results, _ = gen.generate(batch, progress=False)
     assert [r.token_ids for r in results] == references
+
+
+@pytest.mark.slow
+def test_training_answers_at_temperature_0_are_greedy_whatever_the_seed(tmp_path):
+    """data.generation.temperature 0 (an arm: the contexts greedy serving sees): the ci data stage with two seeds writes
+    the same training rows, each saying it was decoded greedily (sampled rows would differ by seed)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qdflash.config import load_config, node_overrides
+
+    config = load_config()
+    config["profile"] = "ci"
+
+    def node(seed):
+        out = tmp_path / f"seed{seed}"
+        args = node_overrides(config, "prepare_data", out, ["data"], {"data.generation.temperature": 0,
+                                                                       "data.generation.seed": seed})
+        done = subprocess.run([sys.executable, "-m", "qdflash.stages.prepare_data", *args, "tracking.wandb.mode=disabled"],
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [json.loads(line) for line in open(out / "train.jsonl")]
+
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(node, (0, 1))
+    assert len(first) > 0 and all(row["decoding"] == "greedy" for row in first)
+    assert [row["response"] for row in first] == [row["response"] for row in second]

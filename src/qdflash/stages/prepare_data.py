@@ -3,7 +3,7 @@
 Outputs (in out_dir):
 - ``train.jsonl`` / ``heldout.jsonl``: id, source, category, messages, response, finish_reason,
   token counts, decoding. Training responses are *sampled* (temperature / top-p / top-k / seed from
-  config); held-out responses are *greedy*, so teacher-forced acceptance on them equals the acceptance
+  config; temperature 0: greedy, and their rows say so); held-out responses are *greedy*, so teacher-forced acceptance on them equals the acceptance
   greedy speculative decoding gets.
 - ``train.tokens.jsonl`` / ``heldout.tokens.jsonl``: the exact token ids (prompt rendered with the chat
   template + generated ids) and an assistant-only loss mask.
@@ -261,7 +261,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
                                     static_cache_len=_static_len(cfg, max_len), **kwargs)
     # training answers: whole conversations, turn by turn (data.max_turns; 1 = the first turn only);
     # held-out answers: first turns, greedy (what teacher-forced acceptance and the benchmark read)
-    splits = (("train", train, Sampling(gen.temperature, gen.top_p, gen.top_k), max_turns, "sampled"),
+    sampling = Sampling(gen.temperature, gen.top_p, gen.top_k)
+    splits = (("train", train, sampling, max_turns, "greedy" if sampling.greedy else "sampled"),
               ("heldout", heldout, Sampling(0.0), 1, "greedy"))
     for split, items, sampling, turns, decoding in splits:
         convs, turn_stats = answer_conversations(
