@@ -40,6 +40,7 @@ def test_harness_report_structure(tiny_llama, tmp_path):
         else:
             assert r["tau_mean"] == "" and r["speedup"] == ""
     assert "--mode" in report["baseline_server"] and "hf" in report["baseline_server"]
+    assert report["env.device"] and report["env.torch"] and "env.git_commit" in report  # where the numbers come from
     # the rounds the variant was benchmarked with reach the stack server (its log says what it serves)
     stack = report["stack_server"]
     assert stack[stack.index("--verify-tokens") + 1] == "3" and "--verify-adaptive" in stack

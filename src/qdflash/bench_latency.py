@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from .errors import QdflashError
+from .tracking import environment
 
 log = logging.getLogger("qdflash.bench_latency")
 
@@ -195,7 +196,7 @@ def run(stack_args: list[str], baseline_args: list[str], tokenizer_source: str, 
     rows = with_speedups(stack_rows, baseline_rows)
     report = {"stack_server": stack_args, "baseline_server": baseline_args, "categories": [list(c) for c in categories],
               "requests": requests, "warmup": warmup, "latency": "client wall time of one non-streamed greedy request",
-              "rows": rows}
+              "rows": rows, **environment()}  # the device, versions and commit the numbers come from
     with (out_dir / "latency.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
