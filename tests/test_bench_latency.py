@@ -34,12 +34,12 @@ def test_harness_report_structure(tiny_llama, tmp_path):
     assert keys == {(s, k, c) for s in ("stack", "baseline") for k in ("real", "filler") for c in ("p24",)}
     for r in report["rows"]:
         assert r["requests"] == 2 and 0 < r["median_s"] <= r["p90_s"] and r["tokens_per_s"] > 0
-        assert 1 <= r["completion_tokens"] <= r["max_new_tokens"] and r["prompt_tokens"] > 0
+        assert r["completion_tokens"] == r["max_new_tokens"] and r["prompt_tokens"] > 0  # ignore_eos: exactly N
         if r["server"] == "stack":
             assert r["tau_mean"] >= 1 and r["speedup"] > 0
         else:
             assert r["tau_mean"] == "" and r["speedup"] == ""
-    assert "--mode" in report["baseline_server"] and "hf" in report["baseline_server"]
+    assert "--mode" in report["baseline_server"] and "hf" in report["baseline_server"] and report["ignore_eos"] is True
     assert report["env.device"] and report["env.torch"] and "env.git_commit" in report  # where the numbers come from
     # the rounds the variant was benchmarked with reach the stack server (its log says what it serves)
     stack = report["stack_server"]

@@ -283,3 +283,25 @@ def test_engine_path_serves_the_same_tokens(varied_llama, verify_tokens, adaptiv
     finally:
         varied_llama.engine = drafter.engine = None  # a session fixture: leave it as found
         running.close()
+
+
+def test_ignore_eos_answers_past_the_end_of_sequence_token_in_both_modes(server, stack, varied_llama, monkeypatch):
+    # vLLM's ignore_eos (the latency harness sends it: each category asks for exactly N new tokens): with the target's
+    # third greedy token made its end-of-sequence token, a request stops there, and with ignore_eos runs on to
+    # max_tokens with the target's greedy tokens, in the speculative and the transformers-generate server alike
+    ids = varied_llama.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    expected = reference(varied_llama, ids)
+    assert expected[2] not in expected[:2]
+    monkeypatch.setattr(varied_llama.model.generation_config, "eos_token_id", expected[2])
+    baseline = Running(build_app(Stack("base", varied_llama, mode="hf", context=256)))
+    try:
+        for running, model in ((server, "tiny"), (baseline, "base")):
+            stopped = running.client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW, temperature=0)
+            assert stopped.choices[0].model_extra["token_ids"] == expected[:3] and stopped.choices[0].finish_reason == "stop"
+            whole = running.client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                                      extra_body={"ignore_eos": True})
+            assert whole.choices[0].model_extra["token_ids"] == expected and whole.choices[0].finish_reason == "length"
+            with pytest.raises(openai.BadRequestError, match="ignore_eos"):
+                running.client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW, extra_body={"ignore_eos": "yes"})
+    finally:
+        baseline.close()

@@ -11,9 +11,11 @@ Each server is a `python -m qdflash.serve` subprocess (the stack: its selected v
 warmed up, then sent N timed greedy requests per (kind, category) one after another (batch 1, as served),
 and stopped. Latency is the client's wall time of one non-streamed request. Reported per row: median and
 p90 latency, tokens/s (completion tokens / latency, median over requests), the stack's mean tau (from
-the server's usage fields) and the speedup (baseline median latency / stack median latency). Requests
-end at EOS as served; each row says how many tokens the two servers produced, since a 16-bit and a
-quantized target may stop at different points.
+the server's usage fields) and the speedup (baseline median latency / stack median latency). Every
+request decodes exactly its category's new tokens (`ignore_eos`, vLLM's parameter, which both servers
+take), so the two servers do the same work whatever the text: a real-text answer that ended at EOS after 13
+tokens made a 2,048-token row mostly prefill (results/published/2026-12-04-h200-qwen-block9).
+`--stop-at-eos` ends requests at EOS as an ordinary client would; each row says how many tokens came.
 
 Prompts come from qdflash.bench (`bucket_cases`, `FILLER`), the same the speed benchmark uses, sent as
 token ids so their lengths are exact.
@@ -121,11 +123,12 @@ def prompt_cases(data_dir, tokenizer, categories, context: int) -> list[dict]:
     return cases
 
 
-def time_requests(client, model: str, case: dict, requests: int, warmup: int) -> dict:
+def time_requests(client, model: str, case: dict, requests: int, warmup: int, ignore_eos: bool = True) -> dict:
     """`warmup` untimed then `requests` timed greedy completions of one case; their latency stats."""
     def once():
         started = time.perf_counter()
-        out = client.completions.create(model=model, prompt=case["ids"], max_tokens=case["max_new_tokens"], temperature=0)
+        out = client.completions.create(model=model, prompt=case["ids"], max_tokens=case["max_new_tokens"], temperature=0,
+                                        extra_body={"ignore_eos": True} if ignore_eos else None)
         return time.perf_counter() - started, out
 
     for _ in range(warmup):
@@ -145,7 +148,8 @@ def time_requests(client, model: str, case: dict, requests: int, warmup: int) ->
             "tau_mean": round(statistics.mean(taus), 4) if taus else ""}
 
 
-def measure(server_args: list[str], label: str, cases: list[dict], requests: int, warmup: int, out_dir: Path) -> list[dict]:
+def measure(server_args: list[str], label: str, cases: list[dict], requests: int, warmup: int, out_dir: Path,
+            ignore_eos: bool = True) -> list[dict]:
     import openai
 
     rows = []
@@ -153,7 +157,7 @@ def measure(server_args: list[str], label: str, cases: list[dict], requests: int
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=3600)
         model = server.model()
         for case in cases:
-            stats = time_requests(client, model, case, requests, warmup)
+            stats = time_requests(client, model, case, requests, warmup, ignore_eos)
             rows.append({"kind": case["kind"], "category": case["category"], "prompt_tokens": len(case["ids"]),
                          "max_new_tokens": case["max_new_tokens"], "server": label, **stats, "speedup": ""})
             log.info("%s %s %s: median %.3f s, p90 %.3f s", label, case["kind"], case["category"], stats["median_s"], stats["p90_s"])
@@ -182,7 +186,7 @@ def load_tokenizer(target: str):
 
 
 def run(stack_args: list[str], baseline_args: list[str], tokenizer_source: str, data_dir, out_dir, *,
-        categories=CATEGORIES, requests: int = 5, warmup: int = 2, context: int = 0) -> dict:
+        categories=CATEGORIES, requests: int = 5, warmup: int = 2, context: int = 0, ignore_eos: bool = True) -> dict:
     """Both servers over every (kind, category); writes out_dir/latency.csv and latency.json."""
     if requests < 1 or warmup < 0:
         raise QdflashError(f"bench_latency: requests={requests} must be >= 1 and warmup={warmup} >= 0")
@@ -191,11 +195,12 @@ def run(stack_args: list[str], baseline_args: list[str], tokenizer_source: str, 
     tokenizer = load_tokenizer(tokenizer_source)
     context = context or max(p + n for p, n in categories) + 128
     cases = prompt_cases(data_dir, tokenizer, categories, context)
-    stack_rows = measure(stack_args, "stack", cases, requests, warmup, out_dir)
-    baseline_rows = measure(baseline_args, "baseline", cases, requests, warmup, out_dir)
+    stack_rows = measure(stack_args, "stack", cases, requests, warmup, out_dir, ignore_eos)
+    baseline_rows = measure(baseline_args, "baseline", cases, requests, warmup, out_dir, ignore_eos)
     rows = with_speedups(stack_rows, baseline_rows)
     report = {"stack_server": stack_args, "baseline_server": baseline_args, "categories": [list(c) for c in categories],
-              "requests": requests, "warmup": warmup, "latency": "client wall time of one non-streamed greedy request",
+              "requests": requests, "warmup": warmup, "ignore_eos": ignore_eos,
+              "latency": "client wall time of one non-streamed greedy request",
               "rows": rows, **environment()}  # the device, versions and commit the numbers come from
     with (out_dir / "latency.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -231,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed requests first, per (kind, category)")
     p.add_argument("--device")
     p.add_argument("--engine", action="store_true", help="the stack server decodes on the lean engine (GPU)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="requests end at EOS (default: exactly the category's new tokens, ignore_eos)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -255,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         stack_args += common + (["--engine"] if args.engine else [])
         baseline_args = ["--target", args.baseline_target, "--mode", "hf", *common]
         report = run(stack_args, baseline_args, source, args.data_dir, args.out, categories=categories,
-                     requests=args.requests, warmup=args.warmup, context=context)
+                     requests=args.requests, warmup=args.warmup, context=context, ignore_eos=not args.stop_at_eos)
     except QdflashError as err:
         print(f"\nqdflash latency failed: {err}", file=sys.stderr)
         sys.exit(2)

@@ -42,7 +42,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .errors import QdflashError
-from .spec import GenerationResult, autoregressive_generate, speculative_generate, verify_length, verify_sizes
+from .spec import (GenerationResult, autoregressive_generate, end_tokens, speculative_generate, verify_length,
+                   verify_sizes)
 from .variants import window_name
 
 log = logging.getLogger("qdflash.serve")
@@ -112,16 +113,17 @@ class Stack:
                                    f"with V < the drafter's block size ({self.drafter.block_size})")
 
     def generate(self, ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int,
-                 stop: list[str], on_tokens: Callable[[list[int]], None]) -> GenerationResult:
-        common = dict(temperature=temperature, top_p=top_p, seed=seed, stop_strings=stop or None, on_tokens=on_tokens)
+                 stop: list[str], on_tokens: Callable[[list[int]], None], ignore_eos: bool = False) -> GenerationResult:
+        common = dict(temperature=temperature, top_p=top_p, seed=seed, stop_strings=stop or None, on_tokens=on_tokens,
+                      ignore_eos=ignore_eos)
         if self.mode == "spec":
             return speculative_generate(self.target, self.drafter, [ids], max_tokens, window=self.window,
                                         verify_tokens=self.verify_tokens, verify_adaptive=self.verify_adaptive, **common)
         if self.mode == "ar":
             return autoregressive_generate(self.target, [ids], max_tokens, **common)
-        return self._hf_generate(ids, max_tokens, temperature, top_p, seed, stop, on_tokens)
+        return self._hf_generate(ids, max_tokens, temperature, top_p, seed, stop, on_tokens, ignore_eos)
 
-    def _hf_generate(self, ids, max_tokens, temperature, top_p, seed, stop, on_tokens) -> GenerationResult:
+    def _hf_generate(self, ids, max_tokens, temperature, top_p, seed, stop, on_tokens, ignore_eos=False) -> GenerationResult:
         """transformers' `generate` with its dynamic cache: the baseline the latency harness compares to."""
         from .models import synchronize
 
@@ -133,12 +135,12 @@ class Stack:
             torch.manual_seed(seed)  # generate samples from the global generator
             out = model.generate(input_ids=torch.tensor([ids], device=device),
                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-                                 max_new_tokens=max_tokens, eos_token_id=self.target.eos_token_ids,
+                                 max_new_tokens=max_tokens, eos_token_id=None if ignore_eos else self.target.eos_token_ids,
                                  pad_token_id=self.target.tokenizer.pad_token_id, **sampling, **stops)
         synchronize(device)
         tokens = out[0, len(ids):].tolist()
         on_tokens(tokens)
-        eos = set(self.target.eos_token_ids)
+        eos = end_tokens(self.target, ignore_eos)
         reason = "eos" if tokens and tokens[-1] in eos else "length" if len(tokens) >= max_tokens else "stop_string"
         return GenerationResult(tokens, stop_reason=reason, seconds=time.perf_counter() - started)
 
@@ -203,7 +205,10 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user"}
+# ignore_eos: vLLM's extra parameter of that name (the openai client's extra_body): an end-of-sequence token does
+# not end the answer, so a latency protocol gets exactly max_tokens new tokens
+COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
+               "ignore_eos"}
 COMPLETION_KEYS = COMMON_KEYS | {"prompt"}
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens"}
 
@@ -218,6 +223,7 @@ class Params:
     stop: list[str]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 def _number(body, key, default, lo, hi, lo_open=False):
@@ -310,11 +316,14 @@ def parse_request(stack: Stack, body: Any, chat: bool) -> Params:
     if not isinstance(options, dict):
         raise RequestError(400, "'stream_options' must be an object", "stream_options")
     seed = _integer(body, "seed", None, None)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise RequestError(400, "'ignore_eos' must be true or false", "ignore_eos")
     return Params(ids=ids, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                   top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                   # no seed: a fresh one (the loops' own default, 0, would make every sample the same)
                   seed=secrets.randbits(63) if seed is None else seed % 2**63,
-                  stop=stop, stream=stream, include_usage=bool(options.get("include_usage", False)))
+                  stop=stop, stream=stream, include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,7 +385,8 @@ class Scheduler:
                     job.push("tokens", new)
 
                 p = job.params
-                result = self.stack.generate(p.ids, p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, on_tokens)
+                result = self.stack.generate(p.ids, p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, on_tokens,
+                                             p.ignore_eos)
                 job.push("done", result)
             except Cancelled:
                 job.push("error", RequestError(499, "client closed the request", kind="cancelled"))

@@ -227,6 +227,12 @@ def drafter_session(drafter: Drafter, window: int | None = None):
     return engine.session(window) if engine is not None else DrafterSession(drafter, window)
 
 
+def end_tokens(target, ignore_eos: bool = False) -> set[int]:
+    """The tokens that end a generation: the target's end-of-sequence ids, none with `ignore_eos` (a latency
+    protocol's fixed answer length: the harness's categories ask for exactly N new tokens)."""
+    return set() if ignore_eos else set(target.eos_token_ids)
+
+
 def _stop(tokens: list[int], eos: set[int], stop_strings, tokenizer, max_new_tokens: int,
           checked: int = 0) -> tuple[list[int], str | None]:
     """Cut `tokens` at the first stop (EOS kept) and say why; None when generation goes on.
@@ -274,11 +280,12 @@ def _generator(seed: int | None) -> torch.Generator:
 
 def autoregressive_generate(target, input_ids, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
                             stop_strings: list[str] | None = None, top_p: float = 1.0,
-                            on_tokens=None) -> GenerationResult:
+                            on_tokens=None, ignore_eos: bool = False) -> GenerationResult:
     """One token per target forward, with the KV / recurrent cache (the reference for speculative).
-    `on_tokens(new)`: called with each step's committed tokens (a server streams them)."""
+    `on_tokens(new)`: called with each step's committed tokens (a server streams them); `ignore_eos`:
+    an end-of-sequence token is emitted and decoding goes on (vLLM's option of that name)."""
     ids = prompt_ids(input_ids)
-    generator, eos = _generator(seed), set(target.eos_token_ids)
+    generator, eos = _generator(seed), end_tokens(target, ignore_eos)
     session = target_session(target)
     started = time.perf_counter()
     logits, _ = session.feed(ids)
@@ -363,7 +370,7 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
                          seed: int | None = None, stop_strings: list[str] | None = None,
                          window: int | None = None, top_p: float = 1.0, on_tokens=None,
                          verify_tokens: int | None = None, phases: RoundTimer | None = None,
-                         verify_adaptive: bool = False) -> GenerationResult:
+                         verify_adaptive: bool = False, ignore_eos: bool = False) -> GenerationResult:
     """DFlash speculative decoding (module docstring); `window`: the drafter's sliding window;
     `top_p`: nucleus sampling (the target's filtered distribution is what is kept exactly);
     `on_tokens(new)`: called with each round's committed tokens (a server streams them);
@@ -371,9 +378,10 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     (None: the whole block; `verify_length`); `verify_adaptive`: the whole block after a round that
     accepted as far as that reaches (module docstring). On the lean engine a verify replays the graph
     captured for that many tokens (`engine.capture([1, V, block], layer_ids)`), else runs the same step
-    eagerly. `phases`: a RoundTimer that times each part of every round (a profiling run: it synchronizes)."""
+    eagerly. `phases`: a RoundTimer that times each part of every round (a profiling run: it synchronizes).
+    `ignore_eos`: as autoregressive_generate's."""
     ids = prompt_ids(input_ids)
-    generator, eos = _generator(seed), set(target.eos_token_ids)
+    generator, eos = _generator(seed), end_tokens(target, ignore_eos)
     short = verify_length(drafter, verify_tokens)
     v = short
     session = target_session(target, drafter.config.target_layer_ids)
