@@ -453,6 +453,8 @@ def check_drafter_stage(results):
         assert m["final.walk.max_tokens"] == CONFIG["profiles"]["ci"]["drafter_train"]["walk_tokens"]
         assert 1 <= m["final.walk.tau"] <= block and m["final.walk.rounds"] >= 1
         assert len(m["final.walk.accept_rate_by_position"]) == block - 1
+        assert len(m["train.walk_tau_by_epoch"]) == len(m["train.tau_by_epoch"])
+        assert m["train.walk_tau_by_epoch"][-1] == round(m["final.walk.tau"], 4)
         assert len(m["train.loss_curve"]) == CONFIG["profiles"]["ci"]["drafter_train"]["steps"]
         assert m["train.feature_cache_misses"] > 0 and not list((results / "drafter").glob("*.features*"))
         assert list((results / "drafter" / stage / "wandb").glob("offline-run-*"))
@@ -583,6 +585,8 @@ def test_drafter_scaling_study_on_ci(tmp_path):
             assert len(m["train.tau_by_epoch"]) == len(m["train.seconds_by_epoch"]) == scaling["epochs"] >= 2
             assert m["train.tau_by_epoch"][-1] == round(m["final.tau"], 4) and all(1 <= t <= 16 for t in m["train.tau_by_epoch"])
             assert m["train.seconds_by_epoch"] == sorted(m["train.seconds_by_epoch"]) and m["train.seconds_by_epoch"][-1] == m["train.seconds"]
+            # the walked rounds' tau after every epoch too (drafter_train.walk_tokens, the ci profile's)
+            assert len(m["train.walk_tau_by_epoch"]) == scaling["epochs"] and all(1 <= t <= 16 for t in m["train.walk_tau_by_epoch"])
             runs[size, depth] = m
     assert "tau_by_epoch" in lines[0]
     assert (results / "scaling" / "tau_by_epoch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -103,7 +103,7 @@ def training_rows(drafter_dirs: list[Path]) -> list[dict]:
             rows.append({"drafter": Path(folder).name, "kind": f"compressed ({m['compress.method']})",
                          "bits": m["compress.bits"], "tau": m["compressed.tau"], "tau_walk": "", "tau_before": m["uncompressed.tau"],
                          "draft_agreement": m.get("draft_agreement", ""), "weight_bytes": m["drafter.weight_bytes"],
-                         "steps": "", "train_seconds": "", "epochs": "", "tau_by_epoch": ""})
+                         "steps": "", "train_seconds": "", "epochs": "", "tau_by_epoch": "", "tau_walk_by_epoch": ""})
         else:
             rows.append({"drafter": Path(folder).name, "kind": f"stage {m['stage']}", "bits": 16, "tau": m["final.tau"],
                          # the rounds decoding runs on the held-out answers (drafter.train.walk_acceptance)
@@ -111,7 +111,8 @@ def training_rows(drafter_dirs: list[Path]) -> list[dict]:
                          "weight_bytes": "", "steps": m["train.steps"], "train_seconds": m["train.seconds"],
                          # tau-hat after each pass over the data (the last: final), ";"-joined in one cell
                          "epochs": m.get("train.epochs", ""),
-                         "tau_by_epoch": ";".join(str(t) for t in m.get("train.tau_by_epoch", []))})
+                         "tau_by_epoch": ";".join(str(t) for t in m.get("train.tau_by_epoch", [])),
+                         "tau_walk_by_epoch": ";".join(str(t) for t in m.get("train.walk_tau_by_epoch", []))})
     return rows
 
 

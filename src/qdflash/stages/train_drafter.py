@@ -212,6 +212,14 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     def evaluate(prefix: str) -> None:
         record_acceptance(run, prefix, acceptance())
 
+    walk_tokens = int(train_cfg.get("walk_tokens") or 0)
+
+    def walk() -> dict:
+        """Decoding's own rounds on the held-out answers (random anchors overstate them)."""
+        return walk_acceptance(drafter, target, heldout, max_tokens=walk_tokens, categories=cats,
+                               batch_size=train_cfg.batch_size, attention=attention,
+                               length_multiple=FLEX_LENGTH_MULTIPLE if attention == "flex" else None)
+
     if cfg.stage == 2:
         evaluate("stage1_on_this_target")  # the warm start, before adaptation
 
@@ -239,6 +247,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     curve: list[float] = []
     # tau-hat after each epoch, and the training seconds by then: what more passes over the same data buy
     tau_by_epoch: list[float] = []
+    walk_by_epoch: list[float] = []  # the walked rounds' tau after each epoch (drafter_train.walk_tokens)
     seconds_by_epoch: list[float] = []
     skipped = 0  # steps whose batch had no trained block
     sequences_here = 0  # sequences this process trained on (a 1/N share of each batch under torchrun)
@@ -319,7 +328,12 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             if epoch_end:
                 tau_by_epoch.append(round(tau, 4))
                 seconds_by_epoch.append(round(trained_seconds, 2))
-                log.info("epoch %d of %d: tau %.3f (%.0f s of training)", len(tau_by_epoch), len(ends), tau, trained_seconds)
+                if walk_tokens:  # an evaluation too: its time is not training time
+                    walk_started = time.perf_counter()
+                    walk_by_epoch.append(round(walk()["tau"], 4))
+                    eval_seconds += time.perf_counter() - walk_started
+                log.info("epoch %d of %d: tau %.3f%s (%.0f s of training)", len(tau_by_epoch), len(ends), tau,
+                         f", walked rounds' tau {walk_by_epoch[-1]:.3f}" if walk_tokens else "", trained_seconds)
     flush()
     synchronize(drafter.norm.weight.device)
     # wall time of the training steps alone (target forwards included; periodic evaluations excluded)
@@ -342,17 +356,15 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         if torch.device(device).type == "cuda":  # the GPU is shared with other nodes (share_device)
             torch.cuda.empty_cache()
     evaluate("final")
-    walk_tokens = int(train_cfg.get("walk_tokens") or 0)
-    if walk_tokens:  # decoding's own rounds on the held-out answers (random anchors overstate them)
-        walk = walk_acceptance(drafter, target, heldout, max_tokens=walk_tokens, categories=cats,
-                               batch_size=train_cfg.batch_size, attention=attention,
-                               length_multiple=FLEX_LENGTH_MULTIPLE if attention == "flex" else None)
-        run.metrics.update({f"final.walk.{key}": value for key, value in walk.items()})
+    if walk_tokens:
+        walked = walk()
+        run.metrics.update({f"final.walk.{key}": value for key, value in walked.items()})
         run.metrics["final.walk.max_tokens"] = walk_tokens
+        run.metrics["train.walk_tau_by_epoch"] = walk_by_epoch + [round(walked["tau"], 4)]
         log.info("final: the rounds decoding runs over the first %d tokens of each held-out answer: tau %.3f over %d "
-                 "rounds (%s); P(draft k accepted) %s", walk_tokens, walk["tau"], walk["rounds"],
-                 ", ".join(f"{k[4:]} {v:.3f}" for k, v in walk.items() if k.startswith("tau.")),
-                 " ".join(f"{r:.3f}" for r in walk["accept_rate_by_position"]))
+                 "rounds (%s); P(draft k accepted) %s", walk_tokens, walked["tau"], walked["rounds"],
+                 ", ".join(f"{k[4:]} {v:.3f}" for k, v in walked.items() if k.startswith("tau.")),
+                 " ".join(f"{r:.3f}" for r in walked["accept_rate_by_position"]))
     run.metrics["train.tau_by_epoch"] = tau_by_epoch + [round(run.metrics["final.tau"], 4)]
     run.metrics["train.seconds_by_epoch"] = seconds_by_epoch + [run.metrics["train.seconds"]]
     if fsdp:  # rank 0 saves a whole drafter with the trained weights gathered from every rank
