@@ -336,6 +336,39 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
 
 
 @torch.no_grad()
+def anchor_acceptance(drafter: Drafter, target, drawn: list[tuple[dict, torch.Tensor]], *, batch_size: int = 1,
+                      attention: str = "sdpa", length_multiple: int | None = None, width: int | None = None):
+    """For each (example, anchors) of `drawn`, in order: (example, anchors, the greedy acceptance length of the block
+    at each anchor [A], the example's padded loss mask). Examples go `batch_size` at a time through one target pass
+    and one drafter forward; the drafter is in eval mode meanwhile. `length_multiple`: every batch is padded to one
+    length (the longest example, rounded up) and `width` anchors (default: the most any example has), i.e. one
+    shape (flex)."""
+    if not drawn:
+        return
+    device = next(drafter.parameters()).device
+    offsets = torch.arange(drafter.block_size - 1)
+    length = None
+    if length_multiple:
+        length = round_up(max(len(ex["input_ids"]) for ex, _ in drawn), length_multiple)
+        width = width or max(a.numel() for _, a in drawn)
+    else:
+        width = None
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        for start in range(0, len(drawn), batch_size):
+            chunk = drawn[start : start + batch_size]
+            input_ids, loss_masks, anchors, valid = padded_batch([ex for ex, _ in chunk], [a for _, a in chunk], length, width)
+            features, greedy = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)
+            hidden, _ = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, head=False)
+            draft = linear_argmax(hidden[:, :, 1:], drafter.head_weight()).cpu()  # [n, A, B-1], no [.., V] logits held
+            greedy = greedy.cpu()
+            for i, (ex, a) in enumerate(chunk):
+                yield ex, a, acceptance_lengths(draft[i, : a.numel()], greedy[i][a[:, None] + offsets[None, :]]), loss_masks[i]
+    finally:
+        drafter.train(was_training)
+
+
 def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, anchors_per_seq: int = 32,
                         seed: int = 0, categories: dict[str, str] | None = None, batch_size: int = 1,
                         attention: str = "sdpa", length_multiple: int | None = None) -> dict:
@@ -350,33 +383,16 @@ def estimate_acceptance(drafter: Drafter, target, examples: list[dict], *, ancho
     length (the longest example, rounded up) and `anchors_per_seq` anchors, i.e. one shape (flex).
     """
     b = drafter.block_size
-    device = next(drafter.parameters()).device
     lengths: list[torch.Tensor] = []
     offsets_seen: list[torch.Tensor] = []  # each block's answer_offsets
     by_category: dict[str, list[torch.Tensor]] = defaultdict(list)
-    was_training = drafter.training
-    drafter.eval()
     drawn = anchored_examples(examples, anchors_per_seq, seed, full_block=b)
-    offsets = torch.arange(b - 1)
-    length = width = None
-    if length_multiple and drawn:
-        longest = max(len(ex["input_ids"]) for ex, _ in drawn)
-        length, width = round_up(longest, length_multiple), anchors_per_seq
-    for start in range(0, len(drawn), batch_size):
-        chunk = drawn[start : start + batch_size]
-        input_ids, loss_masks, anchors, valid = padded_batch([ex for ex, _ in chunk], [a for _, a in chunk], length, width)
-        features, greedy = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)
-        hidden, _ = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, head=False)
-        draft = linear_argmax(hidden[:, :, 1:], drafter.head_weight()).cpu()  # [n, A, B-1], no [.., V] logits held
-        greedy = greedy.cpu()
-        for i, (ex, a) in enumerate(chunk):
-            want = greedy[i][a[:, None] + offsets[None, :]]
-            acc = acceptance_lengths(draft[i, : a.numel()], want)
-            lengths.append(acc)
-            offsets_seen.append(answer_offsets(loss_masks[i], a))
-            if categories:
-                by_category[categories.get(ex["id"], "unknown")].append(acc)
-    drafter.train(was_training)
+    for ex, a, acc, loss_mask in anchor_acceptance(drafter, target, drawn, batch_size=batch_size, attention=attention,
+                                                   length_multiple=length_multiple, width=anchors_per_seq):
+        lengths.append(acc)
+        offsets_seen.append(answer_offsets(loss_mask, a))
+        if categories:
+            by_category[categories.get(ex["id"], "unknown")].append(acc)
     if not lengths:
         raise ValueError("no anchor with a full block inside a response: responses shorter than the block size")
     acc = torch.cat(lengths).float()
@@ -423,7 +439,6 @@ def walk_acceptance(drafter: Drafter, target, examples: list[dict], *, max_token
     with whole-block verifies (tested). Returns tau (tokens committed per round), the rounds, P(draft position k
     accepted) over the rounds, and tau per category."""
     b = drafter.block_size
-    device = next(drafter.parameters()).device
     walked: list[tuple[dict, torch.Tensor]] = []
     for ex in examples:
         mask = torch.tensor(ex["loss_mask"])
@@ -436,33 +451,18 @@ def walk_acceptance(drafter: Drafter, target, examples: list[dict], *, max_token
             walked.append((ex, torch.arange(start, last + 1)))
     if not walked:
         raise ValueError(f"no answer holds a whole block of {b} tokens after its first token")
-    was_training = drafter.training
-    drafter.eval()
-    offsets = torch.arange(b - 1)
-    length = width = None
-    if length_multiple:
-        length = round_up(max(len(ex["input_ids"]) for ex, _ in walked), length_multiple)
-        width = max(a.numel() for _, a in walked)
     rounds: list[torch.Tensor] = []
     by_category: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for first in range(0, len(walked), batch_size):
-        chunk = walked[first : first + batch_size]
-        input_ids, loss_masks, anchors, valid = padded_batch([ex for ex, _ in chunk], [a for _, a in chunk], length, width)
-        features, greedy = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)
-        hidden, _ = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, head=False)
-        draft = linear_argmax(hidden[:, :, 1:], drafter.head_weight()).cpu()
-        greedy = greedy.cpu()
-        for i, (ex, a) in enumerate(chunk):
-            acc = acceptance_lengths(draft[i, : a.numel()], greedy[i][a[:, None] + offsets[None, :]]).tolist()
-            path, k = [], 0
-            while k < len(acc):  # the rounds: anchor a[k] commits acc[k] tokens, the next round starts there
-                path.append(acc[k])
-                k += acc[k]
-            lengths = torch.tensor(path)
-            rounds.append(lengths)
-            if categories:
-                by_category[categories.get(ex["id"], "unknown")].append(lengths)
-    drafter.train(was_training)
+    for ex, _, acc, _ in anchor_acceptance(drafter, target, walked, batch_size=batch_size, attention=attention,
+                                           length_multiple=length_multiple):
+        acc, path, k = acc.tolist(), [], 0
+        while k < len(acc):  # the rounds: anchor a[k] commits acc[k] tokens, the next round starts there
+            path.append(acc[k])
+            k += acc[k]
+        lengths = torch.tensor(path)
+        rounds.append(lengths)
+        if categories:
+            by_category[categories.get(ex["id"], "unknown")].append(lengths)
     acc = torch.cat(rounds).float()
     result = {"tau": acc.mean().item(), "rounds": int(acc.numel()),
               "accept_rate_by_position": [(acc > k).float().mean().item() for k in range(1, b)]}
@@ -471,5 +471,5 @@ def walk_acceptance(drafter: Drafter, target, examples: list[dict], *, max_token
     return result
 
 
-__all__ = ["IGNORE", "LABELS", "FeatureCache", "anchored_examples", "batch_loss", "check_labels", "draft_blocks", "estimate_acceptance", "first_answer", "pad_anchors", "pad_right", "walk_acceptance",
+__all__ = ["IGNORE", "LABELS", "FeatureCache", "anchor_acceptance", "anchored_examples", "batch_loss", "check_labels", "draft_blocks", "estimate_acceptance", "first_answer", "pad_anchors", "pad_right", "walk_acceptance",
            "target_labels", "target_pass", "teacher_states"]
