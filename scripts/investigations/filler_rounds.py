@@ -12,6 +12,12 @@ position was right given that every earlier one was (where the drafter's reach e
     python scripts/investigations/filler_rounds.py --drafter /tmp/drafter-complete/drafter \
         --prompt-tokens 2048 --new-tokens 256 --out results/published/<run>/filler-rounds.json
 
+Also, per round of each decode, the draft the target overruled beside the token it chose there (`overruled`:
+which token the drafter writes where it goes wrong), and from the training forward at every anchor of the
+answer (`drafter.train.anchor_acceptance`) the acceptance length by the anchor's phase in the cycle (`by_phase`:
+whether one place in the cycle or one block position stops the rounds). On the H200, with the run's own
+drafter (no fetch): `--drafter $QDFLASH_RESULTS/<run>/drafter/stage2/drafter --device cuda --dtype bfloat16`.
+
 The drafter comes back from the H200 with scripts/airgap/fetch_drafter.sh (bf16 pieces); the target is the
 preset the drafter was trained on (its 16-bit weights: the drafter was adapted to the QAD target, which
 differs from them by a held-out KL of ~2e-4).
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import time
 from pathlib import Path
@@ -30,6 +37,7 @@ import torch
 from qdflash import bench
 from qdflash.data.chat import render_prompt_ids
 from qdflash.drafter import load_drafter
+from qdflash.drafter.train import anchor_acceptance
 from qdflash.models import load_target
 from qdflash.spec import autoregressive_generate, speculative_generate
 
@@ -42,6 +50,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--verify", type=int, default=6)
     ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="bfloat16: the served dtype; outputs may then differ from greedy at near-ties (reported)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     # before the target loads (~10 s): a folder that is not a drafter is a one-line error, not a traceback
@@ -49,8 +60,8 @@ def main() -> None:
         raise SystemExit(f"filler_rounds: --drafter {args.drafter} is not a drafter folder (expected config.json and "
                          "model.safetensors; scripts/airgap/fetch_drafter.sh says how to join one)")
     torch.manual_seed(0)
-    target = load_target(args.model, dtype="float32", device="cpu")
-    drafter = load_drafter(args.drafter, target, dtype=torch.float32)
+    target = load_target(args.model, dtype=args.dtype, device=args.device)
+    drafter = load_drafter(args.drafter, target, dtype=getattr(torch, args.dtype)).to(target.device)
     tok = target.tokenizer
     unit = len(tok(bench.FILLER, add_special_tokens=False)["input_ids"])
     ids = render_prompt_ids(tok, "Continue: " + bench.FILLER * max(1, (args.prompt_tokens - 20) // unit))
@@ -68,11 +79,22 @@ def main() -> None:
     for name, verify, adaptive in (("served", args.verify, args.adaptive), ("whole_block", None, False)):
         started = time.perf_counter()
         out = speculative_generate(target, drafter, [ids], args.new_tokens, verify_tokens=verify, verify_adaptive=adaptive)
-        assert out.tokens == answer, f"{name}: speculative output differs from greedy (fp32 must be exact)"
+        if args.dtype == "float32":
+            assert out.tokens == answer, f"{name}: speculative output differs from greedy (fp32 must be exact)"
+        same = next((i for i, (x, y) in enumerate(zip(out.tokens, answer)) if x != y), None)
         hist = collections.Counter(out.acceptance_lengths)
+        # the draft the target overruled in each round that stopped short, beside the target's own token there
+        ends = list(itertools.accumulate(out.acceptance_lengths, initial=1))  # round r's tokens: [ends[r], ends[r+1])
+        overruled = collections.Counter(
+            (a, tok.decode([out.tokens[e + a - 1]]), tok.decode([r]))
+            for e, a, r in zip(ends, out.acceptance_lengths, out.rejected) if r >= 0 and e + a - 1 < len(out.tokens))
         report[name] = {"verify_tokens": verify, "adaptive": adaptive, "tau": round(out.tau, 3), "rounds": len(out.acceptance_lengths),
                         "acceptance_lengths": out.acceptance_lengths, "verify_lengths": out.verify_lengths,
-                        "histogram": dict(sorted(hist.items()))}
+                        "first_difference": same, "histogram": dict(sorted(hist.items())),
+                        "overruled": [{"draft_position": k, "target": t, "drafted": d, "rounds": c}
+                                      for (k, t, d), c in overruled.most_common(12)]}
+        print(f"{name}: overruled drafts (position, target's token, drafted, rounds): "
+              + "; ".join(f"{k} {t!r}->{d!r} x{c}" for (k, t, d), c in overruled.most_common(6)))
         print(f"{name}: tau {out.tau:.2f} over {len(out.acceptance_lengths)} rounds; histogram {dict(sorted(hist.items()))} "
               f"({time.perf_counter() - started:.0f} s)")
         if verify is None:
@@ -82,6 +104,22 @@ def main() -> None:
             right = [sum(1 for a in out.acceptance_lengths if a - 1 >= k) for k in range(1, drafter.block_size)]
             report[name]["conditional_accept_by_position"] = [round(r / n, 3) if n else None for r, n in zip(right, reached)]
             print("position: " + " ".join(f"{k}:{r}/{n}" for k, (r, n) in enumerate(zip(right, reached), 1)))
+    # the training forward at every anchor of the answer (its first token is the prefill's, at len(ids))
+    b = drafter.block_size
+    example = {"id": "filler", "input_ids": ids + answer, "loss_mask": [0] * len(ids) + [1] * len(answer)}
+    anchors = torch.arange(len(ids), len(ids) + len(answer) - b + 1)
+    _, _, acc, _ = next(anchor_acceptance(drafter, target, [(example, anchors)]))
+    phases = collections.defaultdict(list)  # phase -> [(answer index, acceptance length)]
+    for a, length in zip(anchors.tolist(), acc.tolist()):
+        phases[(a - len(ids)) % cycle if cycle else 0].append((a - len(ids), length))
+    report["teacher_forced"] = {
+        "tau_every_anchor": round(acc.float().mean().item(), 3),
+        "conditional_accept_by_position": [round(float((acc > k).sum() / max(1, (acc > k - 1).sum())), 3) for k in range(1, b)],
+        "by_phase": [{"phase": ph, "anchor_token": tok.decode([answer[v[-1][0]]]),  # the cycle's token (the head may differ)
+                      "mean_acceptance": round(sum(x for _, x in v) / len(v), 2), "blocks": len(v)}
+                     for ph, v in sorted(phases.items())]}
+    print("teacher-forced, by the anchor's phase in the cycle: " + "; ".join(
+        f"{r['phase']} {r['anchor_token']!r} {r['mean_acceptance']}" for r in report["teacher_forced"]["by_phase"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"-> {args.out}")
