@@ -194,6 +194,8 @@ def test_chunked_head_loss_equals_the_loss_over_whole_logits(chunk_rows):
     torch.testing.assert_close(grad, hidden.grad)
     assert grad[2].abs().max() == 0 and grad[:, 0].abs().max() == 0  # untrained rows get no gradient
     assert torch.equal(linear_argmax(hidden, head, chunk_rows), torch.nn.functional.linear(hidden, head).argmax(-1))
+    assert torch.equal(linear_argmax(hidden, head, chunk_rows, top2=True),
+                       torch.nn.functional.linear(hidden, head).topk(2, dim=-1).indices)
 
 
 def test_chunked_head_loss_in_bf16_follows_fp64():
@@ -797,3 +799,71 @@ def test_the_walked_rounds_are_the_rounds_speculative_decoding_runs(tiny_llama):
     assert 1 < got["tau"] < b and len(set(rounds)) > 2  # rounds of several lengths: the walk is tested, not a constant
     assert got["rounds"] == len(rounds) and got["tau"] == pytest.approx(sum(rounds) / len(rounds))
     assert got["accept_rate_by_position"] == pytest.approx([sum(n > k for n in rounds) / len(rounds) for k in range(1, b)])
+
+
+def small_vocab_target(vocab: int = 64):
+    """A random llama-style target over `vocab` tokens (a head that is the identity stays small)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qdflash.models import Target
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # the current token's embedding dominates, and an untied head maps it to a random next token:
+        model.model.embed_tokens.weight.mul_(20)  # varied continuations, not one token repeated
+
+    class NoTokenizer:
+        eos_token_id = None
+
+    model.generation_config.eos_token_id = None
+    return Target("small-vocab", model, NoTokenizer(), "test")
+
+
+def test_the_walked_rounds_with_no_repeat_are_the_rounds_decoding_with_no_repeat_runs():
+    # the same check with decoding's no_repeat rule (blocks.distinct_drafts): a drafter whose first choice is the
+    # token of the position before (a repeat) at some (anchor, position), with the right token second, and right
+    # elsewhere (a junk second choice); the walk takes each block's two best from the training forward
+    from qdflash.drafter.train import walk_acceptance
+    from qdflash.spec import autoregressive_generate, speculative_generate
+
+    target = small_vocab_target()
+    b, prompt = 4, [5, 9, 1, 30, 12, 7, 44, 2, 18, 60]
+    answer = autoregressive_generate(target, [prompt], 60).tokens
+    assert sum(x != y for x, y in zip(answer, answer[1:])) > 40  # a varied answer: confused drafts have room
+    seq = torch.tensor(prompt + answer)
+    ex = {"id": "x", "input_ids": seq.tolist(), "loss_mask": [0] * len(prompt) + [1] * len(answer)}
+    drafter = init_drafter(target, block_size=b)
+    vocab = target.vocab_size
+
+    def scores(q_pos):  # [.., B] positions -> [.., B, V]: 2 at the first choice, 1 at the second
+        anchor, k = q_pos[..., :1], q_pos - q_pos[..., :1]
+        right = seq[q_pos.clamp(max=len(seq) - 1)]
+        before = seq[(q_pos - 1).clamp(max=len(seq) - 1)]
+        confused = ((anchor * 7 + k * 3) % 4 == 0) & (before != right)
+        first = torch.where(confused, before, right)
+        second = torch.where(confused, right, (right + 1) % vocab)
+        return 2 * torch.nn.functional.one_hot(first, vocab).float() + torch.nn.functional.one_hot(second, vocab).float()
+
+    drafter.head_weight = lambda: torch.eye(vocab)  # the scores are the states: the head passes them through
+    drafter.forward = lambda block_ids, context, q_pos, *a, **k: scores(q_pos.reshape(q_pos.shape[0], -1, b)).reshape(
+        q_pos.shape[0], q_pos.shape[1], vocab)
+    drafter.forward_block = lambda block_ids, q_pos, *a, **k: scores(q_pos)
+
+    for no_repeat in (False, True):
+        got = walk_acceptance(drafter, target, [ex], max_tokens=40, no_repeat=no_repeat)
+        decoded = speculative_generate(target, drafter, [prompt], len(answer), no_repeat=no_repeat)
+        assert decoded.tokens == answer
+        rounds, offset = [], 0
+        for n in decoded.acceptance_lengths:
+            if offset > min(len(answer) - b, 39):
+                break
+            rounds.append(n)
+            offset += n
+        assert got["rounds"] == len(rounds) and got["tau"] == pytest.approx(sum(rounds) / len(rounds))
+        if no_repeat:  # the confused drafts are accepted with the rule (the answer repeats a token only a few times)
+            assert got["tau"] > plain_tau
+        else:
+            plain_tau = got["tau"]
+            assert 1 < plain_tau < b

@@ -428,6 +428,16 @@ def check_bench(results):
             # rounds verify bench.verify_tokens, or the whole block after one that accepted that far
             assert ci["bench"]["verify_tokens"] <= m[f"all.{name}.verified_per_round"] <= ci["drafter"]["block_size"]
         assert m["verify_tokens"] == ci["bench"]["verify_tokens"] and m["verify_adaptive"] == 1
+        assert m["no_repeat"] == int(ci["bench"]["no_repeat"]) == 1  # the no-repeat drafts' path, lossless above
+        # no overruled draft after the first repeats the (accepted) draft before it: the rule reached every
+        # speculative method
+        for name in methods - baselines:
+            for o in outputs:
+                start = 1
+                for a, wrong in zip(o["committed"].get(name, []), o["rejected"].get(name, [])):
+                    assert wrong < 0 or a < 2 or start + a - 1 >= len(o[name]) or wrong != o[name][start + a - 2], \
+                        (name, o["prompt"])
+                    start += a
         assert m["bench.drafter_dtype"] == "float32" and m["bench.compile_drafter"] == 0  # cast to the fp32 target's dtype
         # each drafter's static engine: its graphs (CUDA only) and what capturing them cost, outside the timings
         assert all(m[f"drafter_engine.{name}.capture_seconds"] >= 0 and f"drafter_engine.{name}.graphs" in m

@@ -236,6 +236,8 @@ def test_selected_variant_reads_the_summary(tmp_path):
     assert selected_variant(tmp_path) == {**chosen, "verify_tokens": 6, "verify_adaptive": True}
     (bench / "metrics.json").write_text(json.dumps({"verify_tokens": 16, "verify_adaptive": 0, "block_size": 16}))
     assert selected_variant(tmp_path) == {**chosen, "verify_tokens": None, "verify_adaptive": False}
+    (bench / "metrics.json").write_text(json.dumps({"verify_tokens": 6, "verify_adaptive": 1, "block_size": 16, "no_repeat": 1}))
+    assert selected_variant(tmp_path) == {**chosen, "verify_tokens": 6, "verify_adaptive": True, "no_repeat": True}
     (tmp_path / "tables" / "summary.csv").write_text(header + "c,qad_x,4,stage2,16,,0,0\n")
     with pytest.raises(QdflashError, match="found 0"):
         selected_variant(tmp_path)
@@ -264,14 +266,20 @@ def test_adaptive_verify_without_a_shorter_verify_is_refused(varied_llama):
             Stack("x", varied_llama, drafter, context=128, verify_tokens=verify, verify_adaptive=True)
 
 
-@pytest.mark.parametrize("verify_tokens, adaptive", [(None, False), (2, True)])
-def test_engine_path_serves_the_same_tokens(varied_llama, verify_tokens, adaptive):
+@pytest.mark.parametrize("verify_tokens, adaptive, no_repeat", [(None, False, False), (2, True, True)])
+def test_engine_path_serves_the_same_tokens(varied_llama, verify_tokens, adaptive, no_repeat, monkeypatch):
     """--engine: the lean target engine and the static drafter (the GPU speed path) give the same tokens,
-    verifying whole blocks, or 2 tokens and whole blocks after a round that accepted (--verify-adaptive)."""
+    verifying whole blocks, or 2 tokens and whole blocks after a round that accepted (--verify-adaptive) with
+    the no-repeat drafts (--drafts no-repeat), which reach the decoding loop."""
+    from qdflash import serve
     from qdflash.serve import _build_engines
 
+    calls = []
+    decode = serve.speculative_generate
+    monkeypatch.setattr(serve, "speculative_generate", lambda *a, **k: calls.append(k) or decode(*a, **k))
     drafter = init_drafter(varied_llama, block_size=4, num_layers=1, mask_token_id=3).eval()
-    stack = Stack("fast", varied_llama, drafter, context=128, verify_tokens=verify_tokens, verify_adaptive=adaptive)
+    stack = Stack("fast", varied_llama, drafter, context=128, verify_tokens=verify_tokens, verify_adaptive=adaptive,
+                  no_repeat=no_repeat)
     _build_engines(stack)
     running = Running(build_app(stack))
     try:
@@ -280,6 +288,7 @@ def test_engine_path_serves_the_same_tokens(varied_llama, verify_tokens, adaptiv
         out = running.client.completions.create(model="fast", prompt=PROMPT, max_tokens=NEW, temperature=0)
         varied_llama.engine = None  # the reference on transformers' forward
         assert out.choices[0].model_extra["token_ids"] == reference(varied_llama, ids)
+        assert calls and all(k["no_repeat"] is no_repeat for k in calls)
     finally:
         varied_llama.engine = drafter.engine = None  # a session fixture: leave it as found
         running.close()

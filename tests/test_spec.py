@@ -703,3 +703,66 @@ def test_decoding_drafts_from_the_logits_training_computes_at_the_same_anchors(f
         token, decoded = seen[position]
         assert token == int(full[0, position])
         torch.testing.assert_close(logits[0, i], decoded, atol=1e-4, rtol=1e-4)
+
+
+def test_distinct_drafts_takes_the_second_choice_only_where_the_first_repeats_the_draft_before():
+    from qdflash.drafter.blocks import distinct_drafts
+
+    assert distinct_drafts([[5, 6], [7, 8], [9, 1]]) == [5, 7, 9]  # no repeat: the first choices
+    assert distinct_drafts([[5, 6], [5, 8], [5, 2]]) == [5, 8, 5]  # a repeat of the draft before it
+    assert distinct_drafts([[5, 6], [6, 5]]) == [5, 6]  # compared with the draft as chosen ...
+    assert distinct_drafts([[5, 6], [5, 7], [7, 3]]) == [5, 7, 3]  # ... which can be the second choice
+    assert distinct_drafts([[4, 6]]) == [4] and distinct_drafts([]) == []  # the first draft is the first choice
+
+
+def confused_logits(monkeypatch, cls, reference, prompt_len, vocab, every=3):
+    """`draft_logits` whose first choice is the reference continuation, except at every `every`-th block position
+    (from 2), where it is the token of the position before (a repeat) and the reference token is the second choice."""
+
+    def draft_logits(self, last_token, position):
+        b = self.drafter.block_size
+        logits = torch.zeros(b, vocab)
+        for k in range(1, b):
+            i = position + k - prompt_len
+            token = reference[i] if 0 <= i < len(reference) else 7
+            before = reference[i - 1] if 0 <= i - 1 < len(reference) else last_token
+            if k > 1 and k % every == 0 and before != token:
+                logits[k, before], logits[k, token] = 2.0, 1.0
+            else:
+                logits[k, token] = 2.0
+        return logits, logits[1:].argmax(-1)
+
+    monkeypatch.setattr(cls, "draft_logits", draft_logits)
+
+
+@pytest.mark.parametrize("static_drafter", [False, True])
+def test_no_repeat_drafts_raise_acceptance_where_the_drafter_repeats_and_keep_the_greedy_output(
+        varied_llama, static_drafter, monkeypatch):
+    """`no_repeat`: a drafter that writes the token before again at every third position (the reference token its
+    second choice) has those drafts overruled under argmax drafting, and accepted with the rule; both outputs are
+    the autoregressive tokens, and the rule holds in every block fed (eager and static drafter)."""
+    target = varied_llama
+    block, new = 4, 6
+    drafter = init_drafter(target, block_size=block, num_layers=1, seed=2).eval()
+    ids = prompt(5, 8)  # one of the few prompts the tiny target continues without repeating a token
+    reference = reference_tokens("varied_llama", target, ids, new)
+    assert all(a != b for a, b in zip(reference, reference[1:]))
+    if static_drafter:
+        drafter.engine = DrafterEngine(drafter, max_len=64, smallest_bucket=8)
+    fed = []
+    feed = spec.TargetSession.feed
+    monkeypatch.setattr(spec.TargetSession, "feed", lambda self, tokens: fed.append(list(tokens)) or feed(self, tokens))
+    try:
+        with monkeypatch.context() as m:
+            confused_logits(m, DrafterEngine if static_drafter else spec.DrafterSession, reference, ids.shape[1],
+                            target.model.config.vocab_size, every=2)
+            plain = speculative_generate(target, drafter, ids, new)
+            fed.clear()
+            distinct = speculative_generate(target, drafter, ids, new, no_repeat=True)
+    finally:
+        drafter.engine = None
+    assert plain.tokens == reference and distinct.tokens == reference
+    assert max(plain.acceptance_lengths) < block and distinct.tau > plain.tau
+    blocks = fed[1:]  # the prompt first, then one block a round
+    assert len(blocks) == len(distinct.acceptance_lengths)
+    assert all(a != b for block_fed in blocks for a, b in zip(block_fed, block_fed[1:]))

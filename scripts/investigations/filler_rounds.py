@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--verify", type=int, default=6)
     ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--no-repeat", action="store_true", help="drafts by decoding's no_repeat rule (blocks.distinct_drafts)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="bfloat16: the served dtype; outputs may then differ from greedy at near-ties (reported)")
@@ -75,10 +76,11 @@ def main() -> None:
     cycle = next((p for p in range(1, 65) if tail > 2 * p and all(answer[i] == answer[i - p] for i in range(len(answer) - tail, len(answer)))), None)
     print(f"greedy answer: {len(answer)} tokens, period {cycle} ({time.perf_counter() - started:.0f} s)")
     report = {"model": args.model, "drafter": str(args.drafter), "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
-              "block_size": drafter.block_size, "answer_period": cycle, "answer_head": tok.decode(answer[:48])}
+              "block_size": drafter.block_size, "no_repeat": args.no_repeat, "answer_period": cycle, "answer_head": tok.decode(answer[:48])}
     for name, verify, adaptive in (("served", args.verify, args.adaptive), ("whole_block", None, False)):
         started = time.perf_counter()
-        out = speculative_generate(target, drafter, [ids], args.new_tokens, verify_tokens=verify, verify_adaptive=adaptive)
+        out = speculative_generate(target, drafter, [ids], args.new_tokens, verify_tokens=verify, verify_adaptive=adaptive,
+                                   no_repeat=args.no_repeat)
         if args.dtype == "float32":
             assert out.tokens == answer, f"{name}: speculative output differs from greedy (fp32 must be exact)"
         same = next((i for i, (x, y) in enumerate(zip(out.tokens, answer)) if x != y), None)
@@ -108,7 +110,7 @@ def main() -> None:
     b = drafter.block_size
     example = {"id": "filler", "input_ids": ids + answer, "loss_mask": [0] * len(ids) + [1] * len(answer)}
     anchors = torch.arange(len(ids), len(ids) + len(answer) - b + 1)
-    _, _, acc, _ = next(anchor_acceptance(drafter, target, [(example, anchors)]))
+    _, _, acc, _ = next(anchor_acceptance(drafter, target, [(example, anchors)], no_repeat=args.no_repeat))
     phases = collections.defaultdict(list)  # phase -> [(answer index, acceptance length)]
     for a, length in zip(anchors.tolist(), acc.tolist()):
         phases[(a - len(ids)) % cycle if cycle else 0].append((a - len(ids), length))

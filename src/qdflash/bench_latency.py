@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     # a variant served without its results folder is served with the rounds its benchmark ran only if told
     p.add_argument("--verify-tokens", type=int, help="passed to the stack server (qdflash serve --verify-tokens)")
     p.add_argument("--verify-adaptive", action="store_true", help="passed to the stack server (qdflash serve --verify-adaptive)")
+    p.add_argument("--drafts", choices=["argmax", "no-repeat"], default=None,
+                   help="passed to the stack server (qdflash serve --drafts; default: the variant's benchmark's)")
     p.add_argument("--baseline-target", required=True, help="the 16-bit target the baseline server runs (transformers' generate)")
     p.add_argument("--data-dir", required=True, help="a data folder with train.jsonl (the real-text prompts)")
     p.add_argument("--out", required=True, help="folder for latency.csv, latency.json and the servers' logs")
@@ -259,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
             stack_args += ["--verify-tokens", str(args.verify_tokens)]
         if args.verify_adaptive:
             stack_args += ["--verify-adaptive"]
+        if args.drafts is not None:
+            stack_args += ["--drafts", args.drafts]
         stack_args += common + (["--engine"] if args.engine else [])
         baseline_args = ["--target", args.baseline_target, "--mode", "hf", *common]
         report = run(stack_args, baseline_args, source, args.data_dir, args.out, categories=categories,

@@ -58,7 +58,8 @@ MODES = ("spec", "ar", "hf")  # speculative (with the drafter), the target alone
 def selected_variant(results) -> dict:
     """The `selected` row of results/<experiment>/tables/summary.csv (qdflash.report), with the folders
     of its target and drafter as the DAG writes them, and the verify length (`verify_tokens`, None for
-    the whole block; `verify_adaptive`) its benchmark job ran, where that job's metrics.json says."""
+    the whole block; `verify_adaptive`) and drafts' rule (`no_repeat`) its benchmark job ran, where that
+    job's metrics.json says."""
     results = Path(results)
     path = results / "tables" / "summary.csv"
     if not path.is_file():
@@ -82,6 +83,8 @@ def selected_variant(results) -> dict:
             block = int(measured.get("block_size", verify))
             chosen["verify_tokens"] = None if verify == block else verify
             chosen["verify_adaptive"] = bool(measured.get("verify_adaptive", 0))
+        if "no_repeat" in measured:  # the drafts' rule (benchmarks before it drafted argmax)
+            chosen["no_repeat"] = bool(measured["no_repeat"])
     return chosen
 
 
@@ -98,6 +101,7 @@ class Stack:
     context: int = 0  # prompt + new tokens, at most
     verify_tokens: int | None = None  # tokens a speculative round verifies (None: the drafter's block)
     verify_adaptive: bool = False     # the whole block after a round that accepted as far as verify_tokens reaches
+    no_repeat: bool = False           # no draft repeats the draft before it (qdflash.drafter.blocks.distinct_drafts)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -118,7 +122,8 @@ class Stack:
                       ignore_eos=ignore_eos)
         if self.mode == "spec":
             return speculative_generate(self.target, self.drafter, [ids], max_tokens, window=self.window,
-                                        verify_tokens=self.verify_tokens, verify_adaptive=self.verify_adaptive, **common)
+                                        verify_tokens=self.verify_tokens, verify_adaptive=self.verify_adaptive,
+                                        no_repeat=self.no_repeat, **common)
         if self.mode == "ar":
             return autoregressive_generate(self.target, [ids], max_tokens, **common)
         return self._hf_generate(ids, max_tokens, temperature, top_p, seed, stop, on_tokens, ignore_eos)
@@ -146,8 +151,9 @@ class Stack:
 
 
 def load_stack(*, results=None, target=None, drafter=None, window=None, mode="spec", name=None, device=None,
-               dtype=None, context=0, engine=False, verify_tokens=None, verify_adaptive=False) -> Stack:
-    """A Stack from a results folder's selected variant or from a target (+ drafter + window)."""
+               dtype=None, context=0, engine=False, verify_tokens=None, verify_adaptive=False, no_repeat=None) -> Stack:
+    """A Stack from a results folder's selected variant or from a target (+ drafter + window). `no_repeat`
+    None: the rule the variant's benchmark ran (with `results`), else off."""
     from .drafter import load_drafter
     from .models import load_target
 
@@ -159,13 +165,16 @@ def load_stack(*, results=None, target=None, drafter=None, window=None, mode="sp
         window = chosen["window"] if window is None else window
         if verify_tokens is None and not verify_adaptive:  # none given: the benchmark's, where it recorded them
             verify_tokens, verify_adaptive = chosen.get("verify_tokens"), chosen.get("verify_adaptive", False)
+        if no_repeat is None:
+            no_repeat = chosen.get("no_repeat", False)
     if target is None:
         raise QdflashError("serve: nothing to serve; give --results <experiment folder> or --target <preset or path>")
     if mode == "spec" and drafter is None:  # said before minutes of loading
         raise QdflashError("serve: mode 'spec' needs a drafter (--drafter or --results); use --mode ar or hf without one")
     loaded = load_target(str(target), dtype=dtype, device=device)
     draft = load_drafter(drafter, loaded).eval() if drafter is not None and mode == "spec" else None
-    stack = Stack(name or Path(str(target)).name, loaded, draft, window, mode, context, verify_tokens, verify_adaptive)
+    stack = Stack(name or Path(str(target)).name, loaded, draft, window, mode, context, verify_tokens, verify_adaptive,
+                  bool(no_repeat))
     if engine:
         _build_engines(stack)
     return stack
@@ -594,6 +603,9 @@ def parser() -> argparse.ArgumentParser:
                            "(default: with --results, what the variant's benchmark ran; else the whole block)")
     what.add_argument("--verify-adaptive", action="store_true",
                       help="verify the whole block after a round whose drafts were accepted as far as --verify-tokens reaches")
+    what.add_argument("--drafts", choices=["argmax", "no-repeat"], default=None,
+                      help="no-repeat: a draft that repeats the draft before it gives way to the drafter's second choice "
+                           "(default: with --results, what the variant's benchmark ran; else argmax)")
     what.add_argument("--mode", choices=MODES, default="spec", help="spec: speculative (default); ar: the target alone; "
                       "hf: transformers' generate (the latency harness's baseline)")
     what.add_argument("--name", help="the model id clients ask for (default: the variant or target name)")
@@ -619,14 +631,15 @@ def main(argv: list[str] | None = None) -> None:
         stack = load_stack(results=args.results, target=args.target, drafter=args.drafter, window=args.window,
                            mode=args.mode, name=args.name, device=args.device, dtype=args.dtype,
                            context=args.context, engine=args.engine, verify_tokens=args.verify_tokens,
-                           verify_adaptive=args.verify_adaptive)
+                           verify_adaptive=args.verify_adaptive,
+                           no_repeat=None if args.drafts is None else args.drafts == "no-repeat")
         app = build_app(stack, args.max_queue)
     except QdflashError as err:
         print(f"\nqdflash serve failed: {err}", file=sys.stderr)
         sys.exit(2)
-    log.info("serving %s (%s, window %s, verify %s%s, context %d) on http://%s:%d/v1", stack.name, stack.mode, stack.window,
-             stack.verify_tokens or "block", ", the block after a full accept" if stack.verify_adaptive else "", stack.context,
-             args.host, args.port)
+    log.info("serving %s (%s, window %s, verify %s%s%s, context %d) on http://%s:%d/v1", stack.name, stack.mode, stack.window,
+             stack.verify_tokens or "block", ", the block after a full accept" if stack.verify_adaptive else "",
+             ", no-repeat drafts" if stack.no_repeat else "", stack.context, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafter.blocks import acceptance_lengths
+from .drafter.blocks import acceptance_lengths, distinct_drafts
 from .drafter.model import Drafter
 from .errors import QdflashError
 from .models import synchronize
@@ -370,7 +370,8 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
                          seed: int | None = None, stop_strings: list[str] | None = None,
                          window: int | None = None, top_p: float = 1.0, on_tokens=None,
                          verify_tokens: int | None = None, phases: RoundTimer | None = None,
-                         verify_adaptive: bool = False, ignore_eos: bool = False) -> GenerationResult:
+                         verify_adaptive: bool = False, ignore_eos: bool = False,
+                         no_repeat: bool = False) -> GenerationResult:
     """DFlash speculative decoding (module docstring); `window`: the drafter's sliding window;
     `top_p`: nucleus sampling (the target's filtered distribution is what is kept exactly);
     `on_tokens(new)`: called with each round's committed tokens (a server streams them);
@@ -379,7 +380,7 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     accepted as far as that reaches (module docstring). On the lean engine a verify replays the graph
     captured for that many tokens (`engine.capture([1, V, block], layer_ids)`), else runs the same step
     eagerly. `phases`: a RoundTimer that times each part of every round (a profiling run: it synchronizes).
-    `ignore_eos`: as autoregressive_generate's."""
+    `ignore_eos`: as autoregressive_generate's. `no_repeat`: no draft repeats the draft before it (`distinct_drafts`)."""
     ids = prompt_ids(input_ids)
     generator, eos = _generator(seed), end_tokens(target, ignore_eos)
     short = verify_length(drafter, verify_tokens)
@@ -402,10 +403,17 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     timer.start()
     while reason is None:
         p = session.length  # position of tokens[-1], the committed token not yet fed
-        draft = context.draft(tokens[-1], p)[: v - 1]  # the drafter fills its whole block; V-1 are verified
+        # the drafter fills its whole block; V-1 are verified
+        if no_repeat:  # the rule runs on the host, where the drafts go anyway (the block is fed from a list)
+            logits = context.draft_logits(tokens[-1], p)[0]
+            listed = distinct_drafts(logits[1:v].topk(2, dim=-1).indices.tolist())
+            draft = torch.tensor(listed, device=logits.device)
+        else:
+            draft = context.draft(tokens[-1], p)[: v - 1]
+            listed = None
         timer.lap("draft")
         snapshot = session.snapshot() if recurrent else None
-        block = [tokens[-1], *draft.tolist()]
+        block = [tokens[-1], *(listed if listed is not None else draft.tolist())]
         logits, features = session.feed(block)
         chosen = choose(logits, temperature, generator, top_p)  # the target's token after each block position
         n = accepted_prefix(draft, chosen[: v - 1])

@@ -232,13 +232,31 @@ def weighted_linear_block_loss_parts(hidden: torch.Tensor, head: torch.Tensor, t
 
 
 @torch.no_grad()
-def linear_argmax(hidden: torch.Tensor, head: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
-    """argmax over the vocabulary of `hidden @ head^T` (hidden [..., H]), a chunk of rows at a time."""
+def linear_argmax(hidden: torch.Tensor, head: torch.Tensor, chunk_rows: int = 4096, top2: bool = False) -> torch.Tensor:
+    """argmax over the vocabulary of `hidden @ head^T` (hidden [..., H]), a chunk of rows at a time;
+    `top2`: the two best tokens [..., 2] instead (for `distinct_drafts`)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)
+    out = torch.empty(flat.shape[0], *([2] if top2 else []), dtype=torch.long, device=hidden.device)
     for start in range(0, flat.shape[0], chunk_rows):
-        out[start : start + chunk_rows] = torch.nn.functional.linear(flat[start : start + chunk_rows].to(head.dtype), head).argmax(-1)
-    return out.reshape(hidden.shape[:-1])
+        logits = torch.nn.functional.linear(flat[start : start + chunk_rows].to(head.dtype), head)
+        out[start : start + chunk_rows] = logits.topk(2, dim=-1).indices if top2 else logits.argmax(-1)
+    return out.reshape(*hidden.shape[:-1], *([2] if top2 else []))
+
+
+def distinct_drafts(top2: list[list[int]]) -> list[int]:
+    """One block's drafts where none repeats the draft just before it (`no_repeat`): the drafter's first choice at
+    each position, its second where the first equals the draft chosen one position earlier. Why: the drafter fills
+    every block position in one pass from the same mask input, and where it is unsure which position a token
+    belongs to it writes that token at two neighbouring positions, where the target's own greedy output almost
+    never repeats a token (results/published/2026-12-04-h200-qwen-greedy, PROVENANCE.md, "Where the drafts go
+    wrong"). The first draft is left alone: it follows a real token, not another guess, and a drafter that repeats
+    that token there is right more often than its second choice (results/published/2026-12-04-cpu-draft-repeats).
+    A draft only proposes, so the rule changes what is accepted, never what is emitted. Lists, not tensors:
+    decoding runs it once a round on the host, where a tensor scan would cost a few small ops per position."""
+    out: list[int] = []
+    for first, second in top2:
+        out.append(second if out and first == out[-1] else first)
+    return out
 
 
 def weighted_block_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

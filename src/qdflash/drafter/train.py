@@ -22,7 +22,7 @@ from ..distill import pad_right
 from ..errors import QdflashError
 from ..ops import tap_features
 from .blocks import (IGNORE, acceptance_lengths, answer_offsets, batch_attention_mask, block_inputs, block_mask_mod,
-                     linear_argmax, sample_anchors, weighted_linear_block_loss_parts)
+                     distinct_drafts, linear_argmax, sample_anchors, weighted_linear_block_loss_parts)
 from .model import Drafter
 
 
@@ -337,12 +337,13 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
 
 @torch.no_grad()
 def anchor_acceptance(drafter: Drafter, target, drawn: list[tuple[dict, torch.Tensor]], *, batch_size: int = 1,
-                      attention: str = "sdpa", length_multiple: int | None = None, width: int | None = None):
+                      attention: str = "sdpa", length_multiple: int | None = None, width: int | None = None,
+                      no_repeat: bool = False):
     """For each (example, anchors) of `drawn`, in order: (example, anchors, the greedy acceptance length of the block
     at each anchor [A], the example's padded loss mask). Examples go `batch_size` at a time through one target pass
     and one drafter forward; the drafter is in eval mode meanwhile. `length_multiple`: every batch is padded to one
     length (the longest example, rounded up) and `width` anchors (default: the most any example has), i.e. one
-    shape (flex)."""
+    shape (flex). `no_repeat`: the drafts of decoding's `no_repeat` rule (`blocks.distinct_drafts`)."""
     if not drawn:
         return
     device = next(drafter.parameters()).device
@@ -361,10 +362,14 @@ def anchor_acceptance(drafter: Drafter, target, drawn: list[tuple[dict, torch.Te
             input_ids, loss_masks, anchors, valid = padded_batch([ex for ex, _ in chunk], [a for _, a in chunk], length, width)
             features, greedy = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)
             hidden, _ = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, head=False)
-            draft = linear_argmax(hidden[:, :, 1:], drafter.head_weight()).cpu()  # [n, A, B-1], no [.., V] logits held
+            # [n, A, B-1] (no [.., V] logits held)
+            draft = linear_argmax(hidden[:, :, 1:], drafter.head_weight(), top2=no_repeat).cpu()
             greedy = greedy.cpu()
             for i, (ex, a) in enumerate(chunk):
-                yield ex, a, acceptance_lengths(draft[i, : a.numel()], greedy[i][a[:, None] + offsets[None, :]]), loss_masks[i]
+                drafts = draft[i, : a.numel()]
+                if no_repeat:
+                    drafts = torch.tensor([distinct_drafts(top2) for top2 in drafts.tolist()], dtype=torch.long)
+                yield ex, a, acceptance_lengths(drafts, greedy[i][a[:, None] + offsets[None, :]]), loss_masks[i]
     finally:
         drafter.train(was_training)
 
@@ -427,8 +432,9 @@ def first_answer(loss_mask: torch.Tensor) -> tuple[int, int] | None:
 
 def walk_acceptance(drafter: Drafter, target, examples: list[dict], *, max_tokens: int,
                     categories: dict[str, str] | None = None, batch_size: int = 1, attention: str = "sdpa",
-                    length_multiple: int | None = None) -> dict:
-    """Greedy speculative decoding's own rounds on (greedy) held-out answers, without decoding.
+                    length_multiple: int | None = None, no_repeat: bool = False) -> dict:
+    """Greedy speculative decoding's own rounds on (greedy) held-out answers, without decoding (`no_repeat`: with
+    decoding's rule of that name).
 
     `estimate_acceptance` draws its anchors anywhere in an answer; a decoding round starts where the last one
     stopped, i.e. right after the target overruled a draft (or after a whole block). Here every position of each
@@ -454,7 +460,7 @@ def walk_acceptance(drafter: Drafter, target, examples: list[dict], *, max_token
     rounds: list[torch.Tensor] = []
     by_category: dict[str, list[torch.Tensor]] = defaultdict(list)
     for ex, _, acc, _ in anchor_acceptance(drafter, target, walked, batch_size=batch_size, attention=attention,
-                                           length_multiple=length_multiple):
+                                           length_multiple=length_multiple, no_repeat=no_repeat):
         acc, path, k = acc.tolist(), [], 0
         while k < len(acc):  # the rounds: anchor a[k] commits acc[k] tokens, the next round starts there
             path.append(acc[k])

@@ -20,7 +20,8 @@ The drafter of every speculative method the job measures drafts through its stat
 Every speculative method verifies `bench.verify_tokens` tokens per round (the committed token and
 that many - 1 drafts; null: the whole block), recorded as `verify_tokens` in metrics.json, and with
 `bench.verify_adaptive` the whole block after a round that accepted that far (`verify_adaptive`;
-`<method>.verified_per_round`); on a GPU the verify step of each length is captured as a CUDA graph. `bench.attention` is the engines'
+`<method>.verified_per_round`); on a GPU the verify step of each length is captured as a CUDA graph. With
+`bench.no_repeat` no draft repeats the draft before it (`blocks.distinct_drafts`; `no_repeat` in metrics.json). `bench.attention` is the engines'
 attention in decode steps, verify blocks and drafts (sdpa, or the Triton kernel: EngineBase.set_attention,
 DrafterEngine(attention=)).
 The drafter window (`bench.window`) is one per job: the sweep runs one job per window. A job with a
@@ -94,6 +95,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     window = b.window
     verify = verify_length(stage1_16, b.get("verify_tokens"))  # every speculative method's verify length
     adaptive = bool(b.get("verify_adaptive", False)) and verify < stage1_16.block_size  # ... or the whole block after a long accept
+    no_repeat = bool(b.get("no_repeat", False))  # the drafts' rule (qdflash.drafter.blocks.distinct_drafts)
     every_prompt = b.get("window_prompts", "long") == "all"
     if b.get("window_prompts", "long") not in ("long", "all"):
         raise QdflashError(f"bench.window_prompts={b.window_prompts!r}: expected 'long' or 'all'")
@@ -156,11 +158,11 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
         "ar16": bench.ar(target16),
-        "spec16_stage1": bench.spec(target16, stage1_16, window, verify, adaptive),
+        "spec16_stage1": bench.spec(target16, stage1_16, window, verify, adaptive, no_repeat),
         "ar_qad": bench.ar(qad),
-        "spec_qad_stage1": bench.spec(qad, stage1_qad, window, verify, adaptive),
-        "spec_qad_stage2": bench.spec(qad, stage2_qad, window, verify, adaptive),
-        **{name: bench.spec(qad, drafter, window, verify, adaptive) for name, drafter in compressed.items()},
+        "spec_qad_stage1": bench.spec(qad, stage1_qad, window, verify, adaptive, no_repeat),
+        "spec_qad_stage2": bench.spec(qad, stage2_qad, window, verify, adaptive, no_repeat),
+        **{name: bench.spec(qad, drafter, window, verify, adaptive, no_repeat) for name, drafter in compressed.items()},
     }
     methods["static16"] = lambda ids, n: bench.plain_generate(target16, ids, n, static=True)
     methods = {name: methods[name] for name in kept}  # job_methods, then bench.methods
@@ -270,13 +272,13 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         for label in dict.fromkeys(c.label for c in cases):
             keep = [c.label == label for c in cases]
             parts = bench.round_parts(target, drafter, [c for c, k in zip(cases, keep) if k], results[reference].subset(keep),
-                                      window, verify, adaptive)
+                                      window, verify, adaptive, no_repeat)
             run.metrics.update({f"{label}.{name}.round.{k}": v for k, v in parts.items()})
             log.info("%s %s: a round %.2f ms = %.2f decode steps (draft %.2f, verify %.2f, append %.2f, host %.2f ms)",
                      label, name, parts["ms"], parts["in_decode_steps"], parts["draft_ms"], parts["verify_ms"],
                      parts["append_ms"], parts["host_ms"])
     if wide:  # the untimed tau pass (bench.tau_prompts_per_category, above)
-        measured = bench.tau_pass(qad, stage2_qad, wide, window, verify, adaptive)
+        measured = bench.tau_pass(qad, stage2_qad, wide, window, verify, adaptive, no_repeat)
         for label, part in measured.items():
             run.metrics.update({f"tau_pass.spec_qad_stage2.{label}.{k}": v for k, v in part.items()})
         run.metrics["tau_pass.prompts_per_category"] = tau_n
@@ -286,7 +288,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         run.metrics["cuda.device"] = torch.cuda.get_device_name()
     run.metrics.update({"prompts": len(cases), "prompt_set": bench.prompt_set(cases), "dtype": str(target16.dtype),
                         "window": -1 if window is None else int(window),
-                        "block_size": stage1_16.block_size, "verify_tokens": verify, "verify_adaptive": int(adaptive)})
+                        "block_size": stage1_16.block_size, "verify_tokens": verify, "verify_adaptive": int(adaptive),
+                        "no_repeat": int(no_repeat)})
     bugs = sum(v for k, v in run.metrics.items() if k.startswith("all.") and k.endswith(".mismatch_bugs"))
     log.info("speculative vs autoregressive: %d mismatch bugs (%s)", bugs, "float32: any mismatch" if fp32 else f"margin > {bench.MARGIN_BUG}")
 
