@@ -31,6 +31,8 @@ import torch
 from qdflash.data.chat import render_prompt_ids, tokenize_conversation
 from qdflash.data.sources import load_source
 from qdflash.drafter import load_drafter
+from qdflash.drafter.model import check_drafter_folder
+from qdflash.errors import QdflashError
 from qdflash.drafter.train import walk_acceptance
 from qdflash.models import load_target
 from qdflash.spec import autoregressive_generate, speculative_generate
@@ -60,9 +62,10 @@ def main() -> None:
                     help="a json of the prompts' greedy answers: read where it exists (same prompts), else written")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if not ((args.drafter / "config.json").is_file() and (args.drafter / "model.safetensors").is_file()):
-        raise SystemExit(f"draft_repeats: --drafter {args.drafter} is not a drafter folder (expected config.json and "
-                         "model.safetensors; scripts/airgap/fetch_drafter.sh says how to join one)")
+    try:
+        check_drafter_folder(args.drafter)
+    except QdflashError as err:
+        raise SystemExit(f"draft_repeats: --drafter: {err}")
     torch.manual_seed(0)
     target = load_target(args.model, dtype="float32", device="cpu")
     drafter = load_drafter(args.drafter, target, dtype=torch.float32)

@@ -37,6 +37,8 @@ import torch
 from qdflash import bench
 from qdflash.data.chat import render_prompt_ids
 from qdflash.drafter import load_drafter
+from qdflash.drafter.model import check_drafter_folder
+from qdflash.errors import QdflashError
 from qdflash.drafter.train import anchor_acceptance
 from qdflash.models import load_target
 from qdflash.spec import autoregressive_generate, speculative_generate
@@ -57,9 +59,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     # before the target loads (~10 s): a folder that is not a drafter is a one-line error, not a traceback
-    if not ((args.drafter / "config.json").is_file() and (args.drafter / "model.safetensors").is_file()):
-        raise SystemExit(f"filler_rounds: --drafter {args.drafter} is not a drafter folder (expected config.json and "
-                         "model.safetensors; scripts/airgap/fetch_drafter.sh says how to join one)")
+    try:
+        check_drafter_folder(args.drafter)
+    except QdflashError as err:
+        raise SystemExit(f"filler_rounds: --drafter: {err}")
     torch.manual_seed(0)
     target = load_target(args.model, dtype=args.dtype, device=args.device)
     drafter = load_drafter(args.drafter, target, dtype=getattr(torch, args.dtype)).to(target.device)

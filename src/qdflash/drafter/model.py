@@ -351,6 +351,16 @@ def save_drafter(drafter: Drafter, path: str | Path) -> None:
     os.rename(tmp, path)
 
 
+def check_drafter_folder(path: str | Path) -> Path:
+    """`path` as a Path if it holds a saved drafter, else a QdflashError saying what it lacks (before any model
+    loads: a script says so in one line, not after a minute of loading the target)."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise QdflashError(f"{path} is not a drafter checkpoint (expected config.json and model.safetensors; "
+                           "scripts/airgap/fetch_drafter.sh says how to join one that came back from the H200)")
+    return path
+
+
 def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> Drafter:
     """Load a drafter saved by save_drafter and bind it to `target` (contract in docs/design.md).
     `dtype`: its floating weights cast to it (None: as saved; training saves fp32). For inference only:
@@ -358,9 +368,7 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
     emits."""
     from safetensors.torch import load_file
 
-    path = Path(path)
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise QdflashError(f"{path} is not a drafter checkpoint (expected config.json and model.safetensors)")
+    path = check_drafter_folder(path)
     try:
         config = json.loads((path / "config.json").read_bytes().decode("utf-8"))
         if not isinstance(config, dict):
