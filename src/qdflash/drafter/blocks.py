@@ -249,8 +249,8 @@ def distinct_drafts(top2: list[list[int]]) -> list[int]:
     every block position in one pass from the same mask input, and where it is unsure which position a token
     belongs to it writes that token at two neighbouring positions, where the target's own greedy output almost
     never repeats a token (results/published/2026-12-04-h200-qwen-greedy, PROVENANCE.md, "Where the drafts go
-    wrong"). The first draft is left alone: it follows a real token, not another guess, and a drafter that repeats
-    that token there is right more often than its second choice (results/published/2026-12-04-cpu-draft-repeats).
+    wrong"). The first draft is left alone: the confusion is between guessed positions, and it follows a real token
+    (also comparing it with that token walked the same: results/published/2026-12-04-cpu-draft-repeats).
     A draft only proposes, so the rule changes what is accepted, never what is emitted. Lists, not tensors:
     decoding runs it once a round on the host, where a tensor scan would cost a few small ops per position."""
     out: list[int] = []
