@@ -71,7 +71,7 @@ def main() -> None:
         raise SystemExit(f"draft_repeats: --drafter: {err}")
     torch.manual_seed(0)
     target = load_target(args.model, dtype=args.dtype, device=args.device)
-    drafter = load_drafter(args.drafter, target, dtype=getattr(torch, args.dtype)).to(target.device)
+    drafter = load_drafter(args.drafter, target, dtype=target.dtype)  # on the target's device, in its dtype
     differ = collections.Counter()
     cases = prompts(args.chat, args.per_kind)
     lengths = {rule: collections.defaultdict(list) for rule in ("argmax", "no_repeat")}

@@ -65,7 +65,7 @@ def main() -> None:
         raise SystemExit(f"filler_rounds: --drafter: {err}")
     torch.manual_seed(0)
     target = load_target(args.model, dtype=args.dtype, device=args.device)
-    drafter = load_drafter(args.drafter, target, dtype=getattr(torch, args.dtype)).to(target.device)
+    drafter = load_drafter(args.drafter, target, dtype=target.dtype)  # on the target's device, in its dtype
     tok = target.tokenizer
     unit = len(tok(bench.FILLER, add_special_tokens=False)["input_ids"])
     ids = render_prompt_ids(tok, "Continue: " + bench.FILLER * max(1, (args.prompt_tokens - 20) // unit))
