@@ -738,8 +738,8 @@ def confused_logits(monkeypatch, cls, reference, prompt_len, vocab, every=3):
 @pytest.mark.parametrize("static_drafter", [False, True])
 def test_no_repeat_drafts_raise_acceptance_where_the_drafter_repeats_and_keep_the_greedy_output(
         varied_llama, static_drafter, monkeypatch):
-    """`no_repeat`: a drafter that writes the token before again at every third position (the reference token its
-    second choice) has those drafts overruled under argmax drafting, and accepted with the rule; both outputs are
+    """`no_repeat`: a drafter that writes the token before again at every second block position from 2 (the
+    reference token its second choice) has those drafts overruled under argmax drafting, and accepted with the rule; both outputs are
     the autoregressive tokens, and the rule holds in every block fed (eager and static drafter)."""
     target = varied_llama
     block, new = 4, 6

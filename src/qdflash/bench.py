@@ -302,7 +302,7 @@ def tau_pass(target, drafter, cases: list[PromptCase], window=None, verify_token
 def spec(target, drafter, window=None, verify_tokens=None, verify_adaptive=False, no_repeat=False):
     """Speculative decoding with the drafter `window` and the verify length `verify_tokens` (None:
     the whole block; qdflash.spec.verify_length checks it now, not at the first prompt), the whole
-    block after a round that accepted that far where `verify_adaptive`, no draft repeating the token
+    block after a round that accepted that far where `verify_adaptive`, no draft repeating the draft
     before it where `no_repeat`."""
     verify_length(drafter, verify_tokens)
     return lambda ids, n: speculative_generate(target, drafter, [ids], n, window=window, verify_tokens=verify_tokens,
