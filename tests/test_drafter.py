@@ -528,6 +528,20 @@ def test_a_max_length_that_cuts_off_every_answer_is_an_error(tmp_path):
     assert [len(ex["input_ids"]) for ex in training_examples(tmp_path, 36, None)] == [36] * 3
 
 
+def test_stage2_epochs_set_only_stage_2s_steps():
+    from omegaconf import OmegaConf
+
+    from qdflash.stages.train_drafter import training_steps
+
+    cfg = OmegaConf.create({"steps": 5, "batch_size": 16, "epochs": 6, "stage2_epochs": 4})
+    assert training_steps(cfg, 100, stage=1) == 38   # ceil(6 * 100 / 16)
+    assert training_steps(cfg, 100, stage=2) == 25   # ceil(4 * 100 / 16)
+    cfg.stage2_epochs = None
+    assert training_steps(cfg, 100, stage=2) == 38   # unset: stage 2 takes `epochs`
+    cfg.epochs = None
+    assert training_steps(cfg, 100, stage=2) == 5    # neither: `steps`
+
+
 def test_epoch_ends_mark_each_pass_over_the_data():
     from qdflash.stages.train_drafter import epoch_ends
 

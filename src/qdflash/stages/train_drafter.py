@@ -81,11 +81,15 @@ def training_examples(data_dir, max_length: int, max_examples: int | None) -> li
     return cut
 
 
-def training_steps(train_cfg: DictConfig, examples: int) -> int:
-    """`steps`, or with `epochs` set: enough steps for that many passes over the examples."""
-    if train_cfg.epochs is None:
+def training_steps(train_cfg: DictConfig, examples: int, stage: int = 1) -> int:
+    """`steps`, or with `epochs` set: enough steps for that many passes over the examples. Stage 2 runs its own
+    schedule (RECIPE: a fresh optimizer), so `stage2_epochs`, where set, replaces `epochs` there."""
+    epochs = train_cfg.epochs
+    if stage == 2 and train_cfg.get("stage2_epochs") is not None:
+        epochs = train_cfg.stage2_epochs
+    if epochs is None:
         return int(train_cfg.steps)
-    return max(1, math.ceil(train_cfg.epochs * examples / train_cfg.batch_size))
+    return max(1, math.ceil(epochs * examples / train_cfg.batch_size))
 
 
 def epoch_ends(steps: int, examples: int, batch_size: int) -> list[int]:
@@ -190,7 +194,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     heldout = hash_subset(load_token_examples(cfg.data_dir, "heldout"), train_cfg.heldout_samples, "heldout-subset")
     cats = categories(cfg.data_dir)
     train = training_examples(cfg.data_dir, train_cfg.max_length, train_cfg.max_examples)
-    steps = training_steps(train_cfg, len(train))
+    steps = training_steps(train_cfg, len(train), int(cfg.stage))
     attention = attention_kind(train_cfg.attention, drafter.norm.weight.device)
     tf32 = use_tf32(bool(train_cfg.tf32), drafter.norm.weight.device)
     attention_bf16 = bool(train_cfg.attention_bf16)
