@@ -291,7 +291,7 @@ def test_kernel_attention_is_the_sdpa_attention(fixture, request, monkeypatch):
     kernel = build_engine(target, max_len=96, kernels=True, attention="kernel")
     static = build_engine(target, max_len=96, kernels=True, attention="kernel")
     static.capture([1, 3], layer_ids, cuda_graphs=False)
-    assert sorted(n for _, _, n in static.graphs) == [96, 96]  # the kernel needs no cache-length buckets
+    assert sorted(n for _, _, n, _ in static.graphs) == [96, 96]  # the kernel needs no cache-length buckets
     x = ids(5, 40)
     for engine in (sdpa, kernel, static):
         engine.forward(x, 0, layer_ids)  # a prefill of 40: SDPA in every engine
@@ -301,6 +301,47 @@ def test_kernel_attention_is_the_sdpa_attention(fixture, request, monkeypatch):
             b = engine.forward(torch.tensor(piece), start, layer_ids)
             torch.testing.assert_close(b[0], a[0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(b[1], a[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_a_tree_step_gives_each_node_its_paths_logits_and_keeps_the_accepted_path(fixture, request, monkeypatch):
+    """engine.forward_tree: every node of a tree, fed in one step, gets the logits and features a chain of its own
+    path gets (SDPA, the kernel under Triton's interpreter, and both through the static step a graph captures);
+    after keep_nodes, the next step sees only the kept path, as if the chain had been fed."""
+    pytest.importorskip("triton")
+    import qdflash.kernels.decode_attention as kernel_module
+
+    monkeypatch.setattr(kernel_module, "MAX_SPLITS", 2)
+    target = request.getfixturevalue(fixture)
+    layer_ids = init_drafter(target, block_size=4, seed=0).config.target_layer_ids
+    tokens, parents = [11, 12, 13, 14, 15, 16], [-1, 0, 0, 1, 2, 4]  # root 11: 12 -> 14, 13 -> 15 -> 16
+    engines = {"sdpa": build_engine(target, max_len=96, kernels=True),
+               "kernel": build_engine(target, max_len=96, kernels=True, attention="kernel")}
+    engines["sdpa static"] = build_engine(target, max_len=96, kernels=True)
+    engines["sdpa static"].capture([6], layer_ids, cuda_graphs=False, tree=True)
+    engines["kernel static"] = build_engine(target, max_len=96, kernels=True, attention="kernel")
+    engines["kernel static"].capture([6], layer_ids, cuda_graphs=False, tree=True)
+    x = ids(5, 40)
+    chain = build_engine(target, max_len=96, kernels=True)
+    chain.forward(x, 0, layer_ids)
+    paths = {0: [11], 1: [11, 12], 2: [11, 13], 3: [11, 12, 14], 4: [11, 13, 15], 5: [11, 13, 15, 16]}
+    expected = {}
+    for node, path in paths.items():
+        logits, features = chain.forward(torch.tensor(path), 40, layer_ids)
+        expected[node] = (logits[-1], features[-1])
+    for name, engine in engines.items():
+        engine.forward(x, 0, layer_ids)
+        logits, features = engine.forward_tree(torch.tensor(tokens), 40, parents, layer_ids)
+        for node, (want_logits, want_features) in expected.items():
+            torch.testing.assert_close(logits[node], want_logits, atol=1e-5, rtol=1e-5, msg=f"{name}, node {node}")
+            torch.testing.assert_close(features[node], want_features, atol=1e-5, rtol=1e-5, msg=f"{name}, node {node}")
+        engine.keep_nodes(40, [0, 2, 4])  # the path 11 -> 13 -> 15: positions 40, 41, 42
+        after, _ = engine.forward(torch.tensor([17]), 43, layer_ids)
+        want, _ = chain.forward(torch.tensor([11, 13, 15, 17]), 40, layer_ids)
+        torch.testing.assert_close(after[-1], want[-1], atol=1e-5, rtol=1e-5, msg=name)
+    hybrid = request.getfixturevalue("tiny_qwen")
+    with pytest.raises(QdflashError, match="cannot verify a tree"):
+        build_engine(hybrid, max_len=96).forward_tree(torch.tensor(tokens), 0, parents)
 
 
 def test_speculative_through_kernel_attention_equals_autoregressive(tiny_llama):
@@ -316,6 +357,21 @@ def test_speculative_through_kernel_attention_equals_autoregressive(tiny_llama):
         m.setattr(kernel_module, "MAX_SPLITS", 1)
         assert autoregressive_generate(fast, prompt, 8).tokens == reference
         assert speculative_generate(fast, init_drafter(tiny_llama, block_size=3, seed=0), prompt, 8).tokens == reference
+
+
+def test_tree_speculative_through_kernel_attention_equals_autoregressive(tiny_llama):
+    """Greedy speculative decoding that verifies trees through the kernel's tree mask emits the autoregressive
+    tokens (fp32; one chunk per token)."""
+    pytest.importorskip("triton")
+    prompt = ids(6, 12)[None]
+    reference = autoregressive_generate(tiny_llama, prompt, 8).tokens
+    fast = dataclasses.replace(tiny_llama, engine=build_engine(tiny_llama, max_len=64, kernels=True, attention="kernel"))
+    with pytest.MonkeyPatch.context() as m:
+        import qdflash.kernels.decode_attention as kernel_module
+
+        m.setattr(kernel_module, "MAX_SPLITS", 1)
+        drafter = init_drafter(tiny_llama, block_size=3, seed=0)
+        assert speculative_generate(fast, drafter, prompt, 8, tree_nodes=5).tokens == reference
 
 
 def test_kernel_attention_says_what_it_needs(tiny_llama):

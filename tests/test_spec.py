@@ -766,3 +766,103 @@ def test_no_repeat_drafts_raise_acceptance_where_the_drafter_repeats_and_keep_th
     blocks = fed[1:]  # the prompt first, then one block a round
     assert len(blocks) == len(distinct.acceptance_lengths)
     assert all(a != b for block_fed in blocks for a, b in zip(block_fed, block_fed[1:]))
+
+
+def test_draft_tree_takes_the_most_probable_paths_and_accepted_path_follows_the_target():
+    from qdflash.drafter.blocks import accepted_path, draft_tree, tree_depths
+
+    ids = [[5, 6], [7, 8], [9, 1]]
+    logp = [[-0.1, -1.0], [-0.2, -3.0], [-0.5, -0.6]]
+    tokens, parents = draft_tree(ids, logp, 5)
+    # best first: 5 (-0.1), 5-7 (-0.3), 5-7-9 (-0.8), 5-7-1 (-0.9), 6 (-1.0)
+    assert list(zip(tokens, parents)) == [(5, -1), (7, 0), (9, 1), (1, 1), (6, -1)]
+    assert tree_depths(parents) == [1, 2, 3, 3, 1]
+    assert all(p < i for i, p in enumerate(parents))  # a parent comes first
+    assert draft_tree(ids, logp, 3) == ([5, 7, 9], [-1, 0, 1])  # a chain where the first choices lead
+    after = {-1: 5, 0: 7, 1: 1, 3: 4}  # the target's next token after each node
+    assert accepted_path(tokens, parents, after.get) == [0, 1, 3]
+    assert accepted_path(tokens, parents, {-1: 6, 4: 2}.get) == [4]
+    assert accepted_path(tokens, parents, {-1: 8}.get) == []
+    same = [[5, 6], [5, 8]]
+    assert draft_tree(same, [[-0.1, -1.0], [-0.2, -0.3]], 2, skip_repeats=True) == ([5, 8], [-1, 0])
+
+
+def second_choice_logits(monkeypatch, cls, reference, prompt_len, vocab):
+    """`draft_logits` whose first choice is always wrong (the reference token + 1) and second the reference token."""
+
+    def draft_logits(self, last_token, position):
+        b = self.drafter.block_size
+        logits = torch.zeros(b, vocab)
+        for k in range(1, b):
+            i = position + k - prompt_len
+            token = reference[i] if 0 <= i < len(reference) else 7
+            logits[k, (token + 1) % vocab], logits[k, token] = 3.0, 2.5
+        return logits, logits[1:].argmax(-1)
+
+    monkeypatch.setattr(cls, "draft_logits", draft_logits)
+
+
+@pytest.mark.parametrize("fixture", ["varied_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("nodes, window", [(1, None), (3, None), (8, 5), (15, None)])
+@pytest.mark.parametrize("path", ["eager", "lean", "lean_graphs"])
+def test_tree_verification_keeps_the_greedy_output(fixture, nodes, window, path, request):
+    """A tree of drafts (a random drafter's best paths), verified in one forward each round, emits exactly the
+    autoregressive tokens (fp32): on transformers' forward, on the lean engine's eager tree step and through the
+    static step a graph captures (every round replays it)."""
+    import dataclasses
+
+    from qdflash.engine import build_engine
+
+    target = request.getfixturevalue(fixture)
+    drafter = init_drafter(target, block_size=4, num_layers=1, seed=1).eval()
+    ids = prompt(5, 8)
+    new = 14
+    reference = reference_tokens(fixture, target, ids, new)
+    hits = []
+    if path != "eager":
+        engine = build_engine(target, max_len=48)
+        if path == "lean_graphs":
+            engine.capture([nodes + 1], drafter.config.target_layer_ids, cuda_graphs=False, lengths=[48], tree=True)
+            find = engine.graph_for
+            engine.graph_for = lambda t, layer_ids, end, tree=False: hits.append(tree) or find(t, layer_ids, end, tree)
+        target = dataclasses.replace(target, engine=engine)
+    out = speculative_generate(target, drafter, ids, new, tree_nodes=nodes, window=window)
+    assert out.tokens == reference
+    if path == "lean_graphs":
+        assert hits.count(True) == len(out.acceptance_lengths)
+    assert set(out.verify_lengths) == {min(nodes, 3 + 9 + 27) + 1}  # the committed token + the nodes
+    assert all(1 <= a <= drafter.block_size for a in out.acceptance_lengths)
+
+
+@pytest.mark.parametrize("static_drafter", [False, True])
+def test_a_tree_accepts_second_choices_a_chain_cannot(varied_llama, static_drafter, monkeypatch):
+    """A drafter whose second choice is always the target's token: a chain never gets past its first draft, a tree
+    of 8 nodes does, and both outputs are the autoregressive tokens."""
+    target = varied_llama
+    drafter = init_drafter(target, block_size=4, num_layers=1, seed=2).eval()
+    ids, new = prompt(5, 8), 12
+    reference = reference_tokens("varied_llama", target, ids, new)
+    if static_drafter:
+        drafter.engine = DrafterEngine(drafter, max_len=64, smallest_bucket=8)
+    try:
+        with monkeypatch.context() as m:
+            second_choice_logits(m, DrafterEngine if static_drafter else spec.DrafterSession, reference, ids.shape[1],
+                                 target.model.config.vocab_size)
+            chain = speculative_generate(target, drafter, ids, new)
+            tree = speculative_generate(target, drafter, ids, new, tree_nodes=8)
+    finally:
+        drafter.engine = None
+    assert chain.tokens == reference and tree.tokens == reference
+    assert set(chain.acceptance_lengths) == {1} and max(tree.acceptance_lengths) > 2 and tree.tau > 2
+
+
+def test_tree_verification_refuses_what_it_cannot_keep_exact(tiny_qwen, varied_llama):
+    drafter = init_drafter(tiny_qwen, block_size=4, num_layers=1, seed=1).eval()
+    with pytest.raises(QdflashError, match="recurrent"):
+        speculative_generate(tiny_qwen, drafter, prompt(5, 8), 4, tree_nodes=4)
+    drafter = init_drafter(varied_llama, block_size=4, num_layers=1, seed=1).eval()
+    with pytest.raises(QdflashError, match="greedy"):
+        speculative_generate(varied_llama, drafter, prompt(5, 8), 4, tree_nodes=4, temperature=0.7)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(QdflashError, match="tree_nodes"):
+            speculative_generate(varied_llama, drafter, prompt(5, 8), 4, tree_nodes=bad)

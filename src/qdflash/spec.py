@@ -24,6 +24,12 @@ target; the target's cache holds positions < p):
    cannot be cropped (transformers' `crop` does not restore the recurrent state), so they are
    restored from a snapshot taken before the verify and the accepted tokens are fed again.
 
+`tree_nodes` (greedy, attention-only targets): the target verifies a tree instead of the chain d_1..d_{V-1}: the
+drafter's best `tree_nodes` paths through its top choices at each block position (`drafter.blocks.draft_tree`),
+all in one forward, each node at position p + its depth and seeing the cache and its own ancestors only. The
+accepted nodes are the longest path of the target's own greedy tokens (`accepted_path`); their KV is moved to
+the positions after p, the rest dropped. The output is greedy decoding's, as with a chain.
+
 The loop runs the target's lean engine (`target.engine`, qdflash.engine: a static KV cache, where a
 rollback is a new length) where one is built, else transformers' forward (any model, any device).
 """
@@ -35,8 +41,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafter.blocks import acceptance_lengths, distinct_drafts
+from .drafter.blocks import TREE_TOP_K, acceptance_lengths, accepted_path, distinct_drafts, draft_tree, tree_depths
 from .drafter.model import Drafter
+from .engine.base import tree_bits, tree_mask
 from .errors import QdflashError
 from .models import synchronize
 from .ops import tap_features
@@ -104,6 +111,37 @@ class TargetSession:
             features = tap_features(out.hidden_states, self.layer_ids)[0]
         return out.logits[0], features
 
+    @torch.no_grad()
+    def feed_tree(self, ids: list[int], parents: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A tree of tokens in one forward: `ids[i]` is a child of `ids[parents[i]]` (-1: of the cache's last
+        token), at position length + its depth, seeing the cache and its own ancestors only. Returns `feed`'s
+        logits and features per node; the cache then holds every node after `length` (`keep_nodes` next)."""
+        model = self.model
+        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        t, start = len(ids), self.length
+        visible = tree_mask(start + t, torch.tensor(start), torch.tensor(tree_bits(parents)))
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf")).to(device)
+        depths = torch.tensor(tree_depths(parents)) - 1  # the first node sits at `length`
+        out = model(input_ids=torch.tensor([ids], device=device), cache=self.cache, use_cache=True,
+                    attention_mask=mask[None, None], position_ids=(start + depths)[None].to(device),
+                    output_hidden_states=self.layer_ids is not None)
+        self.cache = getattr(out, "cache", None) or out.past_key_values
+        self.length += t
+        features = tap_features(out.hidden_states, self.layer_ids)[0] if self.layer_ids is not None else None
+        return out.logits[0], features
+
+    def keep_nodes(self, start: int, nodes: list[int]) -> None:
+        """After `feed_tree` at `start`: keep only `nodes` (a path, in order) as positions start.., drop the rest."""
+        if self.has_recurrent_state():
+            raise QdflashError("a tree cannot be verified on a target with recurrent (linear-attention) layers")
+        index = torch.tensor(nodes) + start
+        for layer in self.cache.layers:
+            keys = layer.keys
+            where = index.to(keys.device)
+            layer.keys = torch.cat([keys[:, :, :start], keys.index_select(2, where)], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :start], layer.values.index_select(2, where)], dim=2)
+        self.length = start + len(nodes)
+
     def has_recurrent_state(self) -> bool:
         return any(is_linear_attention_layer(layer) for layer in getattr(self.cache, "layers", []))
 
@@ -155,6 +193,16 @@ class EngineSession:
         logits, features = self.engine.forward(torch.tensor(ids, device=device), self.length, self.layer_ids)
         self.length += len(ids)
         return logits, features
+
+    def feed_tree(self, ids: list[int], parents: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        device = self.engine.embed.device
+        logits, features = self.engine.forward_tree(torch.tensor(ids, device=device), self.length, parents, self.layer_ids)
+        self.length += len(ids)
+        return logits, features
+
+    def keep_nodes(self, start: int, nodes: list[int]) -> None:
+        self.engine.keep_nodes(start, nodes)
+        self.length = start + len(nodes)
 
     def has_recurrent_state(self) -> bool:
         return False
@@ -371,7 +419,7 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
                          window: int | None = None, top_p: float = 1.0, on_tokens=None,
                          verify_tokens: int | None = None, phases: RoundTimer | None = None,
                          verify_adaptive: bool = False, ignore_eos: bool = False,
-                         no_repeat: bool = False) -> GenerationResult:
+                         no_repeat: bool = False, tree_nodes: int | None = None) -> GenerationResult:
     """DFlash speculative decoding (module docstring); `window`: the drafter's sliding window;
     `top_p`: nucleus sampling (the target's filtered distribution is what is kept exactly);
     `on_tokens(new)`: called with each round's committed tokens (a server streams them);
@@ -380,7 +428,13 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     accepted as far as that reaches (module docstring). On the lean engine a verify replays the graph
     captured for that many tokens (`engine.capture([1, V, block], layer_ids)`), else runs the same step
     eagerly. `phases`: a RoundTimer that times each part of every round (a profiling run: it synchronizes).
-    `ignore_eos`: as autoregressive_generate's. `no_repeat`: no draft repeats the draft before it (`distinct_drafts`)."""
+    `ignore_eos`: as autoregressive_generate's. `no_repeat`: no draft repeats the draft before it (`distinct_drafts`).
+    `tree_nodes`: verify a tree of that many drafts instead of a chain (module docstring; `verify_tokens` and
+    `verify_adaptive` do not apply)."""
+    if tree_nodes is not None:
+        return _tree_generate(target, drafter, input_ids, max_new_tokens, tree_nodes, temperature=temperature,
+                              stop_strings=stop_strings, window=window, on_tokens=on_tokens, phases=phases,
+                              ignore_eos=ignore_eos, no_repeat=no_repeat)
     ids = prompt_ids(input_ids)
     generator, eos = _generator(seed), end_tokens(target, ignore_eos)
     short = verify_length(drafter, verify_tokens)
@@ -388,13 +442,8 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
     session = target_session(target, drafter.config.target_layer_ids)
     context = drafter_session(drafter, window)
     started = time.perf_counter()
-    logits, features = session.feed(ids)
-    context.append(features, 0)
-    tokens = [int(choose(logits[-1], temperature, generator, top_p))]
-    synchronize(target.device)
-    prefill = time.perf_counter() - started
-    tokens, reason = _stop(tokens, eos, stop_strings, target.tokenizer, max_new_tokens)
-    _emit(on_tokens, tokens, 0)
+    tokens, reason, prefill = _prefill(target, session, context, ids, lambda logits: choose(logits, temperature, generator, top_p),
+                                       eos, stop_strings, max_new_tokens, on_tokens)
     lengths: list[int] = []
     verified: list[int] = []
     rejected: list[int] = []
@@ -438,6 +487,72 @@ def speculative_generate(target, drafter: Drafter, input_ids, max_new_tokens: in
         tokens, reason = _stop(tokens + new, eos, stop_strings, target.tokenizer, max_new_tokens, checked=done)
         _emit(on_tokens, tokens, done)
         timer.end_round()  # host: the stop checks and the rest
+    synchronize(target.device)
+    return GenerationResult(tokens, lengths, verified, rejected, stop_reason=reason, prefill_seconds=prefill,
+                            seconds=time.perf_counter() - started)
+
+
+def _prefill(target, session, context, ids: list[int], pick, eos, stop_strings, max_new_tokens: int, on_tokens):
+    """A speculative generation's start: the prompt through the target (its features into the drafter's context)
+    and the first token, `pick(logits)`. Returns the tokens, the stop reason (None: go on) and the prefill's
+    seconds."""
+    started = time.perf_counter()
+    logits, features = session.feed(ids)
+    context.append(features, 0)
+    tokens = [int(pick(logits[-1]))]
+    synchronize(target.device)
+    prefill = time.perf_counter() - started
+    tokens, reason = _stop(tokens, eos, stop_strings, target.tokenizer, max_new_tokens)
+    _emit(on_tokens, tokens, 0)
+    return tokens, reason, prefill
+
+
+def _tree_generate(target, drafter: Drafter, input_ids, max_new_tokens: int, tree_nodes: int, *, temperature: float,
+                   stop_strings, window, on_tokens, phases, ignore_eos: bool, no_repeat: bool) -> GenerationResult:
+    """`speculative_generate(..., tree_nodes=N)`: each round verifies a tree of N drafts (module docstring)."""
+    if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
+        raise QdflashError(f"tree_nodes = {tree_nodes!r}: expected a positive integer (drafts in a round's tree)")
+    if temperature != 0:
+        raise QdflashError(f"tree_nodes needs greedy decoding (temperature 0, got {temperature}): a sampled tree "
+                           "needs a different acceptance rule, which is not built")
+    session = target_session(target, drafter.config.target_layer_ids)
+    context = drafter_session(drafter, window)
+    eos = end_tokens(target, ignore_eos)
+    started = time.perf_counter()
+    tokens, reason, prefill = _prefill(target, session, context, prompt_ids(input_ids), lambda logits: logits.argmax(),
+                                       eos, stop_strings, max_new_tokens, on_tokens)
+    if session.has_recurrent_state():
+        raise QdflashError("tree_nodes: the target has recurrent (linear-attention) layers, whose state cannot be "
+                           "kept per branch of a tree")
+    lengths: list[int] = []
+    verified: list[int] = []
+    rejected: list[int] = []
+    timer = phases if phases is not None else _NoTimer()
+    timer.start()
+    while reason is None:
+        p = session.length
+        logits = context.draft_logits(tokens[-1], p)[0]
+        top = logits[1:].float().log_softmax(-1).topk(min(TREE_TOP_K, logits.shape[-1]), dim=-1)
+        drafts, parents = draft_tree(top.indices.tolist(), top.values.tolist(), tree_nodes, skip_repeats=no_repeat)
+        timer.lap("draft")
+        logits, features = session.feed_tree([tokens[-1], *drafts], [-1, *(q + 1 for q in parents)])
+        chosen = logits.argmax(-1).tolist()  # the target's token after each node ([0]: after x_p)
+        path = accepted_path(drafts, parents, lambda node: chosen[node + 1])
+        timer.lap("verify")
+        keep = [0, *(i + 1 for i in path)]
+        session.keep_nodes(p, keep)
+        context.append(features[torch.tensor(keep, device=features.device)], p)
+        timer.lap("append")
+        new = [*(drafts[i] for i in path), chosen[keep[-1]]]
+        lengths.append(len(new))
+        verified.append(len(drafts) + 1)
+        # the overruled draft: the best child of the last accepted node, where it has one
+        last = path[-1] if path else -1
+        rejected.append(next((tok for tok, parent in zip(drafts, parents) if parent == last), -1))
+        done = len(tokens)
+        tokens, reason = _stop(tokens + new, eos, stop_strings, target.tokenizer, max_new_tokens, checked=done)
+        _emit(on_tokens, tokens, done)
+        timer.end_round()
     synchronize(target.device)
     return GenerationResult(tokens, lengths, verified, rejected, stop_reason=reason, prefill_seconds=prefill,
                             seconds=time.perf_counter() - started)

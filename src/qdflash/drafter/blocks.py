@@ -7,6 +7,7 @@ strictly before its anchor, and all of its own B tokens (bidirectional); blocks 
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import torch
@@ -257,6 +258,59 @@ def distinct_drafts(top2: list[list[int]]) -> list[int]:
     for first, second in top2:
         out.append(second if out and first == out[-1] else first)
     return out
+
+
+TREE_TOP_K = 4  # choices per block position a tree may branch into (scripts/investigations/draft_trees.py)
+
+
+def draft_tree(top_ids: list[list[int]], top_logp: list[list[float]], nodes: int,
+               skip_repeats: bool = False) -> tuple[list[int], list[int]]:
+    """A tree of `nodes` drafts from one block pass: the drafter's top choices at block positions 1.. (`top_ids` /
+    `top_logp` [positions][k], best first). A path's score is the sum of its tokens' log-probabilities (one pass
+    drafts every position from the same mask input, so the positions are taken as independent), and the tree is
+    the `nodes` best paths, found best first; a parent always scores at least its child, so they form a tree.
+    `skip_repeats`: from depth 2, no child repeats its parent's token (`distinct_drafts`' rule, on every path).
+    Returns (tokens, parents) in an order where a parent comes before its children; parent -1 is the committed
+    token the block starts from. Why a tree: a round most often ends at the first draft, and the target can check
+    second choices in the same forward (results/published/2026-12-04-cpu-draft-trees)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    heap = [(-lp, tok, -1, 1) for tok, lp in zip(top_ids[0], top_logp[0])]  # (-score, token, parent, depth)
+    heapq.heapify(heap)
+    while heap and len(tokens) < nodes:
+        neg, tok, parent, depth = heapq.heappop(heap)
+        tokens.append(tok)
+        parents.append(parent)
+        if depth < len(top_ids):
+            me = len(tokens) - 1
+            for child, lp in zip(top_ids[depth], top_logp[depth]):
+                if not (skip_repeats and child == tok):
+                    heapq.heappush(heap, (neg - lp, child, me, depth + 1))
+    return tokens, parents
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each node's depth (1: a child of the committed token), for `draft_tree`'s order (parents first)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def accepted_path(tokens: list[int], parents: list[int], next_token) -> list[int]:
+    """The nodes greedy verification accepts: from the committed token down, the child whose token is the
+    target's own next token there, while one is. `next_token(node)`: the target's choice after that node's path
+    (node -1: after the committed token). The round then commits those nodes' tokens and the target's token
+    after the last of them."""
+    path: list[int] = []
+    node = -1
+    while True:
+        want = next_token(node)
+        child = next((i for i, (tok, parent) in enumerate(zip(tokens, parents)) if parent == node and tok == want), None)
+        if child is None:
+            return path
+        path.append(child)
+        node = child
 
 
 def weighted_block_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distill import lm_head_weight
+from ..drafter.blocks import tree_depths
 from ..errors import QdflashError
 from ..kernels import kernels_usable
 from ..ops import rope_tables
@@ -21,28 +22,37 @@ KERNEL_TOKENS = 16  # tokens per step that the attention kernel takes (a verify 
 
 
 def cached_attention(q, k, v, k_cache, v_cache, positions: torch.Tensor, attend_len: int | None,
-                     exact: bool = False, kernel: bool = False) -> torch.Tensor:
+                     exact: bool = False, kernel: bool = False, slots: torch.Tensor | None = None,
+                     tree: torch.Tensor | None = None) -> torch.Tensor:
     """Write k, v [kv_heads, T, D] at `positions` [T] of a static cache [kv_heads, max_len, D] and
     attend q [heads, T, D] over every cached position up to its own (causal inside the block).
     `attend_len`: how much of the cache to read (None: all of it); `exact`: it ends at the last
     position fed (the eager path: no mask needed for one token). A captured graph reads a fixed length
     for many positions, so everything past each query's position is masked. `kernel` (T <= 16):
     kernels.decode_attention instead, each token reading its own positions only, whatever length a
-    graph was captured for, and exactly as a one-token step at its position would. Returns [T, heads*D]."""
+    graph was captured for, and exactly as a one-token step at its position would. `tree` [T] (with `slots`
+    [T], consecutive, where the tokens' K / V go; `positions` are then their rotary positions): the tokens
+    are a tree's nodes, each seeing the cache before slots[0] and the nodes whose bit is set in its entry
+    (`tree_bits`). Returns [T, heads*D]."""
     t = q.shape[1]
-    k_cache.index_copy_(1, positions, k)
-    v_cache.index_copy_(1, positions, v)
+    where = positions if slots is None else slots
+    k_cache.index_copy_(1, where, k)
+    v_cache.index_copy_(1, where, v)
     if kernel and t <= KERNEL_TOKENS:
         from ..kernels.decode_attention import one_sequence_attention
 
-        # each token as long as its own position + 1
-        return one_sequence_attention(q.transpose(0, 1), k_cache, v_cache, positions + 1).reshape(t, -1)
+        # each token as long as its own position + 1 (a tree's nodes: as long as the last node's slot + 1)
+        return one_sequence_attention(q.transpose(0, 1), k_cache, v_cache, where + 1 if tree is None else
+                                      (where[-1] + 1).repeat(t), tree=tree).reshape(t, -1)
     n = attend_len or k_cache.shape[1]
     rep = q.shape[0] // k.shape[0]
     keys, values = k_cache[:, :n], v_cache[:, :n]
-    if exact and t > 1:  # an eager prefill (captured steps are never exact)
+    if exact and t > 1 and tree is None:  # an eager prefill (captured steps are never exact)
         return prefill_attention(q, keys, values, positions, rep)
-    mask = None if exact else causal_mask(n, positions)  # exact here: one token, the last position fed
+    if tree is not None:
+        mask = tree_mask(n, where[0], tree)
+    else:
+        mask = None if exact else causal_mask(n, positions)  # exact here: one token, the last position fed
     out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=rep > 1)
     return out[0].transpose(0, 1).reshape(t, -1)
 
@@ -51,6 +61,26 @@ def causal_mask(n: int, positions: torch.Tensor) -> torch.Tensor:
     """[..., n] boolean for positions [...] ([T], or [B, T] of a batch): the token at a position sees cache
     positions 0..that position."""
     return torch.arange(n, device=positions.device) <= positions[..., None]
+
+
+def tree_bits(parents: list[int]) -> list[int]:
+    """Each node's ancestors and itself as bits of an int (bit j: node j), for `parents` in an order where a
+    parent comes first (-1: a root's parent, the cache). At most 63 nodes (int64)."""
+    if len(parents) > 63:
+        raise QdflashError(f"a tree of {len(parents)} nodes: at most 63 fit the attention's int64 masks")
+    bits: list[int] = []
+    for i, parent in enumerate(parents):
+        bits.append((1 << i) | (bits[parent] if parent >= 0 else 0))
+    return bits
+
+
+def tree_mask(n: int, first: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
+    """[T, n] boolean of `cached_attention`'s tree: cache positions before `first` (a 0-dim tensor), and from
+    it the nodes whose bit is set in each node's entry of `tree` [T]."""
+    j = torch.arange(n, device=tree.device) - first
+    inside = (j >= 0) & (j < tree.shape[0])
+    bit = (tree[:, None] >> j.clamp(0, 62)) & 1
+    return (j < 0) | (inside & (bit != 0))
 
 
 def prefill_attention(q, keys, values, positions: torch.Tensor, rep: int) -> torch.Tensor:
@@ -136,7 +166,7 @@ class EngineBase:
         self.embed = model.model.embed_tokens.weight
         self.lm_head = lm_head_weight(model)  # [V, H] 16-bit: a quantized head's dequantized weight
         self.head_proj = head_projection(model, self.lm_head, self.dtype, self.kernels)  # what computes the logits
-        self.graphs = {}  # (tokens per step, layer ids, cache length read) -> CapturedStep
+        self.graphs = {}  # (tokens per step, layer ids, cache length read, a tree's step) -> CapturedStep
         self.attention = "sdpa"  # set_attention
 
     def set_attention(self, attention: str) -> None:
@@ -205,22 +235,54 @@ class EngineBase:
         self._after_feed(start, end)
         return out
 
-    def graph_for(self, t: int, layer_ids, end: int):
-        """The captured step for `t` tokens and these layer ids that reads the shortest cache length
-        holding `end` positions, or None."""
+    def graph_for(self, t: int, layer_ids, end: int, tree: bool = False):
+        """The captured step for `t` tokens and these layer ids (`tree`: of a tree's nodes) that reads the
+        shortest cache length holding `end` positions, or None."""
         key = _key(layer_ids)
-        fit = [n for (tokens, ids, n) in self.graphs if tokens == t and ids == key and n >= end]
-        return self.graphs[(t, key, min(fit))] if fit else None
+        fit = [n for (tokens, ids, n, kind) in self.graphs if tokens == t and ids == key and n >= end and kind == tree]
+        return self.graphs[(t, key, min(fit), tree)] if fit else None
+
+    def tree_caches(self) -> list[torch.Tensor] | None:
+        """The attention caches [layers, kv_heads, max_len, D] that `keep_nodes` rearranges; None: this engine
+        cannot verify a tree (a recurrent layer's state cannot be kept per branch)."""
+        return None
+
+    @torch.no_grad()
+    def forward_tree(self, ids: torch.Tensor, start: int, parents: list[int], layer_ids: list[int] | None = None):
+        """`forward` of a tree's nodes `ids` [T] (node i a child of node parents[i]; -1: of the cache's last
+        token, parents first), written to slots start..start+T-1 at rotary positions start + depth - 1, each
+        attending the cache before `start` and its own ancestors. `keep_nodes` then keeps a path of them."""
+        if self.tree_caches() is None:
+            raise QdflashError(f"{type(self).__name__} cannot verify a tree: its recurrent layers keep one state")
+        t = ids.shape[0]
+        end = start + t
+        if end > self.max_len:
+            raise QdflashError(f"engine cache holds {self.max_len} positions; asked for {end} (build_engine(max_len=...))")
+        depths = torch.tensor(tree_depths(parents), device=ids.device) - 1  # the first node sits at `start`
+        bits = torch.tensor(tree_bits(parents), device=ids.device)
+        graph = self.graph_for(t, layer_ids, end, tree=True)
+        if graph is not None:
+            return graph(ids, start, depths, bits)
+        return self._step(ids, start + depths, end, layer_ids, slots=torch.arange(start, end, device=ids.device),
+                          tree=bits)
+
+    def keep_nodes(self, start: int, nodes: list[int]) -> None:
+        """After `forward_tree` at `start`: the K / V of `nodes` (a path, in order) become positions start..;
+        the cache's length is the caller's (a rollback is a new length)."""
+        index = torch.tensor(nodes, device=self.device) + start
+        for cache in self.tree_caches():
+            cache[:, :, start : start + len(nodes)] = cache.index_select(2, index)
 
     def capture(self, token_counts: list[int], layer_ids: list[int] | None = None, cuda_graphs: bool = True,
-                compile=False, lengths: list[int] | None = None) -> None:
+                compile=False, lengths: list[int] | None = None, tree: bool = False) -> None:
         """Capture one CUDA graph per number of tokens (e.g. [1, block size]) and cache length for
         steps that return the features of `layer_ids` (before a generation: see CapturedStep).
         `lengths`: how much of the cache each graph's attention reads (default: cache_buckets(), powers
         of two up to max_len: a step reads at most twice the KV it needs, not the whole cache).
         cuda_graphs=False runs the same static-shape step eagerly (the CPU; a check of the graph path).
         compile=True captures the step as compiled by torch.compile (fused elementwise work); any other
-        true value is the torch.compile backend (the CPU tests trace with "aot_eager")."""
+        true value is the torch.compile backend (the CPU tests trace with "aot_eager"). `tree`: the steps of
+        `forward_tree` (a tree's nodes) instead."""
         from .graphs import CapturedStep, StaticStep
 
         # the kernel reads each token's own length whatever a graph was captured for: one length does
@@ -231,8 +293,9 @@ class EngineBase:
             allow_compiles(len(token_counts) * len(lengths))
         for t in token_counts:
             for n in lengths:
-                self.graphs[(t, _key(layer_ids), n)] = (CapturedStep(self, t, layer_ids, n, step=step) if cuda_graphs
-                                                        else StaticStep(self, t, layer_ids, n, step=step))
+                self.graphs[(t, _key(layer_ids), n, tree)] = (
+                    CapturedStep(self, t, layer_ids, n, step=step, tree=tree) if cuda_graphs
+                    else StaticStep(self, t, layer_ids, n, step=step, tree=tree))
 
 
 def compiled_step(fn, compile):

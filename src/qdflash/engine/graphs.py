@@ -21,22 +21,34 @@ class StaticStep:
     fixed length of the cache and tensor positions, run eagerly. On the CPU this is how the graph
     path is tested; `CapturedStep` records exactly this call."""
 
-    def __init__(self, engine, tokens: int, layer_ids: list[int] | None, attend_len: int, step=None):
+    def __init__(self, engine, tokens: int, layer_ids: list[int] | None, attend_len: int, step=None, tree: bool = False):
         self.engine, self.layer_ids, self.attend_len, self.step = engine, layer_ids, attend_len, step or engine._step
         self.ids = torch.zeros(tokens, dtype=torch.long, device=engine.device)
         self.offsets = torch.arange(tokens, device=engine.device)
         self.positions = self.offsets.clone()
+        # a tree's step (`engine.forward_tree`): the nodes' slots, and each node's ancestors as bits
+        self.slots = self.offsets.clone() if tree else None
+        self.tree = (1 << (self.offsets + 1)) - 1 if tree else None  # (a chain until the first call)
 
-    def _load(self, ids: torch.Tensor, start: int) -> None:
+    def _load(self, ids: torch.Tensor, start: int, depths: torch.Tensor | None = None,
+              bits: torch.Tensor | None = None) -> None:
         self.ids.copy_(ids)
-        torch.add(self.offsets, start, out=self.positions)
+        if self.tree is None:
+            torch.add(self.offsets, start, out=self.positions)
+            return
+        torch.add(self.offsets, start, out=self.slots)
+        torch.add(self.offsets if depths is None else depths, start, out=self.positions)
+        if bits is not None:
+            self.tree.copy_(bits)
 
     def _run(self):
         with torch.no_grad():
-            return self.step(self.ids, self.positions, self.attend_len, self.layer_ids)
+            if self.tree is None:
+                return self.step(self.ids, self.positions, self.attend_len, self.layer_ids)
+            return self.step(self.ids, self.positions, self.attend_len, self.layer_ids, slots=self.slots, tree=self.tree)
 
-    def __call__(self, ids: torch.Tensor, start: int):
-        self._load(ids, start)
+    def __call__(self, ids: torch.Tensor, start: int, depths: torch.Tensor | None = None, bits: torch.Tensor | None = None):
+        self._load(ids, start, depths, bits)
         return self._run()
 
 
@@ -47,15 +59,16 @@ class CapturedStep(StaticStep):
     recurrent states are restored afterwards): capture before a generation, or while the cache holds
     fewer positions than that, so no position in use is overwritten."""
 
-    def __init__(self, engine, tokens: int, layer_ids: list[int] | None, attend_len: int, warmup: int = 2, step=None):
-        super().__init__(engine, tokens, layer_ids, attend_len, step)
+    def __init__(self, engine, tokens: int, layer_ids: list[int] | None, attend_len: int, warmup: int = 2, step=None,
+                 tree: bool = False):
+        super().__init__(engine, tokens, layer_ids, attend_len, step, tree)
         self._load(torch.zeros(tokens, dtype=torch.long), attend_len - tokens)
         saved = snapshot(engine)
         self.graph, self.out = capture(self._run, warmup, engine.device)
         restore(engine, saved)
 
-    def __call__(self, ids: torch.Tensor, start: int):
-        self._load(ids, start)
+    def __call__(self, ids: torch.Tensor, start: int, depths: torch.Tensor | None = None, bits: torch.Tensor | None = None):
+        self._load(ids, start, depths, bits)
         self.graph.replay()
         return self.out
 

@@ -39,13 +39,16 @@ class LeanLlama(EngineBase):
     # reset / rollback: nothing to do. The cache is written before it is read, and positions at or
     # past the current one are masked until they are written again (a rollback is a new length).
 
-    def _step(self, ids, positions, attend_len, layer_ids, exact=False):
+    def _step(self, ids, positions, attend_len, layer_ids, exact=False, slots=None, tree=None):
         def attend(i, q, k, v):
             return cached_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, attend_len, exact,
-                                    kernel=self.attention == "kernel")
+                                    kernel=self.attention == "kernel", slots=slots, tree=tree)
 
         h, features = self.decoder(ids, positions, attend, layer_ids)
         return self.head(h), features
+
+    def tree_caches(self):
+        return [self.k_cache, self.v_cache]
 
     def decoder(self, ids, positions, attend, layer_ids=None):
         """The layers over ids [..., T] at positions [..., T] (leading dims: batch rows, or none), with

@@ -32,14 +32,15 @@ except ImportError:
 if triton is not None:
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, start_ptr, out_ptr, m_ptr, l_ptr, scale, stride_row,
-                                 stride_head, stride_pos, KVH: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
-                                 D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
-                                 HAS_START: tl.constexpr):
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, start_ptr, tree_ptr, out_ptr, m_ptr, l_ptr, scale,
+                                 stride_row, stride_head, stride_pos, KVH: tl.constexpr, REP: tl.constexpr,
+                                 REP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                                 SPLITS: tl.constexpr, HAS_START: tl.constexpr, TREE: tl.constexpr):
         """Program (row b, KV head h, chunk c) over the row's positions start..length-1 (start 0
         without HAS_START). SPLITS == 1: the normalized output of the row. Else the chunk's
         unnormalized sums: acc [REP, D] into out_ptr, its max m and sum l per head into m_ptr / l_ptr
-        (all fp32, laid out [B, KVH, SPLITS, ...]), merged by _merge_splits_kernel."""
+        (all fp32, laid out [B, KVH, SPLITS, ...]), merged by _merge_splits_kernel. TREE > 0: the last
+        TREE positions are a tree's nodes, of which row b sees those whose bit is set in tree_ptr[b]."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
@@ -58,9 +59,15 @@ if triton is not None:
         l = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, D], tl.float32)
         base = b.to(tl.int64) * stride_row + h * stride_head
+        if TREE > 0:
+            bits = tl.load(tree_ptr + b)
         for start in range(first, last, BLOCK_N):
             n = start + rn
             valid = n < last
+            if TREE > 0:  # a node of the tree: the cache before it, and its own ancestors (and itself) in it
+                j = n - (length - TREE)
+                shift = tl.where(j > 0, j, 0).to(tl.int64)
+                valid = valid & ((j < 0) | (((bits >> shift) & 1) != 0))
             kv_off = base + n[:, None] * stride_pos + rd[None, :]
             k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
             if IEEE:
@@ -70,8 +77,11 @@ if triton is not None:
             s = s.to(tl.float32)  # torch.compile passes `scale` (a Python float) as fp64
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            m_use = m_new
+            if TREE > 0:  # a tile of the tree's nodes can be wholly masked (so far): -inf - -inf would be nan
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_use)
+            p = tl.exp(s - m_use[:, None])
             l = l * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
             if IEEE:
@@ -122,10 +132,13 @@ def batch1_splits(cache_len: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     block_n: int = BLOCK_N, splits: int = 1, starts: torch.Tensor | None = None) -> torch.Tensor:
+                     block_n: int = BLOCK_N, splits: int = 1, starts: torch.Tensor | None = None,
+                     tree: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, heads, D]; caches [rows >= B, kv_heads, max_len, D] (row b is q's row b; a cache row
     of stride 0 serves every row); row b attends positions starts[b]..lengths[b]-1 (starts: None =
     0; starts[b] < lengths[b]: a sliding window). `splits`: chunks per row (module docstring).
+    `tree` [B] int64: the last B positions before lengths[b] are a tree's nodes (every row of the same
+    length), of which row b sees node j where bit j of tree[b] is set (its ancestors and itself).
     Returns [B, heads, D] in q's dtype."""
     b, heads, d = q.shape
     kv_heads = k_cache.shape[1]
@@ -134,28 +147,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q)
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     common = dict(KVH=kv_heads, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BLOCK_N=block_n,
-                  IEEE=q.dtype == torch.float32, SPLITS=splits, HAS_START=starts is not None)
+                  IEEE=q.dtype == torch.float32, SPLITS=splits, HAS_START=starts is not None,
+                  TREE=b if tree is not None else 0)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     first = starts if starts is not None else lengths  # (not read without HAS_START)
+    bits = tree if tree is not None else lengths  # (not read without TREE)
     if splits == 1:
-        _decode_attention_kernel[(b, kv_heads, 1)](q, k_cache, v_cache, lengths, first, out, out, out, d ** -0.5, *strides,
-                                                   **common)
+        _decode_attention_kernel[(b, kv_heads, 1)](q, k_cache, v_cache, lengths, first, bits, out, out, out, d ** -0.5,
+                                                   *strides, **common)
         return out
     acc = torch.empty(b, kv_heads, splits, rep, d, device=q.device, dtype=torch.float32)
     m = torch.empty(b, kv_heads, splits, rep, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    _decode_attention_kernel[(b, kv_heads, splits)](q, k_cache, v_cache, lengths, first, acc, m, l, d ** -0.5, *strides,
-                                                    **common)
+    _decode_attention_kernel[(b, kv_heads, splits)](q, k_cache, v_cache, lengths, first, bits, acc, m, l, d ** -0.5,
+                                                    *strides, **common)
     _merge_splits_kernel[(b, kv_heads, rep)](acc, m, l, out, REP=rep, D=d, SPLITS=splits,
                                              SPLITS_PAD=triton.next_power_of_2(splits))
     return out
 
 
 def one_sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                           starts: torch.Tensor | None = None) -> torch.Tensor:
+                           starts: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
     """T tokens of one sequence (a decode step, a verify block, a drafted block) over its cache:
-    q [T, heads, D], caches [kv_heads, max_len, D]; token t attends positions starts[t]..lengths[t]-1.
-    The T rows share the one cache row (stride 0), in `batch1_splits` chunks each. Returns [T, heads, D]."""
+    q [T, heads, D], caches [kv_heads, max_len, D]; token t attends positions starts[t]..lengths[t]-1
+    (`tree`: decode_attention's, the T tokens being the tree's nodes). The T rows share the one cache row
+    (stride 0), in `batch1_splits` chunks each. Returns [T, heads, D]."""
     t = q.shape[0]
     return decode_attention(q, k_cache[None].expand(t, *k_cache.shape), v_cache[None].expand(t, *v_cache.shape), lengths,
-                            splits=batch1_splits(k_cache.shape[1]), starts=starts)
+                            splits=batch1_splits(k_cache.shape[1]), starts=starts, tree=tree)

@@ -1,0 +1,166 @@
+"""Would verifying a tree of drafts, instead of one chain, raise tau at the same verify size? On the CPU.
+
+The served drafter fills its block in one pass, so at each block position it has a whole distribution, of which
+decoding proposes only the argmax (a chain). When the first draft is wrong the round ends at once, and that is
+the most common round (P(draft 1 accepted) ~0.63: results/published/2026-12-04-cpu-draft-repeats). A tree spends
+some of the verify's tokens on second choices instead: the target checks every node in one forward (each node
+sees the cache and its own ancestors) and keeps the longest path that is its own greedy continuation, so the
+output stays exactly greedy decoding's. Because one block pass gives each position's choices independently of
+the tokens before it, a path's probability is taken as the product of its tokens' probabilities, and a tree of
+N nodes is the N most probable paths (`drafter.blocks.draft_tree`).
+
+This walks decoding's own rounds over greedy answers (as `drafter.train.walk_acceptance` does: the first round at
+the answer's first token, each next one where the last stopped) for chains and trees of the same node counts,
+so that tau is compared at equal verify tokens (nodes + the anchor). `--references`: the greedy answers written
+by scripts/investigations/draft_repeats.py (their prompts: that script's, `--per-kind` of each kind); `--chat`: a
+data stage's held-out answers (the first turn). Nothing is decoded: on greedy answers the walk is what decoding
+would accept (the argmax chain of 8 reproduces `walk_acceptance`'s tau, checked here).
+
+    python scripts/investigations/draft_trees.py --drafter /tmp/dgreedy --references /tmp/dr/references.json \
+        --per-kind 12 --chat /tmp/chat-heldout.jsonl --out results/published/<study>/trees.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_repeats import prompts  # noqa: E402  (the same prompts, in the same order, as the references)
+
+from qdflash.data.chat import render_prompt_ids, tokenize_conversation  # noqa: E402
+from qdflash.drafter import load_drafter  # noqa: E402
+from qdflash.drafter.blocks import TREE_TOP_K, accepted_path, distinct_drafts, draft_tree, tree_depths  # noqa: E402
+from qdflash.drafter.model import check_drafter_folder  # noqa: E402
+from qdflash.drafter.train import draft_blocks, first_answer, padded_batch, target_pass, walk_acceptance  # noqa: E402
+from qdflash.errors import QdflashError  # noqa: E402
+from qdflash.models import load_target  # noqa: E402
+
+
+def block_choices(drafter, target, ex: dict, anchors: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """At each anchor: the drafter's `top_k` tokens and log-probabilities at block positions 1..B-1 ([A, B-1, k]
+    each), and the target's greedy tokens there ([A, B-1])."""
+    input_ids, loss_masks, padded, valid = padded_batch([ex], [anchors])
+    device = next(drafter.parameters()).device
+    with torch.no_grad():
+        features, greedy = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)
+        hidden, _ = draft_blocks(drafter, features, input_ids, loss_masks, padded, valid, head=False)
+        hidden = hidden[0, : anchors.numel(), 1:]                      # [A, B-1, H]
+        logp = torch.nn.functional.linear(hidden.to(drafter.head_weight().dtype), drafter.head_weight()).log_softmax(-1)
+        top = logp.topk(top_k, dim=-1)
+    offsets = torch.arange(drafter.block_size - 1)
+    return top.indices.cpu(), top.values.float().cpu(), greedy[0].cpu()[anchors[:, None] + offsets[None, :]]
+
+
+def policies(budgets: list[int], block: int) -> list[tuple[str, int, str]]:
+    out = [(f"chain{n}", n, "chain") for n in budgets if n <= block - 1]
+    out += [(f"chain{n}-norepeat", n, "chain-norepeat") for n in budgets if n <= block - 1]
+    out += [(f"tree{n}", n, "tree") for n in budgets] + [(f"tree{n}-norepeat", n, "tree-norepeat") for n in budgets]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", type=Path, required=True, help="a drafter folder (config.json + model.safetensors)")
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--references", type=Path, required=True, help="draft_repeats.py's --references json (greedy answers)")
+    ap.add_argument("--per-kind", type=int, default=12, help="the --per-kind the references were written with")
+    ap.add_argument("--chat", type=Path, default=None, help="a data stage's heldout jsonl (its first turns are walked too)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="walk the first N tokens of each answer")
+    ap.add_argument("--budgets", default="3,5,8,12,16,24", help="node counts (verify tokens = nodes + the anchor)")
+    ap.add_argument("--top-k", type=int, default=TREE_TOP_K, help="choices per block position a tree may take")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    try:
+        check_drafter_folder(args.drafter)
+    except QdflashError as err:
+        raise SystemExit(f"draft_trees: --drafter: {err}")
+    if not args.references.is_file():
+        raise SystemExit(f"draft_trees: --references {args.references}: no such file (write it with draft_repeats.py --references)")
+    target = load_target(args.model, dtype=args.dtype, device=args.device)
+    drafter = load_drafter(args.drafter, target, dtype=target.dtype).eval()
+    known = json.loads(args.references.read_text())
+    examples, categories = [], {}
+    for i, (kind, text) in enumerate(prompts(args.chat, args.per_kind), 1):
+        ids = render_prompt_ids(target.tokenizer, text)
+        key = f"{args.new_tokens}:{ids}"
+        if key not in known:
+            raise SystemExit(f"draft_trees: --references {args.references} has no {args.new_tokens}-token answer to {kind} "
+                             f"prompt {i}: write it with draft_repeats.py --per-kind {args.per_kind} --new-tokens {args.new_tokens}")
+        examples.append({"id": f"{kind}-{i}", "input_ids": ids + known[key],
+                         "loss_mask": [0] * len(ids) + [1] * len(known[key])})
+        categories[f"{kind}-{i}"] = kind
+    if args.chat is not None:
+        for j, row in enumerate(json.loads(line) for line in args.chat.read_text().splitlines() if line.strip()):
+            ex = tokenize_conversation(target.tokenizer, row["messages"][:2], eos_token_ids=list(target.eos_token_ids))
+            examples.append({"id": f"data-{j}", **ex})
+            categories[f"data-{j}"] = f"data-{row.get('category', 'chat')}"
+    budgets = [int(b) for b in args.budgets.split(",")]
+    block = drafter.block_size
+    rules = policies(budgets, block)
+    rounds = {name: collections.defaultdict(list) for name, _, _ in rules}
+    started = time.perf_counter()
+    for e, ex in enumerate(examples, 1):
+        run = first_answer(torch.tensor(ex["loss_mask"]))
+        if run is None:
+            continue
+        start, end = run
+        last = min(end - block, start + args.new_tokens - 1)  # walk_acceptance's anchors: a whole block in the answer
+        if last < start:
+            continue
+        anchors = torch.arange(start, last + 1)
+        ids, logp, greedy = block_choices(drafter, target, ex, anchors, args.top_k)
+        ids, logp, greedy = ids.tolist(), logp.tolist(), greedy.tolist()
+        for name, n, kind in rules:
+            k = 0
+            while k < len(ids):
+                if kind.startswith("chain"):
+                    top2 = [row[:2] for row in ids[k][:n]]
+                    tokens = distinct_drafts(top2) if kind == "chain-norepeat" else [row[0] for row in top2]
+                    parents = list(range(-1, len(tokens) - 1))
+                else:
+                    tokens, parents = draft_tree(ids[k], logp[k], n, skip_repeats=kind == "tree-norepeat")
+                depths = tree_depths(parents)
+                # on the target's greedy answer, its choice after a node of depth d is the answer's token d + 1
+                row = greedy[k]
+                a = len(accepted_path(tokens, parents, lambda node: row[depths[node]] if node >= 0 and depths[node] < len(row)
+                                      else (row[0] if node < 0 else None))) + 1
+                rounds[name][categories[ex["id"]]].append(a)
+                k += a
+        print(f"[{e}/{len(examples)}] {ex['id']}: {len(ids)} anchors; " + ", ".join(
+            f"{name} {sum(rounds[name][categories[ex['id']]]) / len(rounds[name][categories[ex['id']]]):.2f}"
+            for name in ("chain5", "tree5", "chain8", "tree16") if name in rounds)
+            + f" ({time.perf_counter() - started:.0f} s)", flush=True)
+    report = {"model": args.model, "drafter": str(args.drafter), "dtype": args.dtype, "device": str(target.device),
+              "new_tokens": args.new_tokens, "top_k": args.top_k, "block_size": block, "examples": len(examples),
+              "policies": {}}
+    for name, n, kind in rules:
+        by_kind = {cat: torch.tensor(v, dtype=torch.float) for cat, v in sorted(rounds[name].items())}
+        every = torch.cat(list(by_kind.values()))
+        report["policies"][name] = {
+            "nodes": n, "verify_tokens": n + 1, "kind": kind, "tau": round(every.mean().item(), 4),
+            "rounds": int(every.numel()), **{f"tau.{cat}": round(v.mean().item(), 4) for cat, v in by_kind.items()}}
+        print(f"{name:>18}: verify {n + 1:2d} tokens, tau {every.mean().item():.3f} over {every.numel()} rounds; "
+              + ", ".join(f"{cat} {v.mean().item():.3f}" for cat, v in by_kind.items()), flush=True)
+    # the argmax chain of a whole block is exactly walk_acceptance's walk: the check that this walk is decoding's
+    check = walk_acceptance(drafter, target, examples, max_tokens=args.new_tokens)
+    report["walk_acceptance_tau"] = round(check["tau"], 4)
+    mine = report["policies"].get(f"chain{block - 1}", {}).get("tau")
+    print(f"walk_acceptance: tau {check['tau']:.4f} (chain{block - 1} here: {mine})", flush=True)
+    if mine is not None and abs(mine - check["tau"]) > 1e-3:
+        raise SystemExit(f"draft_trees: the chain{block - 1} walk ({mine}) is not walk_acceptance's ({check['tau']:.4f})")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
