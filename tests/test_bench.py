@@ -147,6 +147,8 @@ def test_verify_tokens_setting_is_checked_before_anything_runs(tiny_llama):
     with pytest.raises(QdflashError, match="verify_tokens = 5"):
         bench.spec(tiny_llama, drafter, None, 5)
     assert bench.spec(tiny_llama, drafter, None, 2)([11, 12, 13], 3).tokens == autoregressive_generate(tiny_llama, [[11, 12, 13]], 3).tokens
+    tree = bench.spec(tiny_llama, drafter, None, tree_nodes=3)([11, 12, 13], 3)
+    assert tree.tokens == autoregressive_generate(tiny_llama, [[11, 12, 13]], 3).tokens and set(tree.verify_lengths) == {4}
     section = {"prompts_per_category": 1, "max_new_tokens": 8, "buckets": [[64, 8]], "filler": False, "warmup": 0}
     for value in (None, 2, 16):
         validate_section({**section, "verify_tokens": value}, "bench", "bench")

@@ -238,6 +238,10 @@ def test_selected_variant_reads_the_summary(tmp_path):
     assert selected_variant(tmp_path) == {**chosen, "verify_tokens": None, "verify_adaptive": False}
     (bench / "metrics.json").write_text(json.dumps({"verify_tokens": 6, "verify_adaptive": 1, "block_size": 16, "no_repeat": 1}))
     assert selected_variant(tmp_path) == {**chosen, "verify_tokens": 6, "verify_adaptive": True, "no_repeat": True}
+    (bench / "metrics.json").write_text(json.dumps({"verify_tokens": 6, "verify_adaptive": 1, "block_size": 16,
+                                                    "no_repeat": 1, "tree_nodes": 15}))
+    assert selected_variant(tmp_path) == {**chosen, "verify_tokens": 6, "verify_adaptive": True, "no_repeat": True,
+                                          "tree_nodes": 15}
     (tmp_path / "tables" / "summary.csv").write_text(header + "c,qad_x,4,stage2,16,,0,0\n")
     with pytest.raises(QdflashError, match="found 0"):
         selected_variant(tmp_path)
@@ -266,11 +270,13 @@ def test_adaptive_verify_without_a_shorter_verify_is_refused(varied_llama):
             Stack("x", varied_llama, drafter, context=128, verify_tokens=verify, verify_adaptive=True)
 
 
-@pytest.mark.parametrize("verify_tokens, adaptive, no_repeat", [(None, False, False), (2, True, True)])
-def test_engine_path_serves_the_same_tokens(varied_llama, verify_tokens, adaptive, no_repeat, monkeypatch):
+@pytest.mark.parametrize("verify_tokens, adaptive, no_repeat, tree_nodes", [(None, False, False, None), (2, True, True, None),
+                                                                        (None, False, True, 6)])
+def test_engine_path_serves_the_same_tokens(varied_llama, verify_tokens, adaptive, no_repeat, tree_nodes, monkeypatch):
     """--engine: the lean target engine and the static drafter (the GPU speed path) give the same tokens,
     verifying whole blocks, or 2 tokens and whole blocks after a round that accepted (--verify-adaptive) with
-    the no-repeat drafts (--drafts no-repeat), which reach the decoding loop."""
+    the no-repeat drafts (--drafts no-repeat), or trees of 6 drafts (--tree-nodes), which reach the decoding loop;
+    a sampled request verifies chains."""
     from qdflash import serve
     from qdflash.serve import _build_engines
 
@@ -279,7 +285,7 @@ def test_engine_path_serves_the_same_tokens(varied_llama, verify_tokens, adaptiv
     monkeypatch.setattr(serve, "speculative_generate", lambda *a, **k: calls.append(k) or decode(*a, **k))
     drafter = init_drafter(varied_llama, block_size=4, num_layers=1, mask_token_id=3).eval()
     stack = Stack("fast", varied_llama, drafter, context=128, verify_tokens=verify_tokens, verify_adaptive=adaptive,
-                  no_repeat=no_repeat)
+                  no_repeat=no_repeat, tree_nodes=tree_nodes)
     _build_engines(stack)
     running = Running(build_app(stack))
     try:
@@ -288,7 +294,9 @@ def test_engine_path_serves_the_same_tokens(varied_llama, verify_tokens, adaptiv
         out = running.client.completions.create(model="fast", prompt=PROMPT, max_tokens=NEW, temperature=0)
         varied_llama.engine = None  # the reference on transformers' forward
         assert out.choices[0].model_extra["token_ids"] == reference(varied_llama, ids)
-        assert calls and all(k["no_repeat"] is no_repeat for k in calls)
+        assert calls and all(k["no_repeat"] is no_repeat and k["tree_nodes"] == tree_nodes for k in calls)
+        running.client.completions.create(model="fast", prompt=PROMPT, max_tokens=4, temperature=0.7, seed=1)
+        assert calls[-1]["tree_nodes"] is None  # sampled: a chain
     finally:
         varied_llama.engine = drafter.engine = None  # a session fixture: leave it as found
         running.close()

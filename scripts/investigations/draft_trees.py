@@ -41,6 +41,7 @@ from qdflash.drafter.model import check_drafter_folder  # noqa: E402
 from qdflash.drafter.train import draft_blocks, first_answer, padded_batch, target_pass, walk_acceptance  # noqa: E402
 from qdflash.errors import QdflashError  # noqa: E402
 from qdflash.models import load_target  # noqa: E402
+from qdflash.spec import speculative_generate  # noqa: E402
 
 
 def block_choices(drafter, target, ex: dict, anchors: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,6 +76,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128, help="walk the first N tokens of each answer")
     ap.add_argument("--budgets", default="3,5,8,12,16,24", help="node counts (verify tokens = nodes + the anchor)")
     ap.add_argument("--top-k", type=int, default=TREE_TOP_K, help="choices per block position a tree may take")
+    ap.add_argument("--decode", type=int, default=0, help="also decode the first N prompts of each kind with trees "
+                    "(speculative_generate(tree_nodes=...)): their rounds must be the walk's")
+    ap.add_argument("--decode-budgets", default="5,15", help="the tree sizes decoded (with and without no-repeat)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", type=Path, required=True)
@@ -107,6 +111,7 @@ def main() -> None:
     block = drafter.block_size
     rules = policies(budgets, block)
     rounds = {name: collections.defaultdict(list) for name, _, _ in rules}
+    per_example = {name: {} for name, _, _ in rules}  # each example's walked rounds
     started = time.perf_counter()
     for e, ex in enumerate(examples, 1):
         run = first_answer(torch.tensor(ex["loss_mask"]))
@@ -134,6 +139,7 @@ def main() -> None:
                 a = len(accepted_path(tokens, parents, lambda node: row[depths[node]] if node >= 0 and depths[node] < len(row)
                                       else (row[0] if node < 0 else None))) + 1
                 rounds[name][categories[ex["id"]]].append(a)
+                per_example[name].setdefault(ex["id"], []).append(a)
                 k += a
         print(f"[{e}/{len(examples)}] {ex['id']}: {len(ids)} anchors; " + ", ".join(
             f"{name} {sum(rounds[name][categories[ex['id']]]) / len(rounds[name][categories[ex['id']]]):.2f}"
@@ -157,6 +163,27 @@ def main() -> None:
     print(f"walk_acceptance: tau {check['tau']:.4f} (chain{block - 1} here: {mine})", flush=True)
     if mine is not None and abs(mine - check["tau"]) > 1e-3:
         raise SystemExit(f"draft_trees: the chain{block - 1} walk ({mine}) is not walk_acceptance's ({check['tau']:.4f})")
+    if args.decode:  # decoding's own rounds: the walk's, up to its last anchor (a whole block inside the answer)
+        report["decoded"] = {}
+        chosen = [ex for kind in ("math", "code", "chat")
+                  for ex in [e for e in examples if categories[e["id"]] == kind][: args.decode]]
+        for n in (int(b) for b in args.decode_budgets.split(",")):
+            for name, no_repeat in ((f"tree{n}", False), (f"tree{n}-norepeat", True)):
+                same, decoded_rounds, differ = 0, [], 0
+                for ex in chosen:
+                    prompt = ex["input_ids"][: ex["loss_mask"].index(1)]
+                    out = speculative_generate(target, drafter, [prompt], args.new_tokens, tree_nodes=n, no_repeat=no_repeat)
+                    differ += out.tokens != ex["input_ids"][len(prompt):]
+                    walked = per_example.get(name, {}).get(ex["id"], [])
+                    same += out.acceptance_lengths[: len(walked)] == walked
+                    decoded_rounds += out.acceptance_lengths
+                tau = sum(decoded_rounds) / len(decoded_rounds)
+                report["decoded"][name] = {"prompts": len(chosen), "tau": round(tau, 4), "rounds": len(decoded_rounds),
+                                           "prompts_whose_rounds_are_the_walks": same, "outputs_differing_from_greedy": differ}
+                print(f"decoded {name}: tau {tau:.3f} over {len(decoded_rounds)} rounds of {len(chosen)} prompts; "
+                      f"{same} of them walked the same rounds; {differ} outputs differ from greedy", flush=True)
+                if args.dtype == "float32" and differ:
+                    raise SystemExit(f"draft_trees: {differ} tree-decoded outputs differ from greedy decoding (fp32)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"-> {args.out}")

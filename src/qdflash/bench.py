@@ -264,7 +264,7 @@ def ar(target):
 
 
 def round_parts(target, drafter, cases: list[PromptCase], reference: MethodResult, window=None,
-                verify_tokens=None, verify_adaptive=False, no_repeat=False) -> dict[str, float]:
+                verify_tokens=None, verify_adaptive=False, no_repeat=False, tree_nodes=None) -> dict[str, float]:
     """Where a speculative round's time goes on `cases` (a profiling pass after the timed runs: its
     synchronizations cost time): ms per round of draft / verify / append / host, their sum, and that
     sum in decode steps of the target's autoregressive run `reference` on the same cases (its time
@@ -272,7 +272,8 @@ def round_parts(target, drafter, cases: list[PromptCase], reference: MethodResul
     timer = RoundTimer(target.device)
     for case in cases:
         speculative_generate(target, drafter, [case.ids], case.max_new_tokens, window=window,
-                             verify_tokens=verify_tokens, phases=timer, verify_adaptive=verify_adaptive, no_repeat=no_repeat)
+                             verify_tokens=verify_tokens, phases=timer, verify_adaptive=verify_adaptive, no_repeat=no_repeat,
+                             tree_nodes=tree_nodes)
     per_round = timer.ms_per_round()
     parts = {f"{part}_ms": round(ms, 4) for part, ms in per_round.items()}
     decode_ms = 1e3 * sum(r.seconds - r.prefill_seconds for r in reference.runs) / max(
@@ -283,7 +284,7 @@ def round_parts(target, drafter, cases: list[PromptCase], reference: MethodResul
 
 
 def tau_pass(target, drafter, cases: list[PromptCase], window=None, verify_tokens=None, verify_adaptive=False,
-             no_repeat=False) -> dict:
+             no_repeat=False, tree_nodes=None) -> dict:
     """Greedy speculative decoding of every case, untimed: per case label, the rounds, the tokens they
     committed and tau (tokens / rounds), and the same over all cases ("all"). A pooled tau of any set of
     labels is the sum of their tokens over the sum of their rounds."""
@@ -292,21 +293,22 @@ def tau_pass(target, drafter, cases: list[PromptCase], window=None, verify_token
     parts: dict[str, list[int]] = {}
     for case in tqdm(cases, desc="tau pass", unit="prompt"):
         out = speculative_generate(target, drafter, [case.ids], case.max_new_tokens, window=window,
-                                   verify_tokens=verify_tokens, verify_adaptive=verify_adaptive, no_repeat=no_repeat)
+                                   verify_tokens=verify_tokens, verify_adaptive=verify_adaptive, no_repeat=no_repeat,
+                                   tree_nodes=tree_nodes)
         for label in (case.label, "all"):
             rounds, tokens = parts.get(label, [0, 0])
             parts[label] = [rounds + len(out.acceptance_lengths), tokens + sum(out.acceptance_lengths)]
     return {label: {"rounds": r, "tokens": t, "tau": round(t / max(r, 1), 4)} for label, (r, t) in parts.items()}
 
 
-def spec(target, drafter, window=None, verify_tokens=None, verify_adaptive=False, no_repeat=False):
+def spec(target, drafter, window=None, verify_tokens=None, verify_adaptive=False, no_repeat=False, tree_nodes=None):
     """Speculative decoding with the drafter `window` and the verify length `verify_tokens` (None:
     the whole block; qdflash.spec.verify_length checks it now, not at the first prompt), the whole
     block after a round that accepted that far where `verify_adaptive`, no draft repeating the draft
-    before it where `no_repeat`."""
+    before it where `no_repeat`, a tree of `tree_nodes` drafts instead of a chain where set."""
     verify_length(drafter, verify_tokens)
     return lambda ids, n: speculative_generate(target, drafter, [ids], n, window=window, verify_tokens=verify_tokens,
-                                               verify_adaptive=verify_adaptive, no_repeat=no_repeat)
+                                               verify_adaptive=verify_adaptive, no_repeat=no_repeat, tree_nodes=tree_nodes)
 
 
 def reference_of(method: str) -> str:

@@ -58,8 +58,8 @@ MODES = ("spec", "ar", "hf")  # speculative (with the drafter), the target alone
 def selected_variant(results) -> dict:
     """The `selected` row of results/<experiment>/tables/summary.csv (qdflash.report), with the folders
     of its target and drafter as the DAG writes them, and the verify length (`verify_tokens`, None for
-    the whole block; `verify_adaptive`) and drafts' rule (`no_repeat`) its benchmark job ran, where that
-    job's metrics.json says."""
+    the whole block; `verify_adaptive`) and drafts' rules (`no_repeat`, `tree_nodes`) its benchmark job ran, where
+    that job's metrics.json says."""
     results = Path(results)
     path = results / "tables" / "summary.csv"
     if not path.is_file():
@@ -85,6 +85,8 @@ def selected_variant(results) -> dict:
             chosen["verify_adaptive"] = bool(measured.get("verify_adaptive", 0))
         if "no_repeat" in measured:  # the drafts' rule (benchmarks before it drafted argmax)
             chosen["no_repeat"] = bool(measured["no_repeat"])
+        if measured.get("tree_nodes"):  # a tree a round (0, or benchmarks before it: a chain)
+            chosen["tree_nodes"] = int(measured["tree_nodes"])
     return chosen
 
 
@@ -102,6 +104,7 @@ class Stack:
     verify_tokens: int | None = None  # tokens a speculative round verifies (None: the drafter's block)
     verify_adaptive: bool = False     # the whole block after a round that accepted as far as verify_tokens reaches
     no_repeat: bool = False           # no draft repeats the draft before it (qdflash.drafter.blocks.distinct_drafts)
+    tree_nodes: int | None = None     # greedy requests: a tree of this many drafts a round (qdflash.spec); sampled ones: a chain
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -115,15 +118,20 @@ class Stack:
             if self.verify_adaptive and verify == self.drafter.block_size:
                 raise QdflashError("serve: --verify-adaptive grows a shorter verify to the whole block; give --verify-tokens V "
                                    f"with V < the drafter's block size ({self.drafter.block_size})")
+            if self.tree_nodes is not None and (isinstance(self.tree_nodes, bool) or not isinstance(self.tree_nodes, int)
+                                                or self.tree_nodes < 1):
+                raise QdflashError(f"serve: --tree-nodes {self.tree_nodes!r}: expected a positive integer")
 
     def generate(self, ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int,
                  stop: list[str], on_tokens: Callable[[list[int]], None], ignore_eos: bool = False) -> GenerationResult:
         common = dict(temperature=temperature, top_p=top_p, seed=seed, stop_strings=stop or None, on_tokens=on_tokens,
                       ignore_eos=ignore_eos)
         if self.mode == "spec":
+            # a tree keeps greedy decoding exact only: a sampled request verifies the chain
             return speculative_generate(self.target, self.drafter, [ids], max_tokens, window=self.window,
                                         verify_tokens=self.verify_tokens, verify_adaptive=self.verify_adaptive,
-                                        no_repeat=self.no_repeat, **common)
+                                        no_repeat=self.no_repeat, tree_nodes=self.tree_nodes if temperature == 0 else None,
+                                        **common)
         if self.mode == "ar":
             return autoregressive_generate(self.target, [ids], max_tokens, **common)
         return self._hf_generate(ids, max_tokens, temperature, top_p, seed, stop, on_tokens, ignore_eos)
@@ -151,9 +159,10 @@ class Stack:
 
 
 def load_stack(*, results=None, target=None, drafter=None, window=None, mode="spec", name=None, device=None,
-               dtype=None, context=0, engine=False, verify_tokens=None, verify_adaptive=False, no_repeat=None) -> Stack:
-    """A Stack from a results folder's selected variant or from a target (+ drafter + window). `no_repeat`
-    None: the rule the variant's benchmark ran (with `results`), else off."""
+               dtype=None, context=0, engine=False, verify_tokens=None, verify_adaptive=False, no_repeat=None,
+               tree_nodes=None) -> Stack:
+    """A Stack from a results folder's selected variant or from a target (+ drafter + window). `no_repeat` /
+    `tree_nodes` None: the rule the variant's benchmark ran (with `results`), else off (`tree_nodes` 0: off)."""
     from .drafter import load_drafter
     from .models import load_target
 
@@ -167,6 +176,8 @@ def load_stack(*, results=None, target=None, drafter=None, window=None, mode="sp
             verify_tokens, verify_adaptive = chosen.get("verify_tokens"), chosen.get("verify_adaptive", False)
         if no_repeat is None:
             no_repeat = chosen.get("no_repeat", False)
+        if tree_nodes is None:
+            tree_nodes = chosen.get("tree_nodes")
     if target is None:
         raise QdflashError("serve: nothing to serve; give --results <experiment folder> or --target <preset or path>")
     if mode == "spec" and drafter is None:  # said before minutes of loading
@@ -174,7 +185,7 @@ def load_stack(*, results=None, target=None, drafter=None, window=None, mode="sp
     loaded = load_target(str(target), dtype=dtype, device=device)
     draft = load_drafter(drafter, loaded).eval() if drafter is not None and mode == "spec" else None
     stack = Stack(name or Path(str(target)).name, loaded, draft, window, mode, context, verify_tokens, verify_adaptive,
-                  bool(no_repeat))
+                  bool(no_repeat), tree_nodes or None)
     if engine:
         _build_engines(stack)
     return stack
@@ -186,13 +197,15 @@ def _build_engines(stack: Stack) -> None:
     from .engine import build_engine
 
     target, drafter = stack.target, stack.drafter
-    extra = drafter.block_size + 1 if drafter is not None else 1
+    extra = max(drafter.block_size, stack.tree_nodes or 0) + 1 if drafter is not None else 1
     target.engine = build_engine(target, max_len=stack.context + extra)
     if target.device.type == "cuda":
         target.engine.capture([1], None)
         if drafter is not None:
             target.engine.capture([1, *verify_sizes(drafter, stack.verify_tokens, stack.verify_adaptive)],
                                   drafter.config.target_layer_ids)
+        if drafter is not None and stack.tree_nodes:
+            target.engine.capture([stack.tree_nodes + 1], drafter.config.target_layer_ids, tree=True)
     if drafter is not None:
         drafter.engine = DrafterEngine(drafter, max_len=stack.context + extra)
         drafter.engine.capture(stack.window)
@@ -606,6 +619,9 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--drafts", choices=["argmax", "no-repeat"], default=None,
                       help="no-repeat: a draft that repeats the draft before it gives way to the drafter's second choice "
                            "(default: with --results, what the variant's benchmark ran; else argmax)")
+    what.add_argument("--tree-nodes", type=int, default=None,
+                      help="greedy requests verify a tree of the drafter's N best paths a round instead of a chain "
+                           "(0: a chain; default: with --results, what the variant's benchmark ran; else a chain)")
     what.add_argument("--mode", choices=MODES, default="spec", help="spec: speculative (default); ar: the target alone; "
                       "hf: transformers' generate (the latency harness's baseline)")
     what.add_argument("--name", help="the model id clients ask for (default: the variant or target name)")
@@ -632,14 +648,16 @@ def main(argv: list[str] | None = None) -> None:
                            mode=args.mode, name=args.name, device=args.device, dtype=args.dtype,
                            context=args.context, engine=args.engine, verify_tokens=args.verify_tokens,
                            verify_adaptive=args.verify_adaptive,
-                           no_repeat=None if args.drafts is None else args.drafts == "no-repeat")
+                           no_repeat=None if args.drafts is None else args.drafts == "no-repeat",
+                           tree_nodes=args.tree_nodes)
         app = build_app(stack, args.max_queue)
     except QdflashError as err:
         print(f"\nqdflash serve failed: {err}", file=sys.stderr)
         sys.exit(2)
     log.info("serving %s (%s, window %s, verify %s%s%s, context %d) on http://%s:%d/v1", stack.name, stack.mode, stack.window,
              stack.verify_tokens or "block", ", the block after a full accept" if stack.verify_adaptive else "",
-             ", no-repeat drafts" if stack.no_repeat else "", stack.context, args.host, args.port)
+             (", no-repeat drafts" if stack.no_repeat else "")
+             + (f", trees of {stack.tree_nodes} drafts (greedy)" if stack.tree_nodes else ""), stack.context, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

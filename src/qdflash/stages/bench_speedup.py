@@ -21,7 +21,8 @@ Every speculative method verifies `bench.verify_tokens` tokens per round (the co
 that many - 1 drafts; null: the whole block), recorded as `verify_tokens` in metrics.json, and with
 `bench.verify_adaptive` the whole block after a round that accepted that far (`verify_adaptive`;
 `<method>.verified_per_round`); on a GPU the verify step of each length is captured as a CUDA graph. With
-`bench.no_repeat` no draft repeats the draft before it (`blocks.distinct_drafts`; `no_repeat` in metrics.json). `bench.attention` is the engines'
+`bench.no_repeat` no draft repeats the draft before it (`blocks.distinct_drafts`; `no_repeat` in metrics.json). With
+`bench.tree_nodes` N every round verifies a tree of the drafter's N best paths instead (`tree_nodes`; its step captured). `bench.attention` is the engines'
 attention in decode steps, verify blocks and drafts (sdpa, or the Triton kernel: EngineBase.set_attention,
 DrafterEngine(attention=)).
 The drafter window (`bench.window`) is one per job: the sweep runs one job per window. A job with a
@@ -96,6 +97,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     verify = verify_length(stage1_16, b.get("verify_tokens"))  # every speculative method's verify length
     adaptive = bool(b.get("verify_adaptive", False)) and verify < stage1_16.block_size  # ... or the whole block after a long accept
     no_repeat = bool(b.get("no_repeat", False))  # the drafts' rule (qdflash.drafter.blocks.distinct_drafts)
+    tree = b.get("tree_nodes")  # a tree of that many drafts a round instead of the chain (qdflash.spec)
+    rule = dict(verify_tokens=verify, verify_adaptive=adaptive, no_repeat=no_repeat, tree_nodes=tree)
     every_prompt = b.get("window_prompts", "long") == "all"
     if b.get("window_prompts", "long") not in ("long", "all"):
         raise QdflashError(f"bench.window_prompts={b.window_prompts!r}: expected 'long' or 'all'")
@@ -151,6 +154,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             target.engine.capture([1], None, compile=compiled)
             target.engine.capture([1, *verify_sizes(stage1_16, verify, adaptive)], stage1_16.config.target_layer_ids,
                                   compile=compiled)  # the verify blocks
+            if tree is not None:  # the tree's step: the committed token and its nodes
+                target.engine.capture([int(tree) + 1], stage1_16.config.target_layer_ids, compile=compiled, tree=True)
             run.metrics[f"engine.{key}.graphs"] = len(target.engine.graphs)
             # said as it happens: a job cut here (a lost machine) shows in its log how far it got
             log.info("engine %s: kernels tuned, %d graphs captured%s in %.1f s", key, len(target.engine.graphs),
@@ -158,11 +163,11 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     methods = {
         "plain16": lambda ids, n: bench.plain_generate(target16, ids, n),
         "ar16": bench.ar(target16),
-        "spec16_stage1": bench.spec(target16, stage1_16, window, verify, adaptive, no_repeat),
+        "spec16_stage1": bench.spec(target16, stage1_16, window, **rule),
         "ar_qad": bench.ar(qad),
-        "spec_qad_stage1": bench.spec(qad, stage1_qad, window, verify, adaptive, no_repeat),
-        "spec_qad_stage2": bench.spec(qad, stage2_qad, window, verify, adaptive, no_repeat),
-        **{name: bench.spec(qad, drafter, window, verify, adaptive, no_repeat) for name, drafter in compressed.items()},
+        "spec_qad_stage1": bench.spec(qad, stage1_qad, window, **rule),
+        "spec_qad_stage2": bench.spec(qad, stage2_qad, window, **rule),
+        **{name: bench.spec(qad, drafter, window, **rule) for name, drafter in compressed.items()},
     }
     methods["static16"] = lambda ids, n: bench.plain_generate(target16, ids, n, static=True)
     methods = {name: methods[name] for name in kept}  # job_methods, then bench.methods
@@ -272,13 +277,13 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
         for label in dict.fromkeys(c.label for c in cases):
             keep = [c.label == label for c in cases]
             parts = bench.round_parts(target, drafter, [c for c, k in zip(cases, keep) if k], results[reference].subset(keep),
-                                      window, verify, adaptive, no_repeat)
+                                      window, **rule)
             run.metrics.update({f"{label}.{name}.round.{k}": v for k, v in parts.items()})
             log.info("%s %s: a round %.2f ms = %.2f decode steps (draft %.2f, verify %.2f, append %.2f, host %.2f ms)",
                      label, name, parts["ms"], parts["in_decode_steps"], parts["draft_ms"], parts["verify_ms"],
                      parts["append_ms"], parts["host_ms"])
     if wide:  # the untimed tau pass (bench.tau_prompts_per_category, above)
-        measured = bench.tau_pass(qad, stage2_qad, wide, window, verify, adaptive, no_repeat)
+        measured = bench.tau_pass(qad, stage2_qad, wide, window, **rule)
         for label, part in measured.items():
             run.metrics.update({f"tau_pass.spec_qad_stage2.{label}.{k}": v for k, v in part.items()})
         run.metrics["tau_pass.prompts_per_category"] = tau_n
@@ -289,7 +294,7 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
     run.metrics.update({"prompts": len(cases), "prompt_set": bench.prompt_set(cases), "dtype": str(target16.dtype),
                         "window": -1 if window is None else int(window),
                         "block_size": stage1_16.block_size, "verify_tokens": verify, "verify_adaptive": int(adaptive),
-                        "no_repeat": int(no_repeat)})
+                        "no_repeat": int(no_repeat), "tree_nodes": int(tree or 0)})
     bugs = sum(v for k, v in run.metrics.items() if k.startswith("all.") and k.endswith(".mismatch_bugs"))
     log.info("speculative vs autoregressive: %d mismatch bugs (%s)", bugs, "float32: any mismatch" if fp32 else f"margin > {bench.MARGIN_BUG}")
 
