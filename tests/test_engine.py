@@ -344,9 +344,10 @@ def test_a_tree_step_gives_each_node_its_paths_logits_and_keeps_the_accepted_pat
         build_engine(hybrid, max_len=96).forward_tree(torch.tensor(tokens), 0, parents)
 
 
-def test_speculative_through_kernel_attention_equals_autoregressive(tiny_llama):
-    """Greedy speculative decoding with the kernel's verify blocks emits the autoregressive tokens
-    (fp32; one chunk per token, the interpreter's fastest)."""
+@pytest.mark.parametrize("tree_nodes", [None, 5])
+def test_speculative_through_kernel_attention_equals_autoregressive(tiny_llama, tree_nodes):
+    """Greedy speculative decoding with the kernel's verify blocks (or trees, through its ancestor bits) emits the
+    autoregressive tokens (fp32; one chunk per token, the interpreter's fastest)."""
     pytest.importorskip("triton")
     prompt = ids(6, 12)[None]
     reference = autoregressive_generate(tiny_llama, prompt, 8).tokens
@@ -356,22 +357,8 @@ def test_speculative_through_kernel_attention_equals_autoregressive(tiny_llama):
 
         m.setattr(kernel_module, "MAX_SPLITS", 1)
         assert autoregressive_generate(fast, prompt, 8).tokens == reference
-        assert speculative_generate(fast, init_drafter(tiny_llama, block_size=3, seed=0), prompt, 8).tokens == reference
-
-
-def test_tree_speculative_through_kernel_attention_equals_autoregressive(tiny_llama):
-    """Greedy speculative decoding that verifies trees through the kernel's tree mask emits the autoregressive
-    tokens (fp32; one chunk per token)."""
-    pytest.importorskip("triton")
-    prompt = ids(6, 12)[None]
-    reference = autoregressive_generate(tiny_llama, prompt, 8).tokens
-    fast = dataclasses.replace(tiny_llama, engine=build_engine(tiny_llama, max_len=64, kernels=True, attention="kernel"))
-    with pytest.MonkeyPatch.context() as m:
-        import qdflash.kernels.decode_attention as kernel_module
-
-        m.setattr(kernel_module, "MAX_SPLITS", 1)
         drafter = init_drafter(tiny_llama, block_size=3, seed=0)
-        assert speculative_generate(fast, drafter, prompt, 8, tree_nodes=5).tokens == reference
+        assert speculative_generate(fast, drafter, prompt, 8, tree_nodes=tree_nodes).tokens == reference
 
 
 def test_kernel_attention_says_what_it_needs(tiny_llama):

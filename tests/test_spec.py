@@ -715,9 +715,10 @@ def test_distinct_drafts_takes_the_second_choice_only_where_the_first_repeats_th
     assert distinct_drafts([[4, 6]]) == [4] and distinct_drafts([]) == []  # the first draft is the first choice
 
 
-def confused_logits(monkeypatch, cls, reference, prompt_len, vocab, every=3):
-    """`draft_logits` whose first choice is the reference continuation, except at every `every`-th block position
-    (from 2), where it is the token of the position before (a repeat) and the reference token is the second choice."""
+def ranked_logits(monkeypatch, cls, reference, prompt_len, vocab, wrong, scores=(2.0, 1.0)):
+    """`draft_logits` whose first choice at block position k is `wrong(k, token, before)` where that gives a token (the
+    reference token then second), else the reference continuation `token` (`before`: the reference token before it);
+    `scores`: the logits of the first and the second choice (every other token's: 0)."""
 
     def draft_logits(self, last_token, position):
         b = self.drafter.block_size
@@ -726,13 +727,21 @@ def confused_logits(monkeypatch, cls, reference, prompt_len, vocab, every=3):
             i = position + k - prompt_len
             token = reference[i] if 0 <= i < len(reference) else 7
             before = reference[i - 1] if 0 <= i - 1 < len(reference) else last_token
-            if k > 1 and k % every == 0 and before != token:
-                logits[k, before], logits[k, token] = 2.0, 1.0
+            first = wrong(k, token, before)
+            if first is not None:
+                logits[k, first], logits[k, token] = scores
             else:
-                logits[k, token] = 2.0
+                logits[k, token] = scores[0]
         return logits, logits[1:].argmax(-1)
 
     monkeypatch.setattr(cls, "draft_logits", draft_logits)
+
+
+def confused_logits(monkeypatch, cls, reference, prompt_len, vocab, every=3):
+    """The reference continuation, except at every `every`-th block position (from 2), where the first choice is the
+    token of the position before (a repeat) and the reference token is the second choice."""
+    ranked_logits(monkeypatch, cls, reference, prompt_len, vocab,
+                  lambda k, token, before: before if k > 1 and k % every == 0 and before != token else None)
 
 
 @pytest.mark.parametrize("static_drafter", [False, True])
@@ -788,18 +797,9 @@ def test_draft_tree_takes_the_most_probable_paths_and_accepted_path_follows_the_
 
 
 def second_choice_logits(monkeypatch, cls, reference, prompt_len, vocab):
-    """`draft_logits` whose first choice is always wrong (the reference token + 1) and second the reference token."""
-
-    def draft_logits(self, last_token, position):
-        b = self.drafter.block_size
-        logits = torch.zeros(b, vocab)
-        for k in range(1, b):
-            i = position + k - prompt_len
-            token = reference[i] if 0 <= i < len(reference) else 7
-            logits[k, (token + 1) % vocab], logits[k, token] = 3.0, 2.5
-        return logits, logits[1:].argmax(-1)
-
-    monkeypatch.setattr(cls, "draft_logits", draft_logits)
+    """A first choice always wrong (the reference token + 1), the reference token a close second (a path of second
+    choices then ranks above the longer paths of first choices)."""
+    ranked_logits(monkeypatch, cls, reference, prompt_len, vocab, lambda k, token, before: (token + 1) % vocab, (3.0, 2.5))
 
 
 @pytest.mark.parametrize("fixture", ["varied_llama", "tiny_qwen2"])
