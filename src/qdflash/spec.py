@@ -533,7 +533,12 @@ def _tree_generate(target, drafter: Drafter, input_ids, max_new_tokens: int, tre
         p = session.length
         logits = context.draft_logits(tokens[-1], p)[0]
         top = logits[1:].float().log_softmax(-1).topk(min(TREE_TOP_K, logits.shape[-1]), dim=-1)
-        drafts, parents = draft_tree(top.indices.tolist(), top.values.tolist(), tree_nodes, skip_repeats=no_repeat)
+        if logits.shape[-1] <= 1 << 24:  # one copy to the host: the ids ride along as floats (exact up to 2^24)
+            logp, ids = torch.stack([top.values, top.indices.float()]).tolist()
+            ids = [[int(i) for i in row] for row in ids]
+        else:
+            logp, ids = top.values.tolist(), top.indices.tolist()
+        drafts, parents = draft_tree(ids, logp, tree_nodes, skip_repeats=no_repeat)
         timer.lap("draft")
         logits, features = session.feed_tree([tokens[-1], *drafts], [-1, *(q + 1 for q in parents)])
         chosen = logits.argmax(-1).tolist()  # the target's token after each node ([0]: after x_p)
