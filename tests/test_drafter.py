@@ -835,10 +835,12 @@ def small_vocab_target(vocab: int = 64):
     return Target("small-vocab", model, NoTokenizer(), "test")
 
 
-def test_the_walked_rounds_with_no_repeat_are_the_rounds_decoding_with_no_repeat_runs():
+@pytest.mark.parametrize("tree_nodes", [None, 6])
+def test_the_walked_rounds_with_no_repeat_are_the_rounds_decoding_with_no_repeat_runs(tree_nodes):
     # the same check with decoding's no_repeat rule (blocks.distinct_drafts): a drafter whose first choice is the
     # token of the position before (a repeat) at some (anchor, position), with the right token second, and right
-    # elsewhere (a junk second choice); the walk takes each block's two best from the training forward
+    # elsewhere (a junk second choice); the walk takes each block's two best from the training forward. With
+    # `tree_nodes` both verify trees of the drafter's best paths (blocks.tree_acceptance against spec's tree rounds)
     from qdflash.drafter.train import walk_acceptance
     from qdflash.spec import autoregressive_generate, speculative_generate
 
@@ -866,8 +868,8 @@ def test_the_walked_rounds_with_no_repeat_are_the_rounds_decoding_with_no_repeat
     drafter.forward_block = lambda block_ids, q_pos, *a, **k: scores(q_pos)
 
     for no_repeat in (False, True):
-        got = walk_acceptance(drafter, target, [ex], max_tokens=40, no_repeat=no_repeat)
-        decoded = speculative_generate(target, drafter, [prompt], len(answer), no_repeat=no_repeat)
+        got = walk_acceptance(drafter, target, [ex], max_tokens=40, no_repeat=no_repeat, tree_nodes=tree_nodes)
+        decoded = speculative_generate(target, drafter, [prompt], len(answer), no_repeat=no_repeat, tree_nodes=tree_nodes)
         assert decoded.tokens == answer
         rounds, offset = [], 0
         for n in decoded.acceptance_lengths:
@@ -876,8 +878,10 @@ def test_the_walked_rounds_with_no_repeat_are_the_rounds_decoding_with_no_repeat
             rounds.append(n)
             offset += n
         assert got["rounds"] == len(rounds) and got["tau"] == pytest.approx(sum(rounds) / len(rounds))
-        if no_repeat:  # the confused drafts are accepted with the rule (the answer repeats a token only a few times)
-            assert got["tau"] > plain_tau
+        if no_repeat and tree_nodes is None:  # the confused drafts are accepted with the rule (the answer repeats a
+            assert got["tau"] > plain_tau                 # token only a few times)
+        elif no_repeat:  # a tree holds the second choices anyway
+            assert got["tau"] >= plain_tau
         else:
             plain_tau = got["tau"]
             assert 1 < plain_tau < b

@@ -13,8 +13,9 @@ This walks decoding's own rounds over greedy answers (as `drafter.train.walk_acc
 the answer's first token, each next one where the last stopped) for chains and trees of the same node counts,
 so that tau is compared at equal verify tokens (nodes + the anchor). `--references`: the greedy answers written
 by scripts/investigations/draft_repeats.py (their prompts: that script's, `--per-kind` of each kind); `--chat`: a
-data stage's held-out answers (the first turn). Nothing is decoded: on greedy answers the walk is what decoding
-would accept (the argmax chain of 8 reproduces `walk_acceptance`'s tau, checked here).
+data stage's held-out answers (the first turn). On greedy answers the walk is what decoding would accept: the
+argmax chain of 8 reproduces `walk_acceptance`'s tau (checked here), and `--decode N` decodes the first N prompts of
+each kind with trees (`speculative_generate(tree_nodes=...)`) and counts the prompts whose rounds are the walk's.
 
     python scripts/investigations/draft_trees.py --drafter /tmp/dgreedy --references /tmp/dr/references.json \
         --per-kind 12 --chat /tmp/chat-heldout.jsonl --out results/published/<study>/trees.json
@@ -36,9 +37,11 @@ from draft_repeats import prompts  # noqa: E402  (the same prompts, in the same 
 
 from qdflash.data.chat import render_prompt_ids, tokenize_conversation  # noqa: E402
 from qdflash.drafter import load_drafter  # noqa: E402
-from qdflash.drafter.blocks import TREE_TOP_K, accepted_path, distinct_drafts, draft_tree, tree_depths  # noqa: E402
+from qdflash.drafter.blocks import (TREE_TOP_K, acceptance_lengths, distinct_drafts, linear_top,  # noqa: E402
+                                    tree_acceptance)
 from qdflash.drafter.model import check_drafter_folder  # noqa: E402
-from qdflash.drafter.train import draft_blocks, first_answer, padded_batch, target_pass, walk_acceptance  # noqa: E402
+from qdflash.drafter.train import (draft_blocks, first_answer, padded_batch, target_pass, walk_acceptance,  # noqa: E402
+                                   walk_rounds)
 from qdflash.errors import QdflashError  # noqa: E402
 from qdflash.models import load_target  # noqa: E402
 from qdflash.spec import speculative_generate  # noqa: E402
@@ -52,11 +55,20 @@ def block_choices(drafter, target, ex: dict, anchors: torch.Tensor, top_k: int) 
     with torch.no_grad():
         features, greedy = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)
         hidden, _ = draft_blocks(drafter, features, input_ids, loss_masks, padded, valid, head=False)
-        hidden = hidden[0, : anchors.numel(), 1:]                      # [A, B-1, H]
-        logp = torch.nn.functional.linear(hidden.to(drafter.head_weight().dtype), drafter.head_weight()).log_softmax(-1)
-        top = logp.topk(top_k, dim=-1)
+        ids, logp = linear_top(hidden[0, : anchors.numel(), 1:], drafter.head_weight(), top_k)
     offsets = torch.arange(drafter.block_size - 1)
-    return top.indices.cpu(), top.values.float().cpu(), greedy[0].cpu()[anchors[:, None] + offsets[None, :]]
+    return ids.cpu(), logp.cpu(), greedy[0].cpu()[anchors[:, None] + offsets[None, :]]
+
+
+def acceptance(kind: str, n: int, ids: torch.Tensor, logp: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Each anchor's acceptance length [A] under a chain of the first n block positions (argmax, or `distinct_drafts`)
+    or a tree of n nodes (`tree_acceptance`, with or without its no-repeat rule)."""
+    if kind.startswith("chain"):
+        drafts = ids[:, :n, 0]
+        if kind == "chain-norepeat":
+            drafts = torch.tensor([distinct_drafts(top2) for top2 in ids[:, :n, :2].tolist()], dtype=torch.long)
+        return acceptance_lengths(drafts, greedy[:, :n])
+    return tree_acceptance(ids, logp, greedy, n, skip_repeats=kind == "tree-norepeat")
 
 
 def policies(budgets: list[int], block: int) -> list[tuple[str, int, str]]:
@@ -123,27 +135,13 @@ def main() -> None:
             continue
         anchors = torch.arange(start, last + 1)
         ids, logp, greedy = block_choices(drafter, target, ex, anchors, args.top_k)
-        ids, logp, greedy = ids.tolist(), logp.tolist(), greedy.tolist()
         for name, n, kind in rules:
-            k = 0
-            while k < len(ids):
-                if kind.startswith("chain"):
-                    top2 = [row[:2] for row in ids[k][:n]]
-                    tokens = distinct_drafts(top2) if kind == "chain-norepeat" else [row[0] for row in top2]
-                    parents = list(range(-1, len(tokens) - 1))
-                else:
-                    tokens, parents = draft_tree(ids[k], logp[k], n, skip_repeats=kind == "tree-norepeat")
-                depths = tree_depths(parents)
-                # on the target's greedy answer, its choice after a node of depth d is the answer's token d + 1
-                row = greedy[k]
-                a = len(accepted_path(tokens, parents, lambda node: row[depths[node]] if node >= 0 and depths[node] < len(row)
-                                      else (row[0] if node < 0 else None))) + 1
-                rounds[name][categories[ex["id"]]].append(a)
-                per_example[name].setdefault(ex["id"], []).append(a)
-                k += a
+            path = walk_rounds(acceptance(kind, n, ids, logp, greedy).tolist())
+            rounds[name][categories[ex["id"]]] += path
+            per_example[name][ex["id"]] = path
         print(f"[{e}/{len(examples)}] {ex['id']}: {len(ids)} anchors; " + ", ".join(
             f"{name} {sum(rounds[name][categories[ex['id']]]) / len(rounds[name][categories[ex['id']]]):.2f}"
-            for name in ("chain5", "tree5", "chain8", "tree16") if name in rounds)
+            for name in ("chain5", "tree5", "chain8", "tree15") if name in rounds)
             + f" ({time.perf_counter() - started:.0f} s)", flush=True)
     report = {"model": args.model, "drafter": str(args.drafter), "dtype": args.dtype, "device": str(target.device),
               "new_tokens": args.new_tokens, "top_k": args.top_k, "block_size": block, "examples": len(examples),

@@ -244,6 +244,19 @@ def linear_argmax(hidden: torch.Tensor, head: torch.Tensor, chunk_rows: int = 40
     return out.reshape(*hidden.shape[:-1], *([2] if top2 else []))
 
 
+def linear_top(hidden: torch.Tensor, head: torch.Tensor, k: int, chunk_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` best tokens of `hidden @ head^T` (hidden [..., H]) and their log-probabilities, each [..., k], a chunk of
+    rows at a time (a tree's choices at every block position: `draft_tree`)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    ids = torch.empty(flat.shape[0], k, dtype=torch.long, device=hidden.device)
+    logp = torch.empty(flat.shape[0], k, dtype=torch.float32, device=hidden.device)
+    for start in range(0, flat.shape[0], chunk_rows):
+        logits = torch.nn.functional.linear(flat[start : start + chunk_rows].to(head.dtype), head).float()
+        top = logits.log_softmax(-1).topk(k, dim=-1)
+        ids[start : start + chunk_rows], logp[start : start + chunk_rows] = top.indices, top.values
+    return ids.reshape(*hidden.shape[:-1], k), logp.reshape(*hidden.shape[:-1], k)
+
+
 def distinct_drafts(top2: list[list[int]]) -> list[int]:
     """One block's drafts where none repeats the draft just before it (`no_repeat`): the drafter's first choice at
     each position, its second where the first equals the draft chosen one position earlier. Why: the drafter fills
@@ -311,6 +324,21 @@ def accepted_path(tokens: list[int], parents: list[int], next_token) -> list[int
             return path
         path.append(child)
         node = child
+
+
+def tree_acceptance(ids: torch.Tensor, logp: torch.Tensor, target: torch.Tensor, nodes: int,
+                    skip_repeats: bool = False) -> torch.Tensor:
+    """Greedy acceptance per block of a `draft_tree` of `nodes` drafts from each block's choices (ids / logp
+    [N, B-1, k], best first) against the target's argmax at the block's positions [N, B-1] (on a greedy answer the
+    target's token after a matched path of depth d is the answer's token d + 1): 1..B, bonus included, as
+    `acceptance_lengths` counts a chain's."""
+    out = []
+    for block_ids, block_logp, greedy in zip(ids.tolist(), logp.tolist(), target.tolist()):
+        tokens, parents = draft_tree(block_ids, block_logp, nodes, skip_repeats)
+        depths = tree_depths(parents)
+        after = lambda node: greedy[0] if node < 0 else (greedy[depths[node]] if depths[node] < len(greedy) else None)  # noqa: E731
+        out.append(len(accepted_path(tokens, parents, after)) + 1)
+    return torch.tensor(out, dtype=torch.long)
 
 
 def weighted_block_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,9 @@ import torch
 from ..distill import pad_right
 from ..errors import QdflashError
 from ..ops import tap_features
-from .blocks import (IGNORE, acceptance_lengths, answer_offsets, batch_attention_mask, block_inputs, block_mask_mod,
-                     distinct_drafts, linear_argmax, sample_anchors, weighted_linear_block_loss_parts)
+from .blocks import (IGNORE, TREE_TOP_K, acceptance_lengths, answer_offsets, batch_attention_mask, block_inputs,
+                     block_mask_mod, distinct_drafts, linear_argmax, linear_top, sample_anchors, tree_acceptance,
+                     weighted_linear_block_loss_parts)
 from .model import Drafter
 
 
@@ -338,12 +339,13 @@ def batch_loss(drafter: Drafter, target, examples: list[dict], weights: torch.Te
 @torch.no_grad()
 def anchor_acceptance(drafter: Drafter, target, drawn: list[tuple[dict, torch.Tensor]], *, batch_size: int = 1,
                       attention: str = "sdpa", length_multiple: int | None = None, width: int | None = None,
-                      no_repeat: bool = False):
+                      no_repeat: bool = False, tree_nodes: int | None = None):
     """For each (example, anchors) of `drawn`, in order: (example, anchors, the greedy acceptance length of the block
     at each anchor [A], the example's padded loss mask). Examples go `batch_size` at a time through one target pass
     and one drafter forward; the drafter is in eval mode meanwhile. `length_multiple`: every batch is padded to one
     length (the longest example, rounded up) and `width` anchors (default: the most any example has), i.e. one
-    shape (flex). `no_repeat`: the drafts of decoding's `no_repeat` rule (`blocks.distinct_drafts`)."""
+    shape (flex). `no_repeat`: the drafts of decoding's `no_repeat` rule (`blocks.distinct_drafts`); `tree_nodes`: a
+    tree of that many drafts a block instead of a chain (`blocks.tree_acceptance`, decoding's `tree_nodes`)."""
     if not drawn:
         return
     device = next(drafter.parameters()).device
@@ -362,9 +364,15 @@ def anchor_acceptance(drafter: Drafter, target, drawn: list[tuple[dict, torch.Te
             input_ids, loss_masks, anchors, valid = padded_batch([ex for ex, _ in chunk], [a for _, a in chunk], length, width)
             features, greedy = target_pass(target, input_ids.to(device), drafter.config.target_layer_ids)
             hidden, _ = draft_blocks(drafter, features, input_ids, loss_masks, anchors, valid, attention, head=False)
+            greedy = greedy.cpu()
+            if tree_nodes is not None:
+                ids, logp = (x.cpu() for x in linear_top(hidden[:, :, 1:], drafter.head_weight(), TREE_TOP_K))
+                for i, (ex, a) in enumerate(chunk):
+                    yield ex, a, tree_acceptance(ids[i, : a.numel()], logp[i, : a.numel()],
+                                                 greedy[i][a[:, None] + offsets[None, :]], tree_nodes, no_repeat), loss_masks[i]
+                continue
             # [n, A, B-1] (no [.., V] logits held)
             draft = linear_argmax(hidden[:, :, 1:], drafter.head_weight(), top2=no_repeat).cpu()
-            greedy = greedy.cpu()
             for i, (ex, a) in enumerate(chunk):
                 drafts = draft[i, : a.numel()]
                 if no_repeat:
@@ -430,11 +438,21 @@ def first_answer(loss_mask: torch.Tensor) -> tuple[int, int] | None:
     return start, start + (int(untrained[0]) if untrained.numel() else mask.numel() - start)
 
 
+def walk_rounds(acceptance: list[int]) -> list[int]:
+    """Decoding's rounds over per-anchor acceptance lengths: the first at anchor 0, each next one where the last
+    stopped (the anchor + its length), while there is an anchor."""
+    path, k = [], 0
+    while k < len(acceptance):
+        path.append(acceptance[k])
+        k += acceptance[k]
+    return path
+
+
 def walk_acceptance(drafter: Drafter, target, examples: list[dict], *, max_tokens: int,
                     categories: dict[str, str] | None = None, batch_size: int = 1, attention: str = "sdpa",
-                    length_multiple: int | None = None, no_repeat: bool = False) -> dict:
-    """Greedy speculative decoding's own rounds on (greedy) held-out answers, without decoding (`no_repeat`: with
-    decoding's rule of that name).
+                    length_multiple: int | None = None, no_repeat: bool = False, tree_nodes: int | None = None) -> dict:
+    """Greedy speculative decoding's own rounds on (greedy) held-out answers, without decoding (`no_repeat`,
+    `tree_nodes`: with decoding's rules of those names).
 
     `estimate_acceptance` draws its anchors anywhere in an answer; a decoding round starts where the last one
     stopped, i.e. right after the target overruled a draft (or after a whole block). Here every position of each
@@ -460,12 +478,8 @@ def walk_acceptance(drafter: Drafter, target, examples: list[dict], *, max_token
     rounds: list[torch.Tensor] = []
     by_category: dict[str, list[torch.Tensor]] = defaultdict(list)
     for ex, _, acc, _ in anchor_acceptance(drafter, target, walked, batch_size=batch_size, attention=attention,
-                                           length_multiple=length_multiple, no_repeat=no_repeat):
-        acc, path, k = acc.tolist(), [], 0
-        while k < len(acc):  # the rounds: anchor a[k] commits acc[k] tokens, the next round starts there
-            path.append(acc[k])
-            k += acc[k]
-        lengths = torch.tensor(path)
+                                           length_multiple=length_multiple, no_repeat=no_repeat, tree_nodes=tree_nodes):
+        lengths = torch.tensor(walk_rounds(acc.tolist()))
         rounds.append(lengths)
         if categories:
             by_category[categories.get(ex["id"], "unknown")].append(lengths)
@@ -477,5 +491,5 @@ def walk_acceptance(drafter: Drafter, target, examples: list[dict], *, max_token
     return result
 
 
-__all__ = ["IGNORE", "LABELS", "FeatureCache", "anchor_acceptance", "anchored_examples", "batch_loss", "check_labels", "draft_blocks", "estimate_acceptance", "first_answer", "pad_anchors", "pad_right", "walk_acceptance",
+__all__ = ["IGNORE", "LABELS", "FeatureCache", "anchor_acceptance", "anchored_examples", "batch_loss", "check_labels", "draft_blocks", "estimate_acceptance", "first_answer", "pad_anchors", "pad_right", "walk_acceptance", "walk_rounds",
            "target_labels", "target_pass", "teacher_states"]
