@@ -808,7 +808,7 @@ def second_choice_logits(monkeypatch, cls, reference, prompt_len, vocab):
 def test_tree_verification_keeps_the_greedy_output(fixture, nodes, window, path, request):
     """A tree of drafts (a random drafter's best paths), verified in one forward each round, emits exactly the
     autoregressive tokens (fp32): on transformers' forward, on the lean engine's eager tree step and through the
-    static step a graph captures (every round replays it)."""
+    static step a graph captures (every round replays it), the drafts then from the drafter's static engine."""
     import dataclasses
 
     from qdflash.engine import build_engine
@@ -825,8 +825,12 @@ def test_tree_verification_keeps_the_greedy_output(fixture, nodes, window, path,
             engine.capture([nodes + 1], drafter.config.target_layer_ids, cuda_graphs=False, lengths=[48], tree=True)
             find = engine.graph_for
             engine.graph_for = lambda t, layer_ids, end, tree=False: hits.append(tree) or find(t, layer_ids, end, tree)
+            drafter.engine = DrafterEngine(drafter, max_len=64, smallest_bucket=8)
         target = dataclasses.replace(target, engine=engine)
-    out = speculative_generate(target, drafter, ids, new, tree_nodes=nodes, window=window)
+    try:
+        out = speculative_generate(target, drafter, ids, new, tree_nodes=nodes, window=window)
+    finally:
+        drafter.engine = None
     assert out.tokens == reference
     if path == "lean_graphs":
         assert hits.count(True) == len(out.acceptance_lengths)
