@@ -715,14 +715,14 @@ def test_distinct_drafts_takes_the_second_choice_only_where_the_first_repeats_th
     assert distinct_drafts([[4, 6]]) == [4] and distinct_drafts([]) == []  # the first draft is the first choice
 
 
-def ranked_logits(monkeypatch, cls, reference, prompt_len, vocab, wrong, scores=(2.0, 1.0)):
+def ranked_logits(monkeypatch, cls, reference, prompt_len, vocab, wrong, scores=(2.0, 1.0), rest=0.0):
     """`draft_logits` whose first choice at block position k is `wrong(k, token, before)` where that gives a token (the
     reference token then second), else the reference continuation `token` (`before`: the reference token before it);
-    `scores`: the logits of the first and the second choice (every other token's: 0)."""
+    `scores`: the logits of the first and the second choice, `rest`: every other token's."""
 
     def draft_logits(self, last_token, position):
         b = self.drafter.block_size
-        logits = torch.zeros(b, vocab)
+        logits = torch.full((b, vocab), rest)
         for k in range(1, b):
             i = position + k - prompt_len
             token = reference[i] if 0 <= i < len(reference) else 7
@@ -797,9 +797,10 @@ def test_draft_tree_takes_the_most_probable_paths_and_accepted_path_follows_the_
 
 
 def second_choice_logits(monkeypatch, cls, reference, prompt_len, vocab):
-    """A first choice always wrong (the reference token + 1), the reference token a close second (a path of second
-    choices then ranks above the longer paths of first choices)."""
-    ranked_logits(monkeypatch, cls, reference, prompt_len, vocab, lambda k, token, before: (token + 1) % vocab, (3.0, 2.5))
+    """A first choice always wrong (the reference token + 1), the reference token a close second and every other token
+    far behind (a path of second choices then ranks above longer paths of first choices and above third choices)."""
+    ranked_logits(monkeypatch, cls, reference, prompt_len, vocab, lambda k, token, before: (token + 1) % vocab, (3.0, 2.9),
+                  rest=-20.0)
 
 
 @pytest.mark.parametrize("fixture", ["varied_llama", "tiny_qwen2"])

@@ -273,7 +273,8 @@ def distinct_drafts(top2: list[list[int]]) -> list[int]:
     return out
 
 
-TREE_TOP_K = 4  # choices per block position a tree may branch into (scripts/investigations/draft_trees.py)
+TREE_TOP_K = 8  # choices per block position a tree may branch into: 8 walked +0.05 tau over 4 at 15 nodes
+#                (results/published/2026-12-04-cpu-draft-trees, topk8.log)
 
 
 def draft_tree(top_ids: list[list[int]], top_logp: list[list[float]], nodes: int,
