@@ -5,7 +5,7 @@ The filler prompt is `bench.bucket_cases`' own ("Continue: " + the cat sentence 
 one short cycle repeated, so every draft position could be right. This decodes it twice with the same
 drafter and target (fp32, greedy, lossless either way):
 - as served (`--verify` tokens, the whole block after a long accept when `--adaptive`), and
-- verifying the whole block every round,
+- verifying the whole block every round, and with `--tree-nodes N` verifying trees of N drafts (`tree_nodes`),
 and reports tau, the acceptance-length histogram and, from the whole-block pass, how often each draft
 position was right given that every earlier one was (where the drafter's reach ends).
 
@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--verify", type=int, default=6)
     ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--no-repeat", action="store_true", help="drafts by decoding's no_repeat rule (blocks.distinct_drafts)")
+    ap.add_argument("--tree-nodes", type=int, default=None, help="also decode verifying trees of N drafts (spec's tree_nodes)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="bfloat16: the served dtype; outputs may then differ from greedy at near-ties (reported)")
@@ -80,10 +81,12 @@ def main() -> None:
     print(f"greedy answer: {len(answer)} tokens, period {cycle} ({time.perf_counter() - started:.0f} s)")
     report = {"model": args.model, "drafter": str(args.drafter), "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
               "block_size": drafter.block_size, "no_repeat": args.no_repeat, "answer_period": cycle, "answer_head": tok.decode(answer[:48])}
-    for name, verify, adaptive in (("served", args.verify, args.adaptive), ("whole_block", None, False)):
+    runs = [("served", args.verify, args.adaptive, None), ("whole_block", None, False, None)]
+    runs += [("tree", None, False, args.tree_nodes)] if args.tree_nodes else []
+    for name, verify, adaptive, tree in runs:
         started = time.perf_counter()
         out = speculative_generate(target, drafter, [ids], args.new_tokens, verify_tokens=verify, verify_adaptive=adaptive,
-                                   no_repeat=args.no_repeat)
+                                   no_repeat=args.no_repeat, tree_nodes=tree)
         if args.dtype == "float32":
             assert out.tokens == answer, f"{name}: speculative output differs from greedy (fp32 must be exact)"
         same = next((i for i, (x, y) in enumerate(zip(out.tokens, answer)) if x != y), None)
@@ -93,7 +96,7 @@ def main() -> None:
         overruled = collections.Counter(
             (a, tok.decode([out.tokens[e + a - 1]]), tok.decode([r]))
             for e, a, r in zip(ends, out.acceptance_lengths, out.rejected) if r >= 0 and e + a - 1 < len(out.tokens))
-        report[name] = {"verify_tokens": verify, "adaptive": adaptive, "tau": round(out.tau, 3), "rounds": len(out.acceptance_lengths),
+        report[name] = {"verify_tokens": verify, "adaptive": adaptive, "tree_nodes": tree, "tau": round(out.tau, 3), "rounds": len(out.acceptance_lengths),
                         "acceptance_lengths": out.acceptance_lengths, "verify_lengths": out.verify_lengths,
                         "first_difference": same, "histogram": dict(sorted(hist.items())),
                         "overruled": [{"draft_position": k, "target": t, "drafted": d, "rounds": c}
@@ -102,7 +105,7 @@ def main() -> None:
               + "; ".join(f"{k} {t!r}->{d!r} x{c}" for (k, t, d), c in overruled.most_common(6)))
         print(f"{name}: tau {out.tau:.2f} over {len(out.acceptance_lengths)} rounds; histogram {dict(sorted(hist.items()))} "
               f"({time.perf_counter() - started:.0f} s)")
-        if verify is None:
+        if verify is None and tree is None:
             # a round accepting a drafts (acceptance a + 1 with the bonus) tried positions 1..a+1 and got
             # 1..a right: the conditional rate at position k is (rounds past k) / (rounds that reached k)
             reached = [sum(1 for a in out.acceptance_lengths if a - 1 >= k - 1) for k in range(1, drafter.block_size)]
