@@ -47,6 +47,17 @@ def prompts(chat_file: Path | None, per_kind: int) -> list[tuple[str, str]]:
     return out
 
 
+def data_answers(target, chat_file: Path) -> tuple[list[dict], dict[str, str]]:
+    """A data stage's held-out answers (the QAD target's, bf16 on the H200), first turn each, as walked examples and
+    their categories (`data-<category>`)."""
+    examples, categories = [], {}
+    for j, row in enumerate(json.loads(line) for line in chat_file.read_text().splitlines() if line.strip()):
+        ex = tokenize_conversation(target.tokenizer, row["messages"][:2], eos_token_ids=list(target.eos_token_ids))
+        examples.append({"id": f"data-{j}", **ex})
+        categories[f"data-{j}"] = f"data-{row.get('category', 'chat')}"
+    return examples, categories
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", type=Path, required=True, help="a drafter folder (config.json + model.safetensors)")
@@ -103,11 +114,10 @@ def main() -> None:
     report = {"model": args.model, "drafter": str(args.drafter), "new_tokens": args.new_tokens, "verify_tokens": args.verify,
               "adaptive": args.adaptive, "prompts": collections.Counter(kind for kind, _ in cases),
               "device": str(target.device), "dtype": args.dtype, "outputs_differing_from_greedy": dict(differ)}
-    if args.chat is not None:  # the run's held-out answers (the QAD target's, bf16 on the H200): the first turn
-        for j, row in enumerate(json.loads(line) for line in args.chat.read_text().splitlines() if line.strip()):
-            ex = tokenize_conversation(target.tokenizer, row["messages"][:2], eos_token_ids=list(target.eos_token_ids))
-            walked.append({"id": f"data-{j}", **ex})
-            categories[f"data-{j}"] = f"data-{row.get('category', 'chat')}"
+    if args.chat is not None:  # the run's held-out answers
+        data, data_categories = data_answers(target, args.chat)
+        walked += data
+        categories.update(data_categories)
     report["walk"] = {}
     for rule in ("argmax", "no_repeat"):
         walk = walk_acceptance(drafter, target, walked, max_tokens=args.new_tokens, categories=categories,

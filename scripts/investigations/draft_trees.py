@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_repeats import prompts  # noqa: E402  (the same prompts, in the same order, as the references)
+from draft_repeats import data_answers, prompts  # noqa: E402  (the same prompts, in the same order, as the references)
 
-from qdflash.data.chat import render_prompt_ids, tokenize_conversation  # noqa: E402
+from qdflash.data.chat import render_prompt_ids  # noqa: E402
 from qdflash.drafter import load_drafter  # noqa: E402
 from qdflash.drafter.blocks import (TREE_TOP_K, acceptance_lengths, distinct_drafts, linear_top,  # noqa: E402
                                     tree_acceptance)
@@ -117,10 +117,9 @@ def main() -> None:
                          "loss_mask": [0] * len(ids) + [1] * len(known[key])})
         categories[f"{kind}-{i}"] = kind
     if args.chat is not None:
-        for j, row in enumerate(json.loads(line) for line in args.chat.read_text().splitlines() if line.strip()):
-            ex = tokenize_conversation(target.tokenizer, row["messages"][:2], eos_token_ids=list(target.eos_token_ids))
-            examples.append({"id": f"data-{j}", **ex})
-            categories[f"data-{j}"] = f"data-{row.get('category', 'chat')}"
+        data, data_categories = data_answers(target, args.chat)
+        examples += data
+        categories.update(data_categories)
     budgets = [int(b) for b in args.budgets.split(",")]
     block = drafter.block_size
     rules = policies(budgets, block)
