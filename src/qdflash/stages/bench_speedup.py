@@ -125,7 +125,8 @@ def main(cfg: DictConfig, run: NodeRun) -> None:
             if tau_n and window is None and "spec_qad_stage2" in kept else [])
     # this project's loops run on the lean engine where the family has one (transformers' forward otherwise);
     # its caches hold the longest prompt and answer of the timed runs and of the tau pass
-    longest = max(len(c.ids) + c.max_new_tokens for c in cases + wide) + stage1_16.block_size + 1
+    # (and a round's block or tree past the last token)
+    longest = max(len(c.ids) + c.max_new_tokens for c in cases + wide) + max(stage1_16.block_size, tree or 0) + 1
     # bench.compile: every captured step (decode, verify, draft) through torch.compile, so the AR and the
     # speculative methods run the same fused steps; CUDA graphs only (a CPU run would time compilation)
     compiled = bool(b.get("compile", False)) and cuda
