@@ -17,6 +17,9 @@ context. The same call serves a verify block of T tokens of one sequence: T "row
 row (stride 0) whose lengths are the tokens' own positions + 1 (`cached_attention(kernel=True)`).
 A row's result depends only on its own q, K / V, start and length (the chunking is a function of
 those), so a token attends exactly as it would in a decode step of one token at that position.
+A tree of drafts (`spec.speculative_generate(tree_nodes=)`) is such a block whose rows all end at the
+tree's last node; each row then sees the cache before the tree and only the nodes whose bit is set in its
+int64 mask (its ancestors and itself), so a node attends as the last token of its own path would.
 """
 
 from __future__ import annotations
