@@ -47,6 +47,18 @@ def prompts(chat_file: Path | None, per_kind: int) -> list[tuple[str, str]]:
     return out
 
 
+def load_checked(args, script: str):
+    """The target (`args.model`, in `args.dtype` on `args.device`) and the drafter `args.drafter` on it, in its
+    dtype; a folder that is not a drafter is a one-line error naming `script`, said before the target loads (~10 s)."""
+    try:
+        check_drafter_folder(args.drafter)
+    except QdflashError as err:
+        raise SystemExit(f"{script}: --drafter: {err}")
+    torch.manual_seed(0)
+    target = load_target(args.model, dtype=args.dtype, device=args.device)
+    return target, load_drafter(args.drafter, target, dtype=target.dtype)  # on the target's device, in its dtype
+
+
 def data_answers(target, chat_file: Path) -> tuple[list[dict], dict[str, str]]:
     """A data stage's held-out answers (the QAD target's, bf16 on the H200), first turn each, as walked examples and
     their categories (`data-<category>`)."""
@@ -76,13 +88,7 @@ def main() -> None:
                     help="bfloat16 (the served dtype): outputs may differ from greedy at near-ties, counted, not asserted")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    try:
-        check_drafter_folder(args.drafter)
-    except QdflashError as err:
-        raise SystemExit(f"draft_repeats: --drafter: {err}")
-    torch.manual_seed(0)
-    target = load_target(args.model, dtype=args.dtype, device=args.device)
-    drafter = load_drafter(args.drafter, target, dtype=target.dtype)  # on the target's device, in its dtype
+    target, drafter = load_checked(args, "draft_repeats")
     differ = collections.Counter()
     cases = prompts(args.chat, args.per_kind)
     lengths = {rule: collections.defaultdict(list) for rule in ("argmax", "no_repeat")}

@@ -33,17 +33,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_repeats import data_answers, prompts  # noqa: E402  (the same prompts, in the same order, as the references)
+from draft_repeats import data_answers, load_checked, prompts  # noqa: E402  (the same prompts, in the same order, as the references)
 
 from qdflash.data.chat import render_prompt_ids  # noqa: E402
-from qdflash.drafter import load_drafter  # noqa: E402
 from qdflash.drafter.blocks import (TREE_TOP_K, acceptance_lengths, distinct_drafts, linear_top,  # noqa: E402
                                     tree_acceptance)
-from qdflash.drafter.model import check_drafter_folder  # noqa: E402
 from qdflash.drafter.train import (draft_blocks, first_answer, padded_batch, target_pass, walk_acceptance,  # noqa: E402
                                    walk_rounds)
-from qdflash.errors import QdflashError  # noqa: E402
-from qdflash.models import load_target  # noqa: E402
 from qdflash.spec import speculative_generate  # noqa: E402
 
 
@@ -97,14 +93,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    try:
-        check_drafter_folder(args.drafter)
-    except QdflashError as err:
-        raise SystemExit(f"draft_trees: --drafter: {err}")
     if not args.references.is_file():
         raise SystemExit(f"draft_trees: --references {args.references}: no such file (write it with draft_repeats.py --references)")
-    target = load_target(args.model, dtype=args.dtype, device=args.device)
-    drafter = load_drafter(args.drafter, target, dtype=target.dtype).eval()
+    target, drafter = load_checked(args, "draft_trees")
+    drafter.eval()
     known = json.loads(args.references.read_text())
     examples, categories = [], {}
     for i, (kind, text) in enumerate(prompts(args.chat, args.per_kind), 1):

@@ -29,6 +29,7 @@ import argparse
 import collections
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -36,12 +37,11 @@ import torch
 
 from qdflash import bench
 from qdflash.data.chat import render_prompt_ids
-from qdflash.drafter import load_drafter
-from qdflash.drafter.model import check_drafter_folder
-from qdflash.errors import QdflashError
 from qdflash.drafter.train import anchor_acceptance
-from qdflash.models import load_target
 from qdflash.spec import autoregressive_generate, speculative_generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_repeats import load_checked  # noqa: E402  (the studies' drafter and target, loaded one way)
 
 
 def main() -> None:
@@ -59,14 +59,7 @@ def main() -> None:
                     help="bfloat16: the served dtype; outputs may then differ from greedy at near-ties (reported)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    # before the target loads (~10 s): a folder that is not a drafter is a one-line error, not a traceback
-    try:
-        check_drafter_folder(args.drafter)
-    except QdflashError as err:
-        raise SystemExit(f"filler_rounds: --drafter: {err}")
-    torch.manual_seed(0)
-    target = load_target(args.model, dtype=args.dtype, device=args.device)
-    drafter = load_drafter(args.drafter, target, dtype=target.dtype)  # on the target's device, in its dtype
+    target, drafter = load_checked(args, "filler_rounds")
     tok = target.tokenizer
     unit = len(tok(bench.FILLER, add_special_tokens=False)["input_ids"])
     ids = render_prompt_ids(tok, "Continue: " + bench.FILLER * max(1, (args.prompt_tokens - 20) // unit))
