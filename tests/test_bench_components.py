@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
     """The two scripts are independent: side by side on 2 cores, one thread each (each test reads its own)."""
     folder = tmp_path_factory.mktemp("bench-scripts")
     started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
-                                     "--w4-head", "--compile", "aot_eager"),
+                                     "--w4-head", "--compile", "aot_eager", "--unfused-gdn"),
                "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
                                "--attention", "sdpa,kernel", "--kernels", "on"),
                # --compile (traced with aot_eager: Triton's interpreter does not run under dynamo, so sdpa here)
@@ -56,6 +56,8 @@ def test_component_bench_runs_on_the_cpu(runs):
         assert r[f"{label}.decode_ms"] > 0 and r[f"{label}.verify_ms"] > 0 and r[f"{label}.bound_ms"] > 0
         assert r[f"{label}.graph_vs_eager_max_abs"] == 0.0
     assert r["drafter16.step_ms"] > 0 and r["drafter_w4.step_ms"] > 0
+    # --unfused-gdn: without the kernels (the CPU) fused and unfused are one torch path, so the arm says so instead
+    assert r["target16_unfused_gdn"].startswith("skipped: the engine's kernels are off") and not any(k.startswith("fused_gdn.") for k in r)
     assert r["target_w4.quantized_layers"] > 0 and ("w4a16_rel_err@1" in r or r["w4a16_check"].startswith("no packed"))
     # --w4-head: then the same W4 target with its LM head quantized, in the same process
     assert r["target_w4_head.decode_ms"] > 0 and r["target_w4_head.graph_vs_eager_max_abs"] == 0.0

@@ -228,12 +228,24 @@ def test_a_quantized_lm_head_runs_in_the_engine_the_drafter_and_the_loop(family,
     assert speculative_generate(fast, drafter, prompt, 16).tokens == reference
 
 
-def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen):
-    """kernels=True: the Gated DeltaNet recurrence runs in the Triton kernel (its interpreter here),
-    keeps per-position states, and a rollback into a block still predicts what a fresh forward does."""
+def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, monkeypatch):
+    """kernels=True: the Gated DeltaNet recurrence runs in the Triton kernels (their interpreter here): a
+    20-token prompt through the unfused layer and the recurrence kernel, a verify block and a decode step
+    through the fused layer middle (gated_delta_step). Both keep per-position states, and a rollback into
+    a block still predicts what a fresh forward does."""
     pytest.importorskip("triton")
+    import qdflash.engine.qwen3_5 as qwen3_5
+    from qdflash.kernels.gated_delta import gated_delta_step
+
+    calls = []
+
+    def counted(qkvz, *args, **kwargs):
+        calls.append(qkvz.shape[0])
+        return gated_delta_step(qkvz, *args, **kwargs)
+
+    monkeypatch.setattr(qwen3_5, "gated_delta_step", counted)
     engine = build_engine(tiny_qwen, max_len=64, kernels=True)
-    assert engine.kernels
+    assert engine.kernels and engine.fuse_gdn
     x = ids(6, 20)
     logits, _ = engine.forward(x, 0)
     torch.testing.assert_close(logits, tiny_qwen.model(input_ids=x[None]).logits[0], atol=1e-4, rtol=1e-4)
@@ -242,6 +254,8 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen):
     after, _ = engine.forward(torch.tensor([777]), 21)
     expected = tiny_qwen.model(input_ids=torch.cat([x, torch.tensor([101, 777])])[None]).logits[0, -1]
     torch.testing.assert_close(after[-1], expected, atol=1e-4, rtol=1e-4)
+    layers = tiny_qwen.model.config.layer_types.count("linear_attention")
+    assert calls == [4] * layers + [1] * layers, "the prompt unfused; the block and the step fused, every GDN layer"
 
 
 def test_bf16_engine_keeps_the_residual_in_fp32(smollm2):

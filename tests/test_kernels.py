@@ -82,6 +82,71 @@ def test_gated_delta_kernel_equals_torch_loop(tokens, dv):
     assert not torch.equal(states[0], states[-1]), "the state moved (the test can fail)"
 
 
+def gdn_middle_reference(qkvz, x, conv_w, ba_w, decay, dt_bias, key_heads, dk, state):
+    """The unfused layer middle (engine.qwen3_5's `_delta_net` between its projections) over a whole
+    sequence from position 0: causal conv, silu, l2norm, gates, recurrence. Returns o and the states."""
+    from qdflash.engine.qwen3_5 import l2norm
+
+    heads, dv, kw = state.shape[0], state.shape[2], conv_w.shape[-1]
+    key_dim, conv_dim = key_heads * dk, conv_w.shape[0]
+    window = torch.cat([torch.zeros(kw - 1, conv_dim), qkvz[:, :conv_dim]])
+    mixed = torch.nn.functional.silu(torch.nn.functional.conv1d(window.T[None], conv_w, groups=conv_dim)[0].T)
+    t = mixed.shape[0]
+    q, k, v = mixed.split([key_dim, key_dim, heads * dv], dim=-1)
+    rep = heads // key_heads
+    q = l2norm(q.reshape(t, key_heads, dk)).repeat_interleave(rep, -2) / dk ** 0.5
+    k = l2norm(k.reshape(t, key_heads, dk)).repeat_interleave(rep, -2)
+    b, a = (x @ ba_w.T).split([heads, heads], dim=-1)
+    states = torch.zeros(t + 1, *state.shape)
+    out = recurrence_torch(q, k, v.reshape(t, heads, dv), decay * torch.nn.functional.softplus(a + dt_bias),
+                           torch.sigmoid(b), state.clone(), states)
+    return out, states
+
+
+@pytest.mark.parametrize("ba_weight", [True, False])
+def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight):
+    """gated_delta_step (conv + silu + l2norm + gates + recurrence in one launch) fed a sequence in pieces
+    (a prompt from position 0, a decode step, verify blocks; history from its buffer and from the block)
+    gives the unfused layer's outputs and states, writes the block's conv inputs to the buffer, and each
+    token's output is bit for bit the same whether it came in a block or in a one-token step."""
+    from qdflash.kernels.gated_delta import gated_delta_step
+
+    g = torch.Generator().manual_seed(3)
+    key_heads, heads, dk, dv, kw, hidden, tokens = 2, 4, 16, 16, 4, 48, 12
+    key_dim = key_heads * dk
+    conv_dim = 2 * key_dim + heads * dv
+    conv_w = torch.randn(conv_dim, 1, kw, generator=g) * 0.5
+    ba_w = torch.randn(2 * heads, hidden, generator=g) * 0.3
+    decay, dt_bias = -torch.rand(heads, generator=g), torch.randn(heads, generator=g)
+    qkvz, x = torch.randn(tokens, conv_dim + heads * dv, generator=g), torch.randn(tokens, hidden, generator=g)
+    state0 = torch.randn(heads, dk, dv, generator=g) * 0.1
+    ref, ref_states = gdn_middle_reference(qkvz, x, conv_w, ba_w, decay, dt_bias, key_heads, dk, state0)
+
+    def run(pieces):
+        conv_in, state, outs = torch.zeros(32, conv_dim, device=DEVICE), state0.clone().to(DEVICE), []
+        for start, end in pieces:
+            states = torch.zeros(end - start + 1, heads, dk, dv, device=DEVICE)
+            ba = ba_w if ba_weight else (x @ ba_w.T)[start:end]  # one product: its rows do not depend on how it is cut
+            outs.append(gated_delta_step(qkvz[start:end].to(DEVICE), conv_in, conv_w.to(DEVICE),
+                                         torch.arange(start, end, device=DEVICE), x[start:end].to(DEVICE), ba.to(DEVICE),
+                                         decay.to(DEVICE), dt_bias.to(DEVICE), state, states, key_heads=key_heads,
+                                         key_dim=key_dim, ba_weight=ba_weight))
+            torch.testing.assert_close(states.cpu(), ref_states[start:end + 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state.cpu(), ref_states[-1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(conv_in[:tokens].cpu(), qkvz[:, :conv_dim]) and not conv_in[tokens:].any()
+        return torch.cat(outs).cpu()
+
+    blocks = run([(0, 2), (2, 3), (3, 8), (8, 12)])  # 2 < kw - 1: the first block's history is the zero start
+    torch.testing.assert_close(blocks, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(run([(s, s + 1) for s in range(tokens)]), blocks)
+    with pytest.raises(QdflashError, match="1..16"):
+        gated_delta_step(torch.zeros(17, qkvz.shape[1]), torch.zeros(32, conv_dim), conv_w, torch.arange(17), torch.zeros(17, hidden),
+                         ba_w, decay, dt_bias, state0.clone(), key_heads=key_heads, key_dim=key_dim)
+    with pytest.raises(QdflashError, match="contiguous fp32"):
+        gated_delta_step(qkvz[:1], torch.zeros(32, conv_dim), conv_w, torch.arange(1), x[:1], ba_w, decay, dt_bias,
+                         state0.double(), key_heads=key_heads, key_dim=key_dim)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemv_equals_linear_and_is_used_only_where_tuned(dtype, monkeypatch):
     from qdflash.engine.linear import dense_linear

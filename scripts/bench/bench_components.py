@@ -17,6 +17,9 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
   step (norms, rotary, conv, recurrence, attention) costs on top of reading the weights;
 - the 16-bit target twice: with cuBLAS for every matmul (`target16_cublas`), then after
   `kernels.gemv.tune` picked the Triton GEMV for each 1-row shape where it beat cuBLAS (`target16`);
+- `--unfused-gdn`: the 16-bit target again with each Gated DeltaNet layer's middle unfused (the buffer write,
+  window, conv, silu / l2norm, gates, a / b matmul and recurrence as separate kernels, as before
+  `kernels.gated_delta.gated_delta_step` fused them into one launch), and `fused_gdn.*_speedup` (unfused over fused);
 - `--profile`: where a decode step's time goes, kernel by kernel (torch.profiler over graph replays),
   grouped into matmuls, recurrence, attention, fused elementwise (inductor) and the rest.
 Each time is set against its bound: bytes it must read (weights, recurrent states read and written,
@@ -211,6 +214,29 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
     }
 
 
+def unfused_gdn_arm(engine, args, device, layer_ids, bandwidth) -> dict:
+    """`target16_unfused_gdn`: the tuned 16-bit engine measured again with its GDN layers unfused (engine.fuse_gdn
+    False), and what the fused layer middle saves per decode step. The fused path runs only with the engine's
+    kernels; without them (the CPU) both are the same torch code, so the arm is skipped and says why."""
+    if not engine.kernels:
+        return {"target16_unfused_gdn": "skipped: the engine's kernels are off, so the GDN layers run one torch path"}
+    engine.fuse_gdn, engine.graphs = False, {}
+    try:
+        return measure_target(engine, args, device, layer_ids, bandwidth, "target16_unfused_gdn")
+    finally:
+        engine.fuse_gdn, engine.graphs = True, {}
+
+
+def fused_gdn_gains(result: dict) -> dict:
+    """Unfused over fused time of each step both arms measured (> 1: the fused layer middle is faster)."""
+    out = {}
+    for step in ("decode", "verify", "decode_compiled", "verify_compiled"):
+        fused, unfused = result.get(f"target16.{step}_ms"), result.get(f"target16_unfused_gdn.{step}_ms")
+        if fused and unfused:
+            out[f"fused_gdn.{step}_speedup"] = round(unfused / fused, 3)
+    return out
+
+
 def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int | None) -> dict:
     run = timer(device)
     drafter = init_drafter(target, block_size=args.block, **DRAFTERS[args.shape]).to(dtype)
@@ -293,6 +319,9 @@ def main() -> None:
                              "is ~40%% of a W4 step's bytes at 4B)")
     parser.add_argument("--reference-gbps", type=float, default=600.0,
                         help="a memory-bound reference device's bandwidth (GB/s) to compute the bounds at (A10G class: 600)")
+    parser.add_argument("--unfused-gdn", action="store_true",
+                        help="then also the 16-bit target with each GDN layer's middle unfused (conv, gates, a/b matmul, "
+                             "recurrence as separate kernels: the path before kernels.gated_delta.gated_delta_step), same process")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -316,6 +345,10 @@ def main() -> None:
     report(result, "target16_cublas", args.out)
     result.update(measure_target(engine16, args, device, layer_ids, bandwidth, "target16"))
     report(result, "target16", args.out)
+    if args.unfused_gdn:
+        result.update(unfused_gdn_arm(engine16, args, device, layer_ids, bandwidth))
+        result.update(fused_gdn_gains(result))
+        report(result, "target16_unfused_gdn", args.out)
     result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter16", None))
     result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter_w4", args.drafter_group))
     report(result, "drafter", args.out)

@@ -6,8 +6,10 @@ restores the exact state without feeding anything again (docs/recipe.md: "keep p
 verify"). Their causal-conv inputs live in a per-position buffer like a KV cache, so a rollback there
 is a change of length too. Every cache is a fixed buffer updated in place and positions are a tensor,
 so a decode step and a verify block can be captured as CUDA graphs (`qdflash.engine.graphs`).
-On a GPU the recurrence is one Triton kernel per layer (`qdflash.kernels.gated_delta`); on the CPU the
-same lines run in torch.
+On a GPU a decode step's or verify block's layer middle (buffer write, causal conv, silu, l2norm, gates with
+their a / b matmul, recurrence) is one Triton kernel per layer (`qdflash.kernels.gated_delta.gated_delta_step`;
+a longer prefill runs them apart, its recurrence in `gated_delta_recurrence`); on the CPU the same lines run
+in torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
+from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_step
 from .linear import Projection
 from ..ops import apply_rope, tap_features
 from .base import EngineBase, cached_attention
@@ -48,6 +51,9 @@ class LeanQwen35(EngineBase):
         c = model.config
         super().__init__(model, max_len, kernels, fp32_residual)
         self.max_block = max_block
+        # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
+        # False runs the unfused layer (the benchmark's side-by-side arm)
+        self.fuse_gdn = True
         dtype, device = self.dtype, self.device
         rope = c.rope_parameters
         # partial rotary: the first `rot` dims of a head rotate (text positions: mrope reduces to plain rope)
@@ -121,6 +127,8 @@ class LeanQwen35(EngineBase):
 
     def _delta_net(self, i, w, x, positions):
         la, t = w["la"], x.shape[0]
+        if self.kernels and self.fuse_gdn and t <= CHUNK:
+            return self._delta_net_fused(i, w, x, positions)
         mixed_in, z = w["qkvz"](x).split([la.conv_dim, la.value_dim], dim=-1)
         self.conv_in[i].index_copy_(0, positions, mixed_in)
         kernel = la.conv_kernel_size
@@ -130,12 +138,22 @@ class LeanQwen35(EngineBase):
         q, k, v, g, beta = self._gdn_inputs(w, mixed, x)
         states = self.block_states[i] if t <= self.max_block else None
         if self.kernels:
-            from ..kernels.gated_delta import gated_delta_recurrence
-
             out = gated_delta_recurrence(q, k, v, g, beta, self.state[i], states)
         else:
             out = recurrence_torch(q, k, v, g, beta, self.state[i], states)
         return self._gdn_out(w, out, z)
+
+    def _delta_net_fused(self, i, w, x, positions):
+        """`_delta_net` for a decode step or verify block with the kernels on: everything between the qkvz
+        and out projections but the gated norm in one launch (kernels.gated_delta.gated_delta_step)."""
+        la, t = w["la"], x.shape[0]
+        qkvz = w["qkvz"](x)
+        ba = w["ba"]
+        dense = isinstance(ba, Projection) and ba.weight is not None and ba.bias is None  # the dot runs in the kernel
+        out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dense else ba(x).contiguous(),
+                               w["decay"], w["dt_bias"], self.state[i], self.block_states[i] if t <= self.max_block else None,
+                               key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dense)
+        return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
 
     def _gdn_inputs(self, w, mixed, x):
         """q, k, v [..., T, heads, d] (fp32; q scaled), decay g and beta [..., T, heads] of the conv output."""

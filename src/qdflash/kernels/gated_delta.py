@@ -14,6 +14,14 @@ written to states[t + 1] (states[0] = the state before the block): a rejected dr
 copying one of them, with no token fed again (docs/recipe.md: "keep per-position states during verify").
 A decode step (T = 1) and a verify block run the same per-token arithmetic, so their outputs agree
 bit for bit.
+
+`gated_delta_step` is the same recurrence with what feeds it in the same launch: the causal conv over the
+projected inputs (reading earlier positions from the layer's conv-input buffer and writing this block's
+rows there), silu, the l2norm of q and k, and the gates from the a / b projection, whose dot products it
+computes itself (a 2 x heads-row matmul is a whole kernel launch otherwise). At batch 1 each of those was
+its own kernel of a few microseconds, launch-bound (results/published/2026-12-04-h200-components-marlin:
+~500 non-matmul kernels per Qwen3.5-4B decode step). It rounds to the model's dtype where the unfused
+layer's 16-bit outputs round, so the two paths differ only by summation order.
 """
 
 from __future__ import annotations
@@ -53,6 +61,100 @@ if triton is not None:
                 tl.store(states_ptr + (t + 1) * H * DK * DV + tile, s)
         tl.store(state_ptr + tile, s)
 
+    @triton.jit
+    def _gated_delta_step_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, x_ptr, ba_ptr, decay_ptr, dt_bias_ptr,
+                                 state_ptr, out_ptr, states_ptr, HV, HIDDEN, KEY_DIM, CONV_DIM, SCALE,
+                                 T: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                                 BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, BA_DOT: tl.constexpr,
+                                 STORE_STATES: tl.constexpr):
+        h = tl.program_id(0)
+        vb = tl.program_id(1)
+        rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        rk = tl.arange(0, DK)
+        rt = tl.arange(0, ROWS)
+        qc = (h // REP) * DK + rk  # this value head's query channels (key heads are shared by REP value heads)
+        kc = KEY_DIM + qc
+        vc = 2 * KEY_DIM + h * DV + rv
+        dt = qkvz_ptr.dtype.element_ty
+        start = tl.load(pos_ptr)  # the block's first position (positions are consecutive)
+        # the gates of every token first: b, a = x @ in_proj_b / a (the row of this head), rounded as the
+        # 16-bit projection's output would be. The tile is ROWS tall whatever T is, so each token's sums run
+        # in the same order in a decode step and in a verify block.
+        if BA_DOT:
+            acc_b = tl.zeros([ROWS], dtype=tl.float32)
+            acc_a = tl.zeros([ROWS], dtype=tl.float32)
+            for h0 in range(0, HIDDEN, BLOCK_H):
+                rh = h0 + tl.arange(0, BLOCK_H)
+                mh = rh < HIDDEN
+                xt = tl.load(x_ptr + rt[:, None] * HIDDEN + rh[None, :], mask=(rt[:, None] < T) & mh[None, :], other=0.0).to(tl.float32)
+                wb = tl.load(ba_ptr + h * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+                wa = tl.load(ba_ptr + (HV + h) * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+                acc_b += tl.sum(xt * wb[None, :], axis=1)
+                acc_a += tl.sum(xt * wa[None, :], axis=1)
+            b_all = acc_b.to(dt).to(tl.float32)
+            a_all = acc_a.to(dt).to(tl.float32)
+        else:  # ba_ptr: the projection's output [T, 2 * HV] (b heads, then a heads)
+            b_all = tl.load(ba_ptr + rt * 2 * HV + h, mask=rt < T, other=0.0).to(tl.float32)
+            a_all = tl.load(ba_ptr + rt * 2 * HV + HV + h, mask=rt < T, other=0.0).to(tl.float32)
+        u = a_all + tl.load(dt_bias_ptr + h).to(tl.float32)
+        e = tl.exp(u)
+        w = 1.0 + e
+        # softplus as torch's (threshold 20), log1p(e) to full precision where e is tiny (log(w) * e / (w - 1))
+        softplus = tl.where(u > 20.0, u, tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0)))
+        g_all = tl.load(decay_ptr + h) * softplus
+        beta_all = 1.0 / (1.0 + tl.exp(-b_all))
+
+        tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
+        s = tl.load(state_ptr + tile)
+        if STORE_STATES:
+            tl.store(states_ptr + tile, s)
+        for t in range(T):
+            p = start + t
+            # the causal conv at p over inputs p-KW+1..p: this block's rows from qkvz, earlier ones from the
+            # conv-input buffer (zero before the sequence start)
+            aq = tl.zeros([DK], dtype=tl.float32)
+            ak = tl.zeros([DK], dtype=tl.float32)
+            av = tl.zeros([BLOCK_V], dtype=tl.float32)
+            for j in tl.static_range(KW):
+                row = p - (KW - 1) + j
+                row_k = rk * 0 + row  # the row as vectors: the masks of the two sources
+                row_v = rv * 0 + row
+                src = qkvz_ptr + (row - start) * qkvz_stride
+                buf = conv_in_ptr + row * CONV_DIM
+                cur_k, old_k = row_k >= start, (row_k >= 0) & (row_k < start)
+                cur_v, old_v = row_v >= start, (row_v >= 0) & (row_v < start)
+                xq = tl.load(src + qc, mask=cur_k, other=0.0) + tl.load(buf + qc, mask=old_k, other=0.0)
+                xk = tl.load(src + kc, mask=cur_k, other=0.0) + tl.load(buf + kc, mask=old_k, other=0.0)
+                xv = tl.load(src + vc, mask=cur_v, other=0.0) + tl.load(buf + vc, mask=old_v, other=0.0)
+                aq += xq.to(tl.float32) * tl.load(conv_w_ptr + qc * KW + j).to(tl.float32)
+                ak += xk.to(tl.float32) * tl.load(conv_w_ptr + kc * KW + j).to(tl.float32)
+                av += xv.to(tl.float32) * tl.load(conv_w_ptr + vc * KW + j).to(tl.float32)
+            # silu, rounded where the unfused layer rounds (the conv's and the silu's 16-bit outputs)
+            aq = aq.to(dt).to(tl.float32)
+            ak = ak.to(dt).to(tl.float32)
+            av = av.to(dt).to(tl.float32)
+            qq = (aq / (1.0 + tl.exp(-aq))).to(dt).to(tl.float32)
+            kk = (ak / (1.0 + tl.exp(-ak))).to(dt).to(tl.float32)
+            vv = (av / (1.0 + tl.exp(-av))).to(dt).to(tl.float32)
+            qq = qq * (1.0 / tl.sqrt(tl.sum(qq * qq, axis=0) + 1e-6)) / SCALE  # l2norm, then 1/sqrt(dk)
+            kk = kk * (1.0 / tl.sqrt(tl.sum(kk * kk, axis=0) + 1e-6))
+            g = tl.sum(tl.where(rt == t, g_all, 0.0), axis=0)
+            beta = tl.sum(tl.where(rt == t, beta_all, 0.0), axis=0)
+            s = s * tl.exp(g)
+            delta = (vv - tl.sum(s * kk[:, None], axis=0)) * beta
+            s = s + kk[:, None] * delta[None, :]
+            tl.store(out_ptr + (t * HV + h) * DV + rv, tl.sum(s * qq[:, None], axis=0))
+            if STORE_STATES:
+                tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
+            # this token's conv inputs into the buffer (a later step reads them as history): each program its
+            # value channels, the first program of a key head its query and key channels
+            own = (rk * 0 + h % REP + vb) == 0
+            here = qkvz_ptr + t * qkvz_stride
+            tl.store(conv_in_ptr + p * CONV_DIM + vc, tl.load(here + vc))
+            tl.store(conv_in_ptr + p * CONV_DIM + qc, tl.load(here + qc, mask=own, other=0.0), mask=own)
+            tl.store(conv_in_ptr + p * CONV_DIM + kc, tl.load(here + kc, mask=own, other=0.0), mask=own)
+        tl.store(state_ptr + tile, s)
+
 
 CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs (a prefill) go in chunks
 
@@ -80,4 +182,43 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
     out = torch.empty(t, h, dv, device=q.device, dtype=torch.float32)
     _gated_delta_kernel[(h, dv // block_v)](q, k, v, g, beta, state, out, state if states is None else states, h, T=t,
                                             DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None)
+    return out
+
+
+def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states=None, *,
+                     key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = 32, block_h: int = 256):
+    """A Gated DeltaNet layer's middle for a decode step or verify block (T <= CHUNK tokens) in one launch:
+    the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
+    (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
+    g = decay * softplus(a + dt_bias) and beta = sigmoid(b) with b, a = x [T, hidden] @ `ba` [2H, hidden].T
+    (`ba_weight`; else `ba` is that product [T, 2H]), then the recurrence as `gated_delta_recurrence`.
+    `positions` [T]: consecutive, read on the device (a captured step's input). Returns o [T, H, dv] fp32.
+    What it replaces per layer (engine.qwen3_5's unfused path: the buffer write, the window gather, the conv,
+    silu / l2norm, the gates and the a / b matmul) is about eight launches, each a few microseconds at batch 1."""
+    if triton is None:
+        raise QdflashError("gated_delta_step needs triton")
+    t = qkvz.shape[0]
+    heads, dk, dv = state.shape
+    conv_dim, kw = conv_weight.shape[0], conv_weight.shape[-1]
+    if not 1 <= t <= CHUNK:
+        raise QdflashError(f"gated_delta_step: {t} tokens; it takes 1..{CHUNK} (a longer prefill runs the unfused layer)")
+    if conv_dim != 2 * key_dim + heads * dv or conv_in.shape[1] != conv_dim or heads % key_heads or key_dim != key_heads * dk:
+        raise QdflashError(f"gated_delta_step: conv_dim {conv_dim} (buffer {conv_in.shape[1]}) is not 2 x key_dim {key_dim} "
+                           f"+ {heads} heads x dv {dv}, or {key_heads} key heads do not split {heads} value heads")
+    if qkvz.stride(-1) != 1 or not (x.is_contiguous() and ba.is_contiguous() and conv_in.is_contiguous() and conv_weight.is_contiguous()):
+        raise QdflashError("gated_delta_step: qkvz rows, x, ba, conv_in and the conv weight must be contiguous")
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise QdflashError(f"gated_delta_step: the state must be contiguous fp32 (got {state.dtype})")
+    block_v = min(block_v, dv)
+    if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
+        raise QdflashError(f"gated_delta_step: dk={dk} and the value block {block_v} must be powers of two dividing dv={dv}")
+    if states is not None and (states.shape[0] < t + 1 or not states.is_contiguous()):
+        raise QdflashError(f"gated_delta_step: states must be contiguous with >= {t + 1} entries")
+    hidden = x.shape[-1]
+    out = torch.empty(t, heads, dv, device=qkvz.device, dtype=torch.float32)
+    _gated_delta_step_kernel[(heads, dv // block_v)](
+        qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, out,
+        state if states is None else states, heads, hidden, key_dim, conv_dim, float(dk ** 0.5),
+        T=t, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
+        ROWS=CHUNK, BA_DOT=ba_weight, STORE_STATES=states is not None)
     return out
