@@ -36,7 +36,8 @@ def runs(tmp_path_factory):
     """The two scripts are independent: side by side on 2 cores, one thread each (each test reads its own)."""
     folder = tmp_path_factory.mktemp("bench-scripts")
     started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
-                                     "--w4-head", "--compile", "aot_eager", "--unfused-gdn"),
+                                     "--w4-head", "--compile", "aot_eager", "--unfused-gdn",
+                                     "--hf-generate", "--hf-tokens", "8", "--hf-reps", "1"),
                "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
                                "--attention", "sdpa,kernel", "--kernels", "on"),
                # --compile (traced with aot_eager: Triton's interpreter does not run under dynamo, so sdpa here)
@@ -56,6 +57,11 @@ def test_component_bench_runs_on_the_cpu(runs):
         assert r[f"{label}.decode_ms"] > 0 and r[f"{label}.verify_ms"] > 0 and r[f"{label}.bound_ms"] > 0
         assert r[f"{label}.graph_vs_eager_max_abs"] == 0.0
     assert r["drafter16.step_ms"] > 0 and r["drafter_w4.step_ms"] > 0
+    # --hf-generate: transformers' static generate on the same model, compiled (here traced with aot_eager)
+    # (its step time is a difference of two wall times: no sign asserted, a loaded machine may stall either run)
+    assert set(r["hf_static.generate_ms"]) == {"8", "16"} and r["hf_static.graphs_compiled"] >= 1 and r["hf_static.compile"] == "aot_eager"
+    assert r["hf_static.over_target16.decode_compiled_ms"] == pytest.approx(
+        r["hf_static.decode_ms"] / r["target16.decode_compiled_ms"], rel=2e-3)
     # --unfused-gdn: without the kernels (the CPU) fused and unfused are one torch path, so the arm says so instead
     assert r["target16_unfused_gdn"].startswith("skipped: the engine's kernels are off") and not any(k.startswith("fused_gdn.") for k in r)
     assert r["target_w4.quantized_layers"] > 0 and ("w4a16_rel_err@1" in r or r["w4a16_check"].startswith("no packed"))

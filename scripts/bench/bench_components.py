@@ -20,6 +20,8 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
 - `--unfused-gdn`: the 16-bit target again with each Gated DeltaNet layer's middle unfused (the buffer write,
   window, conv, silu / l2norm, gates, a / b matmul and recurrence as separate kernels, as before
   `kernels.gated_delta.gated_delta_step` fused them into one launch), and `fused_gdn.*_speedup` (unfused over fused);
+- `--hf-generate`: transformers' own static compiled `generate` on the same 16-bit model at batch 1, its
+  decode step's time from two generation lengths (`hf_static_generate`), and over this engine's steps;
 - `--profile`: where a decode step's time goes, kernel by kernel (torch.profiler over graph replays),
   grouped into matmuls, recurrence, attention, fused elementwise (inductor) and the rest.
 Each time is set against its bound: bytes it must read (weights, recurrent states read and written,
@@ -214,6 +216,57 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
     }
 
 
+def hf_static_generate(model, args, device: str) -> dict:
+    """`hf_static.*`: transformers' own batch-1 decoding of the same 16-bit model, as a user gets it:
+    `generate` with a static cache, which compiles the decode step by itself on a GPU (torch.compile,
+    mode reduce-overhead: CUDA graphs). A decode step's time is the difference between generating
+    `--hf-tokens` more tokens and 8 after the same `--context`-token prompt (medians of `--hf-reps` runs
+    each, the prefill in both), divided by the extra tokens. One stopping rule ends both runs, so both
+    keep the same static cache size and compiled step. `--compile <backend>` (the CPU test) compiles
+    with that backend on any device instead. Whether transformers found its fused GDN kernels
+    (flash-linear-attention, causal-conv1d) is recorded: without them it runs their torch fallbacks."""
+    import importlib.util
+
+    from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
+
+    class StopAt(StoppingCriteria):
+        limit = 0
+
+        def __call__(self, ids, scores, **kwargs):
+            return torch.full((ids.shape[0],), ids.shape[1] >= self.limit, dtype=torch.bool, device=ids.device)
+
+    short, long = 8, 8 + args.hf_tokens
+    stop = StopAt()
+    config = CompileConfig() if isinstance(args.compile, bool) else CompileConfig(backend=args.compile, mode=None)
+    config._compile_all_devices = device != "cuda" and not isinstance(args.compile, bool)  # the CPU test's traced run
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.context), device=device)
+
+    def generate(new: int):
+        stop.limit = args.context + new
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=long, min_new_tokens=long, do_sample=False, cache_implementation="static",
+                                 compile_config=config, stopping_criteria=StoppingCriteriaList([stop]), pad_token_id=0)
+        if out.shape[1] != args.context + new:
+            raise RuntimeError(f"hf_static: generate made {out.shape[1] - args.context} tokens, asked for {new}")
+
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
+    t0 = time.perf_counter()
+    generate(long)  # compiles the decode step (and, in reduce-overhead mode, records its graphs over the next calls)
+    generate(long)
+    warmup_s = time.perf_counter() - t0
+    run = timer(device)
+    short_ms = run(lambda: generate(short), args.hf_reps, warmup=1)
+    long_ms = run(lambda: generate(long), args.hf_reps, warmup=1)
+    decode_ms = (long_ms - short_ms) / (long - short)
+    return {"hf_static.decode_ms": round(decode_ms, 4), "hf_static.tokens_per_s": round(1e3 / decode_ms, 1),
+            "hf_static.warmup_s": round(warmup_s, 1), "hf_static.generate_ms": {str(short): round(short_ms, 3), str(long): round(long_ms, 3)},
+            "hf_static.compile": str(config.backend), "hf_static.graphs_compiled": counters["stats"]["unique_graphs"] - graphs_before,
+            "hf_static.fla": importlib.util.find_spec("fla") is not None,
+            "hf_static.causal_conv1d": importlib.util.find_spec("causal_conv1d") is not None}
+
+
 def unfused_gdn_arm(engine, args, device, layer_ids, bandwidth) -> dict:
     """`target16_unfused_gdn`: the tuned 16-bit engine measured again with its GDN layers unfused (engine.fuse_gdn
     False), and what the fused layer middle saves per decode step. The fused path runs only with the engine's
@@ -322,6 +375,10 @@ def main() -> None:
     parser.add_argument("--unfused-gdn", action="store_true",
                         help="then also the 16-bit target with each GDN layer's middle unfused (conv, gates, a/b matmul, "
                              "recurrence as separate kernels: the path before kernels.gated_delta.gated_delta_step), same process")
+    parser.add_argument("--hf-generate", action="store_true",
+                        help="then transformers' static compiled generate on the same 16-bit model (hf_static.*, issue 23)")
+    parser.add_argument("--hf-tokens", type=int, default=64, help="--hf-generate: decode steps timed (beyond 8)")
+    parser.add_argument("--hf-reps", type=int, default=5, help="--hf-generate: runs of each length (median)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -345,6 +402,12 @@ def main() -> None:
     report(result, "target16_cublas", args.out)
     result.update(measure_target(engine16, args, device, layer_ids, bandwidth, "target16"))
     report(result, "target16", args.out)
+    if args.hf_generate:  # transformers' static compiled generate on the same 16-bit model, this process
+        result.update(hf_static_generate(target.model, args, device))
+        for step in ("decode_ms", "decode_compiled_ms"):
+            if f"target16.{step}" in result:
+                result[f"hf_static.over_target16.{step}"] = round(result["hf_static.decode_ms"] / result[f"target16.{step}"], 3)
+        report(result, "hf_static", args.out)
     if args.unfused_gdn:
         result.update(unfused_gdn_arm(engine16, args, device, layer_ids, bandwidth))
         result.update(fused_gdn_gains(result))
