@@ -375,6 +375,9 @@ def main() -> None:
     parser.add_argument("--unfused-gdn", action="store_true",
                         help="then also the 16-bit target with each GDN layer's middle unfused (conv, gates, a/b matmul, "
                              "recurrence as separate kernels: the path before kernels.gated_delta.gated_delta_step), same process")
+    parser.add_argument("--attention", choices=("sdpa", "kernel"), default="sdpa",
+                        help="the target engines' attention in decode steps and verify blocks (EngineBase.set_attention; "
+                             "kernel: the Triton decode attention, what the gpu profile serves with; needs the GPU)")
     parser.add_argument("--hf-generate", action="store_true",
                         help="then transformers' static compiled generate on the same 16-bit model (hf_static.*, issue 23)")
     parser.add_argument("--hf-tokens", type=int, default=64, help="--hf-generate: decode steps timed (beyond 8)")
@@ -395,7 +398,7 @@ def main() -> None:
     result["target.parameters"] = sum(p.numel() for p in target.model.parameters())
     max_len = args.context + 4 * args.block
     layer_ids = init_drafter(target, block_size=args.block, **DRAFTERS[args.shape]).config.target_layer_ids
-    engine16 = build_engine(target, max_len=max_len)
+    engine16 = build_engine(target, max_len=max_len, attention=args.attention)
     plain = argparse.Namespace(**{**vars(args), "compile": False, "profile": False})
     result.update(measure_target(engine16, plain, device, layer_ids, bandwidth, "target16_cublas"))
     result["gemv.tuned"] = engine16.tune_kernels()  # the GEMV against cuBLAS per shape ({} off the GPU)
@@ -417,7 +420,7 @@ def main() -> None:
     report(result, "drafter", args.out)
     del engine16
     result["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
-    engine4 = build_engine(target, max_len=max_len)
+    engine4 = build_engine(target, max_len=max_len, attention=args.attention)
     result["w4a16.tuned"] = engine4.tune_kernels()
     result.update(kernel_check(engine4, device))
     report(result, "w4a16", args.out)
@@ -428,7 +431,7 @@ def main() -> None:
     if args.w4_head:  # the same W4 target with its LM head on the W4 grid too, in this process (side by side)
         del engine4
         quantize_in_place(target.model, args.group, ["lm_head"])
-        engine4h = build_engine(target, max_len=max_len)
+        engine4h = build_engine(target, max_len=max_len, attention=args.attention)
         result["w4a16_head.tuned"] = engine4h.tune_kernels()
         result.update(measure_target(engine4h, args, device, layer_ids, bandwidth, "target_w4_head"))
         report(result, "target_w4_head", args.out)
