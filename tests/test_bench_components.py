@@ -67,7 +67,10 @@ def test_component_bench_runs_on_the_cpu(runs):
     assert r["target_w4.quantized_layers"] > 0 and ("w4a16_rel_err@1" in r or r["w4a16_check"].startswith("no packed"))
     # --w4-head: then the same W4 target with its LM head quantized, in the same process
     assert r["target_w4_head.decode_ms"] > 0 and r["target_w4_head.graph_vs_eager_max_abs"] == 0.0
-    assert r["w4_head_decode_speedup_over_16bit"] > 0 and "implied_speedup.tau3.0.target_w4_head+drafter_w4.vs_ar16" in r
+    assert r["w4_head_decode_speedup_over_16bit"] > 0 and "implied_speedup.tau3.0.target_w4_head+drafter_w4_head.vs_ar16" in r
+    # its drafter reads the head as the target now holds it (on the CPU: the dequantized weight, as many bytes)
+    assert r["drafter_w4_head.step_ms"] > 0 and r["drafter_w4_head.bytes"]["lm_head"] == r["drafter_w4.bytes"]["lm_head"]
+    assert "reference.implied_speedup.tau3.0.target_w4_head+drafter_w4_head.vs_ar16" in r
     assert r["reference.w4_head_decode_speedup_over_16bit"] >= r["reference.w4_decode_speedup_over_16bit"] * 0.999
     assert {k for k in r if k.startswith("implied_speedup.tau6.5")}
     # --compile (here traced with aot_eager): decode, verify and drafter steps compiled, and the round they imply

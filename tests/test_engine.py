@@ -226,6 +226,15 @@ def test_a_quantized_lm_head_runs_in_the_engine_the_drafter_and_the_loop(family,
     reference = autoregressive_generate(target, prompt, 16).tokens  # transformers' forward of the quantized model
     assert autoregressive_generate(fast, prompt, 16).tokens == reference
     assert speculative_generate(fast, drafter, prompt, 16).tokens == reference
+    # the static drafter reads the head as the engine does: packed where the kernels run (a block of rows through
+    # the W4 kernel: the dequantized product up to the order of its sums)
+    from qdflash.drafter.static import DrafterEngine
+
+    drafter.engine = DrafterEngine(drafter, 96, kernels=kernels)
+    assert (drafter.engine.head.words is not None) == kernels
+    h = torch.randn(4, model.config.hidden_size)
+    torch.testing.assert_close(drafter.engine.head(h), h @ head.dequantized_weight(torch.float32).T, atol=1e-4, rtol=1e-4)
+    assert speculative_generate(fast, drafter, prompt, 16).tokens == reference
 
 
 def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, monkeypatch):

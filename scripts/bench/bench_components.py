@@ -12,7 +12,9 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
   runs on the W4 backend tuning picks for its shape);
 - the drafter's step (5 layers, the recipe's shape, 16-bit and W4 group 128): the context features of
   `--block` newly accepted positions (fc + their K/V in every layer) + the block forward over the cached
-  context + the target's LM head on the block + argmax;
+  context + the target's LM head on the block + argmax; with `--w4-head` the W4 drafter again with its
+  block's logits through the target's 4-bit head (`drafter_w4_head`, paired with `target_w4_head`), as
+  DrafterEngine runs a quantized head;
 - the matmuls alone (every projection and the LM head at 1 row, in one graph): what the rest of a decode
   step (norms, rotary, conv, recurrence, attention) costs on top of reading the weights;
 - the 16-bit target twice: with cuBLAS for every matmul (`target16_cublas`), then after
@@ -52,7 +54,7 @@ from qdflash.drafter import init_drafter
 from qdflash.engine import build_engine
 from qdflash.engine.base import allow_compiles, compiled_step
 from qdflash.engine.graphs import restore, snapshot
-from qdflash.engine.linear import pack_linears, tune_projections
+from qdflash.engine.linear import head_projection, pack_linears, tune_projections
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
 from qdflash.quant.apply import replace_linears, select_linears
 from qdflash.quant.gptq import rtn_quantize
@@ -300,6 +302,9 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
         # the drafter's packed shapes (off the GPU its projections run no kernels: nothing is timed)
         tuned = tune_projections(m.projection for m in drafter.modules() if hasattr(m, "projection"))
     c = drafter.config
+    # the target's head as DrafterEngine runs it: packed where the target's head is quantized (kernels on)
+    dense_head = lm_head_weight(target.model)
+    head = head_projection(target.model, dense_head, dense_head.dtype, kernels=device == "cuda")
     feats = torch.randn(1, args.context, len(c.target_layer_ids) * c.hidden_size, device=device, dtype=dtype)
     pos = torch.arange(args.context, device=device)[None]
     with torch.no_grad():
@@ -315,7 +320,7 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
             new_ctx = drafter.context_features(new_feats)
             for layer in drafter.layers:
                 layer.context_kv(new_ctx, new_pos)
-            return drafter.forward_block(ids, q_pos, keys, values, pos)[0, 1:].argmax(-1)
+            return drafter.forward_block(ids, q_pos, keys, values, pos, head=head)[0, 1:].argmax(-1)
 
     ms = run(graphed(step, device), args.reps)
     compiled = {}
@@ -331,12 +336,11 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
     own = sum(p.numel() * p.element_size() for p in drafter.parameters()) + sum(
         b.numel() * b.element_size() for b in drafter.buffers())
     own += sum(m.projection.nbytes for m in drafter.modules() if hasattr(m, "projection"))
-    head = lm_head_weight(target.model)
     kv_bytes = sum(k.numel() * k.element_size() * 2 for k in keys)
-    need = own + head.numel() * head.element_size() + kv_bytes
+    need = own + head.nbytes + kv_bytes
     return {f"{label}.step_ms": round(ms, 4), f"{label}.bound_ms": round(need / bandwidth * 1e3, 4),
             f"{label}.of_bound": round(need / bandwidth * 1e3 / ms, 4),
-            f"{label}.bytes": {"drafter": own, "lm_head": head.numel() * head.element_size(), "context_kv": kv_bytes},
+            f"{label}.bytes": {"drafter": own, "lm_head": head.nbytes, "context_kv": kv_bytes},
             f"{label}.layers": c.num_layers, **({f"{label}.tuned": tuned} if w4_group else {}), **compiled}
 
 
@@ -436,7 +440,10 @@ def main() -> None:
         result.update(measure_target(engine4h, args, device, layer_ids, bandwidth, "target_w4_head"))
         report(result, "target_w4_head", args.out)
         result["w4_head_decode_speedup_over_16bit"] = round(result["target16.decode_ms"] / result["target_w4_head.decode_ms"], 3)
-        targets.append(("target_w4_head", "drafter_w4"))
+        # the W4 drafter again, its block's logits through the target's now 4-bit head (as DrafterEngine runs it)
+        result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter_w4_head", args.drafter_group))
+        report(result, "drafter_w4_head", args.out)
+        targets.append(("target_w4_head", "drafter_w4_head"))
     for tau in TAUS:
         for target_label, drafter_label in targets:
             verify, draft = result[f"{target_label}.verify_ms"], result[f"{drafter_label}.step_ms"]
@@ -485,13 +492,16 @@ def reference_bounds(result: dict, gbps: float) -> dict:
     autoregressive decoding those bounds imply at each tau, for a device that is only bandwidth."""
     targets = [label for label in ("target16", "target_w4", "target_w4_head") if f"{label}.bytes" in result]
     ms = {label: result[f"{label}.bytes"]["total"] / (gbps * 1e9) * 1e3 for label in targets}
-    ms |= {label: sum(result[f"{label}.bytes"].values()) / (gbps * 1e9) * 1e3 for label in ("drafter16", "drafter_w4")}
+    drafters = [label for label in ("drafter16", "drafter_w4", "drafter_w4_head") if f"{label}.bytes" in result]
+    ms |= {label: sum(result[f"{label}.bytes"].values()) / (gbps * 1e9) * 1e3 for label in drafters}
     out = {"reference.GBps": gbps, **{f"reference.{label}.bound_ms": round(v, 4) for label, v in ms.items()},
            **{f"reference.{label}.tokens_per_s": round(1e3 / ms[label], 1) for label in targets},
            **{f"reference.{label.replace('target_', '')}_decode_speedup_over_16bit": round(ms["target16"] / ms[label], 3)
               for label in targets[1:]},
            "reference.drafter_w4_step_over_w4_decode": round(ms["drafter_w4"] / ms["target_w4"], 4)}
-    pairs = [("target16", "drafter16")] + [(label, "drafter_w4") for label in targets[1:]]
+    # each target with the drafter measured beside it: the W4-head target's drafts read its 4-bit head
+    pairs = [("target16", "drafter16")] + [(label, "drafter_w4_head" if label == "target_w4_head" and "drafter_w4_head" in ms
+                                             else "drafter_w4") for label in targets[1:]]
     for tau in TAUS:
         for target_label, drafter_label in pairs:  # the verify block at its bound reads what a decode step does
             out[f"reference.implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_ar16"] = implied_speedup(

@@ -273,10 +273,12 @@ class Drafter(nn.Module):
         weight = self.head_weight()
         return F.linear(self.norm(h).to(weight.dtype), weight)
 
-    def forward_block(self, block_ids, q_pos, ctx_keys, ctx_values, ctx_pos, window: int | None = None) -> torch.Tensor:
+    def forward_block(self, block_ids, q_pos, ctx_keys, ctx_values, ctx_pos, window: int | None = None, head=None) -> torch.Tensor:
         """Inference: logits [1, B, V] of one block over the cached context K/V of every layer.
         With `window`, a query at position q sees context positions k with q - k < window
-        (symmetric |q - k| < window, which for context before the block is q - k < window)."""
+        (symmetric |q - k| < window, which for context before the block is q - k < window).
+        `head`: what computes the logits from the normed states (a packed head's Projection, as
+        DrafterEngine's); None: the target's 16-bit LM head weight."""
         h = self.embed_block(block_ids).to(self.norm.weight.dtype)
         b = block_ids.shape[1]
         mask = torch.ones(1, b, ctx_pos.shape[1] + b, dtype=torch.bool, device=h.device)
@@ -284,8 +286,10 @@ class Drafter(nn.Module):
             mask[..., : ctx_pos.shape[1]] = (q_pos[:, :, None] - ctx_pos[:, None, :]) < window
         for layer, k, v in zip(self.layers, ctx_keys, ctx_values):
             h = layer.forward_cached(h, q_pos, k, v, mask)
-        head = lm_head_weight(self._target.model)
-        return F.linear(self.norm(h).to(head.dtype), head)
+        if head is not None:
+            return head(self.norm(h).to(head.dtype))
+        weight = lm_head_weight(self._target.model)
+        return F.linear(self.norm(h).to(weight.dtype), weight)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

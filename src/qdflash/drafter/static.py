@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ..cudagraph import capture as capture_graph
 from ..distill import lm_head_weight
 from ..engine.base import allow_compiles, cache_buckets, compiled_step
+from ..engine.linear import head_projection
 from ..errors import QdflashError
 from ..kernels import kernels_usable
 
@@ -36,7 +37,7 @@ class DrafterEngine:
     among them: build a new engine after `drafter.bind(other_target)`."""
 
     def __init__(self, drafter, max_len: int, cuda_graphs: bool | None = None, smallest_bucket: int = 256,
-                 attention: str = "sdpa", compile=False):
+                 attention: str = "sdpa", compile=False, kernels: bool | str = "auto"):
         """`attention`: "sdpa" (the block over a masked power-of-two bucket of the context) or "kernel"
         (kernels.decode_attention: the block's K/V written after the context, each block position
         reading the context it may see and the block, nothing masked; one graph for any context
@@ -45,7 +46,8 @@ class DrafterEngine:
         tests' "aot_eager"), as the target engine's `capture(compile=...)`: its elementwise work
         fused, one compile per (bucket, window) graph (one with the kernel). Appends stay eager: a
         compile per count 1..B would cost more than their ~0.2 ms a round. Drafts only propose tokens,
-        so a compiled draft's rounding changes τ at most, never what the target emits."""
+        so a compiled draft's rounding changes τ at most, never what the target emits.
+        `kernels`: whether a quantized target head runs packed through the W4 kernels ("auto": on CUDA)."""
         c = drafter.config
         self.drafter, self.max_len, self.block = drafter, max_len, c.block_size
         self.dtype = drafter.norm.weight.dtype
@@ -74,6 +76,11 @@ class DrafterEngine:
         self.length, self.window = 0, None
         self._compiled_step = compiled_step(self._step, compile) if compile else None
         self._compiled: set[tuple] = set()  # the (bucket, window) steps compiled so far
+        # the target's LM head as the target engine runs it: a packed 4-bit head (a quantized head, kernels on)
+        # through the W4 backend tuning chose for its shape, else the 16-bit weight. A 16-row block through a
+        # 4-bit head reads a quarter of the bytes (at Qwen3.5-4B's 248K vocab the head is most of a draft).
+        head = lm_head_weight(drafter._target.model)
+        self.head = head_projection(drafter._target.model, head, head.dtype, kernels_usable(self.device, kernels))
 
     def session(self, window: int | None = None) -> "DrafterEngine":
         """A new generation: the context is empty again (the buffers are overwritten as it grows)."""
@@ -133,8 +140,7 @@ class DrafterEngine:
         mask = torch.cat([visible, torch.ones(1, b, b, dtype=torch.bool, device=self.device)], dim=-1)
         for layer, keys, values in zip(d.layers, self.keys, self.values):
             h = layer.forward_cached(h, self.q_pos, keys[:, :, :attend], values[:, :, :attend], mask)
-        head = lm_head_weight(d._target.model)
-        logits = F.linear(d.norm(h).to(head.dtype), head)[0]
+        logits = self.head(d.norm(h).to(self.head.dtype))[0]
         return logits, logits[1:].argmax(-1)
 
     def _kernel_step(self, h, window: int | None):
@@ -154,8 +160,7 @@ class DrafterEngine:
             values.index_copy_(2, q_pos, v)
             out = one_sequence_attention(q[0].transpose(0, 1), keys[0], values[0], lengths, starts)
             h = layer.finish(h, out.transpose(0, 1)[None])
-        head = lm_head_weight(d._target.model)
-        logits = F.linear(d.norm(h).to(head.dtype), head)[0]
+        logits = self.head(d.norm(h).to(self.head.dtype))[0]
         return logits, logits[1:].argmax(-1)
 
     def _bucket(self) -> int:
