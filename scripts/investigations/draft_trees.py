@@ -56,6 +56,56 @@ def block_choices(drafter, target, ex: dict, anchors: torch.Tensor, top_k: int) 
     return ids.cpu(), logp.cpu(), greedy[0].cpu()[anchors[:, None] + offsets[None, :]]
 
 
+def walk_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of a walk over draft_repeats.py's greedy answers (this script's and tree_scores.py's)."""
+    ap.add_argument("--drafter", type=Path, required=True, help="a drafter folder (config.json + model.safetensors)")
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--references", type=Path, required=True, help="draft_repeats.py's --references json (greedy answers)")
+    ap.add_argument("--per-kind", type=int, default=12, help="the --per-kind the references were written with")
+    ap.add_argument("--chat", type=Path, default=None, help="a data stage's heldout jsonl (its first turns are walked too)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="walk the first N tokens of each answer")
+    ap.add_argument("--top-k", type=int, default=TREE_TOP_K, help="choices per block position a tree may take")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", type=Path, required=True)
+
+
+def check_references(args, script: str) -> None:
+    if not args.references.is_file():
+        raise SystemExit(f"{script}: --references {args.references}: no such file (write it with draft_repeats.py --references)")
+
+
+def walked_examples(args, target, script: str) -> tuple[list[dict], dict[str, str]]:
+    """The greedy answers of `--references` to draft_repeats.py's prompts (`--per-kind` of each kind, first
+    `--new-tokens` tokens), then `--chat`'s held-out first turns, as examples, and each one's kind."""
+    known = json.loads(args.references.read_text())
+    examples, categories = [], {}
+    for i, (kind, text) in enumerate(prompts(args.chat, args.per_kind), 1):
+        ids = render_prompt_ids(target.tokenizer, text)
+        key = f"{args.new_tokens}:{ids}"
+        if key not in known:
+            raise SystemExit(f"{script}: --references {args.references} has no {args.new_tokens}-token answer to {kind} "
+                             f"prompt {i}: write it with draft_repeats.py --per-kind {args.per_kind} --new-tokens {args.new_tokens}")
+        examples.append({"id": f"{kind}-{i}", "input_ids": ids + known[key],
+                         "loss_mask": [0] * len(ids) + [1] * len(known[key])})
+        categories[f"{kind}-{i}"] = kind
+    if args.chat is not None:
+        data, data_categories = data_answers(target, args.chat)
+        examples += data
+        categories.update(data_categories)
+    return examples, categories
+
+
+def walk_anchors(ex: dict, block: int, new_tokens: int) -> torch.Tensor | None:
+    """walk_acceptance's anchors in an example's answer (a whole block inside it, its first `new_tokens`), or None."""
+    run = first_answer(torch.tensor(ex["loss_mask"]))
+    if run is None:
+        return None
+    start, end = run
+    last = min(end - block, start + new_tokens - 1)
+    return torch.arange(start, last + 1) if last >= start else None
+
+
 def acceptance(kind: str, n: int, ids: torch.Tensor, logp: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """Each anchor's acceptance length [A] under a chain of the first n block positions (argmax, or `distinct_drafts`)
     or a tree of n nodes (`tree_acceptance`, with or without its no-repeat rule)."""
@@ -76,42 +126,18 @@ def policies(budgets: list[int], block: int) -> list[tuple[str, int, str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafter", type=Path, required=True, help="a drafter folder (config.json + model.safetensors)")
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--references", type=Path, required=True, help="draft_repeats.py's --references json (greedy answers)")
-    ap.add_argument("--per-kind", type=int, default=12, help="the --per-kind the references were written with")
-    ap.add_argument("--chat", type=Path, default=None, help="a data stage's heldout jsonl (its first turns are walked too)")
-    ap.add_argument("--new-tokens", type=int, default=128, help="walk the first N tokens of each answer")
+    walk_arguments(ap)
     ap.add_argument("--budgets", default="3,5,8,12,16,24", help="node counts (verify tokens = nodes + the anchor)")
-    ap.add_argument("--top-k", type=int, default=TREE_TOP_K, help="choices per block position a tree may take")
     ap.add_argument("--decode", type=int, default=0, help="also decode the first N prompts of each kind with trees "
                     "(speculative_generate(tree_nodes=...)): their rounds must be the walk's")
     ap.add_argument("--decode-budgets", default="5,15", help="the tree sizes decoded (with and without no-repeat)")
     ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                     help="walk_acceptance again over the same answers: its tau must be the argmax chain's of a whole block")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if not args.references.is_file():
-        raise SystemExit(f"draft_trees: --references {args.references}: no such file (write it with draft_repeats.py --references)")
+    check_references(args, "draft_trees")
     target, drafter = load_checked(args, "draft_trees")
     drafter.eval()
-    known = json.loads(args.references.read_text())
-    examples, categories = [], {}
-    for i, (kind, text) in enumerate(prompts(args.chat, args.per_kind), 1):
-        ids = render_prompt_ids(target.tokenizer, text)
-        key = f"{args.new_tokens}:{ids}"
-        if key not in known:
-            raise SystemExit(f"draft_trees: --references {args.references} has no {args.new_tokens}-token answer to {kind} "
-                             f"prompt {i}: write it with draft_repeats.py --per-kind {args.per_kind} --new-tokens {args.new_tokens}")
-        examples.append({"id": f"{kind}-{i}", "input_ids": ids + known[key],
-                         "loss_mask": [0] * len(ids) + [1] * len(known[key])})
-        categories[f"{kind}-{i}"] = kind
-    if args.chat is not None:
-        data, data_categories = data_answers(target, args.chat)
-        examples += data
-        categories.update(data_categories)
+    examples, categories = walked_examples(args, target, "draft_trees")
     budgets = [int(b) for b in args.budgets.split(",")]
     block = drafter.block_size
     rules = policies(budgets, block)
@@ -119,14 +145,9 @@ def main() -> None:
     per_example = {name: {} for name, _, _ in rules}  # each example's walked rounds
     started = time.perf_counter()
     for e, ex in enumerate(examples, 1):
-        run = first_answer(torch.tensor(ex["loss_mask"]))
-        if run is None:
+        anchors = walk_anchors(ex, block, args.new_tokens)
+        if anchors is None:
             continue
-        start, end = run
-        last = min(end - block, start + args.new_tokens - 1)  # walk_acceptance's anchors: a whole block in the answer
-        if last < start:
-            continue
-        anchors = torch.arange(start, last + 1)
         ids, logp, greedy = block_choices(drafter, target, ex, anchors, args.top_k)
         for name, n, kind in rules:
             path = walk_rounds(acceptance(kind, n, ids, logp, greedy).tolist())

@@ -159,6 +159,16 @@ if triton is not None:
 CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs (a prefill) go in chunks
 
 
+def _value_block(name: str, dk: int, dv: int, block_v: int, states, t: int) -> int:
+    """The value block a program owns (<= dv), checked with the head sizes and the per-position states buffer."""
+    block_v = min(block_v, dv)
+    if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
+        raise QdflashError(f"{name}: dk={dk} and the value block {block_v} must be powers of two dividing dv={dv}")
+    if states is not None and (states.shape[0] < t + 1 or not states.is_contiguous()):
+        raise QdflashError(f"{name}: states must be contiguous with >= {t + 1} entries")
+    return block_v
+
+
 def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 32):
     """q, k [T, H, dk], v [T, H, dv], g, beta [T, H] (fp32, q already scaled), state [H, dk, dv]
     fp32 updated in place. Returns o [T, H, dv] fp32; fills states [>= T+1, H, dk, dv] if given."""
@@ -174,11 +184,7 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
         if x.dtype != torch.float32 or not x.is_contiguous():
             raise QdflashError(f"gated_delta_recurrence: {name} must be contiguous fp32 (got {x.dtype})")
-    block_v = min(block_v, dv)
-    if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
-        raise QdflashError(f"gated_delta_recurrence: dk={dk} and the value block {block_v} must be powers of two dividing dv={dv}")
-    if states is not None and (states.shape[0] < t + 1 or not states.is_contiguous()):
-        raise QdflashError(f"gated_delta_recurrence: states must be contiguous with >= {t + 1} entries")
+    block_v = _value_block("gated_delta_recurrence", dk, dv, block_v, states, t)
     out = torch.empty(t, h, dv, device=q.device, dtype=torch.float32)
     _gated_delta_kernel[(h, dv // block_v)](q, k, v, g, beta, state, out, state if states is None else states, h, T=t,
                                             DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None)
@@ -209,11 +215,7 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
         raise QdflashError("gated_delta_step: qkvz rows, x, ba, conv_in and the conv weight must be contiguous")
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise QdflashError(f"gated_delta_step: the state must be contiguous fp32 (got {state.dtype})")
-    block_v = min(block_v, dv)
-    if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
-        raise QdflashError(f"gated_delta_step: dk={dk} and the value block {block_v} must be powers of two dividing dv={dv}")
-    if states is not None and (states.shape[0] < t + 1 or not states.is_contiguous()):
-        raise QdflashError(f"gated_delta_step: states must be contiguous with >= {t + 1} entries")
+    block_v = _value_block("gated_delta_step", dk, dv, block_v, states, t)
     hidden = x.shape[-1]
     out = torch.empty(t, heads, dv, device=qkvz.device, dtype=torch.float32)
     _gated_delta_step_kernel[(heads, dv // block_v)](
