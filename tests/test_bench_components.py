@@ -172,3 +172,27 @@ def test_drafter_step_block_variants_parse_or_name_the_bad_item():
     for bad in ("9", "9x", "1x64", "9x0", "ax64", "9x64x2"):
         with pytest.raises(argparse.ArgumentTypeError, match="BLOCKxANCHORS"):
             bench_drafter_step.block_variants(f"16x64,{bad}")
+
+
+def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_qwen, monkeypatch):
+    """bench_components.gdn_check, before any timing: the fused GDN layer middle against the unfused one on the same
+    prompt (the kernels under Triton's interpreter here), and where the fused path raises, the error recorded and
+    the engine left unfused, so that one broken kernel does not cost the rest of a device run."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_components
+    import qdflash.engine.qwen3_5 as qwen3_5
+    from qdflash.engine import build_engine
+
+    assert bench_components.gdn_check(build_engine(tiny_qwen, max_len=64), "cpu") == {"gdn_fused_check": "kernels off: one torch path"}
+    engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+    good = bench_components.gdn_check(engine, "cpu", tokens=24, block=4)
+    assert good["gdn_fused_check.max_abs"] < 1e-4 * good["gdn_fused_check.logit_scale"] and engine.fuse_gdn
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such PTX")
+
+    monkeypatch.setattr(qwen3_5, "gated_delta_step", broken)
+    bad = bench_components.gdn_check(engine, "cpu", tokens=24, block=4)
+    assert bad == {"gdn_fused_check.error": "RuntimeError: no such PTX"} and not engine.fuse_gdn
+    assert bench_components.unfused_gdn_arm(engine, None, "cpu", None, 1.0)["target16_unfused_gdn"].startswith("skipped: the fused")

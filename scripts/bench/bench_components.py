@@ -275,6 +275,8 @@ def unfused_gdn_arm(engine, args, device, layer_ids, bandwidth) -> dict:
     kernels; without them (the CPU) both are the same torch code, so the arm is skipped and says why."""
     if not engine.kernels:
         return {"target16_unfused_gdn": "skipped: the engine's kernels are off, so the GDN layers run one torch path"}
+    if not engine.fuse_gdn:
+        return {"target16_unfused_gdn": "skipped: the fused path failed its check (gdn_fused_check.error), so every arm ran unfused"}
     engine.fuse_gdn, engine.graphs = False, {}
     try:
         return measure_target(engine, args, device, layer_ids, bandwidth, "target16_unfused_gdn")
@@ -359,6 +361,33 @@ def kernel_check(engine, device) -> dict:
     return out
 
 
+def gdn_check(engine, device: str, tokens: int = 40, block: int = 8) -> dict:
+    """Before any timing: the fused GDN layer middle against the unfused one on the same prompt (a prefill of
+    `tokens` - `block`, then a `block`-token step and a 1-token step, eager), logits compared. Where the fused path
+    raises (a kernel that does not build on this device), the engine runs unfused for the whole run and the error
+    is recorded, so that the rest is still measured. Without the kernels there is one path: nothing to check."""
+    if not engine.kernels:
+        return {"gdn_fused_check": "kernels off: one torch path"}
+    prompt = torch.randint(0, engine.lm_head.shape[0], (tokens,), device=device)
+    logits = {}
+    try:
+        for fused in (False, True):
+            engine.fuse_gdn = fused
+            engine.reset()
+            with torch.no_grad():
+                engine.forward(prompt[: tokens - block - 1], 0)
+                verify = engine.forward(prompt[tokens - block - 1: tokens - 1], tokens - block - 1)[0]
+                step = engine.forward(prompt[tokens - 1:], tokens - 1)[0]
+            logits[fused] = torch.cat([verify, step]).float()
+    except Exception as err:  # noqa: BLE001 -- a fused kernel that fails here is a result; the run goes on unfused
+        engine.fuse_gdn = False
+        engine.reset()
+        return {"gdn_fused_check.error": f"{type(err).__name__}: {str(err)[:300]}"}
+    engine.reset()
+    return {"gdn_fused_check.max_abs": float((logits[True] - logits[False]).abs().max()),
+            "gdn_fused_check.logit_scale": float(logits[False].abs().max())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-4b")
@@ -403,6 +432,9 @@ def main() -> None:
     max_len = args.context + 4 * args.block
     layer_ids = init_drafter(target, block_size=args.block, **DRAFTERS[args.shape]).config.target_layer_ids
     engine16 = build_engine(target, max_len=max_len, attention=args.attention)
+    result.update(gdn_check(engine16, device))
+    fuse_gdn = engine16.fuse_gdn  # False where the fused path failed its check: every engine of the run then runs unfused
+    report(result, "gdn_fused_check", args.out)
     plain = argparse.Namespace(**{**vars(args), "compile": False, "profile": False})
     result.update(measure_target(engine16, plain, device, layer_ids, bandwidth, "target16_cublas"))
     result["gemv.tuned"] = engine16.tune_kernels()  # the GEMV against cuBLAS per shape ({} off the GPU)
@@ -425,6 +457,7 @@ def main() -> None:
     del engine16
     result["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
     engine4 = build_engine(target, max_len=max_len, attention=args.attention)
+    engine4.fuse_gdn = fuse_gdn
     result["w4a16.tuned"] = engine4.tune_kernels()
     result.update(kernel_check(engine4, device))
     report(result, "w4a16", args.out)
@@ -436,6 +469,7 @@ def main() -> None:
         del engine4
         quantize_in_place(target.model, args.group, ["lm_head"])
         engine4h = build_engine(target, max_len=max_len, attention=args.attention)
+        engine4h.fuse_gdn = fuse_gdn
         result["w4a16_head.tuned"] = engine4h.tune_kernels()
         result.update(measure_target(engine4h, args, device, layer_ids, bandwidth, "target_w4_head"))
         report(result, "target_w4_head", args.out)
