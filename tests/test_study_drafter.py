@@ -51,3 +51,11 @@ def test_study_steps_and_a_bench_of_any_drafter_folder(tmp_path):
     served = json.loads((root / "study.json").read_text())["bench.other.bfloat16.v4.sdpa.served"]
     assert served["drafter_dtype"] == "bfloat16" and served["compile_drafter"] is False
     assert served["all"]["spec16.v4"]["tokens"] > 0 and served["all"]["spec16.v4"]["mismatch_bugs"] == 0
+    # --tree-nodes beside the chain, both with --no-repeat: a tree of 3 drafts a round, lossless in fp32
+    study(root, "bench", "other", "--drafter", str(root / "s1" / "drafter"), "--data", str(root / "data"),
+          "--dtype", "float32", "--per-category", "1", "--max-new-tokens", "8", "--long", "64", "--tree-nodes", "3", "--no-repeat")
+    trees = json.loads((root / "study.json").read_text())["bench.other.float32.v4nr.tree3nr.sdpa"]
+    assert trees["tree_nodes"] == [3] and trees["no_repeat"]
+    for name in ("spec16.v4nr", "spec16.tree3nr"):
+        run = trees["chat+math+code"][name]
+        assert run["mismatches"] == 0 and run["tokens"] > 0 and 1.0 <= run["tau"] <= 4 and run["round"]["rounds"] > 0

@@ -14,6 +14,8 @@ device call; the folder ROOT survives between calls while the machine stays warm
     python scripts/bench/study_drafter.py bench ROOT NAME [--verify-tokens V]   # tau, speedup, mismatches
     python scripts/bench/study_drafter.py bench ROOT NAME --drafter DIR --data DIR --verify-tokens 6,block --verify-adaptive
     python scripts/bench/study_drafter.py bench ROOT NAME ... --served    # the drafter in bf16, compiled: as the DAG serves it
+    python scripts/bench/study_drafter.py bench ROOT NAME ... --verify-tokens 6 --verify-adaptive --no-repeat --tree-nodes 15
+                                                                          # the served chain beside a tree of 15 drafts
 
 `train` trains on as many examples as `epochs` passes fit in `budget-s` seconds at the probe's rate
 (all of them if they fit; `--max-examples` fixes the number instead). Results: ROOT/<step>/ (each
@@ -193,7 +195,9 @@ def step_bench(root: Path, args) -> None:
     data = args.data or root / "data"
     cases = bench.category_cases(data, tok, args.per_category, args.max_new_tokens)
     cases += bench.bucket_cases(data, tok, [[args.long, args.max_new_tokens]], target.config.max_position_embeddings, True)
-    longest = max(len(c.ids) + c.max_new_tokens for c in cases) + drafter.block_size + 1
+    trees = [int(n) for n in args.tree_nodes.split(",")] if args.tree_nodes else []
+    # room past the longest answer for a round's whole block, or a tree's nodes (written after the cache, then moved)
+    longest = max(len(c.ids) + c.max_new_tokens for c in cases) + max([drafter.block_size, *trees]) + 1
     target.engine = build_engine(target, max_len=longest)
     attention = args.attention or ("kernel" if device == "cuda" else "sdpa")  # the gpu profile's bench.attention
     target.engine.set_attention(attention)
@@ -201,17 +205,22 @@ def step_bench(root: Path, args) -> None:
         target.engine.tune_kernels()
         target.engine.capture([1], None)
         target.engine.capture([1, *sizes], drafter.config.target_layer_ids)
+        for n in trees:  # a tree's step: the committed token and its n nodes
+            target.engine.capture([n + 1], drafter.config.target_layer_ids, tree=True)
     drafter.engine = DrafterEngine(drafter, max_len=longest, attention=attention, compile=compile_drafts)
     drafter.engine.capture(None)
-    names = {v: f"spec16.v{v or drafter.block_size}" + ("a" if args.verify_adaptive else "") for v in verifies}
-    methods = {"ar16": bench.ar(target),
-               **{names[v]: bench.spec(target, drafter, None, v, args.verify_adaptive) for v in verifies}}
+    # each speculative method's rule: a chain per verify length, a tree per node count (no-repeat: "nr" on the name)
+    repeat = "nr" if args.no_repeat else ""
+    rules = {f"spec16.v{v or drafter.block_size}" + ("a" if args.verify_adaptive else "") + repeat:
+             dict(verify_tokens=v, verify_adaptive=args.verify_adaptive, no_repeat=args.no_repeat) for v in verifies}
+    rules |= {f"spec16.tree{n}{repeat}": dict(no_repeat=args.no_repeat, tree_nodes=n) for n in trees}
+    methods = {"ar16": bench.ar(target), **{name: bench.spec(target, drafter, None, **rule) for name, rule in rules.items()}}
     results = bench.run_interleaved(methods, cases, warmup=2)
     fp32 = target.dtype == torch.float32
     out = {"dtype": str(target.dtype), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "prompts": len(cases),
            "block_size": drafter.block_size, "verify_adaptive": bool(args.verify_adaptive), "attention": attention,
            "drafter": str(drafter_dir), "drafter_dtype": str(drafter.norm.weight.dtype).removeprefix("torch."),
-           "compile_drafter": compile_drafts, "data": str(data)}
+           "compile_drafter": compile_drafts, "data": str(data), "no_repeat": bool(args.no_repeat), "tree_nodes": trees}
     groups = {"all": None, "chat+math+code": ("chat", "math", "code"), **{c.label: (c.label,) for c in cases}}
     for label, members in groups.items():
         keep = [members is None or c.label in members for c in cases]
@@ -219,7 +228,7 @@ def step_bench(root: Path, args) -> None:
             continue
         ar = results["ar16"].subset(keep)
         out[label] = {"prompts": sum(keep), "ar16.tokens_per_s": round(ar.tokens_per_s, 1)}
-        for v, name in names.items():
+        for name in rules:
             sp = results[name].subset(keep)
             check = bench.compare(target, [c for c, k in zip(cases, keep) if k], ar, sp, fp32)
             tau = sum(sp.acceptance) / max(len(sp.acceptance), 1)
@@ -235,11 +244,10 @@ def step_bench(root: Path, args) -> None:
     core = [c for c in cases if c.label in ("chat", "math", "code")]
     if core:
         core_ar = results["ar16"].subset([c.label in ("chat", "math", "code") for c in cases])
-        for v, name in names.items():
-            out["chat+math+code"][name]["round"] = bench.round_parts(target, drafter, core, core_ar, None, v,
-                                                                     args.verify_adaptive)
-    # one entry per drafter, dtype, verify lengths and attention: a bench with other options does not replace it
-    key = ".".join([f"bench.{args.name}.{dtype}", *(n.removeprefix("spec16.") for n in names.values()), attention,
+        for name, rule in rules.items():
+            out["chat+math+code"][name]["round"] = bench.round_parts(target, drafter, core, core_ar, None, **rule)
+    # one entry per drafter, dtype, rules and attention: a bench with other options does not replace it
+    key = ".".join([f"bench.{args.name}.{dtype}", *(n.removeprefix("spec16.") for n in rules), attention,
                     *(["served"] if args.served else [])])
     record(root, key, out)
 
@@ -265,6 +273,11 @@ def main() -> None:
     parser.add_argument("--attention", choices=["sdpa", "kernel"], default=None,
                         help="bench: the engines' attention (default: kernel on a GPU, as the gpu profile's bench; sdpa "
                              "on the CPU; the 2026-12-01 study's bench ran sdpa)")
+    parser.add_argument("--tree-nodes", default=None,
+                        help="bench: also a method verifying a tree of the drafter's N best paths a round (a comma list: "
+                             "one method each, e.g. 8,15; bench.tree_nodes), beside the chains")
+    parser.add_argument("--no-repeat", action="store_true",
+                        help="bench: no draft repeats the draft before it, chains and trees alike (bench.no_repeat)")
     parser.add_argument("--drafter", type=Path, default=None,
                         help="bench: the drafter folder (default: ROOT/NAME/drafter), e.g. a scaling run's "
                              "$QDFLASH_RESULTS/<exp>/scaling/drafter/<run>/drafter")
