@@ -147,52 +147,63 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight):
                          state0.double(), key_heads=key_heads, key_dim=key_dim)
 
 
-def sm90_resources(fn, signature: dict, constexprs: dict, num_warps: int = 4) -> dict:
-    """Compile a Triton kernel for the H200 (sm_90) on this machine, with no GPU (Triton's own compiler and
-    bundled tools), and read the cubin's registers / stack per thread: what the interpreter cannot check."""
+SM90_COMPILE = """
+import json, os, re, subprocess, sys, tempfile
+import importlib
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, name, signature, constexprs, num_warps = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), name)
+sig = {**signature, **{key: "constexpr" for key in constexprs}}
+kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": num_warps})
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(kernel.asm["cubin"])
+    f.flush()
+    usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+print(json.dumps({k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)}))
+"""
+
+
+def sm90_resources(module: str, name: str, signature: dict, constexprs: dict, num_warps: int = 4) -> dict:
+    """Compile the Triton kernel `module.name` for the H200 (sm_90) on this machine, with no GPU (Triton's own
+    compiler and bundled tools), and read the cubin's registers / stack per thread: what the interpreter cannot
+    check. In a process of its own without TRITON_INTERPRET: the interpreter replaces parts of triton.language."""
+    import json
     import os
-    import re
     import subprocess
-    import tempfile
+    import sys
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("this Triton has no CUDA backend tools")
-    from triton.runtime.jit import JITFunction
-
-    fn = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn)  # under the interpreter: the same source, compiled
-    sig = {**signature, **{name: "constexpr" for name in constexprs}}
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps([module, name, signature, constexprs, num_warps])],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def gdn_step_case(tokens):
-    from qdflash.kernels.gated_delta import CHUNK, _gated_delta_step_kernel
+    from qdflash.kernels.gated_delta import CHUNK
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
                  "x_ptr": "*bf16", "ba_ptr": "*bf16", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16", "state_ptr": "*fp32",
-                 "out_ptr": "*fp32", "states_ptr": "*fp32", "HV": "i32", "HIDDEN": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32",
-                 "SCALE": "fp32"}
-    return _gated_delta_step_kernel, signature, dict(T=tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=32, BLOCK_H=256, ROWS=CHUNK,
-                                                     BA_DOT=True, STORE_STATES=True)
+                 "out_ptr": "*fp32", "states_ptr": "*fp32", "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
+    return "qdflash.kernels.gated_delta", "_gated_delta_step_kernel", signature, dict(HIDDEN=2560, H_CHUNKS=5, T=tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=32,
+                                                     BLOCK_H=512, ROWS=CHUNK, BA_DOT=True, STORE_STATES=True)
 
 
 def attention_case(tree):
-    from qdflash.kernels.decode_attention import BLOCK_N, MAX_SPLITS, _decode_attention_kernel
+    from qdflash.kernels.decode_attention import BLOCK_N, MAX_SPLITS
 
     signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "len_ptr": "*i64", "start_ptr": "*i64", "tree_ptr": "*i64",
                  "out_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "stride_row": "i32", "stride_head": "i32",
                  "stride_pos": "i32"}
-    return _decode_attention_kernel, signature, dict(KVH=2, REP=7, REP_PAD=16, D=64, BLOCK_N=BLOCK_N, IEEE=False, SPLITS=MAX_SPLITS,
+    return "qdflash.kernels.decode_attention", "_decode_attention_kernel", signature, dict(KVH=2, REP=7, REP_PAD=16, D=64, BLOCK_N=BLOCK_N, IEEE=False, SPLITS=MAX_SPLITS,
                                                      HAS_START=False, TREE=tree)
 
 
@@ -204,8 +215,9 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     decode step and a verify block, and the decode attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of 64),
     with a tree of 16 nodes' ancestor bits too (what a tree round verifies on the GPU)."""
     kind, _, arg = case.rpartition(" ")
-    fn, signature, constexprs = gdn_step_case(int(arg)) if kind.startswith("gdn") else attention_case(0 if arg == "attention" else int(arg))
-    used = sm90_resources(fn, signature, constexprs)
+    module, name, signature, constexprs = (gdn_step_case(int(arg)) if kind.startswith("gdn")
+                                           else attention_case(0 if arg == "attention" else int(arg)))
+    used = sm90_resources(module, name, signature, constexprs)
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
 
 

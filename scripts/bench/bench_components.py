@@ -411,6 +411,9 @@ def main() -> None:
     parser.add_argument("--attention", choices=("sdpa", "kernel"), default="sdpa",
                         help="the target engines' attention in decode steps and verify blocks (EngineBase.set_attention; "
                              "kernel: the Triton decode attention, what the gpu profile serves with; needs the GPU)")
+    parser.add_argument("--gdn-only", action="store_true",
+                        help="the 16-bit target alone (tuned, no cuBLAS-only arm), with --unfused-gdn beside it: what the "
+                             "fused GDN layer middle saves, in a few minutes of device time; no drafters, no W4")
     parser.add_argument("--hf-generate", action="store_true",
                         help="then transformers' static compiled generate on the same 16-bit model (hf_static.*, issue 23)")
     parser.add_argument("--hf-tokens", type=int, default=64, help="--hf-generate: decode steps timed (beyond 8)")
@@ -436,7 +439,8 @@ def main() -> None:
     fuse_gdn = engine16.fuse_gdn  # False where the fused path failed its check: every engine of the run then runs unfused
     report(result, "gdn_fused_check", args.out)
     plain = argparse.Namespace(**{**vars(args), "compile": False, "profile": False})
-    result.update(measure_target(engine16, plain, device, layer_ids, bandwidth, "target16_cublas"))
+    if not args.gdn_only:
+        result.update(measure_target(engine16, plain, device, layer_ids, bandwidth, "target16_cublas"))
     result["gemv.tuned"] = engine16.tune_kernels()  # the GEMV against cuBLAS per shape ({} off the GPU)
     report(result, "target16_cublas", args.out)
     result.update(measure_target(engine16, args, device, layer_ids, bandwidth, "target16"))
@@ -454,6 +458,9 @@ def main() -> None:
         result.update(unfused_gdn_arm(engine16, args, device, layer_ids, bandwidth))
         result.update(fused_gdn_gains(result))
         report(result, "target16_unfused_gdn", args.out)
+    if args.gdn_only:
+        report(result, None, args.out)
+        return
     result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter16", None))
     result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter_w4", args.drafter_group))
     report(result, "drafter", args.out)
