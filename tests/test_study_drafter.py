@@ -31,7 +31,7 @@ def test_study_steps_and_a_bench_of_any_drafter_folder(tmp_path):
     assert {"data", "probe", "train.s1"} <= set(result)
     # the study's recipe is its own, not the gpu profile's later one (block 4 here: loss_positions 8 would not fit)
     assert result["train.s1"]["train.loss_positions"] == 3
-    bench = result["bench.other.float32.v2a.v4a.sdpa"]
+    bench = result["bench.other.float32.v2a.v4a.sdpa.p1x8.long64"]
     assert bench["drafter"] == str(root / "s1" / "drafter") and bench["verify_adaptive"] and bench["attention"] == "sdpa"
     methods = ["spec16.v2a", "spec16.v4a"]  # verify 2 (+ the whole block after a long accept), and the whole block
     for label in ("all", "chat+math+code", "filler"):
@@ -48,13 +48,13 @@ def test_study_steps_and_a_bench_of_any_drafter_folder(tmp_path):
     # --served: the drafter as the gpu profile's benchmark runs it, in the target's dtype (its compile is GPU-only)
     study(root, "bench", "other", "--drafter", str(root / "s1" / "drafter"), "--data", str(root / "data"),
           "--dtype", "bfloat16", "--per-category", "1", "--max-new-tokens", "8", "--long", "64", "--served")
-    served = json.loads((root / "study.json").read_text())["bench.other.bfloat16.v4.sdpa.served"]
+    served = json.loads((root / "study.json").read_text())["bench.other.bfloat16.v4.sdpa.served.p1x8.long64"]
     assert served["drafter_dtype"] == "bfloat16" and served["compile_drafter"] is False
     assert served["all"]["spec16.v4"]["tokens"] > 0 and served["all"]["spec16.v4"]["mismatch_bugs"] == 0
     # --tree-nodes beside the chain, both with --no-repeat: a tree of 3 drafts a round, lossless in fp32
     study(root, "bench", "other", "--drafter", str(root / "s1" / "drafter"), "--data", str(root / "data"),
           "--dtype", "float32", "--per-category", "1", "--max-new-tokens", "8", "--long", "64", "--tree-nodes", "3", "--no-repeat")
-    trees = json.loads((root / "study.json").read_text())["bench.other.float32.v4nr.tree3nr.sdpa"]
+    trees = json.loads((root / "study.json").read_text())["bench.other.float32.v4nr.tree3nr.sdpa.p1x8.long64"]
     assert trees["tree_nodes"] == [3] and trees["no_repeat"]
     for name in ("spec16.v4nr", "spec16.tree3nr"):
         run = trees["chat+math+code"][name]

@@ -165,6 +165,9 @@ def overrides(pairs: list[str]) -> dict:
     return out
 
 
+BENCH_SIZES = (4, 256, 2048)  # bench's --per-category, --max-new-tokens, --long defaults (its entry key names others)
+
+
 def step_bench(root: Path, args) -> None:
     import torch
 
@@ -246,9 +249,12 @@ def step_bench(root: Path, args) -> None:
         core_ar = results["ar16"].subset([c.label in ("chat", "math", "code") for c in cases])
         for name, rule in rules.items():
             out["chat+math+code"][name]["round"] = bench.round_parts(target, drafter, core, core_ar, None, **rule)
-    # one entry per drafter, dtype, rules and attention: a bench with other options does not replace it
+    # one entry per drafter, dtype, rules, attention and prompt set: a bench with other options does not replace it
+    # (the prompt set is named where it is not the default: runs before 2026-12-05 did not name it)
+    sizes = (args.per_category, args.max_new_tokens, args.long)
     key = ".".join([f"bench.{args.name}.{dtype}", *(n.removeprefix("spec16.") for n in rules), attention,
-                    *(["served"] if args.served else [])])
+                    *(["served"] if args.served else []),
+                    *([f"p{sizes[0]}x{sizes[1]}.long{sizes[2]}"] if sizes != BENCH_SIZES else [])])
     record(root, key, out)
 
 
@@ -262,9 +268,9 @@ def main() -> None:
     parser.add_argument("--max-examples", type=int, default=None)
     parser.add_argument("--layers", type=int, default=STUDY["drafter"]["num_layers"])
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--per-category", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--long", type=int, default=2048, help="the long prompt's tokens (and the filler prompt's)")
+    parser.add_argument("--per-category", type=int, default=BENCH_SIZES[0])
+    parser.add_argument("--max-new-tokens", type=int, default=BENCH_SIZES[1])
+    parser.add_argument("--long", type=int, default=BENCH_SIZES[2], help="the long prompt's tokens (and the filler prompt's)")
     parser.add_argument("--verify-tokens", default=None,
                         help="bench: tokens a speculative round verifies, 1 < V <= block size, or a comma list (one "
                              "method each, e.g. 6,block; default: the whole block)")
