@@ -49,12 +49,12 @@ import torch.nn.functional as F
 
 from qdflash.bench import copy_bandwidth, device_timer as timer
 from qdflash.cudagraph import capture
-from qdflash.distill import lm_head_weight
 from qdflash.drafter import init_drafter
+from qdflash.drafter.static import target_head
 from qdflash.engine import build_engine
 from qdflash.engine.base import allow_compiles, compiled_step
 from qdflash.engine.graphs import restore, snapshot
-from qdflash.engine.linear import head_projection, pack_linears, tune_projections
+from qdflash.engine.linear import pack_linears, tune_projections
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
 from qdflash.quant.apply import replace_linears, select_linears
 from qdflash.quant.gptq import rtn_quantize
@@ -304,9 +304,7 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
         # the drafter's packed shapes (off the GPU its projections run no kernels: nothing is timed)
         tuned = tune_projections(m.projection for m in drafter.modules() if hasattr(m, "projection"))
     c = drafter.config
-    # the target's head as DrafterEngine runs it: packed where the target's head is quantized (kernels on)
-    dense_head = lm_head_weight(target.model)
-    head = head_projection(target.model, dense_head, dense_head.dtype, kernels=device == "cuda")
+    head = target_head(target.model, kernels=device == "cuda")  # as DrafterEngine reads it: packed where quantized
     feats = torch.randn(1, args.context, len(c.target_layer_ids) * c.hidden_size, device=device, dtype=dtype)
     pos = torch.arange(args.context, device=device)[None]
     with torch.no_grad():

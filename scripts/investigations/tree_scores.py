@@ -84,7 +84,7 @@ def calibrated(fit: list[dict], apply: list[dict], by: str) -> list[torch.Tensor
     """Scores for `apply`'s choices: log of the hit rate on `fit` per (position, rank) or per (position, bin), with
     one pseudo-count each way (no empty cell scores -inf)."""
     hit, bins = hits(fit)
-    positions, k = hit.shape[1], hit.shape[2]
+    positions = hit.shape[1]
     if by == "rank":
         rate = (hit.float().sum(0) + 1) / (hit.shape[0] + 2)  # [B-1, k]
         return [rate.log().expand_as(a["logp"]) for a in apply]

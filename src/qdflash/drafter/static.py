@@ -20,7 +20,6 @@ the graph path.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..cudagraph import capture as capture_graph
 from ..distill import lm_head_weight
@@ -28,6 +27,14 @@ from ..engine.base import allow_compiles, cache_buckets, compiled_step
 from ..engine.linear import head_projection
 from ..errors import QdflashError
 from ..kernels import kernels_usable
+
+
+def target_head(model, kernels: bool):
+    """The target's LM head as the target engine runs it (engine.linear.head_projection): a quantized head packed
+    through the W4 backend tuning chose for its shape where the kernels run, else its 16-bit weight. A 16-row draft
+    block through a 4-bit head reads a quarter of the bytes (at Qwen3.5-4B's 248K vocab the head is most of a draft)."""
+    dense = lm_head_weight(model)
+    return head_projection(model, dense, dense.dtype, kernels)
 
 
 class DrafterEngine:
@@ -76,11 +83,7 @@ class DrafterEngine:
         self.length, self.window = 0, None
         self._compiled_step = compiled_step(self._step, compile) if compile else None
         self._compiled: set[tuple] = set()  # the (bucket, window) steps compiled so far
-        # the target's LM head as the target engine runs it: a packed 4-bit head (a quantized head, kernels on)
-        # through the W4 backend tuning chose for its shape, else the 16-bit weight. A 16-row block through a
-        # 4-bit head reads a quarter of the bytes (at Qwen3.5-4B's 248K vocab the head is most of a draft).
-        head = lm_head_weight(drafter._target.model)
-        self.head = head_projection(drafter._target.model, head, head.dtype, kernels_usable(self.device, kernels))
+        self.head = target_head(drafter._target.model, kernels_usable(self.device, kernels))
 
     def session(self, window: int | None = None) -> "DrafterEngine":
         """A new generation: the context is empty again (the buffers are overwritten as it grows)."""
@@ -140,8 +143,7 @@ class DrafterEngine:
         mask = torch.cat([visible, torch.ones(1, b, b, dtype=torch.bool, device=self.device)], dim=-1)
         for layer, keys, values in zip(d.layers, self.keys, self.values):
             h = layer.forward_cached(h, self.q_pos, keys[:, :, :attend], values[:, :, :attend], mask)
-        logits = self.head(d.norm(h).to(self.head.dtype))[0]
-        return logits, logits[1:].argmax(-1)
+        return self._drafts(h)
 
     def _kernel_step(self, h, window: int | None):
         """`_step` through kernels.decode_attention: the block's K/V go to positions p..p+B-1 of the
@@ -160,7 +162,11 @@ class DrafterEngine:
             values.index_copy_(2, q_pos, v)
             out = one_sequence_attention(q[0].transpose(0, 1), keys[0], values[0], lengths, starts)
             h = layer.finish(h, out.transpose(0, 1)[None])
-        logits = self.head(d.norm(h).to(self.head.dtype))[0]
+        return self._drafts(h)
+
+    def _drafts(self, h):
+        """The block's logits [B, V] through the target's head, and its greedy drafts [B-1]."""
+        logits = self.head(self.drafter.norm(h).to(self.head.dtype))[0]
         return logits, logits[1:].argmax(-1)
 
     def _bucket(self) -> int:
