@@ -59,3 +59,18 @@ def test_study_steps_and_a_bench_of_any_drafter_folder(tmp_path):
     for name in ("spec16.v4nr", "spec16.tree3nr"):
         run = trees["chat+math+code"][name]
         assert run["mismatches"] == 0 and run["tokens"] > 0 and 1.0 <= run["tau"] <= 4 and run["round"]["rounds"] > 0
+
+
+def test_tree_node_counts_parse_or_name_the_bad_value():
+    """study_drafter.py bench --tree-nodes: node counts 1..62, and a clear argparse error for anything else."""
+    import argparse
+
+    import pytest
+
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import study_drafter
+
+    assert study_drafter.node_counts("8,15") == [8, 15] and study_drafter.node_counts("15,") == [15]
+    for bad in ("", "0", "63", "a", "8,x", "-3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="node counts 1..62"):
+            study_drafter.node_counts(bad)

@@ -165,6 +165,15 @@ def overrides(pairs: list[str]) -> dict:
     return out
 
 
+def node_counts(text: str) -> list[int]:
+    """`--tree-nodes` "8,15" -> [8, 15]: drafts a round's tree holds, 1..62 each (bench.tree_nodes' bound: the
+    attention's int64 ancestor masks)."""
+    items = [item for item in text.split(",") if item]
+    if not items or not all(item.isdigit() and 1 <= int(item) <= 62 for item in items):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected node counts 1..62, comma separated, e.g. 8,15")
+    return [int(item) for item in items]
+
+
 BENCH_SIZES = (4, 256, 2048)  # bench's --per-category, --max-new-tokens, --long defaults (its entry key names others)
 
 
@@ -198,7 +207,7 @@ def step_bench(root: Path, args) -> None:
     data = args.data or root / "data"
     cases = bench.category_cases(data, tok, args.per_category, args.max_new_tokens)
     cases += bench.bucket_cases(data, tok, [[args.long, args.max_new_tokens]], target.config.max_position_embeddings, True)
-    trees = [int(n) for n in args.tree_nodes.split(",")] if args.tree_nodes else []
+    trees = args.tree_nodes or []
     # room past the longest answer for a round's whole block, or a tree's nodes (written after the cache, then moved)
     longest = max(len(c.ids) + c.max_new_tokens for c in cases) + max([drafter.block_size, *trees]) + 1
     target.engine = build_engine(target, max_len=longest)
@@ -279,7 +288,7 @@ def main() -> None:
     parser.add_argument("--attention", choices=["sdpa", "kernel"], default=None,
                         help="bench: the engines' attention (default: kernel on a GPU, as the gpu profile's bench; sdpa "
                              "on the CPU; the 2026-12-01 study's bench ran sdpa)")
-    parser.add_argument("--tree-nodes", default=None,
+    parser.add_argument("--tree-nodes", type=node_counts, default=None,
                         help="bench: also a method verifying a tree of the drafter's N best paths a round (a comma list: "
                              "one method each, e.g. 8,15; bench.tree_nodes), beside the chains")
     parser.add_argument("--no-repeat", action="store_true",
