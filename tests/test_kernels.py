@@ -51,6 +51,28 @@ def test_w4a16_matmul_equals_dequantized_linear(dtype, rows):
         torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [32, 128])
+def test_unrolled_gemv_equals_dequantized_linear(dtype, group):
+    """The one-row GEMV with its K loop unrolled and nibbles decoded as 2^19 (16 + n) (module docstring of
+    `_w4a16_gemv_unrolled_kernel`), every config it is tuned over at this K, 40 rows (not a multiple of any
+    row block: rows past N read row N - 1 and are not stored), both ends of the grid in every word."""
+    n, k = 40, 512
+    q, scale, deq = quantized(n, k, group, seed=group)
+    q[::3, ::8] = -8  # nibble 0 of every third row's words at the bottom of the grid, nibble 7 at the top
+    q[::3, 7::8] = 7
+    deq = dequantize(q, scale, None, GridSpec(4, group, True))
+    words, scale = pack_int4(q).to(DEVICE), scale.to(DEVICE)
+    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(3)) * 4).to(DEVICE, dtype)
+    ref = x.float() @ deq.to(DEVICE).T
+    configs = [c for c in candidate_configs(k, group, rows=1) if c.unrolled]
+    assert {c.split_k for c in configs} >= {1, 2} and {c.block_n for c in configs} == {8, 16, 32}
+    for config in configs:
+        y = w4a16_matmul(x, words, scale, group, config)
+        assert y.dtype == dtype and y.shape == (1, n)
+        torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
+
+
 def test_w4a16_matmul_refuses_what_it_cannot_do():
     q, scale, _ = quantized(32, 128, 32)
     words = pack_int4(q)
@@ -207,16 +229,25 @@ def attention_case(tree):
                                                      HAS_START=False, TREE=tree)
 
 
-@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "attention", "attention tree 16"])
+def unrolled_gemv_case(block_n):
+    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_wn": "i32",
+                 "stride_sn": "i32", "stride_os": "i32"}
+    return "qdflash.kernels.w4a16", "_w4a16_gemv_unrolled_kernel", signature, dict(GROUP=32, BLOCK_N=block_n, BLOCK_K8=64,
+                                                                                 K_PER_SPLIT=2560, ASM=True)
+
+
+@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "attention", "attention tree 16", "w4 gemv 32"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
     the fused GDN kernel at the Qwen3.5-4B head size (dk = dv = 128, a [dk, 32] state slice per program) for a
     decode step and a verify block, and the decode attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of 64),
-    with a tree of 16 nodes' ancestor bits too (what a tree round verifies on the GPU)."""
+    with a tree of 16 nodes' ancestor bits too (what a tree round verifies on the GPU); and the unrolled W4
+    GEMV at its largest tile and Qwen3.5-4B's K (10 tiles of 32 x 64 words in flight, the PTX lop3 included)."""
     kind, _, arg = case.rpartition(" ")
-    module, name, signature, constexprs = (gdn_step_case(int(arg)) if kind.startswith("gdn")
-                                           else attention_case(0 if arg == "attention" else int(arg)))
+    module, name, signature, constexprs = (gdn_step_case(int(arg)) if kind.startswith("gdn") else
+                                           unrolled_gemv_case(int(arg)) if kind.startswith("w4") else
+                                           attention_case(0 if arg == "attention" else int(arg)))
     used = sm90_resources(module, name, signature, constexprs)
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
 
@@ -232,7 +263,10 @@ def test_gemv_equals_linear_and_is_used_only_where_tuned(dtype, monkeypatch):
     ref = x.float() @ w.float().T
     configs = gemv_module.candidate_configs(4096, k)
     assert {c.split_k for c in configs} >= {1, 2}
-    for config in configs[:: max(1, len(configs) // 4)]:  # a few tiles, split-K among them; n=40 is not a multiple of BN
+    unrolled = [c for c in configs if c.unrolled]
+    assert {c.split_k for c in unrolled} >= {1, 2}, "the unrolled loop, split and not"
+    # a few tiles, split-K among them, the K loop unrolled and not; n=40 is not a multiple of BN
+    for config in configs[:: max(1, len(configs) // 4)] + unrolled[:: max(1, len(unrolled) // 3)]:
         y = gemv_module.gemv(x, w, config)
         assert y.dtype == dtype and y.shape == (1, n)
         torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)

@@ -24,8 +24,8 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
   `kernels.gated_delta.gated_delta_step` fused them into one launch), and `fused_gdn.*_speedup` (unfused over fused);
 - `--hf-generate`: transformers' own static compiled `generate` on the same 16-bit model at batch 1, its
   decode step's time from two generation lengths (`hf_static_generate`), and over this engine's steps;
-- `--profile`: where a decode step's time goes, kernel by kernel (torch.profiler over graph replays),
-  grouped into matmuls, recurrence, attention, fused elementwise (inductor) and the rest.
+- `--profile`: where a decode step's and a verify block's time goes, kernel by kernel (torch.profiler over graph
+  replays), grouped into matmuls, recurrence, attention, fused elementwise (inductor) and the rest.
 Each time is set against its bound: bytes it must read (weights, recurrent states read and written,
 KV up to the context) / the device-to-device copy bandwidth measured in the same process. The speedup
 these costs imply at acceptance length tau: tau * decode step / (verify block + drafter step).
@@ -115,7 +115,8 @@ KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
 
 
 def kernel_breakdown(step, device: str, replays: int = 20) -> dict:
-    """Device time per decode step, by kernel and by group (torch.profiler over `replays` replays)."""
+    """Device time per call of `step` (a decode step or a verify block), by kernel and by group (torch.profiler
+    over `replays` replays)."""
     if device != "cuda":
         return {}
     from torch.profiler import ProfilerActivity, profile
@@ -198,12 +199,14 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
                 compiled[f"{label}.verify_compiled_ms"] / compiled[f"{label}.decode_compiled_ms"], 4)
         except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
             compiled[f"{label}.compile_error"] = f"{type(err).__name__}: {str(err)[:300]}"
-    if args.profile:
-        step = engine.graph_for(1, None, args.context + 1)  # the compiled one where it was captured
-        try:
-            compiled[f"{label}.decode_kernels"] = kernel_breakdown(lambda: step(one, args.context), device)
-        except Exception as err:  # noqa: BLE001 -- the profile is extra; its failure is reported
-            compiled[f"{label}.decode_kernels"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    if args.profile:  # the compiled graphs where they were captured
+        step = engine.graph_for(1, None, args.context + 1)
+        verify = engine.graph_for(args.block, layer_ids, args.context + args.block)
+        for name, fn in (("decode", lambda: step(one, args.context)), ("verify", lambda: verify(block, args.context))):
+            try:
+                compiled[f"{label}.{name}_kernels"] = kernel_breakdown(fn, device)
+            except Exception as err:  # noqa: BLE001 -- the profile is extra; its failure is reported
+                compiled[f"{label}.{name}_kernels"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
     need = step_bytes(engine, args.context)
     bound_ms = need["total"] / bandwidth * 1e3
     return {
@@ -397,7 +400,7 @@ def main() -> None:
     parser.add_argument("--compile", nargs="?", const=True, default=False,
                         help="also time the decode step, verify block and drafter step compiled by torch.compile "
                              "(a value: the torch.compile backend; the CPU test traces with aot_eager)")
-    parser.add_argument("--profile", action="store_true", help="also break each decode step down by kernel")
+    parser.add_argument("--profile", action="store_true", help="also break each decode step and verify block down by kernel")
     parser.add_argument("--w4-head", action="store_true",
                         help="then also the W4 target with its LM head quantized (target_w4_head; issue 23: a 16-bit head "
                              "is ~40%% of a W4 step's bytes at 4B)")

@@ -29,31 +29,45 @@ except ImportError:  # the CPU install
     triton = tl = None
 
 
+MAX_UNROLL = 16  # K tiles one program of the unrolled GEMV holds in flight (its code and registers grow with them)
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int = 8
     block_k: int = 512
     split_k: int = 1
     num_warps: int = 4
+    unrolled: bool = False  # the K loop unrolled at compile time: every tile's loads issued up front
 
 
 if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, stride_os,
-                     K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
+        """TILES = 0: a runtime loop over K_PER_SPLIT (one compile serves every K). TILES > 0: K_PER_SPLIT
+        is TILES * BLOCK_K and the loop is unrolled, so the compiler issues every tile's loads before the
+        arithmetic: a program's whole slice of the weight in flight, where the runtime loop waits on memory
+        once per tile (one compile per K and split)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn[:, None] < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for step in range(0, K_PER_SPLIT, BLOCK_K):
-            col = pid_k * K_PER_SPLIT + step + rk
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + col[None, :], mask=n_ok, other=0)
-            x = tl.load(x_ptr + col)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if TILES > 0:
+            for tile in tl.static_range(TILES):
+                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, pid_k * TILES * BLOCK_K + tile * BLOCK_K + rk, stride_wn)
+        else:
+            for step in range(0, K_PER_SPLIT, BLOCK_K):
+                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, pid_k * K_PER_SPLIT + step + rk, stride_wn)
         tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
+
+    @triton.jit
+    def _gemv_tile(x_ptr, w_ptr, rn, n_ok, col, stride_wn):
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + col[None, :], mask=n_ok, other=0)
+        return w.to(tl.float32) * tl.load(x_ptr + col).to(tl.float32)[None, :]
 
 
 def fits(config: GemvConfig, k: int) -> bool:
@@ -72,9 +86,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Ten
     x = x.contiguous()
     out = torch.empty(config.split_k, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
-    # K_PER_SPLIT is a runtime argument: one compile per tile serves every shape (tuning is compile-bound)
+    # K_PER_SPLIT is a runtime argument (one compile per tile serves every shape: tuning is compile-bound),
+    # except where the config unrolls the K loop
+    tiles = k // (config.split_k * config.block_k) if config.unrolled else 0
     _gemv_kernel[grid](x, weight, out, n, weight.stride(0), out.stride(0), k // config.split_k, BLOCK_N=config.block_n,
-                       BLOCK_K=config.block_k, num_warps=config.num_warps)
+                       BLOCK_K=config.block_k, TILES=tiles, num_warps=config.num_warps)
     return out[:1] if config.split_k == 1 else out.sum(0, keepdim=True).to(x.dtype)
 
 
@@ -92,8 +108,10 @@ def candidate_configs(n: int, k: int) -> list[GemvConfig]:
                     if fits(c, k) and 128 <= -(-n // block_n) * split_k <= 4096:
                         out.append(c)
     if not out:
-        out = narrow_configs(n, k)
-    return out
+        return narrow_configs(n, k)
+    # the same tiles (4 warps) with the K loop unrolled, up to MAX_UNROLL tiles a program
+    return out + [GemvConfig(c.block_n, c.block_k, c.split_k, c.num_warps, unrolled=True) for c in out
+                  if c.num_warps == 4 and k // (c.split_k * c.block_k) <= MAX_UNROLL]
 
 
 def narrow_configs(n: int, k: int) -> list[GemvConfig]:
