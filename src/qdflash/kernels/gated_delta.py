@@ -106,54 +106,40 @@ if triton is not None:
         g_all = tl.load(decay_ptr + h) * softplus
         beta_all = 1.0 / (1.0 + tl.exp(-b_all))
 
-        # the causal conv at every position of the block at once (p = start + t over inputs p-KW+1..p): this
-        # block's rows from qkvz, earlier ones from the conv-input buffer (zero before the sequence start).
-        # None of it depends on the state, so all its loads are issued together, not once per token in the
-        # serial loop below (a verify block waited on memory 16 times a layer).
-        live = rt < T
-        aq = tl.zeros([ROWS, DK], dtype=tl.float32)
-        ak = tl.zeros([ROWS, DK], dtype=tl.float32)
-        av = tl.zeros([ROWS, BLOCK_V], dtype=tl.float32)
-        for j in tl.static_range(KW):
-            rel = rt - (KW - 1) + j  # the input row, relative to the block's first position
-            cur = (live & (rel >= 0))[:, None]
-            old = (live & (rel < 0) & (start + rel >= 0))[:, None]
-            src = qkvz_ptr + rel[:, None] * qkvz_stride
-            buf = conv_in_ptr + (start + rel)[:, None] * CONV_DIM
-            xq = tl.load(src + qc[None, :], mask=cur, other=0.0) + tl.load(buf + qc[None, :], mask=old, other=0.0)
-            xk = tl.load(src + kc[None, :], mask=cur, other=0.0) + tl.load(buf + kc[None, :], mask=old, other=0.0)
-            xv = tl.load(src + vc[None, :], mask=cur, other=0.0) + tl.load(buf + vc[None, :], mask=old, other=0.0)
-            aq += xq.to(tl.float32) * tl.load(conv_w_ptr + qc * KW + j).to(tl.float32)[None, :]
-            ak += xk.to(tl.float32) * tl.load(conv_w_ptr + kc * KW + j).to(tl.float32)[None, :]
-            av += xv.to(tl.float32) * tl.load(conv_w_ptr + vc * KW + j).to(tl.float32)[None, :]
-        # silu, rounded where the unfused layer rounds (the conv's and the silu's 16-bit outputs)
-        aq = aq.to(dt).to(tl.float32)
-        ak = ak.to(dt).to(tl.float32)
-        av = av.to(dt).to(tl.float32)
-        q_all = (aq / (1.0 + tl.exp(-aq))).to(dt).to(tl.float32)
-        k_all = (ak / (1.0 + tl.exp(-ak))).to(dt).to(tl.float32)
-        v_all = (av / (1.0 + tl.exp(-av))).to(dt).to(tl.float32)
-        q_all = q_all * (1.0 / tl.sqrt(tl.sum(q_all * q_all, axis=1) + 1e-6))[:, None] / SCALE  # l2norm, 1/sqrt(dk)
-        k_all = k_all * (1.0 / tl.sqrt(tl.sum(k_all * k_all, axis=1) + 1e-6))[:, None]
-        # this block's conv inputs into the buffer (a later step reads them as history): each program its value
-        # channels, the first program of a key head its query and key channels. Rows before `start`, which
-        # this block read above, are not written.
-        here = qkvz_ptr + rt[:, None] * qkvz_stride
-        dst = conv_in_ptr + (start + rt)[:, None] * CONV_DIM
-        own = (live & ((rt * 0 + h % REP + vb) == 0))[:, None]  # as a vector: a scalar mask mixes dtypes
-        tl.store(dst + vc[None, :], tl.load(here + vc[None, :], mask=live[:, None], other=0.0), mask=live[:, None])
-        tl.store(dst + qc[None, :], tl.load(here + qc[None, :], mask=own, other=0.0), mask=own)
-        tl.store(dst + kc[None, :], tl.load(here + kc[None, :], mask=own, other=0.0), mask=own)
-
         tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
         s = tl.load(state_ptr + tile)
         if STORE_STATES:
             tl.store(states_ptr + tile, s)
-        for t in range(T):  # the recurrence, token by token: only it depends on the previous token
-            row_t = (rt == t)[:, None]
-            qq = tl.sum(tl.where(row_t, q_all, 0.0), axis=0)  # row t of the tiles (exact: the others add zeros)
-            kk = tl.sum(tl.where(row_t, k_all, 0.0), axis=0)
-            vv = tl.sum(tl.where(row_t, v_all, 0.0), axis=0)
+        for t in range(T):
+            p = start + t
+            # the causal conv at p over inputs p-KW+1..p: this block's rows from qkvz, earlier ones from the
+            # conv-input buffer (zero before the sequence start)
+            aq = tl.zeros([DK], dtype=tl.float32)
+            ak = tl.zeros([DK], dtype=tl.float32)
+            av = tl.zeros([BLOCK_V], dtype=tl.float32)
+            for j in tl.static_range(KW):
+                row = p - (KW - 1) + j
+                row_k = rk * 0 + row  # the row as vectors: the masks of the two sources
+                row_v = rv * 0 + row
+                src = qkvz_ptr + (row - start) * qkvz_stride
+                buf = conv_in_ptr + row * CONV_DIM
+                cur_k, old_k = row_k >= start, (row_k >= 0) & (row_k < start)
+                cur_v, old_v = row_v >= start, (row_v >= 0) & (row_v < start)
+                xq = tl.load(src + qc, mask=cur_k, other=0.0) + tl.load(buf + qc, mask=old_k, other=0.0)
+                xk = tl.load(src + kc, mask=cur_k, other=0.0) + tl.load(buf + kc, mask=old_k, other=0.0)
+                xv = tl.load(src + vc, mask=cur_v, other=0.0) + tl.load(buf + vc, mask=old_v, other=0.0)
+                aq += xq.to(tl.float32) * tl.load(conv_w_ptr + qc * KW + j).to(tl.float32)
+                ak += xk.to(tl.float32) * tl.load(conv_w_ptr + kc * KW + j).to(tl.float32)
+                av += xv.to(tl.float32) * tl.load(conv_w_ptr + vc * KW + j).to(tl.float32)
+            # silu, rounded where the unfused layer rounds (the conv's and the silu's 16-bit outputs)
+            aq = aq.to(dt).to(tl.float32)
+            ak = ak.to(dt).to(tl.float32)
+            av = av.to(dt).to(tl.float32)
+            qq = (aq / (1.0 + tl.exp(-aq))).to(dt).to(tl.float32)
+            kk = (ak / (1.0 + tl.exp(-ak))).to(dt).to(tl.float32)
+            vv = (av / (1.0 + tl.exp(-av))).to(dt).to(tl.float32)
+            qq = qq * (1.0 / tl.sqrt(tl.sum(qq * qq, axis=0) + 1e-6)) / SCALE  # l2norm, then 1/sqrt(dk)
+            kk = kk * (1.0 / tl.sqrt(tl.sum(kk * kk, axis=0) + 1e-6))
             g = tl.sum(tl.where(rt == t, g_all, 0.0), axis=0)
             beta = tl.sum(tl.where(rt == t, beta_all, 0.0), axis=0)
             s = s * tl.exp(g)
@@ -162,6 +148,13 @@ if triton is not None:
             tl.store(out_ptr + (t * HV + h) * DV + rv, tl.sum(s * qq[:, None], axis=0))
             if STORE_STATES:
                 tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
+            # this token's conv inputs into the buffer (a later step reads them as history): each program its
+            # value channels, the first program of a key head its query and key channels
+            own = (rk * 0 + h % REP + vb) == 0
+            here = qkvz_ptr + t * qkvz_stride
+            tl.store(conv_in_ptr + p * CONV_DIM + vc, tl.load(here + vc))
+            tl.store(conv_in_ptr + p * CONV_DIM + qc, tl.load(here + qc, mask=own, other=0.0), mask=own)
+            tl.store(conv_in_ptr + p * CONV_DIM + kc, tl.load(here + kc, mask=own, other=0.0), mask=own)
         tl.store(state_ptr + tile, s)
 
 
