@@ -194,7 +194,8 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
 
 
 def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states=None, *,
-                     key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = 32, block_h: int = 512):
+                     key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = 32, block_h: int = 512,
+                     num_warps: int = 4):
     """A Gated DeltaNet layer's middle for a decode step or verify block (T <= CHUNK tokens) in one launch:
     the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
     (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
@@ -224,5 +225,5 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
         qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, out,
         state if states is None else states, heads, key_dim, conv_dim, float(dk ** 0.5), HIDDEN=hidden,
         H_CHUNKS=-(-hidden // block_h), T=t, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, BLOCK_H=block_h,
-        ROWS=CHUNK, BA_DOT=ba_weight, STORE_STATES=states is not None)
+        ROWS=CHUNK, BA_DOT=ba_weight, STORE_STATES=states is not None, num_warps=num_warps)
     return out

@@ -1,0 +1,93 @@
+"""The fused Gated DeltaNet layer middle (`kernels.gated_delta.gated_delta_step`) alone, at Qwen3.5-4B's layer
+shape, over its launch shapes: how many value columns a program owns (`block_v`) and its warps.
+
+    python scripts/bench/bench_gdn_step.py --out gdn_step.json
+
+Why: in a compiled verify block of 16 tokens the kernel takes ~30% of the block's device time (~62 us a
+layer on the H200, `bench_components --profile`, `target16.verify_kernels`), against ~7 us in a decode
+step: its 16 tokens run one after another, and each token's recurrence reduces the state over the key
+dimension twice (k @ S and q @ S). Where that dimension spans warps the reductions go through shared memory
+and barriers; fewer warps and narrower value blocks keep them inside a warp, at the price of more programs
+recomputing the same conv and gates. This times each launch shape for a decode step (T = 1) and a verify
+block (T = 16, with the per-position states a rollback needs, and without), each over enough layers' inputs
+and states that they come from HBM, inside one CUDA graph (launches not timed), and checks every shape's
+outputs against the default one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+
+from qdflash.kernels import copies_past_l2, graph_ms
+from qdflash.kernels.gated_delta import gated_delta_step
+
+# Qwen3.5-4B's linear-attention layers: 16 key heads, 32 value heads, head dims 128, conv kernel 4, hidden 2560
+SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
+LAUNCHES = [(32, 4), (32, 2), (16, 4), (16, 2), (16, 1), (8, 2), (8, 1), (64, 4), (64, 8)]  # (block_v, num_warps)
+
+
+def layer_inputs(t: int, position: int, device, g: torch.Generator) -> dict:
+    s = SHAPE
+    key_dim = s["key_heads"] * s["dk"]
+    conv_dim = 2 * key_dim + s["heads"] * s["dv"]
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    return dict(
+        qkvz=torch.randn(t, conv_dim + s["heads"] * s["dv"], generator=g).to(**bf16),
+        conv_in=torch.randn(position + 16, conv_dim, generator=g).to(**bf16),
+        conv_weight=(torch.randn(conv_dim, 1, s["kw"], generator=g) * 0.5).to(**bf16),
+        positions=torch.arange(position, position + t, device=device),
+        x=torch.randn(t, s["hidden"], generator=g).to(**bf16),
+        ba=(torch.randn(2 * s["heads"], s["hidden"], generator=g) * 0.02).to(**bf16),
+        decay=-torch.rand(s["heads"], generator=g).to(device),
+        dt_bias=torch.randn(s["heads"], generator=g).to(**bf16),
+        state=(torch.randn(s["heads"], s["dk"], s["dv"], generator=g) * 0.1).to(device),
+        states=torch.zeros(t + 1, s["heads"], s["dk"], s["dv"], device=device) if t > 1 else None,
+    )
+
+
+def run(layer: dict, block_v: int, num_warps: int, keep_states: bool):
+    return gated_delta_step(layer["qkvz"], layer["conv_in"], layer["conv_weight"], layer["positions"], layer["x"], layer["ba"],
+                            layer["decay"], layer["dt_bias"], layer["state"], layer["states"] if keep_states else None,
+                            key_heads=SHAPE["key_heads"], key_dim=SHAPE["key_heads"] * SHAPE["dk"], block_v=block_v,
+                            num_warps=num_warps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--position", type=int, default=1024, help="the block's first position (conv history before it)")
+    parser.add_argument("--out", help="write the table as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gdn_step: needs a CUDA device (the kernel is timed, not emulated)")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for t, keep_states in ((1, False), (16, True), (16, False)):
+        state_bytes = SHAPE["heads"] * SHAPE["dk"] * SHAPE["dv"] * 4 * (t + 2 if keep_states else 2)
+        layers = [layer_inputs(t, args.position, "cuda", g) for _ in range(copies_past_l2(state_bytes))]
+        snapshot = [layer["state"].clone() for layer in layers]
+        reference = None
+        for block_v, num_warps in LAUNCHES:
+            for layer, state in zip(layers, snapshot):
+                layer["state"].copy_(state)
+            out = run(layers[0], block_v, num_warps, keep_states).float()  # compiles; from the same state each time
+            if reference is None:
+                reference = out
+            diff = float((out - reference).abs().max())
+            us = graph_ms(lambda: [run(layer, block_v, num_warps, keep_states) for layer in layers]) / len(layers) * 1e3
+            row = {"tokens": t, "per_position_states": keep_states, "block_v": block_v, "num_warps": num_warps,
+                   "us_per_layer": round(us, 2), "max_abs_vs_first": diff}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"shape": SHAPE, "position": args.position, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(), "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
