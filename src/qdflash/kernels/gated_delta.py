@@ -65,100 +65,141 @@ if triton is not None:
     def _gated_delta_step_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, x_ptr, ba_ptr, decay_ptr, dt_bias_ptr,
                                  state_ptr, out_ptr, states_ptr, HV, KEY_DIM, CONV_DIM, SCALE, HIDDEN: tl.constexpr,
                                  H_CHUNKS: tl.constexpr, T: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                                 BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, BA_DOT: tl.constexpr,
-                                 STORE_STATES: tl.constexpr):
+                                 BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BA_DOT: tl.constexpr, STORE_STATES: tl.constexpr):
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         rk = tl.arange(0, DK)
-        rt = tl.arange(0, ROWS)
         qc = (h // REP) * DK + rk  # this value head's query channels (key heads are shared by REP value heads)
         kc = KEY_DIM + qc
         vc = 2 * KEY_DIM + h * DV + rv
         dt = qkvz_ptr.dtype.element_ty
         start = tl.load(pos_ptr)  # the block's first position (positions are consecutive)
-        # the gates of every token first: b, a = x @ in_proj_b / a (the row of this head), rounded as the
-        # 16-bit projection's output would be. Unrolled (tokens, hidden chunks): every load is issued up front;
-        # a loop over the chunks waited on memory once per chunk (~15 us a layer on the H200 at hidden 2,560).
-        # Each token's sum runs over the same chunks in the same order in a decode step and in a verify block.
-        if BA_DOT:
-            b_all = tl.zeros([ROWS], dtype=tl.float32)
-            a_all = tl.zeros([ROWS], dtype=tl.float32)
-            for token in tl.static_range(T):
-                acc_b = tl.zeros([BLOCK_H], dtype=tl.float32)
-                acc_a = tl.zeros([BLOCK_H], dtype=tl.float32)
-                for c in tl.static_range(H_CHUNKS):
-                    rh = c * BLOCK_H + tl.arange(0, BLOCK_H)
-                    mh = rh < HIDDEN
-                    xt = tl.load(x_ptr + token * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
-                    acc_b += xt * tl.load(ba_ptr + h * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
-                    acc_a += xt * tl.load(ba_ptr + (HV + h) * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
-                b_all = tl.where(rt == token, tl.sum(acc_b, axis=0).to(dt).to(tl.float32), b_all)
-                a_all = tl.where(rt == token, tl.sum(acc_a, axis=0).to(dt).to(tl.float32), a_all)
-        else:  # ba_ptr: the projection's output [T, 2 * HV] (b heads, then a heads)
-            b_all = tl.load(ba_ptr + rt * 2 * HV + h, mask=rt < T, other=0.0).to(tl.float32)
-            a_all = tl.load(ba_ptr + rt * 2 * HV + HV + h, mask=rt < T, other=0.0).to(tl.float32)
-        u = a_all + tl.load(dt_bias_ptr + h).to(tl.float32)
-        e = tl.exp(u)
-        w = 1.0 + e
-        # softplus as torch's (threshold 20), log1p(e) to full precision where e is tiny (log(w) * e / (w - 1))
-        softplus = tl.where(u > 20.0, u, tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0)))
-        g_all = tl.load(decay_ptr + h) * softplus
-        beta_all = 1.0 / (1.0 + tl.exp(-b_all))
-
         tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
         s = tl.load(state_ptr + tile)
         if STORE_STATES:
             tl.store(states_ptr + tile, s)
-        for t in range(T):
-            p = start + t
-            # the causal conv at p over inputs p-KW+1..p: this block's rows from qkvz, earlier ones from the
-            # conv-input buffer (zero before the sequence start)
-            aq = tl.zeros([DK], dtype=tl.float32)
-            ak = tl.zeros([DK], dtype=tl.float32)
-            av = tl.zeros([BLOCK_V], dtype=tl.float32)
-            for j in tl.static_range(KW):
-                row = p - (KW - 1) + j
-                row_k = rk * 0 + row  # the row as vectors: the masks of the two sources
-                row_v = rv * 0 + row
-                src = qkvz_ptr + (row - start) * qkvz_stride
-                buf = conv_in_ptr + row * CONV_DIM
-                cur_k, old_k = row_k >= start, (row_k >= 0) & (row_k < start)
-                cur_v, old_v = row_v >= start, (row_v >= 0) & (row_v < start)
-                xq = tl.load(src + qc, mask=cur_k, other=0.0) + tl.load(buf + qc, mask=old_k, other=0.0)
-                xk = tl.load(src + kc, mask=cur_k, other=0.0) + tl.load(buf + kc, mask=old_k, other=0.0)
-                xv = tl.load(src + vc, mask=cur_v, other=0.0) + tl.load(buf + vc, mask=old_v, other=0.0)
-                aq += xq.to(tl.float32) * tl.load(conv_w_ptr + qc * KW + j).to(tl.float32)
-                ak += xk.to(tl.float32) * tl.load(conv_w_ptr + kc * KW + j).to(tl.float32)
-                av += xv.to(tl.float32) * tl.load(conv_w_ptr + vc * KW + j).to(tl.float32)
-            # silu, rounded where the unfused layer rounds (the conv's and the silu's 16-bit outputs)
-            aq = aq.to(dt).to(tl.float32)
-            ak = ak.to(dt).to(tl.float32)
-            av = av.to(dt).to(tl.float32)
-            qq = (aq / (1.0 + tl.exp(-aq))).to(dt).to(tl.float32)
-            kk = (ak / (1.0 + tl.exp(-ak))).to(dt).to(tl.float32)
-            vv = (av / (1.0 + tl.exp(-av))).to(dt).to(tl.float32)
-            qq = qq * (1.0 / tl.sqrt(tl.sum(qq * qq, axis=0) + 1e-6)) / SCALE  # l2norm, then 1/sqrt(dk)
-            kk = kk * (1.0 / tl.sqrt(tl.sum(kk * kk, axis=0) + 1e-6))
-            g = tl.sum(tl.where(rt == t, g_all, 0.0), axis=0)
-            beta = tl.sum(tl.where(rt == t, beta_all, 0.0), axis=0)
-            s = s * tl.exp(g)
-            delta = (vv - tl.sum(s * kk[:, None], axis=0)) * beta
-            s = s + kk[:, None] * delta[None, :]
-            tl.store(out_ptr + (t * HV + h) * DV + rv, tl.sum(s * qq[:, None], axis=0))
+        # Token by token, only the state update depends on the token before. A token's inputs (conv, silu,
+        # l2norm, gates) do not, so token t + 1's are loaded and computed while token t's recurrence runs: a
+        # verify block no longer waits on memory once per token. The last token is peeled off the loop so a
+        # decode step (T = 1) computes no inputs it does not use.
+        qq, kk, vv, kq, g, beta = _step_inputs(start, 0, qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, x_ptr, ba_ptr, decay_ptr,
+                                               dt_bias_ptr, qc, kc, vc, rk, rv, h, vb, HV, CONV_DIM, SCALE, dt, REP, KW,
+                                               HIDDEN, H_CHUNKS, BLOCK_H, BA_DOT)
+        for t in range(T - 1):
+            nq, nk, nv, nkq, ng, nbeta = _step_inputs(start, t + 1, qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, x_ptr, ba_ptr,
+                                                      decay_ptr, dt_bias_ptr, qc, kc, vc, rk, rv, h, vb, HV, CONV_DIM, SCALE,
+                                                      dt, REP, KW, HIDDEN, H_CHUNKS, BLOCK_H, BA_DOT)
+            s = _step_state(s, qq, kk, vv, kq, g, beta, out_ptr + (t * HV + h) * DV + rv)
             if STORE_STATES:
                 tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
-            # this token's conv inputs into the buffer (a later step reads them as history): each program its
-            # value channels, the first program of a key head its query and key channels
-            own = (rk * 0 + h % REP + vb) == 0
-            here = qkvz_ptr + t * qkvz_stride
-            tl.store(conv_in_ptr + p * CONV_DIM + vc, tl.load(here + vc))
-            tl.store(conv_in_ptr + p * CONV_DIM + qc, tl.load(here + qc, mask=own, other=0.0), mask=own)
-            tl.store(conv_in_ptr + p * CONV_DIM + kc, tl.load(here + kc, mask=own, other=0.0), mask=own)
+            qq, kk, vv, kq, g, beta = nq, nk, nv, nkq, ng, nbeta
+        s = _step_state(s, qq, kk, vv, kq, g, beta, out_ptr + ((T - 1) * HV + h) * DV + rv)
+        if STORE_STATES:
+            tl.store(states_ptr + T * HV * DK * DV + tile, s)
         tl.store(state_ptr + tile, s)
+
+    @triton.jit
+    def _add3(a0, b0, c0, a1, b1, c1):
+        return a0 + a1, b0 + b1, c0 + c1
+
+    @triton.jit
+    def _add2(a0, b0, a1, b1):
+        return a0 + a1, b0 + b1
+
+    @triton.jit
+    def _step_inputs(start, t, qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, x_ptr, ba_ptr, decay_ptr, dt_bias_ptr, qc, kc,
+                     vc, rk, rv, h, vb, HV, CONV_DIM, SCALE, dt: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr,
+                     HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr, BA_DOT: tl.constexpr):
+        """Token t's q, k (l2-normed; q / sqrt(dk)), v, k . q, decay g and beta: what its recurrence step
+        reads, none of it from the state. Also writes the token's conv inputs to the buffer (a later step
+        reads them as history): each program its value channels, the first program of a key head its query
+        and key channels."""
+        p = start + t
+        # the gates: b, a = x @ in_proj_b / a (this head's rows), rounded as the 16-bit projection's output
+        # would be. The hidden chunks unrolled: all their loads are issued at once (a loop over them waited on
+        # memory once per chunk, ~15 us a layer on the H200 at hidden 2,560). A token's sum runs over the same
+        # chunks in the same order whatever the block's length.
+        if BA_DOT:
+            acc_b = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc_a = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for c in tl.static_range(H_CHUNKS):
+                rh = c * BLOCK_H + tl.arange(0, BLOCK_H)
+                mh = rh < HIDDEN
+                xt = tl.load(x_ptr + t * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+                acc_b += xt * tl.load(ba_ptr + h * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+                acc_a += xt * tl.load(ba_ptr + (HV + h) * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+            b = tl.sum(acc_b, axis=0).to(dt).to(tl.float32)
+            a = tl.sum(acc_a, axis=0).to(dt).to(tl.float32)
+        else:  # ba_ptr: the projection's output [T, 2 * HV] (b heads, then a heads)
+            b = tl.load(ba_ptr + t * 2 * HV + h).to(tl.float32)
+            a = tl.load(ba_ptr + t * 2 * HV + HV + h).to(tl.float32)
+        u = a + tl.load(dt_bias_ptr + h).to(tl.float32)
+        e = tl.exp(u)
+        w = 1.0 + e
+        # softplus as torch's (threshold 20), log1p(e) to full precision where e is tiny (log(w) * e / (w - 1))
+        softplus = tl.where(u > 20.0, u, tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0)))
+        g = tl.load(decay_ptr + h) * softplus
+        beta = 1.0 / (1.0 + tl.exp(-b))
+        # the causal conv at p over inputs p-KW+1..p: this block's rows from qkvz, earlier ones from the
+        # conv-input buffer (zero before the sequence start)
+        aq = tl.zeros(rk.shape, dtype=tl.float32)
+        ak = tl.zeros(rk.shape, dtype=tl.float32)
+        av = tl.zeros(rv.shape, dtype=tl.float32)
+        for j in tl.static_range(KW):
+            row = p - (KW - 1) + j
+            row_k = rk * 0 + row  # the row as vectors: the masks of the two sources
+            row_v = rv * 0 + row
+            src = qkvz_ptr + (row - start) * qkvz_stride
+            buf = conv_in_ptr + row * CONV_DIM
+            cur_k, old_k = row_k >= start, (row_k >= 0) & (row_k < start)
+            cur_v, old_v = row_v >= start, (row_v >= 0) & (row_v < start)
+            xq = tl.load(src + qc, mask=cur_k, other=0.0) + tl.load(buf + qc, mask=old_k, other=0.0)
+            xk = tl.load(src + kc, mask=cur_k, other=0.0) + tl.load(buf + kc, mask=old_k, other=0.0)
+            xv = tl.load(src + vc, mask=cur_v, other=0.0) + tl.load(buf + vc, mask=old_v, other=0.0)
+            aq += xq.to(tl.float32) * tl.load(conv_w_ptr + qc * KW + j).to(tl.float32)
+            ak += xk.to(tl.float32) * tl.load(conv_w_ptr + kc * KW + j).to(tl.float32)
+            av += xv.to(tl.float32) * tl.load(conv_w_ptr + vc * KW + j).to(tl.float32)
+        # silu, rounded where the unfused layer rounds (the conv's and the silu's 16-bit outputs)
+        aq = aq.to(dt).to(tl.float32)
+        ak = ak.to(dt).to(tl.float32)
+        av = av.to(dt).to(tl.float32)
+        qq = (aq / (1.0 + tl.exp(-aq))).to(dt).to(tl.float32)
+        kk = (ak / (1.0 + tl.exp(-ak))).to(dt).to(tl.float32)
+        vv = (av / (1.0 + tl.exp(-av))).to(dt).to(tl.float32)
+        # l2norm (then q / sqrt(dk)) and k . q from one reduction over the key dimension
+        q2, k2, kq = tl.reduce((qq * qq, kk * kk, kk * qq), 0, _add3)
+        rq = 1.0 / tl.sqrt(q2 + 1e-6)
+        rk2 = 1.0 / tl.sqrt(k2 + 1e-6)
+        qq = qq * rq / SCALE
+        kk = kk * rk2
+        kq = kq * rk2 * rq / SCALE
+        own = (rk * 0 + h % REP + vb) == 0
+        here = qkvz_ptr + t * qkvz_stride
+        tl.store(conv_in_ptr + p * CONV_DIM + vc, tl.load(here + vc))
+        tl.store(conv_in_ptr + p * CONV_DIM + qc, tl.load(here + qc, mask=own, other=0.0), mask=own)
+        tl.store(conv_in_ptr + p * CONV_DIM + kc, tl.load(here + kc, mask=own, other=0.0), mask=own)
+        return qq, kk, vv, kq, g, beta
+
+    @triton.jit
+    def _step_state(s, qq, kk, vv, kq, g, beta, out_ptrs):
+        """One token's recurrence on the state slice s [dk, BLOCK_V], its output stored at out_ptrs; returns
+        the new state. S' = S e^g + k delta^T with delta = (v - e^g S^T k) beta, and o = S'^T q = e^g S^T q +
+        (k . q) delta: both reductions of the old state over the key dimension in one pass (a reduction
+        across warps is a round trip through shared memory, on the token-by-token critical path)."""
+        decay = tl.exp(g)
+        sk, sq = tl.reduce((s * kk[:, None], s * qq[:, None]), 0, _add2)
+        delta = (vv - decay * sk) * beta
+        tl.store(out_ptrs, decay * sq + kq * delta)
+        return s * decay + kk[:, None] * delta[None, :]
 
 
 CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs (a prefill) go in chunks
+# gated_delta_step's launch: value columns a program owns and its warps, one for every block length (a decode
+# step and a verify block then run the same arithmetic, bit for bit). At Qwen3.5-4B's heads (dk = dv = 128) a
+# 16-token block keeps 32 columns x 4 warps in registers only without the next token's inputs in flight;
+# 16 x 4 holds both (tests/test_kernels.py compiles it for sm_90 and checks it does not spill).
+STEP_BLOCK_V, STEP_WARPS = 16, 4
 
 
 def _value_block(name: str, dk: int, dv: int, block_v: int, states, t: int) -> int:
@@ -194,8 +235,8 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
 
 
 def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states=None, *,
-                     key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = 32, block_h: int = 512,
-                     num_warps: int = 4):
+                     key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = STEP_BLOCK_V, block_h: int = 512,
+                     num_warps: int = STEP_WARPS):
     """A Gated DeltaNet layer's middle for a decode step or verify block (T <= CHUNK tokens) in one launch:
     the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
     (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
@@ -225,5 +266,5 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
         qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, out,
         state if states is None else states, heads, key_dim, conv_dim, float(dk ** 0.5), HIDDEN=hidden,
         H_CHUNKS=-(-hidden // block_h), T=t, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, BLOCK_H=block_h,
-        ROWS=CHUNK, BA_DOT=ba_weight, STORE_STATES=states is not None, num_warps=num_warps)
+        BA_DOT=ba_weight, STORE_STATES=states is not None, num_warps=num_warps)
     return out
