@@ -30,6 +30,16 @@ SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
 LAUNCHES = [(16, 4), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]  # (block_v, num_warps); the default first
 
 
+def launch_list(text: str) -> list[tuple[int, int]]:
+    try:
+        out = [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(len(pair) != 2 or min(pair) < 1 for pair in out):
+        raise argparse.ArgumentTypeError(f"--launches: expected block_v x num_warps pairs like 16x4,32x8, got {text!r}")
+    return out
+
+
 def layer_inputs(t: int, position: int, device, g: torch.Generator) -> dict:
     s = SHAPE
     key_dim = s["key_heads"] * s["dk"]
@@ -59,6 +69,8 @@ def run(layer: dict, block_v: int, num_warps: int, keep_states: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--position", type=int, default=1024, help="the block's first position (conv history before it)")
+    parser.add_argument("--launches", type=launch_list, default=LAUNCHES,
+                        help="block_v x num_warps, comma-separated (e.g. 16x4,32x8); the first is the reference")
     parser.add_argument("--out", help="write the table as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -70,7 +82,7 @@ def main() -> None:
         layers = [layer_inputs(t, args.position, "cuda", g) for _ in range(copies_past_l2(state_bytes))]
         snapshot = [layer["state"].clone() for layer in layers]
         reference = None
-        for block_v, num_warps in LAUNCHES:
+        for block_v, num_warps in args.launches:
             for layer, state in zip(layers, snapshot):
                 layer["state"].copy_(state)
             out = run(layers[0], block_v, num_warps, keep_states).float()  # compiles; from the same state each time
