@@ -175,10 +175,12 @@ import importlib
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, name, signature, constexprs, num_warps = json.loads(sys.argv[1])
+module, name, signature, constexprs, num_warps, aligned = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 sig = {**signature, **{key: "constexpr" for key in constexprs}}
-kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+# arguments divisible by 16 (pointers: bytes), as Triton specializes them at a launch where they are
+attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(sig) if arg in aligned}
+kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": num_warps})
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -189,7 +191,7 @@ print(json.dumps({k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)
 """
 
 
-def sm90_resources(module: str, name: str, signature: dict, constexprs: dict, num_warps: int = 4) -> dict:
+def sm90_resources(module: str, name: str, signature: dict, constexprs: dict, num_warps: int = 4, aligned=()) -> dict:
     """Compile the Triton kernel `module.name` for the H200 (sm_90) on this machine, with no GPU (Triton's own
     compiler and bundled tools), and read the cubin's registers / stack per thread: what the interpreter cannot
     check. In a process of its own without TRITON_INTERPRET: the interpreter replaces parts of triton.language."""
@@ -203,7 +205,7 @@ def sm90_resources(module: str, name: str, signature: dict, constexprs: dict, nu
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("this Triton has no CUDA backend tools")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps([module, name, signature, constexprs, num_warps])],
+    out = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps([module, name, signature, constexprs, num_warps, list(aligned)])],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -236,22 +238,33 @@ def unrolled_gemv_case(block_n):
                                                                                  K_PER_SPLIT=2560, ASM=True)
 
 
-@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "attention", "attention tree 16", "w4 gemv 32"])
+def rows_gemv_case(tiles):
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
+                 "stride_wn": "i32", "stride_os": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32"}
+    return "qdflash.kernels.gemv", "_gemv_rows_kernel", signature, dict(BLOCK_N=128, BLOCK_K=64, TILES=tiles, IEEE=False)
+
+
+@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "attention", "attention tree 16", "w4 gemv 32",
+                                  "gemv rows 0", "gemv rows 16"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
     the fused GDN kernel at the Qwen3.5-4B head size (dk = dv = 128, a [dk, 32] state slice per program) for a
     decode step and a verify block, and the decode attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of 64),
     with a tree of 16 nodes' ancestor bits too (what a tree round verifies on the GPU); and the unrolled W4
-    GEMV at its largest tile and Qwen3.5-4B's K (10 tiles of 32 x 64 words in flight, the PTX lop3 included)."""
+    GEMV at its largest tile and Qwen3.5-4B's K (10 tiles of 32 x 64 words in flight, the PTX lop3 included), and
+    the 16-bit GEMV's 2-16-row form at its largest tile, its K loop run and unrolled (16 tiles)."""
     kind, _, arg = case.rpartition(" ")
     num_warps = 4
     if kind.startswith("gdn"):
         from qdflash.kernels.gated_delta import STEP_WARPS as num_warps
     module, name, signature, constexprs = (gdn_step_case(int(arg)) if kind.startswith("gdn") else
                                            unrolled_gemv_case(int(arg)) if kind.startswith("w4") else
+                                           rows_gemv_case(int(arg)) if kind.startswith("gemv") else
                                            attention_case(0 if arg == "attention" else int(arg)))
-    used = sm90_resources(module, name, signature, constexprs, num_warps)
+    # the GEMV's launches at the engine's shapes: torch's pointers and these strides are multiples of 16
+    aligned = [arg for arg in signature if arg.endswith("_ptr") or arg.startswith("stride")] if kind.startswith("gemv") else []
+    used = sm90_resources(module, name, signature, constexprs, num_warps, aligned)
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
 
 
@@ -287,11 +300,40 @@ def test_gemv_equals_linear_and_is_used_only_where_tuned(dtype, monkeypatch):
     monkeypatch.setattr("qdflash.engine.linear.gemv", lambda *a: calls.append(a) or gemv_module.gemv(*a))
     dense_linear(x, w, kernels=True)
     assert not calls, "untuned: cuBLAS / F.linear"
-    monkeypatch.setitem(gemv_module._TUNED, (n, k, dtype), configs[0])
+    monkeypatch.setitem(gemv_module._TUNED, (n, k, dtype, 1), configs[0])
     torch.testing.assert_close(dense_linear(x, w, kernels=True).float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
-    dense_linear(x.expand(3, k), w, kernels=True)  # three rows: F.linear
+    three = torch.randn(3, k, generator=g).to(DEVICE, dtype)
+    dense_linear(three, w, kernels=True)  # three rows, their bucket not tuned: F.linear
     dense_linear(x, w, kernels=False)
     assert len(calls) == 1
+    monkeypatch.setitem(gemv_module._TUNED, (n, k, dtype, 16), gemv_module.candidate_configs(4096, k, rows=16)[0])
+    torch.testing.assert_close(dense_linear(three, w, kernels=True).float(), three.float() @ w.float().T,
+                               atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
+    assert len(calls) == 2 and calls[-1][0].shape == (3, k)
+    dense_linear(torch.randn(17, k, generator=g).to(DEVICE, dtype), w, kernels=True)  # a prefill: F.linear
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter's bf16 dot is broken
+@pytest.mark.parametrize("rows", [2, 16])
+def test_gemv_rows_equals_linear(dtype, rows):
+    """The 2-16-row form (a verify block): every tile config it is tuned over at this K, split and unrolled
+    among them, 40 weight rows (not a multiple of any row block) and `rows` rows of x (padded to 16)."""
+    from qdflash.kernels import gemv as gemv_module
+
+    n, k = 40, 512
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(n, k, generator=g).to(DEVICE, dtype), torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    ref = x.float() @ w.float().T
+    configs = gemv_module.candidate_configs(2048, k, rows=rows)
+    assert {c.split_k for c in configs} >= {1, 2} and {c.unrolled for c in configs} == {False, True}
+    assert all(c.block_n >= 16 for c in configs)
+    for config in configs[:: max(1, len(configs) // 6)]:
+        y = gemv_module.gemv(x, w, config)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
+    with pytest.raises(QdflashError, match="1..16"):
+        gemv_module.gemv(torch.randn(17, k).to(DEVICE, dtype), w, configs[0])
 
 
 
@@ -315,11 +357,12 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     monkeypatch.setattr(gemv_module, "_TUNED", {})
     monkeypatch.setattr(w4a16, "_TUNED", {})
     gemv_configs = gemv_module.candidate_configs(512, 1024)[:3]
-    monkeypatch.setattr(gemv_module, "candidate_configs", lambda n, k: gemv_configs)
+    monkeypatch.setattr(gemv_module, "candidate_configs", lambda n, k, rows=1: gemv_configs)
     timer([5.0, 7.0, 4.0, 6.0])  # cuBLAS 5; the GEMV tiles 7, 4, 6
     result = gemv_module.tune(16, 1024, device=DEVICE, dtype=torch.float32, l2_bytes=1)
     assert result == {"cublas_ms": 5.0, "gemv_ms": 4.0, "config": gemv_configs[1].__dict__, "used": True}
     assert gemv_module.gemv_config(16, 1024, torch.float32) == gemv_configs[1]
+    assert gemv_module.gemv_config(16, 1024, torch.float32, rows=16) is None, "a verify block's bucket is tuned apart"
     timer([3.0, 7.0, 4.0, 6.0])  # cuBLAS beats every tile: the shape stays on cuBLAS
     assert not gemv_module.tune(16, 2048, device=DEVICE, dtype=torch.float32, l2_bytes=1)["used"]
     assert gemv_module.gemv_config(16, 2048, torch.float32) is None

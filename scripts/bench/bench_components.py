@@ -18,7 +18,8 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
 - the matmuls alone (every projection and the LM head at 1 row, in one graph): what the rest of a decode
   step (norms, rotary, conv, recurrence, attention) costs on top of reading the weights;
 - the 16-bit target twice: with cuBLAS for every matmul (`target16_cublas`), then after
-  `kernels.gemv.tune` picked the Triton GEMV for each 1-row shape where it beat cuBLAS (`target16`);
+  `kernels.gemv.tune` picked the Triton GEMV for each shape and row bucket (1 row, 16) where it beat cuBLAS
+  (`target16`);
 - `--unfused-gdn`: the 16-bit target again with each Gated DeltaNet layer's middle unfused (the buffer write,
   window, conv, silu / l2norm, gates, a / b matmul and recurrence as separate kernels, as before
   `kernels.gated_delta.gated_delta_step` fused them into one launch), and `fused_gdn.*_speedup` (unfused over fused);
@@ -107,7 +108,7 @@ def step_bytes(engine, context: int) -> dict[str, int]:
 
 
 KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
-    ("w4a16 (ours)", ("w4a16",)), ("gemv (ours)", ("_gemv_kernel",)), ("gated delta (ours)", ("gated_delta",)),
+    ("w4a16 (ours)", ("w4a16",)), ("gemv (ours)", ("_gemv_kernel", "_gemv_rows_kernel")), ("gated delta (ours)", ("gated_delta",)),
     ("int4 matmul (tinygemm, Marlin)", ("tinygemm", "marlin")),  # before cuBLAS: "tinygemm" holds "gemm"
     ("cuBLAS matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
     ("attention", ("flash", "attention", "fmha", "sdpa")), ("fused elementwise (inductor)", ("triton_",)),

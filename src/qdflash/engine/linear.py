@@ -125,11 +125,13 @@ def _biases(modules: list[nn.Module], dtype: torch.dtype) -> torch.Tensor | None
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, kernels: bool) -> torch.Tensor:
-    """x @ weight.T; one row through the Triton GEMV where it was tuned faster than cuBLAS."""
-    config = gemv_config(*weight.shape, weight.dtype) if kernels and x.numel() == x.shape[-1] else None
+    """x @ weight.T; 1-16 rows through the Triton GEMV where it was tuned faster than cuBLAS for the shape
+    and row bucket (1 row: a decode step; 2-16: a verify block)."""
+    rows = x.numel() // x.shape[-1]
+    config = gemv_config(*weight.shape, weight.dtype, rows) if kernels else None
     if config is None:
         return F.linear(x, weight)
-    return gemv(x.reshape(1, -1), weight, config).view(*x.shape[:-1], -1)
+    return gemv(x.reshape(rows, -1), weight, config).view(*x.shape[:-1], -1)
 
 
 class Concat:
@@ -172,8 +174,8 @@ def pack_linears(module: nn.Module, dtype: torch.dtype, kernels: bool) -> int:
 
 def tune_projections(projections, dense_shapes=(), dtype: torch.dtype = torch.bfloat16) -> dict:
     """On the GPU, before capturing steps: time the W4A16 tiles of every packed shape (1 row and 16
-    rows), and the 16-bit GEMV against cuBLAS for every dense 1-row shape (plus `dense_shapes`, e.g.
-    the LM head). Later calls of those shapes use what won. Returns the timings, for metrics."""
+    rows), and the 16-bit GEMV against cuBLAS for every dense shape at 1 and 16 rows (plus `dense_shapes`,
+    e.g. the LM head). Later calls of those shapes use what won. Returns the timings, for metrics."""
     projections = list(projections)
     tuned = {}
     packed = {(p.out_features, p.in_features, p.group) for p in projections if p.words is not None and p.fast}
@@ -184,8 +186,9 @@ def tune_projections(projections, dense_shapes=(), dtype: torch.dtype = torch.bf
                                                       **{f"{name}_ms": None if t is None else round(t, 4) for name, t in others.items()},
                                                       "used": backend(n, k, group, rows, dtype)}
     dense = {tuple(p.weight.shape) for p in projections if p.weight is not None and p.kernels} | set(map(tuple, dense_shapes))
-    # a packed shape that runs dense at one row: its 16-bit GEMV may beat cuBLAS too
-    dense |= {(n, k) for n, k, group in packed if dense_faster(n, k, group, 1, dtype)}
+    # a packed shape that runs dense (at 1 or 16 rows): its 16-bit GEMV may beat cuBLAS too
+    dense |= {(n, k) for n, k, group in packed if any(dense_faster(n, k, group, rows, dtype) for rows in (1, MAX_ROWS))}
     for n, k in sorted(dense):
         tuned[f"gemv {n}x{k}"] = gemv_kernel.tune(n, k, dtype=dtype)
+        tuned[f"gemv {n}x{k}@{MAX_ROWS}"] = gemv_kernel.tune(n, k, dtype=dtype, rows=MAX_ROWS)
     return tuned

@@ -1,4 +1,5 @@
-"""A 16-bit GEMV (one row: y = x @ W.T) for the decode step, used only where it beats cuBLAS.
+"""A 16-bit GEMV (one row: y = x @ W.T) for the decode step, and its 2-16-row form for a verify block, used
+only where they beat cuBLAS.
 
 Why: a 16-bit decode step is bound by reading the weights once, and cuBLAS at one row read them
 well below the device's copy bandwidth (results/published/2026-11-30-h200-engine-components), which
@@ -6,10 +7,17 @@ caps the step below the 80% the engine aims for whatever the rest costs. A GEMV 
 exploit: each program streams a [BN, BK] tile of weight rows, multiplies it with x in fp32 FMAs and
 reduces once at the end; wide layers split K over programs (partial sums reduced by torch, in fp32).
 
-`tune(n, k)` times the tile configs against `F.linear` on the same shape inside CUDA graphs (weights
-copied past the L2 cache) and remembers a config only when it is faster; `gemv_config(n, k)` is None
-otherwise, and the engine keeps cuBLAS. So an untuned shape, the CPU and a GPU where cuBLAS wins
-run exactly as before.
+A verify block (2-16 rows) streams the weight the same way, once for all its rows: each [BN, BK] tile
+meets the rows' [16, BK] slice of x in one tensor-core dot (rows padded to 16, fp32 accumulation; IEEE
+fp32 products for an fp32 model, not TF32). At 16 rows cuBLAS took longer than the one-row GEMV on every
+Qwen3.5-4B shape, with split-K reductions of its own (results/published/2026-12-05-h200-w4-unrolled: `dense_ms`
+at 16 rows; 2026-12-05-h200-gdn-prefetch: `gemv.tuned`, `target16.verify_kernels`), though the weight bytes
+to read are the same.
+
+`tune(n, k, rows)` times the tile configs against `F.linear` on the same shape and row bucket (1 row, or
+2-16) inside CUDA graphs (weights copied past the L2 cache) and remembers a config only when it is
+faster; `gemv_config(n, k, dtype, rows)` is None otherwise, and the engine keeps cuBLAS. So an untuned
+shape, the CPU and a GPU where cuBLAS wins run exactly as before.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
-from . import copies_past_l2, fastest, graph_ms
+from . import MAX_ROWS, copies_past_l2, fastest, graph_ms, row_bucket
 
 try:
     import triton
@@ -65,6 +73,36 @@ if triton is not None:
         tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
 
     @triton.jit
+    def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_os, stride_om, K_PER_SPLIT,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, IEEE: tl.constexpr):
+        """2-16 rows: the [BN, BK] weight tile read once and multiplied with all rows by one dot (rows
+        padded to 16 with zeros, never stored). TILES as in `_gemv_kernel`."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = tl.arange(0, 16)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm[:, None] < M
+        n_ok = rn[:, None] < N
+        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        if TILES > 0:
+            for tile in tl.static_range(TILES):
+                acc += _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, pid_k * TILES * BLOCK_K + tile * BLOCK_K + rk, stride_xm,
+                                  stride_wn, IEEE)
+        else:
+            for step in range(0, K_PER_SPLIT, BLOCK_K):
+                acc += _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, pid_k * K_PER_SPLIT + step + rk, stride_xm, stride_wn, IEEE)
+        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
+
+    @triton.jit
+    def _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, col, stride_xm, stride_wn, IEEE: tl.constexpr):
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :], mask=m_ok, other=0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + col[None, :], mask=n_ok, other=0)
+        if IEEE:
+            return tl.dot(x, tl.trans(w), input_precision="ieee")
+        return tl.dot(x, tl.trans(w))
+
+    @triton.jit
     def _gemv_tile(x_ptr, w_ptr, rn, n_ok, col, stride_wn):
         w = tl.load(w_ptr + rn[:, None] * stride_wn + col[None, :], mask=n_ok, other=0)
         return w.to(tl.float32) * tl.load(x_ptr + col).to(tl.float32)[None, :]
@@ -75,28 +113,37 @@ def fits(config: GemvConfig, k: int) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Tensor:
-    """x [1, K] @ weight [N, K].T -> [1, N] in x's dtype (fp32 accumulation)."""
+    """x [M <= 16, K] @ weight [N, K].T -> [M, N] in x's dtype (fp32 accumulation)."""
     if triton is None:
         raise QdflashError("gemv needs triton (installed with torch on CUDA machines)")
     n, k = weight.shape
-    if x.shape != (1, k) or weight.stride(1) != 1:
-        raise QdflashError(f"gemv: x {tuple(x.shape)} and a contiguous weight [{n}, {k}] expected, got weight {tuple(weight.shape)}")
+    m = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != k or not 1 <= m <= MAX_ROWS or weight.stride(1) != 1:
+        raise QdflashError(f"gemv: x [1..{MAX_ROWS}, {k}] and a contiguous weight [{n}, {k}] expected, got x {tuple(x.shape)}, "
+                           f"weight {tuple(weight.shape)}")
     if not fits(config, k):
         raise QdflashError(f"gemv: {config} does not tile K={k}")
     x = x.contiguous()
-    out = torch.empty(config.split_k, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
+    out = torch.empty(config.split_k, m, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     # K_PER_SPLIT is a runtime argument (one compile per tile serves every shape: tuning is compile-bound),
     # except where the config unrolls the K loop
     tiles = k // (config.split_k * config.block_k) if config.unrolled else 0
-    _gemv_kernel[grid](x, weight, out, n, weight.stride(0), out.stride(0), k // config.split_k, BLOCK_N=config.block_n,
-                       BLOCK_K=config.block_k, TILES=tiles, num_warps=config.num_warps)
-    return out[:1] if config.split_k == 1 else out.sum(0, keepdim=True).to(x.dtype)
+    if m == 1:
+        _gemv_kernel[grid](x, weight, out, n, weight.stride(0), out.stride(0), k // config.split_k, BLOCK_N=config.block_n,
+                           BLOCK_K=config.block_k, TILES=tiles, num_warps=config.num_warps)
+    else:
+        _gemv_rows_kernel[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+                                k // config.split_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILES=tiles,
+                                IEEE=x.dtype == torch.float32, num_warps=config.num_warps)
+    return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
 
 
-def candidate_configs(n: int, k: int) -> list[GemvConfig]:
+def candidate_configs(n: int, k: int, rows: int = 1) -> list[GemvConfig]:
     """Tiles of 1K-8K weights (the fp32 accumulator stays in registers) launching 128..4096 programs; for a
-    weight where none does, `narrow_configs`."""
+    weight where none does, `narrow_configs`. 2-16 rows: `rows_configs`."""
+    if rows > 1:
+        return rows_configs(n, k)
     out = []
     for block_n in (2, 4, 8, 16, 32):
         for block_k in (256, 512, 1024, 2048):
@@ -114,6 +161,23 @@ def candidate_configs(n: int, k: int) -> list[GemvConfig]:
                   if c.num_warps == 4 and k // (c.split_k * c.block_k) <= MAX_UNROLL]
 
 
+def rows_configs(n: int, k: int) -> list[GemvConfig]:
+    """Tiles for 2-16 rows: [BN >= 16, BK] weight tiles (a dot's operand) of 2K-8K weights (16K spill on the
+    H200), launching 64..4096 programs, the K loop unrolled or not."""
+    out = []
+    for block_n in (16, 32, 64, 128):
+        for block_k in (64, 128, 256):
+            if not 2048 <= block_n * block_k <= 8192:
+                continue
+            for split_k in (1, 2, 4):
+                for unrolled in (False, True):
+                    c = GemvConfig(block_n, block_k, split_k, 4, unrolled)
+                    if (fits(c, k) and 64 <= -(-n // block_n) * split_k <= 4096
+                            and (not unrolled or k // (split_k * block_k) <= MAX_UNROLL)):
+                        out.append(c)
+    return out
+
+
 def narrow_configs(n: int, k: int) -> list[GemvConfig]:
     """For a weight too narrow for the tiles above (e.g. Qwen3.5's GDN a/b projection, 64 x 2,560: no tile
     launches 128 programs with a split that tiles K): smaller tiles, fewer programs, and K split wherever it
@@ -129,23 +193,26 @@ def narrow_configs(n: int, k: int) -> list[GemvConfig]:
     return out
 
 
-_TUNED: dict[tuple[int, int, torch.dtype], GemvConfig] = {}
+_TUNED: dict[tuple[int, int, torch.dtype, int], GemvConfig] = {}  # (n, k, dtype, row bucket: 1 or MAX_ROWS)
 
 
-def gemv_config(n: int, k: int, dtype: torch.dtype) -> GemvConfig | None:
-    """The tuned config for this shape where it beat cuBLAS, else None (use F.linear)."""
-    return _TUNED.get((n, k, dtype))
+def gemv_config(n: int, k: int, dtype: torch.dtype, rows: int = 1) -> GemvConfig | None:
+    """The tuned config for this shape and row bucket (1 row, or 2-16) where it beat cuBLAS, else None
+    (use F.linear)."""
+    return _TUNED.get((n, k, dtype, row_bucket(rows))) if rows <= MAX_ROWS else None
 
 
-def tune(n: int, k: int, device="cuda", dtype=torch.bfloat16, l2_bytes: int = 64 << 20) -> dict:
-    """Time cuBLAS (F.linear) and every candidate for x [1, K] @ W [N, K].T in CUDA graphs over weight
-    copies larger than the L2 cache; keep the fastest GEMV if it beats cuBLAS. Returns the timings."""
+def tune(n: int, k: int, device="cuda", dtype=torch.bfloat16, l2_bytes: int = 64 << 20, rows: int = 1) -> dict:
+    """Time cuBLAS (F.linear) and every candidate for x [rows, K] @ W [N, K].T in CUDA graphs over weight
+    copies larger than the L2 cache; keep the fastest if it beats cuBLAS. Returns the timings."""
     copies = copies_past_l2(n * k * torch.finfo(dtype).bits // 8, l2_bytes)
     ws = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
-    x = torch.randn(1, k, device=device, dtype=dtype)
+    x = torch.randn(rows, k, device=device, dtype=dtype)
     cublas = graph_ms(lambda: [F.linear(x, w) for w in ws]) / copies
-    best = fastest(candidate_configs(n, k), lambda c: [gemv(x, w, c) for w in ws], copies)
+    best = fastest(candidate_configs(n, k, rows), lambda c: [gemv(x, w, c) for w in ws], copies)
+    key = (n, k, dtype, row_bucket(rows))
+    _TUNED.pop(key, None)
     if best[0] is not None and best[1] < cublas:
-        _TUNED[(n, k, dtype)] = best[0]
+        _TUNED[key] = best[0]
     return {"cublas_ms": round(cublas, 4), "gemv_ms": round(best[1], 4), "config": best[0] and best[0].__dict__,
             "used": best[0] is not None and best[1] < cublas}

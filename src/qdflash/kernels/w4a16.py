@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError
 from ..quant.grid import GridSpec, dequantize
-from . import copies_past_l2, fastest, fbgemm_w4, gemlite_w4, marlin_w4, tinygemm
+from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, marlin_w4, row_bucket, tinygemm
 
 try:
     import triton
@@ -42,7 +42,6 @@ try:
 except ImportError:  # the CPU install: kernels are optional, the dense path remains
     triton = tl = None
 
-MAX_ROWS = 16  # one tl.dot tile of rows: a verify block of 16 tokens
 MAX_UNROLL = 16  # K tiles one program of the unrolled GEMV holds in flight (its code and registers grow with them)
 
 
@@ -274,15 +273,11 @@ def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_
     return out
 
 
-def _bucket(rows: int) -> int:
-    return 1 if rows == 1 else MAX_ROWS
-
-
 def default_config(n: int, k: int, group: int, rows: int = 1, dtype: torch.dtype = torch.bfloat16) -> Config:
     """The tuned config where `tune` ran for this shape, row bucket (1 row, or 2-16 rows) and
     activation dtype (an fp32 engine's tiles are timed apart from a bf16 one's), else a heuristic:
     the longest K tile, then the fewest splits that still launch >= 256 programs."""
-    tuned = _TUNED.get((n, k, group, _bucket(rows), dtype))
+    tuned = _TUNED.get((n, k, group, row_bucket(rows), dtype))
     if tuned is not None:
         return tuned
     fitting = candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows)
@@ -305,14 +300,14 @@ def dense_faster(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> b
     """Whether `tune` timed cuBLAS on the dequantized 16-bit weight faster than this kernel (and than
     the EXTERNAL ones) for the shape, row bucket (1 row, or 2-16 rows) and activation dtype. False where
     it was not tuned."""
-    return (n, k, group, _bucket(rows), dtype) in _DENSE_FASTER
+    return (n, k, group, row_bucket(rows), dtype) in _DENSE_FASTER
 
 
 def backend(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> str:
     """What runs a packed projection of this shape for `rows` rows: "w4a16" (this kernel; also where
     it was not tuned), "dense" (cuBLAS on the dequantized weight), or an EXTERNAL kernel's name
     ("tinygemm": torch's int4 op; "gemlite"), whichever `tune` timed fastest."""
-    key = (n, k, group, _bucket(rows), dtype)
+    key = (n, k, group, row_bucket(rows), dtype)
     return _EXTERNAL_FASTER.get(key) or ("dense" if key in _DENSE_FASTER else "w4a16")
 
 
@@ -361,7 +356,7 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
         _, others[name] = fastest([None], lambda _: [matmul(x, *state, group) for state in states], copies)
         del states
     del ws, ss
-    key = (n, k, group, _bucket(rows), dtype)
+    key = (n, k, group, row_bucket(rows), dtype)
     _TUNED[key] = config
     dense_copies = copies_past_l2(n * k * torch.finfo(dtype).bits // 8, l2_bytes)
     dense = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(dense_copies)]
