@@ -51,28 +51,6 @@ def test_w4a16_matmul_equals_dequantized_linear(dtype, rows):
         torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("group", [32, 128])
-def test_unrolled_gemv_equals_dequantized_linear(dtype, group):
-    """The one-row GEMV with its K loop unrolled and nibbles decoded as 2^19 (16 + n) (module docstring of
-    `_w4a16_gemv_unrolled_kernel`), every config it is tuned over at this K, 40 rows (not a multiple of any
-    row block: rows past N read row N - 1 and are not stored), both ends of the grid in every word."""
-    n, k = 40, 512
-    q, scale, deq = quantized(n, k, group, seed=group)
-    q[::3, ::8] = -8  # nibble 0 of every third row's words at the bottom of the grid, nibble 7 at the top
-    q[::3, 7::8] = 7
-    deq = dequantize(q, scale, None, GridSpec(4, group, True))
-    words, scale = pack_int4(q).to(DEVICE), scale.to(DEVICE)
-    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(3)) * 4).to(DEVICE, dtype)
-    ref = x.float() @ deq.to(DEVICE).T
-    configs = [c for c in candidate_configs(k, group, rows=1) if c.unrolled]
-    assert {c.split_k for c in configs} >= {1, 2} and {c.block_n for c in configs} == {8, 16, 32}
-    for config in configs:
-        y = w4a16_matmul(x, words, scale, group, config)
-        assert y.dtype == dtype and y.shape == (1, n)
-        torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
-
-
 def test_w4a16_matmul_refuses_what_it_cannot_do():
     q, scale, _ = quantized(32, 128, 32)
     words = pack_int4(q)
@@ -231,35 +209,26 @@ def attention_case(tree):
                                                      HAS_START=False, TREE=tree)
 
 
-def unrolled_gemv_case(block_n):
-    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_wn": "i32",
-                 "stride_sn": "i32", "stride_os": "i32"}
-    return "qdflash.kernels.w4a16", "_w4a16_gemv_unrolled_kernel", signature, dict(GROUP=32, BLOCK_N=block_n, BLOCK_K8=64,
-                                                                                 K_PER_SPLIT=2560, ASM=True)
-
-
 def rows_gemv_case(tiles):
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_os": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32"}
     return "qdflash.kernels.gemv", "_gemv_rows_kernel", signature, dict(BLOCK_N=128, BLOCK_K=64, TILES=tiles, IEEE=False)
 
 
-@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "attention", "attention tree 16", "w4 gemv 32",
-                                  "gemv rows 0", "gemv rows 16"])
+@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "attention", "attention tree 16", "gemv rows 0",
+                                  "gemv rows 16"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
     the fused GDN kernel at the Qwen3.5-4B head size (dk = dv = 128, a [dk, 32] state slice per program) for a
     decode step and a verify block, and the decode attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of 64),
-    with a tree of 16 nodes' ancestor bits too (what a tree round verifies on the GPU); and the unrolled W4
-    GEMV at its largest tile and Qwen3.5-4B's K (10 tiles of 32 x 64 words in flight, the PTX lop3 included), and
-    the 16-bit GEMV's 2-16-row form at its largest tile, its K loop run and unrolled (16 tiles)."""
+    with a tree of 16 nodes' ancestor bits too (what a tree round verifies on the GPU); and the 16-bit GEMV's
+    2-16-row form at its largest tile, its K loop run and unrolled (16 tiles)."""
     kind, _, arg = case.rpartition(" ")
     num_warps = 4
     if kind.startswith("gdn"):
         from qdflash.kernels.gated_delta import STEP_WARPS as num_warps
     module, name, signature, constexprs = (gdn_step_case(int(arg)) if kind.startswith("gdn") else
-                                           unrolled_gemv_case(int(arg)) if kind.startswith("w4") else
                                            rows_gemv_case(int(arg)) if kind.startswith("gemv") else
                                            attention_case(0 if arg == "attention" else int(arg)))
     # the GEMV's launches at the engine's shapes: torch's pointers and these strides are multiples of 16

@@ -42,8 +42,6 @@ try:
 except ImportError:  # the CPU install: kernels are optional, the dense path remains
     triton = tl = None
 
-MAX_UNROLL = 16  # K tiles one program of the unrolled GEMV holds in flight (its code and registers grow with them)
-
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Symmetric 4-bit ints [N, K] (int8 in [-8, 7]) -> int32 words [N, K/8] (nibble j = column 8i+j)."""
@@ -73,7 +71,6 @@ class Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    unrolled: bool = False  # one row: `_w4a16_gemv_unrolled_kernel` (every K tile's loads issued up front)
 
 
 if triton is not None:
@@ -133,69 +130,6 @@ if triton is not None:
             acc += part * s.to(tl.float32)
         tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
 
-    @triton.jit
-    def _top_of_mantissa(w, SHIFT: tl.constexpr, ASM: tl.constexpr):
-        """Nibble SHIFT / 4 of the uint32 words w moved to bits 19..22 (the top of an fp32 mantissa) and ORed
-        into the exponent of 2^23: the float 2^23 + n * 2^19 = 2^19 * (16 + n), exactly. With ASM the mask
-        and the OR are one lop3 (PTX takes both constants as immediates; written in Triton they are two
-        instructions); the interpreter, which runs no PTX, computes the same bits."""
-        if SHIFT < 19:
-            v = w << (19 - SHIFT)
-        else:
-            v = w >> (SHIFT - 19)
-        if ASM:  # (a & b) | c: lookup table 0xEA; 7864320 = 0x780000, 1258291200 = 0x4B000000
-            v = tl.inline_asm_elementwise("lop3.b32 $0, $1, 7864320, 1258291200, 0xEA;", "=r,r", [v], dtype=tl.uint32,
-                                          is_pure=True, pack=1)
-        else:
-            v = (v & 0x780000) | 0x4B000000
-        return v.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _w4a16_gemv_unrolled_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_os, GROUP: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-                                    ASM: tl.constexpr):
-        """1 row, the K loop unrolled (K_PER_SPLIT is a compile-time constant): the loads of every K tile are
-        independent of the arithmetic, so the compiler issues them up front and a program has its whole
-        slice of the weight in flight at once. The runtime loop of `_w4a16_gemv_kernel` waits on memory once
-        per tile, and at one row a GEMV has no other work to hide that behind (the same fix as the a / b dot
-        of kernels.gated_delta).
-
-        Fewer instructions per weight too (the GEMV is bound by them where the loads are not): a nibble n
-        becomes the float 2^19 * (16 + n) by one shift and one lop3 (`_top_of_mantissa`), which is
-        multiplied by x with no subtraction per weight, since sum_j (n_j - 8) x_j = 2^-19 * sum_j
-        2^19 (16 + n_j) x_j - 24 sum_j x_j; the offset terms are 16x, not 2^23 x, so the fp32 sums lose
-        only ~2 bits to them. Rows past N read row N - 1 (their results are not stored): no load masks."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rc = tl.minimum(rn, N - 1)
-        ri = tl.arange(0, BLOCK_K8)
-        acc = tl.zeros((BLOCK_N, BLOCK_K8), dtype=tl.float32)
-        for tile in tl.static_range(K_PER_SPLIT // (8 * BLOCK_K8)):
-            c8 = pid_k * (K_PER_SPLIT // 8) + tile * BLOCK_K8 + ri  # this tile's word columns
-            w = tl.load(w_ptr + rc[:, None] * stride_wn + c8[None, :]).to(tl.uint32, bitcast=True)
-            s = tl.load(s_ptr + rc[:, None] * stride_sn + (c8 * 8 // GROUP)[None, :]).to(tl.float32)
-            # x's 8 columns of each word (8i + j), as 8 vectors: split the [BK8, 8] tile in halves three times
-            xw = tl.load(x_ptr + c8[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.float32)
-            even, odd = tl.split(tl.reshape(xw, (BLOCK_K8, 4, 2)))
-            e0, e1 = tl.split(tl.reshape(even, (BLOCK_K8, 2, 2)))
-            o0, o1 = tl.split(tl.reshape(odd, (BLOCK_K8, 2, 2)))
-            x0, x4 = tl.split(e0)
-            x2, x6 = tl.split(e1)
-            x1, x5 = tl.split(o0)
-            x3, x7 = tl.split(o1)
-            bias = (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))) * -12582912.0  # -24 * 2^19 * sum_j x_j
-            part = _top_of_mantissa(w, 0, ASM) * x0[None, :] + bias[None, :]
-            part += _top_of_mantissa(w, 4, ASM) * x1[None, :]
-            part += _top_of_mantissa(w, 8, ASM) * x2[None, :]
-            part += _top_of_mantissa(w, 12, ASM) * x3[None, :]
-            part += _top_of_mantissa(w, 16, ASM) * x4[None, :]
-            part += _top_of_mantissa(w, 20, ASM) * x5[None, :]
-            part += _top_of_mantissa(w, 24, ASM) * x6[None, :]
-            part += _top_of_mantissa(w, 28, ASM) * x7[None, :]
-            acc += part * s  # 2^19 * sum_j (n_j - 8) x_j * scale
-        tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1) * 1.9073486328125e-06, mask=rn < N)  # x 2^-19
-
 
 def _check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int) -> tuple[int, int, int]:
     m, k = x.shape
@@ -212,8 +146,7 @@ def fits(config: Config, k: int, group: int, rows: int = MAX_ROWS) -> bool:
     """A config is valid for K when its K tiles cover each split exactly and hold whole scale groups
     (and, for the tensor-core path of 2-16 rows, its column block is at least 16 wide)."""
     tile = 8 * config.block_k8
-    return (tile % group == 0 and group % 8 == 0 and k % (config.split_k * tile) == 0
-            and (rows == 1 or (config.block_n >= 16 and not config.unrolled)))
+    return tile % group == 0 and k % (config.split_k * tile) == 0 and (rows == 1 or config.block_n >= 16)
 
 
 def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int,
@@ -231,11 +164,7 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     common = dict(GROUP=group, BLOCK_N=config.block_n, BLOCK_K8=config.block_k8, num_warps=config.num_warps,
                   num_stages=config.num_stages)
-    if m == 1 and config.unrolled:  # K_PER_SPLIT compiled in: one compile per shape and split
-        _w4a16_gemv_unrolled_kernel[grid](x, words, scale, out, n, words.stride(0), scale.stride(0), out.stride(0),
-                                          GROUP=group, BLOCK_N=config.block_n, BLOCK_K8=config.block_k8,
-                                          K_PER_SPLIT=k // config.split_k, ASM=x.is_cuda, num_warps=config.num_warps)
-    elif m == 1:  # K_PER_SPLIT at run time: one compile per tile serves every shape (tuning is compile-bound)
+    if m == 1:  # K_PER_SPLIT at run time: one compile per tile serves every shape (tuning is compile-bound)
         _w4a16_gemv_kernel[grid](x, words, scale, out, n, words.stride(0), scale.stride(0), out.stride(0),
                                  k // config.split_k, **common)
     else:
@@ -260,15 +189,6 @@ def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_
                     c = Config(block_n, block_k8, split_k, warps, 3)
                     programs = -(-n // block_n) * split_k if n else 64
                     if fits(c, k, group, rows) and 64 <= programs <= 4096:
-                        out.append(c)
-    if one:  # the unrolled GEMV: tiles of 256-2048 words, at most MAX_UNROLL of them per program
-        for block_n in (8, 16, 32):
-            for block_k8 in (32, 64):
-                for split_k in (1, 2, 4, 8):
-                    c = Config(block_n, block_k8, split_k, 4, 1, unrolled=True)
-                    programs = -(-n // block_n) * split_k if n else 64
-                    if (fits(c, k, group, rows) and k // (split_k * 8 * block_k8) <= MAX_UNROLL
-                            and 64 <= programs <= 4096):
                         out.append(c)
     return out
 
