@@ -195,8 +195,8 @@ def gdn_step_case(tokens):
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
                  "x_ptr": "*bf16", "ba_ptr": "*bf16", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16", "state_ptr": "*fp32",
                  "out_ptr": "*fp32", "states_ptr": "*fp32", "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
-    return "qdflash.kernels.gated_delta", "_gated_delta_step_kernel", signature, dict(HIDDEN=2560, H_CHUNKS=5, T=tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V,
-                                                     BLOCK_H=512, BA_DOT=True, STORE_STATES=True)
+    return "qdflash.kernels.gated_delta", "_gated_delta_step_kernel", signature, dict(HIDDEN=2560, HIDDEN_P=4096, T=tokens, REP=2, KW=4, KW_P=4, DK=128, DV=128,
+                                                     BLOCK_V=STEP_BLOCK_V, BA_DOT=True, STORE_STATES=True)
 
 
 def attention_case(tree):
