@@ -344,7 +344,7 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     # then cuBLAS on the 16-bit weight 5
     timer([3.0, 2.0, 4.0, 5.0])
     assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (
-        w4_configs[1], 2.0, 5.0, {"tinygemm": 4.0, "gemlite": None, "fbgemm": None, "marlin": None})
+        w4_configs[1], 2.0, 5.0, {"tinygemm": 4.0, "gemlite": None, "fbgemm": None, "marlin": None, "machete": None})
     assert w4a16.default_config(16, 512, 32, rows=1, dtype=torch.float32) == w4_configs[1]
     assert not w4a16.dense_faster(16, 512, 32, 1, torch.float32) and w4a16.backend(16, 512, 32, 1, torch.float32) == "w4a16"
     assert (16, 512, 32, 1, torch.bfloat16) not in w4a16._TUNED  # a bf16 engine's tiles are its own
@@ -359,7 +359,7 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     assert w4a16.backend(32, 512, 32, 16, torch.float32) == "w4a16"  # another row bucket: not tuned, the kernel
     timer([3.0, 2.0, 5.0])  # a shape tinygemm does not take (N not a multiple of 8): tiles, then cuBLAS only
     assert w4a16.tune(12, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (
-        w4_configs[1], 2.0, 5.0, {"tinygemm": None, "gemlite": None, "fbgemm": None, "marlin": None})
+        w4_configs[1], 2.0, 5.0, {"tinygemm": None, "gemlite": None, "fbgemm": None, "marlin": None, "machete": None})
 
 
 def test_tinygemm_is_checked_before_it_is_timed(monkeypatch):
@@ -522,7 +522,7 @@ def test_gemlite_is_timed_checked_and_dispatched_like_tinygemm(monkeypatch):
     monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {})
     configs = w4a16.candidate_configs(k, group, None, rows=1)[:2]
     monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: configs)
-    assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == {"tinygemm": 4.0, "gemlite": 1.0, "fbgemm": None, "marlin": None}
+    assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == {"tinygemm": 4.0, "gemlite": 1.0, "fbgemm": None, "marlin": None, "machete": None}
     assert w4a16.backend(n, k, group, 1, torch.float32) == "gemlite"
 
     layer = QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False), QuantizedWeight(q, scale, None, GridSpec(4, group, True)))
@@ -625,6 +625,66 @@ def test_marlin_is_one_node_a_compiled_step_traces_through(monkeypatch):
     assert torch.equal(compiled(x), step(x))
     ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
     assert ops.count(torch.ops.qdflash.marlin_w4_mm.default) == 1, ops
+
+
+def test_machete_takes_our_words_as_they_are_and_only_its_shapes(monkeypatch):
+    """kernels.machete_w4 (vLLM's Machete ops; Hopper only, so not a candidate here): the shapes it takes
+    (groups 64 / 128, K a multiple of 64, N of 128, compute capability 9.0), its prepack reading our words
+    [N, K/8] as GPTQ's [K/8, N] column-major (a transposed view, no copy) and the scales [K/group, N];
+    then, through our custom op with the dequantized product standing in for Machete, the fake's shape and
+    dtype against the real call (torch.library.opcheck) and a fullgraph compile that keeps it one node."""
+    from qdflash.kernels import machete_w4, w4a16
+
+    assert w4a16.EXTERNAL["machete"] is machete_w4
+    assert not machete_w4.supported(128, 256, 128, torch.bfloat16, "cpu")  # CUDA only
+    machete_w4._MODULE[:] = [True]  # as if the ops loaded: the shape rules alone
+    try:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        assert machete_w4.supported(128, 256, 128, torch.bfloat16, "cuda")
+        assert machete_w4.supported(256, 512, 64, torch.float16, "cuda")
+        assert not machete_w4.supported(128, 256, 32, torch.bfloat16, "cuda")  # the target's group: not Machete's
+        assert not machete_w4.supported(64, 256, 128, torch.bfloat16, "cuda")  # N not a multiple of 128
+        assert not machete_w4.supported(128, 256, 128, torch.float32, "cuda")  # 16-bit activations only
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        assert not machete_w4.supported(128, 256, 128, torch.bfloat16, "cuda")  # Hopper only
+    finally:
+        machete_w4._MODULE[:] = []
+
+    n, k, group = 128, 256, 128
+    q, scale, weight = quantized(n, k, group)
+    words = pack_int4(q)
+    seen = {}
+
+    def prepack(b, a_type, b_type, scales_type):  # what vLLM's prepack is handed
+        seen.update(shape=tuple(b.shape), stride=b.stride(), shares=b.data_ptr() == words.data_ptr(), b_type=b_type)
+        return b.t().contiguous()
+
+    monkeypatch.setattr(torch.ops._C, "machete_prepack_B", prepack, raising=False)
+    monkeypatch.setattr(machete_w4, "supported", lambda *a: True)
+    prepacked, scales = machete_w4.pack(words, scale, group, torch.bfloat16)
+    assert seen == {"shape": (k // 8, n), "stride": (1, k // 8), "shares": True, "b_type": machete_w4.marlin_w4.UINT4B8}
+    assert scales.shape == (k // group, n) and scales.dtype == torch.bfloat16 and torch.equal(scales, scale.t().to(torch.bfloat16))
+
+    def reference(x, prepacked, scales, group_size):  # what Machete computes, from the same weight
+        assert group_size == group
+        return (x.float() @ weight.float().t()).to(scales.dtype)
+
+    monkeypatch.setattr(machete_w4, "_mm", reference)
+    x = torch.randn(3, k)
+    torch.library.opcheck(machete_w4._machete_mm, (x.to(torch.bfloat16), prepacked, scales, group))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def step(x):
+        return torch.nn.functional.silu(machete_w4.matmul(x * 2.0, prepacked, scales, group)) + 1.0
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    assert torch.equal(compiled(x), step(x))
+    ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert ops.count(torch.ops.qdflash.machete_w4_mm.default) == 1, ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

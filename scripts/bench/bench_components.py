@@ -109,7 +109,7 @@ def step_bytes(engine, context: int) -> dict[str, int]:
 
 KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
     ("w4a16 (ours)", ("w4a16",)), ("gemv (ours)", ("_gemv_kernel", "_gemv_rows_kernel")), ("gated delta (ours)", ("gated_delta",)),
-    ("int4 matmul (tinygemm, Marlin)", ("tinygemm", "marlin")),  # before cuBLAS: "tinygemm" holds "gemm"
+    ("int4 matmul (tinygemm, Marlin, Machete)", ("tinygemm", "marlin", "machete")),  # before cuBLAS: "tinygemm" holds "gemm"
     ("cuBLAS matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
     ("attention", ("flash", "attention", "fmha", "sdpa")), ("fused elementwise (inductor)", ("triton_",)),
 )

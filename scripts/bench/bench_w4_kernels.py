@@ -6,7 +6,8 @@
 Issue 23 asks for the maintained int4 kernels to be timed against bf16 cuBLAS at the model's shapes in
 one process before any kernel of our own is kept. This is that table, without building a model: for
 each [N, K] projection and 1 / 16 rows, `kernels.w4a16.tune` times our Triton kernel, every EXTERNAL
-kernel that imports here (torch's tinygemm, gemlite, FBGEMM's preshuffled CUTLASS GEMM, vLLM's Marlin: each first checked against the dequantized
+kernel that imports here (torch's tinygemm, gemlite, FBGEMM's preshuffled CUTLASS GEMM, vLLM's Marlin and, on Hopper at
+groups 64 / 128, Machete: each first checked against the dequantized
 product) and cuBLAS on the 16-bit weight, each over weight copies larger than L2 inside one CUDA graph.
 Beside each time: the bytes it must read (packed ints + scales, or the 16-bit weight) over that time,
 so a kernel bound by its work per weight shows as GB/s far under the device's bandwidth.

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError
 from ..quant.grid import GridSpec, dequantize
-from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, marlin_w4, row_bucket, tinygemm
+from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, row_bucket, tinygemm
 
 try:
     import triton
@@ -212,7 +212,7 @@ _DENSE_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # shapes / r
 _EXTERNAL_FASTER: dict[tuple[int, int, int, int, torch.dtype], str] = {}  # ... where another int4 kernel won: its name
 # other int4 kernels on the same packed ints, timed by `tune` beside this one, by name: each module has
 # supported(n, k, group, dtype, device), pack(words, scale, group, dtype) -> state (a tuple) and matmul(x, *state, group)
-EXTERNAL = {"tinygemm": tinygemm, "gemlite": gemlite_w4, "fbgemm": fbgemm_w4, "marlin": marlin_w4}
+EXTERNAL = {"tinygemm": tinygemm, "gemlite": gemlite_w4, "fbgemm": fbgemm_w4, "marlin": marlin_w4, "machete": machete_w4}
 EXTERNAL_TOLERANCE = 2e-2  # max error relative to the dequantized product's largest value (tinygemm: ~0.003 in bf16)
 
 
