@@ -199,14 +199,16 @@ def gdn_step_case(tokens):
                                                      BLOCK_V=STEP_BLOCK_V, BA_DOT=True, STORE_STATES=True)
 
 
-def attention_case(tree):
+def attention_case(tree, block=False):
     from qdflash.kernels.decode_attention import BLOCK_N, MAX_SPLITS
 
     signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "len_ptr": "*i64", "start_ptr": "*i64", "tree_ptr": "*i64",
                  "out_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "stride_row": "i32", "stride_head": "i32",
-                 "stride_pos": "i32"}
-    return "qdflash.kernels.decode_attention", "_decode_attention_kernel", signature, dict(KVH=2, REP=7, REP_PAD=16, D=64, BLOCK_N=BLOCK_N, IEEE=False, SPLITS=MAX_SPLITS,
-                                                     HAS_START=False, TREE=tree)
+                 "stride_pos": "i32", "B": "i32"}
+    # a verify block or a tree: its rows share programs, 2 rows of 7 heads each
+    return "qdflash.kernels.decode_attention", "_decode_attention_kernel", signature, dict(
+        KVH=2, REP=7, REP_PAD=16, TOKS=2 if tree or block else 1, D=64, BLOCK_N=BLOCK_N, IEEE=False, SPLITS=MAX_SPLITS,
+        HAS_START=False, TREE=tree if tree else 0)
 
 
 def rows_gemv_case(tiles):
@@ -215,14 +217,15 @@ def rows_gemv_case(tiles):
     return "qdflash.kernels.gemv", "_gemv_rows_kernel", signature, dict(BLOCK_N=128, BLOCK_K=64, TILES=tiles, IEEE=False)
 
 
-@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "attention", "attention tree 16", "gemv rows 0",
-                                  "gemv rows 16"])
+@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "attention", "attention tree 16", "attention block 16",
+                                  "gemv rows 0", "gemv rows 16"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
-    the fused GDN kernel at the Qwen3.5-4B head size (dk = dv = 128, a [dk, 32] state slice per program) for a
-    decode step and a verify block, and the decode attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of 64),
-    with a tree of 16 nodes' ancestor bits too (what a tree round verifies on the GPU); and the 16-bit GEMV's
+    the fused GDN kernel at the Qwen3.5-4B head size (dk = dv = 128, a [dk, STEP_BLOCK_V] state slice per program)
+    for a decode step and a verify block, and the decode attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of
+    64) for a decode step, a verify block (its rows two to a program) and a tree of 16 nodes (what a tree round
+    verifies on the GPU); and the 16-bit GEMV's
     2-16-row form at its largest tile, its K loop run and unrolled (16 tiles)."""
     kind, _, arg = case.rpartition(" ")
     num_warps = 4
@@ -230,7 +233,7 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
         from qdflash.kernels.gated_delta import STEP_WARPS as num_warps
     module, name, signature, constexprs = (gdn_step_case(int(arg)) if kind.startswith("gdn") else
                                            rows_gemv_case(int(arg)) if kind.startswith("gemv") else
-                                           attention_case(0 if arg == "attention" else int(arg)))
+                                           attention_case(int(arg) if "tree" in kind else 0, "block" in kind))
     # the GEMV's launches at the engine's shapes: torch's pointers and these strides are multiples of 16
     aligned = [arg for arg in signature if arg.endswith("_ptr") or arg.startswith("stride")] if kind.startswith("gemv") else []
     used = sm90_resources(module, name, signature, constexprs, num_warps, aligned)

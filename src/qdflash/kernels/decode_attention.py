@@ -15,8 +15,10 @@ program each, and a second kernel merges their partial softmaxes. Batch 1 needs 
 model with 2 KV heads is 2 programs, which leave a GPU of 132 SMs idle while each walks the whole
 context. The same call serves a verify block of T tokens of one sequence: T "rows" over one cache
 row (stride 0) whose lengths are the tokens' own positions + 1 (`cached_attention(kernel=True)`).
-A row's result depends only on its own q, K / V, start and length (the chunking is a function of
-those), so a token attends exactly as it would in a decode step of one token at that position.
+Such rows share programs, as many as fit their query heads in one 16-row tile, so each K / V block is
+read once for them, not once per token. A row's result depends only on its own q, K / V, start and
+length (the chunking is a function of those; a block outside a row's chunk is masked for it whole), so
+a token attends exactly as it would in a decode step of one token at that position.
 A tree of drafts (`spec.speculative_generate(tree_nodes=)`) is such a block whose rows all end at the
 tree's last node; each row then sees the cache before the tree and only the nodes whose bit is set in its
 int64 mask (its ancestors and itself), so a node attends as the last token of its own path would.
@@ -36,57 +38,66 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, start_ptr, tree_ptr, out_ptr, m_ptr, l_ptr, scale,
-                                 stride_row, stride_head, stride_pos, KVH: tl.constexpr, REP: tl.constexpr,
-                                 REP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                                 SPLITS: tl.constexpr, HAS_START: tl.constexpr, TREE: tl.constexpr):
-        """Program (row b, KV head h, chunk c) over the row's positions start..length-1 (start 0
-        without HAS_START). SPLITS == 1: the normalized output of the row. Else the chunk's
-        unnormalized sums: acc [REP, D] into out_ptr, its max m and sum l per head into m_ptr / l_ptr
-        (all fp32, laid out [B, KVH, SPLITS, ...]), merged by _merge_splits_kernel. TREE > 0: the last
-        TREE positions are a tree's nodes, of which row b sees those whose bit is set in tree_ptr[b]."""
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+                                 stride_row, stride_head, stride_pos, B, KVH: tl.constexpr, REP: tl.constexpr,
+                                 REP_PAD: tl.constexpr, TOKS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 IEEE: tl.constexpr, SPLITS: tl.constexpr, HAS_START: tl.constexpr, TREE: tl.constexpr):
+        """Program (rows TOKS*i.., KV head h, chunk c) over each row's positions start..length-1 (start 0
+        without HAS_START). SPLITS == 1: the normalized output of the row. Else the chunk's unnormalized
+        sums: acc [REP, D] into out_ptr, its max m and sum l per head into m_ptr / l_ptr (all fp32, laid out
+        [B, KVH, SPLITS, ...]), merged by _merge_splits_kernel. TREE > 0: the last TREE positions are a
+        tree's nodes, of which row b sees those whose bit is set in tree_ptr[b].
+
+        TOKS > 1 (rows sharing one cache row: a verify block): the REP query heads of TOKS rows fill the
+        program's 16-row tile and share each K / V block read. Each row keeps its own chunk and its own
+        block boundaries (chunk starts are whole blocks), and a block outside its chunk is masked for it
+        whole, which leaves its sums exactly as they were: so a row's result is bit for bit the one it gets
+        alone (one row a program), i.e. a decode step's."""
         c = tl.program_id(2)
-        length = tl.load(len_ptr + b)
-        begin = tl.load(start_ptr + b) if HAS_START else 0
-        chunk = tl.cdiv(tl.cdiv(length - begin, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks, the same for every chunk
-        first = begin + c * chunk
-        last = tl.minimum(first + chunk, length)
+        h = tl.program_id(1)
         rr = tl.arange(0, REP_PAD)
         rd = tl.arange(0, D)
         rn = tl.arange(0, BLOCK_N)
-        q_off = ((b * KVH + h) * REP + rr[:, None]) * D + rd[None, :]
-        heads = rr[:, None] < REP  # tl.dot needs >= 16 rows: the padding rows are zeros, never stored
+        row = tl.program_id(0) * TOKS + rr // REP  # the row (token) of each tile row
+        live = (rr < TOKS * REP) & (row < B)
+        length = tl.load(len_ptr + row, mask=live, other=1)
+        begin = tl.load(start_ptr + row, mask=live, other=0) if HAS_START else length * 0
+        chunk = tl.cdiv(tl.cdiv(length - begin, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks, the same for every chunk
+        first = begin + c * chunk
+        last = tl.minimum(first + chunk, length)
+        lo = tl.min(tl.where(live, first, 2147483647), 0)  # the blocks some row of the tile reads
+        hi = tl.max(tl.where(live, last, 0), 0)
+        q_off = (row[:, None] * (KVH * REP) + h * REP + rr[:, None] % REP) * D + rd[None, :]
+        heads = live[:, None]  # tl.dot needs >= 16 rows: the padding rows are zeros, never stored
         q = tl.load(q_ptr + q_off, mask=heads, other=0.0)
         m = tl.full([REP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, D], tl.float32)
-        base = b.to(tl.int64) * stride_row + h * stride_head
+        base = (tl.program_id(0) * TOKS).to(tl.int64) * stride_row + h * stride_head  # TOKS > 1: stride_row is 0
         if TREE > 0:
-            bits = tl.load(tree_ptr + b)
-        for start in range(first, last, BLOCK_N):
+            bits = tl.load(tree_ptr + row, mask=live, other=0)
+        for start in range(lo, hi, BLOCK_N):
             n = start + rn
-            valid = n < last
+            valid = (n[None, :] >= first[:, None]) & (n[None, :] < last[:, None])
             if TREE > 0:  # a node of the tree: the cache before it, and its own ancestors (and itself) in it
-                j = n - (length - TREE)
+                j = n[None, :] - (length[:, None] - TREE)
                 shift = tl.where(j > 0, j, 0).to(tl.int64)
-                valid = valid & ((j < 0) | (((bits >> shift) & 1) != 0))
+                valid = valid & ((j < 0) | (((bits[:, None] >> shift) & 1) != 0))
             kv_off = base + n[:, None] * stride_pos + rd[None, :]
-            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
+            k = tl.load(k_ptr + kv_off, mask=(n < hi)[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 s = tl.dot(q, tl.trans(k)) * scale
             s = s.to(tl.float32)  # torch.compile passes `scale` (a Python float) as fp64
-            s = tl.where(valid[None, :], s, float("-inf"))
+            s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
-            m_use = m_new
-            if TREE > 0:  # a tile of the tree's nodes can be wholly masked (so far): -inf - -inf would be nan
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            # a row can have no position in a block yet (a tree's node, a row of the tile outside this chunk or
+            # past the last row): -inf - -inf would be nan. Where it has one, m_use is m_new.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_use)
             p = tl.exp(s - m_use[:, None])
             l = l * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=(n < hi)[:, None], other=0.0)
             if IEEE:
                 pv = tl.dot(p, v, input_precision="ieee")
             else:
@@ -94,12 +105,13 @@ if triton is not None:
             acc = acc * alpha[:, None] + pv
             m = m_new
         if SPLITS == 1:
-            tl.store(out_ptr + q_off, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=heads)
+            # l > 0 on every row stored (its length >= 1); a padding row can have seen no position: not 0 / 0
+            tl.store(out_ptr + q_off, (acc / tl.where(l > 0, l, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=heads)
         else:
-            part = (b * KVH + h) * SPLITS + c
-            tl.store(out_ptr + (part * REP + rr[:, None]) * D + rd[None, :], acc, mask=heads)
-            tl.store(m_ptr + part * REP + rr, m, mask=rr < REP)
-            tl.store(l_ptr + part * REP + rr, l, mask=rr < REP)
+            part = (row * KVH + h) * SPLITS + c
+            tl.store(out_ptr + (part[:, None] * REP + rr[:, None] % REP) * D + rd[None, :], acc, mask=heads)
+            tl.store(m_ptr + part * REP + rr % REP, m, mask=live)
+            tl.store(l_ptr + part * REP + rr % REP, l, mask=live)
 
     @triton.jit
     def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, REP: tl.constexpr, D: tl.constexpr,
@@ -149,21 +161,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = q.contiguous()
     out = torch.empty_like(q)
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    common = dict(KVH=kv_heads, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BLOCK_N=block_n,
+    rep_pad = max(16, triton.next_power_of_2(rep))
+    # rows over one cache row (a verify block) share a program, REP heads each, where a row's chunking does
+    # not depend on a start of its own (`_decode_attention_kernel`)
+    toks = rep_pad // rep if k_cache.stride(0) == 0 and starts is None and b > 1 else 1
+    common = dict(KVH=kv_heads, REP=rep, REP_PAD=rep_pad, TOKS=toks, D=d, BLOCK_N=block_n,
                   IEEE=q.dtype == torch.float32, SPLITS=splits, HAS_START=starts is not None,
                   TREE=b if tree is not None else 0)
+    programs = triton.cdiv(b, toks)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     first = starts if starts is not None else lengths  # (not read without HAS_START)
     bits = tree if tree is not None else lengths  # (not read without TREE)
     if splits == 1:
-        _decode_attention_kernel[(b, kv_heads, 1)](q, k_cache, v_cache, lengths, first, bits, out, out, out, d ** -0.5,
-                                                   *strides, **common)
+        _decode_attention_kernel[(programs, kv_heads, 1)](q, k_cache, v_cache, lengths, first, bits, out, out, out, d ** -0.5,
+                                                          *strides, b, **common)
         return out
     acc = torch.empty(b, kv_heads, splits, rep, d, device=q.device, dtype=torch.float32)
     m = torch.empty(b, kv_heads, splits, rep, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    _decode_attention_kernel[(b, kv_heads, splits)](q, k_cache, v_cache, lengths, first, bits, acc, m, l, d ** -0.5,
-                                                    *strides, **common)
+    _decode_attention_kernel[(programs, kv_heads, splits)](q, k_cache, v_cache, lengths, first, bits, acc, m, l, d ** -0.5,
+                                                           *strides, b, **common)
     _merge_splits_kernel[(b, kv_heads, rep)](acc, m, l, out, REP=rep, D=d, SPLITS=splits,
                                              SPLITS_PAD=triton.next_power_of_2(splits))
     return out
