@@ -88,7 +88,7 @@ if triton is not None:
             wb = tl.load(ba_ptr + h * HIDDEN + rh, mask=rh < HIDDEN, other=0.0).to(tl.float32)
             wa = tl.load(ba_ptr + (HV + h) * HIDDEN + rh, mask=rh < HIDDEN, other=0.0).to(tl.float32)
         else:
-            wb = tl.zeros([HIDDEN_P], dtype=tl.float32)  # unused
+            wb = tl.zeros([2], dtype=tl.float32)  # unused: the product is given
             wa = wb
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         decay = tl.load(decay_ptr + h)
@@ -145,7 +145,7 @@ if triton is not None:
         if BA_DOT:
             xh = tl.load(x_ptr + t * HIDDEN + rh, mask=rh < HIDDEN, other=0.0)
         else:  # ba_ptr: the projection's output [T, 2 * HV] (b heads, then a heads): b and a of this head
-            xh = tl.load(ba_ptr + t * 2 * HV + h + HV * rh, mask=rh < 2, other=0.0)
+            xh = tl.load(ba_ptr + t * 2 * HV + h + HV * tl.arange(0, 2))
         own = (qc * 0 + h % REP + vb) == 0  # the first program of a key head writes its query and key channels
         here = qkvz_ptr + t * qkvz_stride
         return xq, xk, xv, xh, tl.load(here + qc, mask=own, other=0.0), tl.load(here + kc, mask=own, other=0.0), tl.load(here + vc)
@@ -165,8 +165,8 @@ if triton is not None:
             a = a.to(dt).to(tl.float32)
         else:
             xf = xh.to(tl.float32)
-            b = tl.sum(tl.where(tl.arange(0, xh.shape[0]) == 0, xf, 0.0), axis=0)
-            a = tl.sum(tl.where(tl.arange(0, xh.shape[0]) == 1, xf, 0.0), axis=0)
+            b = tl.sum(tl.where(tl.arange(0, 2) == 0, xf, 0.0), axis=0)
+            a = tl.sum(tl.where(tl.arange(0, 2) == 1, xf, 0.0), axis=0)
         u = a + dt_bias
         e = tl.exp(u)
         w = 1.0 + e
