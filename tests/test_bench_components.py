@@ -38,6 +38,10 @@ def runs(tmp_path_factory):
     started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
                                      "--w4-head", "--compile", "aot_eager", "--unfused-gdn",
                                      "--hf-generate", "--hf-tokens", "8", "--hf-reps", "1"),
+               # --pdl-only: on the CPU there is no PDL, so the arms run one code path; what is tested is the study's
+               # plumbing: each arm retuned, compiled afresh and measured, and set against the first
+               "pdl": Started(folder, "pdl", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
+                              "--pdl-only", "--inductor-pdl", "--compile", "aot_eager"),
                "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
                                "--attention", "sdpa,kernel", "--kernels", "on"),
                # --compile (traced with aot_eager: Triton's interpreter does not run under dynamo, so sdpa here)
@@ -92,6 +96,19 @@ def test_component_bench_runs_on_the_cpu(runs):
     target_bytes, drafter_bytes = r["target16.bytes"]["total"], sum(r["drafter16.bytes"].values())
     bound = target_bytes / (target_bytes + drafter_bytes)  # tau * decode bound / (verify bound + drafter bound)
     assert r["reference.implied_speedup.tau3.0.target16+drafter16.vs_ar16"] == pytest.approx(3.0 * bound, abs=2e-3)
+
+
+def test_pdl_study_runs_each_arm_on_the_cpu(runs):
+    r = runs["pdl"].result()
+    for label in ("target16", "target_w4"):
+        for suffix in ("", "_pdl", "_pdl_inductor"):
+            arm = label + suffix
+            assert r[f"{arm}.decode_compiled_ms"] > 0 and r[f"{arm}.verify_compiled_ms"] > 0, r.get(f"{arm}.compile_error")
+            assert r[f"{arm}.graph_vs_eager_max_abs"] == 0.0 and r[f"{arm}.compiled_vs_eager_max_abs"] == 0.0
+            if suffix:
+                assert r[f"pdl.{arm}.decode_compiled_speedup"] == pytest.approx(
+                    r[f"{label}.decode_compiled_ms"] / r[f"{arm}.decode_compiled_ms"], abs=2e-3)
+    assert r["target_w4.quantized_layers"] > 0 and not any(k.startswith("drafter") for k in r)
 
 
 def test_round_bench_runs_on_the_cpu(runs):

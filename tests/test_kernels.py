@@ -51,6 +51,46 @@ def test_w4a16_matmul_equals_dequantized_linear(dtype, rows):
         torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_with_pdl_the_matmuls_are_ops_of_our_own_a_compiled_step_keeps(rows, monkeypatch):
+    """With PDL on (kernels.set_pdl, a CUDA GPU of compute capability >= 9) gemv and w4a16_matmul launch through
+    `qdflash::gemv` / `qdflash::w4a16`, because torch.compile traces a Triton launch itself and drops its launch
+    options. The CPU has no PDL, so here the ops launch without it (`_launch` pinned to pdl=False) while the
+    wrappers take the op path: the fakes' shapes and dtypes against the real calls (torch.library.opcheck), the
+    same numbers as the direct launch, split-K reduced outside the op, and a fullgraph compile that keeps each
+    one node between elementwise work."""
+    from qdflash.kernels import gemv as gemv_module
+    from qdflash.kernels import w4a16 as w4_module
+
+    n, k, group = 64, 512, 32
+    q, scale, _ = quantized(n, k, group)
+    words, weight = pack_int4(q), torch.randn(n, k, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    dense, w4 = gemv_module.GemvConfig(16, 128, 2), Config(32, 16, 2)
+    direct = (gemv_module._launch(x, weight, dense, False).sum(0), w4_module._launch(x, words, scale, group, w4, False).sum(0))
+    torch.library.opcheck(gemv_module._gemv_op, (x, weight, 16, 128, 2, 4, False, False))
+    torch.library.opcheck(w4_module._w4a16_op, (x, words, scale, group, 32, 16, 2, 4, 3, False))
+    for module in (gemv_module, w4_module):
+        launch = module._launch
+        monkeypatch.setattr(module, "pdl_for", lambda t: True)
+        monkeypatch.setattr(module, "_launch", lambda *args, launch=launch: launch(*args[:-1], False))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def step(x):
+        return (torch.relu(gemv_module.gemv(x * 2.0, weight, dense)) + 1.0,
+                torch.relu(w4_module.w4a16_matmul(x * 2.0, words, scale, group, w4)) + 1.0)
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    for got, want in zip(compiled(x / 2.0), direct):
+        assert torch.equal(got, torch.relu(want) + 1.0)
+    ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert ops.count(torch.ops.qdflash.gemv.default) == ops.count(torch.ops.qdflash.w4a16.default) == 1, ops
+
+
 def test_w4a16_matmul_refuses_what_it_cannot_do():
     q, scale, _ = quantized(32, 128, 32)
     words = pack_int4(q)
@@ -103,13 +143,22 @@ def gdn_middle_reference(qkvz, x, conv_w, ba_w, decay, dt_bias, key_heads, dk, s
     return out, states
 
 
-@pytest.mark.parametrize("ba_weight", [True, False])
-def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight):
+@pytest.mark.parametrize("ba_weight,through_op", [(True, False), (False, False), (True, True)])
+def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, monkeypatch):
     """gated_delta_step (conv + silu + l2norm + gates + recurrence in one launch) fed a sequence in pieces
     (a prompt from position 0, a decode step, verify blocks; history from its buffer and from the block)
     gives the unfused layer's outputs and states, writes the block's conv inputs to the buffer, and each
-    token's output is bit for bit the same whether it came in a block or in a one-token step."""
+    token's output is bit for bit the same whether it came in a block or in a one-token step. `through_op`:
+    the same through `qdflash::gated_delta_step`, the op it launches through with PDL (kernels.set_pdl; here
+    without PDL, which the CPU has not), its buffers written in place by the op, a compiled step's way
+    (test_the_gated_delta_op_compiles_as_one_node)."""
+    from qdflash.kernels import gated_delta as gdn_module
     from qdflash.kernels.gated_delta import gated_delta_step
+
+    if through_op:
+        launch = gdn_module._launch_step
+        monkeypatch.setattr(gdn_module, "pdl_for", lambda t: True)
+        monkeypatch.setattr(gdn_module, "_launch_step", lambda *args: launch(*args[:-1], False))
 
     g = torch.Generator().manual_seed(3)
     key_heads, heads, dk, dv, kw, hidden, tokens = 2, 4, 16, 16, 4, 48, 12
@@ -147,6 +196,45 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight):
                          state0.double(), key_heads=key_heads, key_dim=key_dim)
 
 
+def test_the_gated_delta_op_compiles_as_one_node(monkeypatch):
+    """With PDL the fused GDN middle launches through `qdflash::gated_delta_step`, which writes the conv-input
+    buffer and the states in place: a fullgraph compile keeps it one node and leaves the buffers as eager does."""
+    from qdflash.kernels import gated_delta as gdn_module
+
+    g = torch.Generator().manual_seed(4)
+    key_heads, heads, dk, dv, kw, hidden, tokens = 1, 2, 16, 16, 4, 32, 3
+    key_dim, conv_dim = key_heads * dk, 2 * key_heads * dk + heads * dv
+    launch = gdn_module._launch_step
+    monkeypatch.setattr(gdn_module, "pdl_for", lambda t: True)
+    monkeypatch.setattr(gdn_module, "_launch_step", lambda *args: launch(*args[:-1], False))
+    weights = (torch.randn(conv_dim, 1, kw, generator=g), torch.randn(tokens, hidden, generator=g),
+               torch.randn(2 * heads, hidden, generator=g) * 0.3, -torch.rand(heads, generator=g), torch.randn(heads, generator=g))
+    qkvz = torch.randn(tokens, conv_dim + heads * dv, generator=g)
+
+    def buffers():
+        return torch.zeros(8, conv_dim), torch.full((heads, dk, dv), 0.1), torch.zeros(tokens + 1, heads, dk, dv)
+
+    def step(qkvz, conv_in, state, states):
+        conv_w, x, ba_w, decay, dt_bias = weights
+        out = gdn_module.gated_delta_step(qkvz * 1.0, conv_in, conv_w, torch.arange(2, 2 + tokens), x, ba_w, decay, dt_bias,
+                                          state, states, key_heads=key_heads, key_dim=key_dim)
+        return out + 1.0
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    eager, compiled = buffers(), buffers()
+    want = step(qkvz, *eager)
+    got = torch.compile(step, backend=backend, fullgraph=True)(qkvz, *compiled)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(compiled, eager))
+    assert eager[0][2:2 + tokens].any()  # the block's conv inputs were written
+    ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert ops.count(torch.ops.qdflash.gated_delta_step.default) == 1, ops
+
+
 SM90_COMPILE = """
 import json, os, re, subprocess, sys, tempfile
 import importlib
@@ -165,7 +253,12 @@ with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
     f.write(kernel.asm["cubin"])
     f.flush()
     usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-print(json.dumps({k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)}))
+ptx = kernel.asm["ptx"].splitlines()
+waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
+# PDL: how many global loads the PTX issues before its first wait (-1: it has no wait)
+before = sum(1 for line in ptx[: waits[0]] if "ld.global" in line) if waits else -1
+print(json.dumps({**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)}, "LOADS_BEFORE_WAIT": before,
+                  "WAITS": len(waits), "LAUNCHES": sum("griddepcontrol.launch_dependents" in line for line in ptx)}))
 """
 
 
@@ -189,14 +282,14 @@ def sm90_resources(module: str, name: str, signature: dict, constexprs: dict, nu
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def gdn_step_case(tokens):
+def gdn_step_case(tokens, pdl=False):
     from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
                  "x_ptr": "*bf16", "ba_ptr": "*bf16", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16", "state_ptr": "*fp32",
                  "out_ptr": "*fp32", "states_ptr": "*fp32", "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
     return "qdflash.kernels.gated_delta", "_gated_delta_step_kernel", signature, dict(HIDDEN=2560, HIDDEN_P=4096, T=tokens, REP=2, KW=4, KW_P=4, DK=128, DV=128,
-                                                     BLOCK_V=STEP_BLOCK_V, BA_DOT=True, STORE_STATES=True)
+                                                     BLOCK_V=STEP_BLOCK_V, BA_DOT=True, STORE_STATES=True, PDL=pdl)
 
 
 def attention_case(tree, block=False):
@@ -211,10 +304,52 @@ def attention_case(tree, block=False):
         HAS_START=False, TREE=tree if tree else 0)
 
 
-def rows_gemv_case(tiles):
+def rows_gemv_case(tiles, pdl=False):
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_os": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32"}
-    return "qdflash.kernels.gemv", "_gemv_rows_kernel", signature, dict(BLOCK_N=128, BLOCK_K=64, TILES=tiles, IEEE=False)
+    return "qdflash.kernels.gemv", "_gemv_rows_kernel", signature, dict(BLOCK_N=128, BLOCK_K=64, TILES=tiles, IEEE=False, PDL=pdl)
+
+
+def pdl_cases(pdl):
+    """The 16-bit GEMV (1 row; 2-16 rows, K loop run and unrolled) and the W4A16 kernels (1 row; 2-16 rows) at
+    tiles the H200 tuning picks for Qwen3.5-4B's shapes, and the fused GDN step for a verify block."""
+    one = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_wn": "i32", "stride_os": "i32",
+           "K_PER_SPLIT": "i32"}
+    w4_one = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_wn": "i32",
+              "stride_sn": "i32", "stride_os": "i32", "K_PER_SPLIT": "i32"}
+    w4_rows = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
+               "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "stride_om": "i32"}
+    return {"gemv 1": ("qdflash.kernels.gemv", "_gemv_kernel", one, dict(BLOCK_N=8, BLOCK_K=512, TILES=0, PDL=pdl)),
+            "gemv 1 unrolled": ("qdflash.kernels.gemv", "_gemv_kernel", one, dict(BLOCK_N=8, BLOCK_K=512, TILES=5, PDL=pdl)),
+            "gemv rows": rows_gemv_case(0, pdl), "gemv rows unrolled": rows_gemv_case(16, pdl),
+            "w4 1": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one, dict(GROUP=32, BLOCK_N=16, BLOCK_K8=64, PDL=pdl)),
+            "w4 rows": ("qdflash.kernels.w4a16", "_w4a16_kernel", w4_rows, dict(GROUP=32, BLOCK_M=16, BLOCK_N=64, BLOCK_K8=16,
+                                                                                K_PER_SPLIT=2560, PDL=pdl)),
+            "gdn step 16": gdn_step_case(16, pdl)}
+
+
+def aligned_args(signature):
+    """The arguments a launch at the engine's shapes specializes as multiples of 16: torch's pointers, these strides
+    and a split's K (its K are multiples of 128 per split)."""
+    return [arg for arg in signature if arg.endswith("_ptr") or arg.startswith("stride") or arg == "K_PER_SPLIT"]
+
+
+@pytest.mark.parametrize("case", sorted(pdl_cases(True)))
+def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
+    """With PDL (kernels.set_pdl) each matmul kernel and the GDN step lower for sm_90 with one grid-dependency wait,
+    loads issued before it (a matmul's first weight tile: a weight is no kernel's output; the GDN step's weights and
+    recurrent state), the next kernel released after it, and no spill; without PDL, neither instruction."""
+    from qdflash.kernels.gated_delta import STEP_WARPS
+
+    for pdl in (True, False):
+        module, name, signature, constexprs = pdl_cases(pdl)[case]
+        gdn = case.startswith("gdn")
+        used = sm90_resources(module, name, signature, constexprs, STEP_WARPS if gdn else 4, [] if gdn else aligned_args(signature))
+        assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
+        if pdl:
+            assert used["WAITS"] == 1 and used["LAUNCHES"] == 1 and used["LOADS_BEFORE_WAIT"] > 0, used
+        else:
+            assert used["WAITS"] == used["LAUNCHES"] == 0, used
 
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "attention", "attention tree 16", "attention block 16",
@@ -235,7 +370,7 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
                                            rows_gemv_case(int(arg)) if kind.startswith("gemv") else
                                            attention_case(int(arg) if "tree" in kind else 0, "block" in kind))
     # the GEMV's launches at the engine's shapes: torch's pointers and these strides are multiples of 16
-    aligned = [arg for arg in signature if arg.endswith("_ptr") or arg.startswith("stride")] if kind.startswith("gemv") else []
+    aligned = aligned_args(signature) if kind.startswith("gemv") else []
     used = sm90_resources(module, name, signature, constexprs, num_warps, aligned)
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
 

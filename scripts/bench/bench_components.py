@@ -25,6 +25,8 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
   `kernels.gated_delta.gated_delta_step` fused them into one launch), and `fused_gdn.*_speedup` (unfused over fused);
 - `--hf-generate`: transformers' own static compiled `generate` on the same 16-bit model at batch 1, its
   decode step's time from two generation lengths (`hf_static_generate`), and over this engine's steps;
+- `--pdl-only`: the tuned 16-bit target and the W4 target, each without and with programmatic dependent launch
+  of the matmul kernels (`kernels.set_pdl`; `--inductor-pdl`: inductor's kernels too), side by side (`pdl_study`);
 - `--profile`: where a decode step's and a verify block's time goes, kernel by kernel (torch.profiler over graph
   replays), grouped into matmuls, recurrence, attention, fused elementwise (inductor) and the rest.
 Each time is set against its bound: bytes it must read (weights, recurrent states read and written,
@@ -41,6 +43,7 @@ The JSON is rewritten after each part, so a run cut off by a time limit keeps wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import time
@@ -56,6 +59,7 @@ from qdflash.engine import build_engine
 from qdflash.engine.base import allow_compiles, compiled_step
 from qdflash.engine.graphs import restore, snapshot
 from qdflash.engine.linear import pack_linears, tune_projections
+from qdflash.kernels import set_pdl
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
 from qdflash.quant.apply import replace_linears, select_linears
 from qdflash.quant.gptq import rtn_quantize
@@ -288,6 +292,55 @@ def unfused_gdn_arm(engine, args, device, layer_ids, bandwidth) -> dict:
         engine.fuse_gdn, engine.graphs = True, {}
 
 
+PDL_ARMS = (("", False, False), ("_pdl", True, False), ("_pdl_inductor", True, True))  # label suffix, ours, inductor's
+
+
+def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, result) -> dict:
+    """`--pdl-only`: the tuned 16-bit target, then the W4 target (RTN, `--group`), each measured per PDL_ARMS in
+    turn: without PDL, with the matmul kernels launched with it (kernels.set_pdl; retuned, since PDL changes what
+    a kernel costs beside the others: tuning times a kernel back to back with itself) and, with `--inductor-pdl`,
+    inductor's kernels too. Each arm compiles afresh (dynamo's cache does not key on inductor's config).
+    `pdl.<target><arm>.<step>_speedup`: the arm's time over the first arm's (> 1: faster with PDL).
+    Our kernels wait for the kernel before them in every program, so the stream's order holds whatever launches
+    around them; inductor's own PDL waits only where its kernel reads the previous kernel's output, so its arm's
+    logits check (`compiled_vs_eager_max_abs`) is the evidence that it stayed correct here, not a proof."""
+    import torch._inductor.config as inductor_config
+
+    out = {}
+    engines = {"target16": lambda: engine16}
+
+    def w4_engine():
+        out["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
+        engine = build_engine(target, max_len=max_len, attention=args.attention)
+        engine.fuse_gdn = engine16.fuse_gdn
+        return engine
+
+    engines["target_w4"] = w4_engine
+    for label, make in engines.items():
+        engine = make()
+        for suffix, ours, inductor in PDL_ARMS:
+            arm = label + suffix
+            if inductor and not args.inductor_pdl:
+                continue
+            if inductor and not hasattr(inductor_config.triton, "enable_pdl"):
+                out[arm] = f"skipped: torch {torch.__version__}'s inductor has no triton.enable_pdl"
+                continue
+            set_pdl(ours)
+            try:
+                out[f"{arm}.tuned"] = engine.tune_kernels()
+                torch._dynamo.reset()
+                with inductor_config.patch({"triton.enable_pdl": True}) if inductor else contextlib.nullcontext():
+                    out.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
+            finally:
+                set_pdl(False)
+            for step in ("decode", "verify", "decode_compiled", "verify_compiled"):
+                base, this = out.get(f"{label}.{step}_ms"), out.get(f"{arm}.{step}_ms")
+                if suffix and base and this:
+                    out[f"pdl.{arm}.{step}_speedup"] = round(base / this, 3)
+            report(result | out, arm, args.out)
+    return out
+
+
 def fused_gdn_gains(result: dict) -> dict:
     """Unfused over fused time of each step both arms measured (> 1: the fused layer middle is faster)."""
     out = {}
@@ -416,6 +469,12 @@ def main() -> None:
     parser.add_argument("--gdn-only", action="store_true",
                         help="the 16-bit target alone (tuned, no cuBLAS-only arm), with --unfused-gdn beside it: what the "
                              "fused GDN layer middle saves, in a few minutes of device time; no drafters, no W4")
+    parser.add_argument("--pdl-only", action="store_true",
+                        help="the 16-bit target (tuned) and the W4 target, each without and then with programmatic dependent "
+                             "launch of the matmul kernels (kernels.set_pdl; retuned per arm), same process; no drafters")
+    parser.add_argument("--inductor-pdl", action="store_true",
+                        help="--pdl-only: a third arm with inductor's own kernels launched with PDL too "
+                             "(torch._inductor.config.triton.enable_pdl)")
     parser.add_argument("--hf-generate", action="store_true",
                         help="then transformers' static compiled generate on the same 16-bit model (hf_static.*, issue 23)")
     parser.add_argument("--hf-tokens", type=int, default=64, help="--hf-generate: decode steps timed (beyond 8)")
@@ -440,6 +499,10 @@ def main() -> None:
     result.update(gdn_check(engine16, device))
     fuse_gdn = engine16.fuse_gdn  # False where the fused path failed its check: every engine of the run then runs unfused
     report(result, "gdn_fused_check", args.out)
+    if args.pdl_only:
+        result.update(pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, result))
+        report(result, None, args.out)
+        return
     plain = argparse.Namespace(**{**vars(args), "compile": False, "profile": False})
     if not args.gdn_only:
         result.update(measure_target(engine16, plain, device, layer_ids, bandwidth, "target16_cublas"))

@@ -5,6 +5,10 @@ verify block, alone or with the rest of a step's layer middle fused around it (`
 Both run wherever Triton does: on a CUDA device, and on the CPU under Triton's interpreter
 (`TRITON_INTERPRET=1`, set before triton is first imported), which is how the tests check them
 against the plain-torch reference on a machine without a GPU.
+
+`set_pdl(True)` launches the matmul kernels and the fused GDN step with programmatic dependent launch on
+Hopper and later (each then goes through a custom op of ours, since torch.compile drops a Triton launch's
+options): what it is for and why it keeps the stream's order is in its docstring.
 """
 
 from __future__ import annotations
@@ -16,6 +20,30 @@ import torch
 from ..errors import QdflashError
 
 MAX_ROWS = 16  # rows the matmul kernels take, padded to one tensor-core tile: a verify block of 16 tokens
+_PDL = [False]  # set_pdl
+
+
+def set_pdl(on: bool) -> None:
+    """Launch the matmul kernels (`gemv`, `w4a16`) and the fused GDN step (`gated_delta.gated_delta_step`) with
+    programmatic dependent launch where the GPU has it
+    (Hopper and later), from now on: every later launch, a tuning's timings and a captured step's kernels.
+
+    Why: a decode step is ~400 kernels of a few microseconds each, and between two of them the GPU drains
+    the first, flushes its writes and only then starts the second, whose first weight loads wait a DRAM
+    round trip more. A matmul's weight is no kernel's output, so with PDL a launch starts its programs
+    while the previous kernel's last ones still run, issues its first weight tile's loads, and only then
+    waits (`gdc_wait`) for the previous kernel's results (its input row) and before writing anything.
+    Every program waits unconditionally, so a kernel still ends after the one before it: the stream's
+    order holds for the kernels around it, whether they use PDL or not. (The GDN step also loads the layer's
+    recurrent state before waiting: only that layer's kernel writes it, in an earlier step.)
+    Off by default until it is measured in a step on the H200."""
+    _PDL[0] = bool(on)
+
+
+def pdl_for(t: torch.Tensor) -> bool:
+    """Whether kernels on `t`'s device launch with PDL: `set_pdl(True)` and a CUDA device of compute
+    capability 9 or more (the interpreter and older GPUs have no grid dependency control)."""
+    return _PDL[0] and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
 def row_bucket(rows: int) -> int:

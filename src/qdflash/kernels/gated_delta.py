@@ -29,10 +29,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import QdflashError
+from . import pdl_for
 
 try:
     import triton
     import triton.language as tl
+
+    from .gemv import pdl_wait
 except ImportError:
     triton = tl = None
 
@@ -66,7 +69,10 @@ if triton is not None:
                                  state_ptr, out_ptr, states_ptr, HV, KEY_DIM, CONV_DIM, SCALE, HIDDEN: tl.constexpr,
                                  HIDDEN_P: tl.constexpr, T: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr,
                                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, BA_DOT: tl.constexpr,
-                                 STORE_STATES: tl.constexpr):
+                                 STORE_STATES: tl.constexpr, PDL: tl.constexpr):
+        """PDL (kernels.set_pdl): the weights and the recurrent state are loaded before `pdl_wait`. None is
+        another kernel's output in this step: the state is written only by this layer's kernel, in an earlier
+        step (an earlier graph launch, ended before this one began) or by a rollback between steps."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -77,7 +83,8 @@ if triton is not None:
         kc = KEY_DIM + qc
         vc = 2 * KEY_DIM + h * DV + rv
         dt = qkvz_ptr.dtype.element_ty
-        start = tl.load(pos_ptr)  # the block's first position (positions are consecutive)
+        if not PDL:
+            start = tl.load(pos_ptr)  # the block's first position (positions are consecutive)
         # what every token uses alike, loaded once: the conv taps' weights, this head's a / b projection rows,
         # dt_bias and the decay
         tap = (rj < KW)[:, None]
@@ -94,6 +101,9 @@ if triton is not None:
         decay = tl.load(decay_ptr + h)
         tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
         s = tl.load(state_ptr + tile)
+        if PDL:
+            pdl_wait()
+            start = tl.load(pos_ptr)
         if STORE_STATES:
             tl.store(states_ptr + tile, s)
         # Token by token, only the state update depends on the token before. A token's inputs (conv, silu,
@@ -274,11 +284,38 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise QdflashError(f"gated_delta_step: the state must be contiguous fp32 (got {state.dtype})")
     block_v = _value_block("gated_delta_step", dk, dv, block_v, states, t)
-    hidden = x.shape[-1]
+    args = (qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
+            num_warps)
+    if pdl_for(qkvz):  # a launch option torch.compile does not trace through (kernels.gemv._gemv_op)
+        return _step_op(*args, True)
+    return _launch_step(*args, False)
+
+
+def _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight,
+                 block_v, num_warps, pdl):
+    t, hidden = qkvz.shape[0], x.shape[-1]
+    heads, dk, dv = state.shape
+    kw = conv_weight.shape[-1]
     out = torch.empty(t, heads, dv, device=qkvz.device, dtype=torch.float32)
     _gated_delta_step_kernel[(heads, dv // block_v)](
         qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, out,
-        state if states is None else states, heads, key_dim, conv_dim, float(dk ** 0.5), HIDDEN=hidden,
+        state if states is None else states, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), HIDDEN=hidden,
         HIDDEN_P=triton.next_power_of_2(hidden), T=t, REP=heads // key_heads, KW=kw, KW_P=triton.next_power_of_2(kw), DK=dk,
-        DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None, num_warps=num_warps)
+        DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None, PDL=pdl, num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+@torch.library.custom_op("qdflash::gated_delta_step", mutates_args=("conv_in", "state", "states"))
+def _step_op(qkvz: torch.Tensor, conv_in: torch.Tensor, conv_weight: torch.Tensor, positions: torch.Tensor, x: torch.Tensor,
+             ba: torch.Tensor, decay: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, states: torch.Tensor | None,
+             key_heads: int, key_dim: int, ba_weight: bool, block_v: int, num_warps: int, pdl: bool) -> torch.Tensor:
+    """`_launch_step` as one node of a compiled graph, writing the conv-input buffer and the states in place."""
+    return _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim,
+                        ba_weight, block_v, num_warps, pdl)
+
+
+@_step_op.register_fake
+def _(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
+      num_warps, pdl):
+    return qkvz.new_empty((qkvz.shape[0], *state.shape[::2]), dtype=torch.float32)

@@ -22,13 +22,13 @@ shape, the CPU and a GPU where cuBLAS wins run exactly as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
-from . import MAX_ROWS, copies_past_l2, fastest, graph_ms, row_bucket
+from . import MAX_ROWS, copies_past_l2, fastest, graph_ms, pdl_for, row_bucket
 
 try:
     import triton
@@ -52,31 +52,47 @@ class GemvConfig:
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, stride_os,
-                     K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
+    def pdl_wait():
+        """With programmatic dependent launch (kernels.set_pdl): wait until the previous kernel has ended and
+        its writes are visible, then let the next kernel's programs start. A kernel calls it in every program
+        before it reads another kernel's output or writes anything; only loads of weights come before it."""
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, stride_os, K_PER_SPLIT, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
         """TILES = 0: a runtime loop over K_PER_SPLIT (one compile serves every K). TILES > 0: K_PER_SPLIT
         is TILES * BLOCK_K and the loop is unrolled, so the compiler issues every tile's loads before the
         arithmetic: a program's whole slice of the weight in flight, where the runtime loop waits on memory
-        once per tile (one compile per K and split)."""
+        once per tile (one compile per K and split). PDL: the first tile's weight loads go out before
+        `pdl_wait`."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn[:, None] < N
+        k0 = pid_k * TILES * BLOCK_K if TILES > 0 else pid_k * K_PER_SPLIT
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        FIRST: tl.constexpr = 1 if PDL else 0  # tiles done before the loop
+        if PDL:
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok, other=0)
+            pdl_wait()
+            acc += w.to(tl.float32) * tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
         if TILES > 0:
-            for tile in tl.static_range(TILES):
-                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, pid_k * TILES * BLOCK_K + tile * BLOCK_K + rk, stride_wn)
+            for tile in tl.static_range(FIRST, TILES):
+                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + tile * BLOCK_K + rk, stride_wn)
         else:
-            for step in range(0, K_PER_SPLIT, BLOCK_K):
-                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, pid_k * K_PER_SPLIT + step + rk, stride_wn)
+            for step in range(FIRST * BLOCK_K, K_PER_SPLIT, BLOCK_K):
+                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + step + rk, stride_wn)
         tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
 
     @triton.jit
     def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_os, stride_om, K_PER_SPLIT,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, IEEE: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, IEEE: tl.constexpr,
+                          PDL: tl.constexpr):
         """2-16 rows: the [BN, BK] weight tile read once and multiplied with all rows by one dot (rows
-        padded to 16 with zeros, never stored). TILES as in `_gemv_kernel`."""
+        padded to 16 with zeros, never stored). TILES and PDL as in `_gemv_kernel`."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, 16)
@@ -84,20 +100,30 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm[:, None] < M
         n_ok = rn[:, None] < N
+        k0 = pid_k * TILES * BLOCK_K if TILES > 0 else pid_k * K_PER_SPLIT
         acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        FIRST: tl.constexpr = 1 if PDL else 0
+        if PDL:
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok, other=0)
+            pdl_wait()
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok, other=0)
+            acc += _rows_product(x, w, IEEE)
         if TILES > 0:
-            for tile in tl.static_range(TILES):
-                acc += _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, pid_k * TILES * BLOCK_K + tile * BLOCK_K + rk, stride_xm,
-                                  stride_wn, IEEE)
+            for tile in tl.static_range(FIRST, TILES):
+                acc += _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k0 + tile * BLOCK_K + rk, stride_xm, stride_wn, IEEE)
         else:
-            for step in range(0, K_PER_SPLIT, BLOCK_K):
-                acc += _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, pid_k * K_PER_SPLIT + step + rk, stride_xm, stride_wn, IEEE)
+            for step in range(FIRST * BLOCK_K, K_PER_SPLIT, BLOCK_K):
+                acc += _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k0 + step + rk, stride_xm, stride_wn, IEEE)
         tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
 
     @triton.jit
     def _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, col, stride_xm, stride_wn, IEEE: tl.constexpr):
         x = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :], mask=m_ok, other=0)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + col[None, :], mask=n_ok, other=0)
+        return _rows_product(x, w, IEEE)
+
+    @triton.jit
+    def _rows_product(x, w, IEEE: tl.constexpr):
         if IEEE:
             return tl.dot(x, tl.trans(w), input_precision="ieee")
         return tl.dot(x, tl.trans(w))
@@ -124,19 +150,44 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Ten
     if not fits(config, k):
         raise QdflashError(f"gemv: {config} does not tile K={k}")
     x = x.contiguous()
+    if pdl_for(x):  # a launch option torch.compile does not trace through: our op, an opaque node in a compiled step
+        out = _gemv_op(x, weight, *astuple(config), True)
+    else:
+        out = _launch(x, weight, config, False)
+    return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool) -> torch.Tensor:
+    """The kernel's raw output [split_k, M, N]: x's dtype for one split, else fp32 partial sums."""
+    n, k = weight.shape
+    m = x.shape[0]
     out = torch.empty(config.split_k, m, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     # K_PER_SPLIT is a runtime argument (one compile per tile serves every shape: tuning is compile-bound),
     # except where the config unrolls the K loop
     tiles = k // (config.split_k * config.block_k) if config.unrolled else 0
+    launch = {"launch_pdl": True} if pdl else {}
     if m == 1:
         _gemv_kernel[grid](x, weight, out, n, weight.stride(0), out.stride(0), k // config.split_k, BLOCK_N=config.block_n,
-                           BLOCK_K=config.block_k, TILES=tiles, num_warps=config.num_warps)
+                           BLOCK_K=config.block_k, TILES=tiles, PDL=pdl, num_warps=config.num_warps, **launch)
     else:
         _gemv_rows_kernel[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
                                 k // config.split_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILES=tiles,
-                                IEEE=x.dtype == torch.float32, num_warps=config.num_warps)
-    return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
+                                IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=config.num_warps, **launch)
+    return out
+
+
+@torch.library.custom_op("qdflash::gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, split_k: int, num_warps: int,
+             unrolled: bool, pdl: bool) -> torch.Tensor:
+    """`_launch` as one opaque node of a compiled graph: torch.compile traces a Triton launch itself but
+    drops its launch options (PDL's among them)."""
+    return _launch(x, weight, GemvConfig(block_n, block_k, split_k, num_warps, unrolled), pdl)
+
+
+@_gemv_op.register_fake
+def _(x, weight, block_n, block_k, split_k, num_warps, unrolled, pdl):
+    return x.new_empty((split_k, x.shape[0], weight.shape[0]), dtype=x.dtype if split_k == 1 else torch.float32)
 
 
 def candidate_configs(n: int, k: int, rows: int = 1) -> list[GemvConfig]:

@@ -27,18 +27,20 @@ speed, and the engine runs those shapes on the dequantized weight instead (engin
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
 from ..quant.grid import GridSpec, dequantize
-from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, row_bucket, tinygemm
+from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, pdl_for, row_bucket, tinygemm
 
 try:
     import triton
     import triton.language as tl
+
+    from .gemv import pdl_wait
 except ImportError:  # the CPU install: kernels are optional, the dense path remains
     triton = tl = None
 
@@ -78,57 +80,88 @@ if triton is not None:
     @triton.jit
     def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr,
-                      K_PER_SPLIT: tl.constexpr):
-        """2-16 rows: the [BN, BK] weight tile unpacked once, one tensor-core dot with all rows."""
+                      K_PER_SPLIT: tl.constexpr, PDL: tl.constexpr):
+        """2-16 rows: the [BN, BK] weight tile unpacked once, one tensor-core dot with all rows. PDL: the
+        first tile's words and scales are loaded before `pdl_wait` (they are no kernel's output)."""
         BLOCK_K: tl.constexpr = 8 * BLOCK_K8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
         n_ok = rn[:, None] < N
-        shifts = tl.arange(0, 8) * 4
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm[:, None] < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in range(0, K_PER_SPLIT, BLOCK_K):
+        FIRST: tl.constexpr = BLOCK_K if PDL else 0  # columns done before the loop
+        if PDL:
+            w, s = _w4_tile(w_ptr, s_ptr, rn, n_ok, pid_k * K_PER_SPLIT, stride_wn, stride_sn, GROUP, BLOCK_K8)
+            pdl_wait()
+            acc += _w4_dot(x_ptr, w, s, rm, m_ok, pid_k * K_PER_SPLIT, stride_xm, GROUP, BLOCK_N, BLOCK_K8)
+        for step in range(FIRST, K_PER_SPLIT, BLOCK_K):
             col0 = pid_k * K_PER_SPLIT + step  # first column of this tile
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + (col0 // 8 + tl.arange(0, BLOCK_K8))[None, :], mask=n_ok, other=0)
-            q = ((w[:, :, None] >> shifts[None, None, :]) & 0xF) - 8  # [BN, BK8, 8]: column 8i + j
-            s = tl.load(s_ptr + rn[:, None] * stride_sn + (col0 // GROUP + tl.arange(0, BLOCK_K // GROUP))[None, :],
-                        mask=n_ok, other=0).to(tl.float32)  # [BN, BK / GROUP]
-            wt = tl.reshape(tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_K))
-            wt = wt.to(x_ptr.dtype.element_ty)  # q * scale in fp32, rounded to the activation dtype (= dequantize().to(dtype))
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + (col0 + rk)[None, :], mask=m_ok, other=0)
-            acc += tl.dot(x, tl.trans(wt))
+            w, s = _w4_tile(w_ptr, s_ptr, rn, n_ok, col0, stride_wn, stride_sn, GROUP, BLOCK_K8)
+            acc += _w4_dot(x_ptr, w, s, rm, m_ok, col0, stride_xm, GROUP, BLOCK_N, BLOCK_K8)
         tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
 
     @triton.jit
+    def _w4_tile(w_ptr, s_ptr, rn, n_ok, col0, stride_wn, stride_sn, GROUP: tl.constexpr, BLOCK_K8: tl.constexpr):
+        """The words [BN, BK8] and scales [BN, BK / GROUP] of the tile starting at column col0."""
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + (col0 // 8 + tl.arange(0, BLOCK_K8))[None, :], mask=n_ok, other=0)
+        s = tl.load(s_ptr + rn[:, None] * stride_sn + (col0 // GROUP + tl.arange(0, 8 * BLOCK_K8 // GROUP))[None, :],
+                    mask=n_ok, other=0)
+        return w, s
+
+    @triton.jit
+    def _w4_dot(x_ptr, w, s, rm, m_ok, col0, stride_xm, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr):
+        BLOCK_K: tl.constexpr = 8 * BLOCK_K8
+        q = ((w[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) - 8  # [BN, BK8, 8]: column 8i + j
+        wt = tl.reshape(tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s.to(tl.float32)[:, :, None],
+                        (BLOCK_N, BLOCK_K))
+        wt = wt.to(x_ptr.dtype.element_ty)  # q * scale in fp32, rounded to the activation dtype (= dequantize().to(dtype))
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + (col0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok, other=0)
+        return tl.dot(x, tl.trans(wt))
+
+    @triton.jit
     def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_os, K_PER_SPLIT,
-                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr):
+                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, PDL: tl.constexpr):
         """1 row (a decode step): bound by the weight bytes only if unpacking costs few instructions
         per byte. So no reshape (a layout shuffle through shared memory) and no int->float convert
         instruction (a quarter-rate op): nibble j of every word in the [BN, BK8] tile is taken in
         turn, made a float by the exponent trick (nibble | 0x4B000000 is the fp32 2^23 + nibble),
         multiplied with x's columns 8i + j (a strided load from L1), and a word's 8 products are
         scaled once (its 8 columns share a scale group). q * x is exact in fp32, so this is the
-        fp32 dequantized product up to the order of the sums."""
+        fp32 dequantized product up to the order of the sums. PDL as in `_w4a16_kernel`."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ri = tl.arange(0, BLOCK_K8)
         n_ok = rn[:, None] < N
         acc = tl.zeros((BLOCK_N, BLOCK_K8), dtype=tl.float32)
-        for step in range(0, K_PER_SPLIT, 8 * BLOCK_K8):
+        FIRST: tl.constexpr = 8 * BLOCK_K8 if PDL else 0
+        if PDL:
+            w, s = _w4_words(w_ptr, s_ptr, rn, ri, n_ok, pid_k * K_PER_SPLIT, stride_wn, stride_sn, GROUP)
+            pdl_wait()
+            acc += _w4_gemv_part(x_ptr, w, s, ri, pid_k * K_PER_SPLIT, BLOCK_N, BLOCK_K8)
+        for step in range(FIRST, K_PER_SPLIT, 8 * BLOCK_K8):
             col0 = pid_k * K_PER_SPLIT + step
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + (col0 // 8 + ri)[None, :], mask=n_ok, other=0)
-            s = tl.load(s_ptr + rn[:, None] * stride_sn + ((col0 + 8 * ri) // GROUP)[None, :], mask=n_ok, other=0)
-            part = tl.zeros((BLOCK_N, BLOCK_K8), dtype=tl.float32)
-            for j in tl.static_range(8):
-                q = (((w >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # nibble - 8
-                x = tl.load(x_ptr + col0 + 8 * ri + j).to(tl.float32)
-                part += q * x[None, :]
-            acc += part * s.to(tl.float32)
+            w, s = _w4_words(w_ptr, s_ptr, rn, ri, n_ok, col0, stride_wn, stride_sn, GROUP)
+            acc += _w4_gemv_part(x_ptr, w, s, ri, col0, BLOCK_N, BLOCK_K8)
         tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
+
+    @triton.jit
+    def _w4_words(w_ptr, s_ptr, rn, ri, n_ok, col0, stride_wn, stride_sn, GROUP: tl.constexpr):
+        """The one-row kernel's [BN, BK8] words from column col0, and each word's scale."""
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + (col0 // 8 + ri)[None, :], mask=n_ok, other=0)
+        s = tl.load(s_ptr + rn[:, None] * stride_sn + ((col0 + 8 * ri) // GROUP)[None, :], mask=n_ok, other=0)
+        return w, s
+
+    @triton.jit
+    def _w4_gemv_part(x_ptr, w, s, ri, col0, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr):
+        part = tl.zeros((BLOCK_N, BLOCK_K8), dtype=tl.float32)
+        for j in tl.static_range(8):
+            q = (((w >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # nibble - 8
+            x = tl.load(x_ptr + col0 + 8 * ri + j).to(tl.float32)
+            part += q * x[None, :]
+        return part * s.to(tl.float32)
 
 
 def _check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int) -> tuple[int, int, int]:
@@ -159,18 +192,39 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
     config = config or default_config(n, k, group, m, x.dtype)
     if not fits(config, k, group, m):
         raise QdflashError(f"w4a16_matmul: {config} does not tile K={k} (group {group}) for {m} rows")
-    # one split: the kernel writes the result in x's dtype; several: fp32 partial sums, reduced here
+    if pdl_for(x):  # a launch option torch.compile does not trace through: our op, an opaque node in a compiled step
+        out = _w4a16_op(x, words, scale, group, *astuple(config), True)
+    else:
+        out = _launch(x, words, scale, group, config, False)
+    return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
+
+
+def _launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int, config: Config, pdl: bool) -> torch.Tensor:
+    """The kernel's raw output [split_k, M, N]: x's dtype for one split, else fp32 partial sums (reduced by the caller)."""
+    m, n, k = x.shape[0], words.shape[0], x.shape[1]
     out = torch.empty(config.split_k, m, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
-    common = dict(GROUP=group, BLOCK_N=config.block_n, BLOCK_K8=config.block_k8, num_warps=config.num_warps,
-                  num_stages=config.num_stages)
+    common = dict(GROUP=group, BLOCK_N=config.block_n, BLOCK_K8=config.block_k8, PDL=pdl, num_warps=config.num_warps,
+                  num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}))
     if m == 1:  # K_PER_SPLIT at run time: one compile per tile serves every shape (tuning is compile-bound)
         _w4a16_gemv_kernel[grid](x, words, scale, out, n, words.stride(0), scale.stride(0), out.stride(0),
                                  k // config.split_k, **common)
     else:
         _w4a16_kernel[grid](x, words, scale, out, m, n, x.stride(0), words.stride(0), scale.stride(0),
                             out.stride(0), out.stride(1), BLOCK_M=MAX_ROWS, K_PER_SPLIT=k // config.split_k, **common)
-    return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
+    return out
+
+
+@torch.library.custom_op("qdflash::w4a16", mutates_args=())
+def _w4a16_op(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int, block_n: int, block_k8: int,
+              split_k: int, num_warps: int, num_stages: int, pdl: bool) -> torch.Tensor:
+    """`_launch` as one opaque node of a compiled graph (kernels.gemv._gemv_op says why)."""
+    return _launch(x, words, scale, group, Config(block_n, block_k8, split_k, num_warps, num_stages), pdl)
+
+
+@_w4a16_op.register_fake
+def _(x, words, scale, group, block_n, block_k8, split_k, num_warps, num_stages, pdl):
+    return x.new_empty((split_k, x.shape[0], words.shape[0]), dtype=x.dtype if split_k == 1 else torch.float32)
 
 
 def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_ROWS) -> list[Config]:
