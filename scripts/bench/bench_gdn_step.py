@@ -12,6 +12,11 @@ recomputing the same conv and gates. This times each launch shape for a decode s
 block (T = 16, with the per-position states a rollback needs, and without), each over enough layers' inputs
 and states that they come from HBM, inside one CUDA graph (launches not timed), and checks every shape's
 outputs against the default one's.
+
+`--variants` times each launch shape again as: `dot` (the default: the kernel computes the a / b projection of the
+hidden row itself, a HIDDEN-wide dot and cross-warp reduction per token), `given` (that product computed before,
+as a fused qkvz + ba projection would give it: the kernel reads 2 values a token) and `pdl` (`dot` launched with
+programmatic dependent launch, kernels.set_pdl: weights and state loaded before waiting on the kernel before).
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ import platform
 
 import torch
 
-from qdflash.kernels import copies_past_l2, graph_ms
+from qdflash.kernels import copies_past_l2, graph_ms, set_pdl
 from qdflash.kernels.gated_delta import gated_delta_step
 
 # Qwen3.5-4B's linear-attention layers: 16 key heads, 32 value heads, head dims 128, conv kernel 4, hidden 2560
 SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
 LAUNCHES = [(16, 4), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]  # (block_v, num_warps); the default first
+VARIANTS = ("dot", "given", "pdl")
 
 
 def launch_list(text: str) -> list[tuple[int, int]]:
@@ -45,13 +51,16 @@ def layer_inputs(t: int, position: int, device, g: torch.Generator) -> dict:
     key_dim = s["key_heads"] * s["dk"]
     conv_dim = 2 * key_dim + s["heads"] * s["dv"]
     bf16 = dict(device=device, dtype=torch.bfloat16)
+    x = torch.randn(t, s["hidden"], generator=g).to(**bf16)
+    ba = (torch.randn(2 * s["heads"], s["hidden"], generator=g) * 0.02).to(**bf16)
     return dict(
         qkvz=torch.randn(t, conv_dim + s["heads"] * s["dv"], generator=g).to(**bf16),
         conv_in=torch.randn(position + 16, conv_dim, generator=g).to(**bf16),
         conv_weight=(torch.randn(conv_dim, 1, s["kw"], generator=g) * 0.5).to(**bf16),
         positions=torch.arange(position, position + t, device=device),
-        x=torch.randn(t, s["hidden"], generator=g).to(**bf16),
-        ba=(torch.randn(2 * s["heads"], s["hidden"], generator=g) * 0.02).to(**bf16),
+        x=x,
+        ba=ba,
+        ba_product=(x @ ba.T).contiguous(),  # b, a of every head: the `given` variant's input
         decay=-torch.rand(s["heads"], generator=g).to(device),
         dt_bias=torch.randn(s["heads"], generator=g).to(**bf16),
         state=(torch.randn(s["heads"], s["dk"], s["dv"], generator=g) * 0.1).to(device),
@@ -59,11 +68,19 @@ def layer_inputs(t: int, position: int, device, g: torch.Generator) -> dict:
     )
 
 
-def run(layer: dict, block_v: int, num_warps: int, keep_states: bool):
-    return gated_delta_step(layer["qkvz"], layer["conv_in"], layer["conv_weight"], layer["positions"], layer["x"], layer["ba"],
-                            layer["decay"], layer["dt_bias"], layer["state"], layer["states"] if keep_states else None,
-                            key_heads=SHAPE["key_heads"], key_dim=SHAPE["key_heads"] * SHAPE["dk"], block_v=block_v,
-                            num_warps=num_warps)
+def run(layer: dict, block_v: int, num_warps: int, keep_states: bool, variant: str = "dot"):
+    given = variant == "given"
+    return gated_delta_step(layer["qkvz"], layer["conv_in"], layer["conv_weight"], layer["positions"], layer["x"],
+                            layer["ba_product"] if given else layer["ba"], layer["decay"], layer["dt_bias"], layer["state"],
+                            layer["states"] if keep_states else None, key_heads=SHAPE["key_heads"],
+                            key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps)
+
+
+def variant_list(text: str) -> list[str]:
+    out = text.split(",")
+    if not out or any(v not in VARIANTS for v in out):
+        raise argparse.ArgumentTypeError(f"--variants: expected a comma-separated subset of {','.join(VARIANTS)}, got {text!r}")
+    return out
 
 
 def main() -> None:
@@ -71,6 +88,8 @@ def main() -> None:
     parser.add_argument("--position", type=int, default=1024, help="the block's first position (conv history before it)")
     parser.add_argument("--launches", type=launch_list, default=LAUNCHES,
                         help="block_v x num_warps, comma-separated (e.g. 16x4,32x8); the first is the reference")
+    parser.add_argument("--variants", type=variant_list, default=["dot"],
+                        help=f"comma-separated, of {','.join(VARIANTS)} (the module docstring says what each is)")
     parser.add_argument("--out", help="write the table as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -82,18 +101,21 @@ def main() -> None:
         layers = [layer_inputs(t, args.position, "cuda", g) for _ in range(copies_past_l2(state_bytes))]
         snapshot = [layer["state"].clone() for layer in layers]
         reference = None
-        for block_v, num_warps in args.launches:
-            for layer, state in zip(layers, snapshot):
-                layer["state"].copy_(state)
-            out = run(layers[0], block_v, num_warps, keep_states).float()  # compiles; from the same state each time
-            if reference is None:
-                reference = out
-            diff = float((out - reference).abs().max())
-            us = graph_ms(lambda: [run(layer, block_v, num_warps, keep_states) for layer in layers]) / len(layers) * 1e3
-            row = {"tokens": t, "per_position_states": keep_states, "block_v": block_v, "num_warps": num_warps,
-                   "us_per_layer": round(us, 2), "max_abs_vs_first": diff}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for variant in args.variants:
+            set_pdl(variant == "pdl")
+            for block_v, num_warps in args.launches:
+                for layer, state in zip(layers, snapshot):
+                    layer["state"].copy_(state)
+                out = run(layers[0], block_v, num_warps, keep_states, variant).float()  # compiles; from the same state each time
+                if reference is None:
+                    reference = out
+                diff = float((out - reference).abs().max())
+                us = graph_ms(lambda: [run(layer, block_v, num_warps, keep_states, variant) for layer in layers]) / len(layers) * 1e3
+                row = {"tokens": t, "per_position_states": keep_states, "variant": variant, "block_v": block_v,
+                       "num_warps": num_warps, "us_per_layer": round(us, 2), "max_abs_vs_first": diff}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            set_pdl(False)
     result = {"shape": SHAPE, "position": args.position, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "rows": rows}
     if args.out:
