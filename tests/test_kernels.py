@@ -69,7 +69,7 @@ def test_with_pdl_the_matmuls_are_ops_of_our_own_a_compiled_step_keeps(rows, mon
     dense, w4 = gemv_module.GemvConfig(16, 128, 2), Config(32, 16, 2)
     direct = (gemv_module._launch(x, weight, dense, False).sum(0), w4_module._launch(x, words, scale, group, w4, False).sum(0))
     torch.library.opcheck(gemv_module._gemv_op, (x, weight, 16, 128, 2, 4, False, False))
-    torch.library.opcheck(w4_module._w4a16_op, (x, words, scale, group, 32, 16, 2, 4, 3, False))
+    torch.library.opcheck(w4_module._w4a16_op, (x, words, scale, group, 32, 16, 2, 4, 3, False, False))
     for module in (gemv_module, w4_module):
         launch = module._launch
         monkeypatch.setattr(module, "pdl_for", lambda t: True)
@@ -91,6 +91,69 @@ def test_with_pdl_the_matmuls_are_ops_of_our_own_a_compiled_step_keeps(rows, mon
     assert ops.count(torch.ops.qdflash.gemv.default) == ops.count(torch.ops.qdflash.w4a16.default) == 1, ops
 
 
+def run_ptx(asm: str, operands: dict) -> dict:
+    """Execute the few PTX instructions BF16_NIBBLES uses (mov / shr / lop3 on 32-bit patterns, fma.rn.bf16x2) on
+    `operands` ($n -> bits), returning every operand and register after it: the asm's text checked on the CPU,
+    which neither the interpreter nor a compile for sm_90 runs."""
+    regs = dict(operands)
+
+    def value(token):
+        token = token.strip()
+        return int(token, 16) if token.startswith("0x") else int(token) if token.isdigit() else regs[token]
+
+    def bf16(bits):
+        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().item()
+
+    def to_bits(x):  # exact in fp32 here (a 4-bit times an 8-bit significand), then rounded to nearest even
+        return int(torch.tensor([x], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+    for line in asm.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b32" and args.startswith("{"):  # unpack: {lo, hi}, src
+            lo, hi, src = (a.strip(" {}") for a in args.replace("}", ",").split(",") if a.strip())
+            regs[lo], regs[hi] = value(src) & 0xFFFF, value(src) >> 16
+            continue
+        dst, *srcs = [a.strip() for a in args.split(",", 1)[0:1] + [args.split(",", 1)[1]]]
+        if op == "mov.b32" and "{" in srcs[0]:  # pack: dst, {lo, hi}
+            lo, hi = (value(a.strip(" {}")) for a in srcs[0].split(","))
+            regs[dst] = lo | hi << 16
+            continue
+        a = [value(t) for t in srcs[0].split(",")]
+        if op == "mov.b32":
+            regs[dst] = a[0]
+        elif op == "shr.u32":
+            regs[dst] = (a[0] & 0xFFFFFFFF) >> a[1]
+        elif op == "lop3.b32":
+            regs[dst] = sum(((a[3] >> ((a[0] >> i & 1) << 2 | (a[1] >> i & 1) << 1 | (a[2] >> i & 1))) & 1) << i for i in range(32))
+        elif op == "fma.rn.bf16x2":
+            halves = [to_bits(bf16(a[0] >> s & 0xFFFF) * bf16(a[1] >> s & 0xFFFF) + bf16(a[2] >> s & 0xFFFF)) for s in (0, 16)]
+            regs[dst] = halves[0] | halves[1] << 16
+        else:
+            raise AssertionError(f"run_ptx: no {op}")
+    return regs
+
+
+def test_bf16_nibbles_asm_dequantizes_a_word_as_the_reference_does():
+    """BF16_NIBBLES (the fast W4 path's inline PTX) turns each int32 word of `pack_int4` and its bf16 scale into the
+    word's 8 weights in column order, each round_bf16(q * scale): bit for bit what dequantize().to(bf16) gives, for
+    every nibble value and scales of several magnitudes (its instructions executed by `run_ptx`)."""
+    from qdflash.kernels.w4a16 import BF16_NIBBLES, dequantize_words
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.cat([torch.arange(-8, 8).repeat(2), torch.randint(-8, 8, (160,), generator=g)]).to(torch.int8).view(-1, 32)
+    words = pack_int4(q)  # [6, 4]: a row is one group of 32
+    scale = (torch.rand(q.shape[0], 1, generator=g) * torch.logspace(-6, 2, q.shape[0])[:, None]).to(torch.bfloat16)
+    want = (dequantize_words(words, scale, 32).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF).view(*words.shape, 8)
+    for row in range(words.shape[0]):
+        for i in range(words.shape[1]):
+            scale_bits = int(scale[row, 0].view(torch.int16)) & 0xFFFF
+            regs = run_ptx(BF16_NIBBLES, {"$8": int(words[row, i]) & 0xFFFFFFFF, "$9": scale_bits})
+            assert [regs[f"${j}"] for j in range(8)] == want[row, i].tolist(), (row, i)
+
+
 def test_w4a16_matmul_refuses_what_it_cannot_do():
     q, scale, _ = quantized(32, 128, 32)
     words = pack_int4(q)
@@ -102,6 +165,14 @@ def test_w4a16_matmul_refuses_what_it_cannot_do():
         w4a16_matmul(torch.randn(1, 128), words, scale, 32, Config(32, 16, split_k=2))
     with pytest.raises(QdflashError, match="does not tile"):
         w4a16_matmul(torch.randn(4, 128), words, scale, 32, Config(8, 16))  # a tensor-core tile needs >= 16 columns
+    with pytest.raises(QdflashError, match="does not tile"):
+        w4a16_matmul(torch.randn(1, 128), words, scale, 32, Config(8, 16, fast=True))  # fast: tensor cores at 1 row too
+    with pytest.raises(QdflashError, match="bf16 activations on a CUDA GPU"):  # inline PTX: no interpreter, no fp16 / fp32
+        w4a16_matmul(torch.randn(1, 128).to(torch.bfloat16), words, scale, 32, Config(32, 16, fast=True))
+    # fast candidates only where asked (tune: bf16 on CUDA), tensor-core tiles of <= 2048 words, for 1 row too
+    assert not any(c.fast for c in candidate_configs(2560, 32, 2560, 1))
+    fast = [c for c in candidate_configs(2560, 32, 2560, 1, fast=True) if c.fast]
+    assert fast and all(c.block_n >= 16 and 16 <= c.block_k8 and c.block_n * c.block_k8 <= 2048 for c in fast)
 
 
 @pytest.mark.parametrize("tokens,dv", [(1, 64), (5, 64), (37, 64), (5, 16)])  # 37: several launches of 16; dv 16: tiny-qwen3.5
@@ -258,7 +329,8 @@ waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
 # PDL: how many global loads the PTX issues before its first wait (-1: it has no wait)
 before = sum(1 for line in ptx[: waits[0]] if "ld.global" in line) if waits else -1
 print(json.dumps({**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)}, "LOADS_BEFORE_WAIT": before,
-                  "WAITS": len(waits), "LAUNCHES": sum("griddepcontrol.launch_dependents" in line for line in ptx)}))
+                  "WAITS": len(waits), "LAUNCHES": sum("griddepcontrol.launch_dependents" in line for line in ptx),
+                  "BF16X2_FMAS": sum("fma.rn.bf16x2" in line for line in ptx)}))
 """
 
 
@@ -324,7 +396,10 @@ def pdl_cases(pdl):
             "gemv rows": rows_gemv_case(0, pdl), "gemv rows unrolled": rows_gemv_case(16, pdl),
             "w4 1": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one, dict(GROUP=32, BLOCK_N=16, BLOCK_K8=64, PDL=pdl)),
             "w4 rows": ("qdflash.kernels.w4a16", "_w4a16_kernel", w4_rows, dict(GROUP=32, BLOCK_M=16, BLOCK_N=64, BLOCK_K8=16,
-                                                                                K_PER_SPLIT=2560, PDL=pdl)),
+                                                                                K_PER_SPLIT=2560, PDL=pdl, FAST=False)),
+            # the fast (BF16_NIBBLES) tile at its largest candidate, 2048 words
+            "w4 rows fast": ("qdflash.kernels.w4a16", "_w4a16_kernel", w4_rows, dict(GROUP=32, BLOCK_M=16, BLOCK_N=64, BLOCK_K8=32,
+                                                                                     K_PER_SPLIT=2560, PDL=pdl, FAST=True)),
             "gdn step 16": gdn_step_case(16, pdl)}
 
 
@@ -338,7 +413,8 @@ def aligned_args(signature):
 def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
     """With PDL (kernels.set_pdl) each matmul kernel and the GDN step lower for sm_90 with one grid-dependency wait,
     loads issued before it (a matmul's first weight tile: a weight is no kernel's output; the GDN step's weights and
-    recurrent state), the next kernel released after it, and no spill; without PDL, neither instruction."""
+    recurrent state), the next kernel released after it, and no spill; without PDL, neither instruction. The fast W4
+    tile carries BF16_NIBBLES's bf16x2 FMAs (8 a word) into its PTX, the others none."""
     from qdflash.kernels.gated_delta import STEP_WARPS
 
     for pdl in (True, False):
@@ -346,6 +422,7 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
         gdn = case.startswith("gdn")
         used = sm90_resources(module, name, signature, constexprs, STEP_WARPS if gdn else 4, [] if gdn else aligned_args(signature))
         assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
+        assert (used["BF16X2_FMAS"] > 0) == case.endswith("fast"), used
         if pdl:
             assert used["WAITS"] == 1 and used["LAUNCHES"] == 1 and used["LOADS_BEFORE_WAIT"] > 0, used
         else:
@@ -475,7 +552,7 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     assert gemv_module.gemv_config(16, 2048, torch.float32) is None
 
     w4_configs = w4a16.candidate_configs(512, 32, None, rows=1)[:2]
-    monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: w4_configs)
+    monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16, fast=False: w4_configs)
     monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
     monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {})
     # the tiles 3 and 2, torch's int4 op 4 (the CPU twin of tinygemm takes fp32; gemlite does not run on the CPU),
@@ -511,7 +588,7 @@ def test_tinygemm_is_checked_before_it_is_timed(monkeypatch):
     monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {})
     monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
     one_config = w4a16.candidate_configs(512, 32, None, rows=1)[:1]
-    monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: one_config)
+    monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16, fast=False: one_config)
     real = tinygemm.matmul
     monkeypatch.setattr(tinygemm, "matmul", lambda x, p, sz, group: real(x, p, sz, group) * 1.1)
     with pytest.warns(UserWarning, match="is off the dequantized product"):
@@ -659,7 +736,7 @@ def test_gemlite_is_timed_checked_and_dispatched_like_tinygemm(monkeypatch):
     monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
     monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {})
     configs = w4a16.candidate_configs(k, group, None, rows=1)[:2]
-    monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16: configs)
+    monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16, fast=False: configs)
     assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == {"tinygemm": 4.0, "gemlite": 1.0, "fbgemm": None, "marlin": None, "machete": None}
     assert w4a16.backend(n, k, group, 1, torch.float32) == "gemlite"
 

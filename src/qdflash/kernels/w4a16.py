@@ -27,7 +27,7 @@ speed, and the engine runs those shapes on the dequantized weight instead (engin
 from __future__ import annotations
 
 import warnings
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -73,16 +73,55 @@ class Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    fast: bool = False  # bf16 on a GPU: the tensor-core kernel (also for 1 row) with its nibbles made bf16 by bit tricks (BF16_NIBBLES)
+
+
+# One int32 word of 8 nibbles and its scale s (bf16) -> the 8 weights round_bf16((nibble_j - 8) * s), column j in
+# output j, in 16 instructions (2 per weight) where converting each nibble to a float and scaling it takes ~6. A
+# nibble OR-ed into the mantissa of bf16 128.0 (0x4300) is the bf16 128 + nibble, exactly (7 mantissa bits), and
+# `lop3` does that for two nibbles at once: (w >> 4i) & 0x000F000F | 0x43004300 holds columns i and i + 4 as a bf16
+# pair. Then (128 + nibble) * 1 - 136 is q exactly, and q * s + (-0) is q * s rounded once to bf16: what the other
+# path computes in fp32 and rounds (the product of a 4-bit and an 8-bit significand is exact in either). fma rather
+# than sub / mul .bf16x2: those need sm_90, fma sm_80.
+BF16_NIBBLES = """{
+.reg .b32 r0, r1, r2, r3, sc, one, bias, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 bias, 0xC308C308;
+mov.b32 nz, 0x80008000;
+mov.b32 sc, {$9, $9};
+shr.u32 r1, $8, 4;
+shr.u32 r2, $8, 8;
+shr.u32 r3, $8, 12;
+lop3.b32 r0, $8, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 r1, r1, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 r2, r2, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 r3, r3, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 r0, r0, one, bias;
+fma.rn.bf16x2 r1, r1, one, bias;
+fma.rn.bf16x2 r2, r2, one, bias;
+fma.rn.bf16x2 r3, r3, one, bias;
+fma.rn.bf16x2 r0, r0, sc, nz;
+fma.rn.bf16x2 r1, r1, sc, nz;
+fma.rn.bf16x2 r2, r2, sc, nz;
+fma.rn.bf16x2 r3, r3, sc, nz;
+mov.b32 {$0, $4}, r0;
+mov.b32 {$1, $5}, r1;
+mov.b32 {$2, $6}, r2;
+mov.b32 {$3, $7}, r3;
+}"""
 
 
 if triton is not None:
+    _NIBBLES_ASM = tl.constexpr(BF16_NIBBLES)  # a kernel reads a global only as a constexpr
 
     @triton.jit
     def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr,
-                      K_PER_SPLIT: tl.constexpr, PDL: tl.constexpr):
+                      K_PER_SPLIT: tl.constexpr, PDL: tl.constexpr, FAST: tl.constexpr):
         """2-16 rows: the [BN, BK] weight tile unpacked once, one tensor-core dot with all rows. PDL: the
-        first tile's words and scales are loaded before `pdl_wait` (they are no kernel's output)."""
+        first tile's words and scales are loaded before `pdl_wait` (they are no kernel's output). FAST (bf16):
+        the nibbles made bf16 by BF16_NIBBLES, each word's scale loaded beside it, and the tile's 8 columns of
+        every word multiplied as 8 dots of [BN, BK8] (no reshape of the weights)."""
         BLOCK_K: tl.constexpr = 8 * BLOCK_K8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -93,32 +132,55 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         FIRST: tl.constexpr = BLOCK_K if PDL else 0  # columns done before the loop
         if PDL:
-            w, s = _w4_tile(w_ptr, s_ptr, rn, n_ok, pid_k * K_PER_SPLIT, stride_wn, stride_sn, GROUP, BLOCK_K8)
+            w, s = _w4_tile(w_ptr, s_ptr, rn, n_ok, pid_k * K_PER_SPLIT, stride_wn, stride_sn, GROUP, BLOCK_K8, FAST)
             pdl_wait()
-            acc += _w4_dot(x_ptr, w, s, rm, m_ok, pid_k * K_PER_SPLIT, stride_xm, GROUP, BLOCK_N, BLOCK_K8)
+            acc += _w4_dot(x_ptr, w, s, rm, m_ok, pid_k * K_PER_SPLIT, stride_xm, GROUP, BLOCK_N, BLOCK_K8, FAST)
         for step in range(FIRST, K_PER_SPLIT, BLOCK_K):
             col0 = pid_k * K_PER_SPLIT + step  # first column of this tile
-            w, s = _w4_tile(w_ptr, s_ptr, rn, n_ok, col0, stride_wn, stride_sn, GROUP, BLOCK_K8)
-            acc += _w4_dot(x_ptr, w, s, rm, m_ok, col0, stride_xm, GROUP, BLOCK_N, BLOCK_K8)
+            w, s = _w4_tile(w_ptr, s_ptr, rn, n_ok, col0, stride_wn, stride_sn, GROUP, BLOCK_K8, FAST)
+            acc += _w4_dot(x_ptr, w, s, rm, m_ok, col0, stride_xm, GROUP, BLOCK_N, BLOCK_K8, FAST)
         tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
 
     @triton.jit
-    def _w4_tile(w_ptr, s_ptr, rn, n_ok, col0, stride_wn, stride_sn, GROUP: tl.constexpr, BLOCK_K8: tl.constexpr):
-        """The words [BN, BK8] and scales [BN, BK / GROUP] of the tile starting at column col0."""
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + (col0 // 8 + tl.arange(0, BLOCK_K8))[None, :], mask=n_ok, other=0)
-        s = tl.load(s_ptr + rn[:, None] * stride_sn + (col0 // GROUP + tl.arange(0, 8 * BLOCK_K8 // GROUP))[None, :],
-                    mask=n_ok, other=0)
+    def _w4_tile(w_ptr, s_ptr, rn, n_ok, col0, stride_wn, stride_sn, GROUP: tl.constexpr, BLOCK_K8: tl.constexpr,
+                 FAST: tl.constexpr):
+        """The words [BN, BK8] and scales [BN, BK / GROUP] of the tile starting at column col0 (FAST: each
+        word's scale, [BN, BK8])."""
+        if FAST:
+            w, s = _w4_words(w_ptr, s_ptr, rn, tl.arange(0, BLOCK_K8), n_ok, col0, stride_wn, stride_sn, GROUP)
+        else:
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + (col0 // 8 + tl.arange(0, BLOCK_K8))[None, :], mask=n_ok, other=0)
+            s = tl.load(s_ptr + rn[:, None] * stride_sn + (col0 // GROUP + tl.arange(0, 8 * BLOCK_K8 // GROUP))[None, :],
+                        mask=n_ok, other=0)
         return w, s
 
     @triton.jit
-    def _w4_dot(x_ptr, w, s, rm, m_ok, col0, stride_xm, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr):
-        BLOCK_K: tl.constexpr = 8 * BLOCK_K8
-        q = ((w[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) - 8  # [BN, BK8, 8]: column 8i + j
-        wt = tl.reshape(tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s.to(tl.float32)[:, :, None],
-                        (BLOCK_N, BLOCK_K))
-        wt = wt.to(x_ptr.dtype.element_ty)  # q * scale in fp32, rounded to the activation dtype (= dequantize().to(dtype))
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + (col0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok, other=0)
-        return tl.dot(x, tl.trans(wt))
+    def _w4_dot(x_ptr, w, s, rm, m_ok, col0, stride_xm, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr,
+                FAST: tl.constexpr):
+        if FAST:
+            out = _w4_dot_fast(x_ptr, w, s, rm, m_ok, col0, stride_xm, BLOCK_N, BLOCK_K8)
+        else:
+            BLOCK_K: tl.constexpr = 8 * BLOCK_K8
+            q = ((w[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) - 8  # [BN, BK8, 8]: column 8i + j
+            wt = tl.reshape(tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s.to(tl.float32)[:, :, None],
+                            (BLOCK_N, BLOCK_K))
+            wt = wt.to(x_ptr.dtype.element_ty)  # q * scale in fp32, rounded to the activation dtype (= dequantize().to(dtype))
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + (col0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok, other=0)
+            out = tl.dot(x, tl.trans(wt))
+        return out
+
+    @triton.jit
+    def _w4_dot_fast(x_ptr, w, s, rm, m_ok, col0, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr):
+        """x's rows [BLOCK_M, BK] @ the tile's weights.T: column j of every word is one [BN, BK8] bf16 operand, met
+        by x's columns col0 + 8i + j (a strided load from L1)."""
+        cols = tl.inline_asm_elementwise(_NIBBLES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, s], dtype=(tl.bfloat16,) * 8,
+                                         is_pure=True, pack=1)
+        ri = tl.arange(0, BLOCK_K8)
+        acc = tl.zeros((rm.shape[0], BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(8):
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + (col0 + 8 * ri + j)[None, :], mask=m_ok, other=0)
+            acc += tl.dot(x, tl.trans(cols[j]))
+        return acc
 
     @triton.jit
     def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_os, K_PER_SPLIT,
@@ -177,9 +239,12 @@ def _check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int
 
 def fits(config: Config, k: int, group: int, rows: int = MAX_ROWS) -> bool:
     """A config is valid for K when its K tiles cover each split exactly and hold whole scale groups
-    (and, for the tensor-core path of 2-16 rows, its column block is at least 16 wide)."""
+    (and, for the tensor-core path of 2-16 rows and a fast config at any rows, its column block is at least 16
+    wide; a fast config's dots are BK8 deep, so at least 16 words too)."""
     tile = 8 * config.block_k8
-    return tile % group == 0 and k % (config.split_k * tile) == 0 and (rows == 1 or config.block_n >= 16)
+    dot = rows > 1 or config.fast
+    return (tile % group == 0 and k % (config.split_k * tile) == 0 and (not dot or config.block_n >= 16)
+            and (not config.fast or config.block_k8 >= 16))
 
 
 def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int,
@@ -192,6 +257,9 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
     config = config or default_config(n, k, group, m, x.dtype)
     if not fits(config, k, group, m):
         raise QdflashError(f"w4a16_matmul: {config} does not tile K={k} (group {group}) for {m} rows")
+    if config.fast and (x.dtype != torch.bfloat16 or not x.is_cuda):
+        raise QdflashError(f"w4a16_matmul: a fast config takes bf16 activations on a CUDA GPU (its bit tricks are bf16 PTX), "
+                           f"got {x.dtype} on {x.device}")
     if pdl_for(x):  # a launch option torch.compile does not trace through: our op, an opaque node in a compiled step
         out = _w4a16_op(x, words, scale, group, *astuple(config), True)
     else:
@@ -206,34 +274,41 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: in
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     common = dict(GROUP=group, BLOCK_N=config.block_n, BLOCK_K8=config.block_k8, PDL=pdl, num_warps=config.num_warps,
                   num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}))
-    if m == 1:  # K_PER_SPLIT at run time: one compile per tile serves every shape (tuning is compile-bound)
+    if m == 1 and not config.fast:  # K_PER_SPLIT at run time: one compile per tile serves every shape (tuning is compile-bound)
         _w4a16_gemv_kernel[grid](x, words, scale, out, n, words.stride(0), scale.stride(0), out.stride(0),
                                  k // config.split_k, **common)
     else:
         _w4a16_kernel[grid](x, words, scale, out, m, n, x.stride(0), words.stride(0), scale.stride(0),
-                            out.stride(0), out.stride(1), BLOCK_M=MAX_ROWS, K_PER_SPLIT=k // config.split_k, **common)
+                            out.stride(0), out.stride(1), BLOCK_M=MAX_ROWS, K_PER_SPLIT=k // config.split_k, FAST=config.fast,
+                            **common)
     return out
 
 
 @torch.library.custom_op("qdflash::w4a16", mutates_args=())
 def _w4a16_op(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int, block_n: int, block_k8: int,
-              split_k: int, num_warps: int, num_stages: int, pdl: bool) -> torch.Tensor:
+              split_k: int, num_warps: int, num_stages: int, fast: bool, pdl: bool) -> torch.Tensor:
     """`_launch` as one opaque node of a compiled graph (kernels.gemv._gemv_op says why)."""
-    return _launch(x, words, scale, group, Config(block_n, block_k8, split_k, num_warps, num_stages), pdl)
+    return _launch(x, words, scale, group, Config(block_n, block_k8, split_k, num_warps, num_stages, fast), pdl)
 
 
 @_w4a16_op.register_fake
-def _(x, words, scale, group, block_n, block_k8, split_k, num_warps, num_stages, pdl):
+def _(x, words, scale, group, block_n, block_k8, split_k, num_warps, num_stages, fast, pdl):
     return x.new_empty((split_k, x.shape[0], words.shape[0]), dtype=x.dtype if split_k == 1 else torch.float32)
 
 
-def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_ROWS) -> list[Config]:
+def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_ROWS, fast: bool = False) -> list[Config]:
     """Tile configs that fit K; with `n`, only those launching 64..4096 programs (enough to fill a
     GPU's SMs, few enough that split-K partial sums stay small): the set `tune` times. One row
     (the GEMV kernel) takes [BN, BK8] word tiles of 512-4096 words: long contiguous runs of each
-    weight row, and its five tile-sized fp32/int32 arrays still fit the registers."""
-    out = []
+    weight row, and its five tile-sized fp32/int32 arrays still fit the registers. `fast` (bf16 on a GPU): the
+    tensor-core tiles again with BF16_NIBBLES (for 1 row also 16 x 16 words), of at most 2048 words: 4096 spill
+    on sm_90, the 8 bf16 column operands living beside the words."""
     one = rows == 1
+
+    def launches(c: Config) -> bool:
+        return 64 <= (-(-n // c.block_n) * c.split_k if n else 64) <= 4096
+
+    out = []
     for block_n in ((8, 16, 32, 64, 128) if one else (32, 64, 128)):
         for block_k8 in ((16, 32, 64, 128) if one else (16, 32)):
             if one and not 512 <= block_n * block_k8 <= 4096:
@@ -241,9 +316,11 @@ def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_
             for split_k in (1, 2, 4, 8, 16):
                 for warps in ((4, 8) if one and block_n * block_k8 >= 2048 else (4,)):
                     c = Config(block_n, block_k8, split_k, warps, 3)
-                    programs = -(-n // block_n) * split_k if n else 64
-                    if fits(c, k, group, rows) and 64 <= programs <= 4096:
+                    if fits(c, k, group, rows) and launches(c):
                         out.append(c)
+    if fast:
+        tiles = candidate_configs(k, group, n, MAX_ROWS) + ([Config(16, 16, split) for split in (1, 2, 4, 8, 16)] if one else [])
+        out += [replace(c, fast=True) for c in tiles if c.block_n * c.block_k8 <= 2048 and fits(c, k, group) and launches(c)]
     return out
 
 
@@ -301,6 +378,18 @@ def _check_external(name: str, x, ws, ss, group: int):
     return states, None
 
 
+def _check_fast(x, words, scale, group: int, configs: list[Config]) -> str | None:
+    """What is wrong with the first fast config's product against the dequantized one (each weight rounded to
+    bf16, as that path rounds it), or None (also where there is no fast config)."""
+    fast = next((c for c in configs if c.fast), None)
+    if fast is None:
+        return None
+    got = w4a16_matmul(x, words, scale, group, fast).float()
+    reference = F.linear(x.float(), dequantize_words(words, scale, group).to(x.dtype).float())
+    error = float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
+    return f"are off the dequantized product by {error:.3g} (relative)" if error > EXTERNAL_TOLERANCE else None
+
+
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
          l2_bytes: int = 64 << 20) -> tuple[Config, float, float, dict[str, float | None]]:
     """Time every candidate for [rows, K] x [N, K] and remember the fastest for this shape and row
@@ -315,7 +404,12 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     ws = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32) for _ in range(copies)]
     ss = [torch.rand(n, k // group, device=device, dtype=dtype) / 64 for _ in range(copies)]
     x = torch.randn(rows, k, device=device, dtype=dtype)
-    configs = candidate_configs(k, group, n, rows) or candidate_configs(k, group, None, rows)
+    fast = dtype == torch.bfloat16 and torch.device(device).type == "cuda"
+    configs = candidate_configs(k, group, n, rows, fast) or candidate_configs(k, group, None, rows, fast)
+    problem = _check_fast(x, ws[0], ss[0], group, configs)
+    if problem:  # inline PTX the interpreter cannot run: checked here, on the device, before any use
+        warnings.warn(f"w4a16 fast configs on {n}x{k} (group {group}, {rows} rows) {problem}: not used", stacklevel=2)
+        configs = [c for c in configs if not c.fast]
     config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c) for w, s in zip(ws, ss)], copies)
     others: dict[str, float | None] = {}
     for name in EXTERNAL:
