@@ -1,6 +1,7 @@
 """The lean engine: transformers' logits, exactly; a static cache that rolls back by length; the
 speculative loop on it emits the autoregressive tokens."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -237,11 +238,13 @@ def test_a_quantized_lm_head_runs_in_the_engine_the_drafter_and_the_loop(family,
     assert speculative_generate(fast, drafter, prompt, 16).tokens == reference
 
 
-def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, monkeypatch):
+@pytest.mark.parametrize("gdn_ba", ["dot", "given", "fused"])
+def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, monkeypatch):
     """kernels=True: the Gated DeltaNet recurrence runs in the Triton kernels (their interpreter here): a
     20-token prompt through the unfused layer and the recurrence kernel, a verify block and a decode step
     through the fused layer middle (gated_delta_step). Both keep per-position states, and a rollback into
-    a block still predicts what a fresh forward does."""
+    a block still predicts what a fresh forward does. Whichever way the gates get their b / a projection
+    (`gdn_ba`: in the kernel, its own matmul, or the tail of the qkvz matmul)."""
     pytest.importorskip("triton")
     import qdflash.engine.qwen3_5 as qwen3_5
     from qdflash.kernels.gated_delta import gated_delta_step
@@ -253,8 +256,10 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, monkeypatch):
         return gated_delta_step(qkvz, *args, **kwargs)
 
     monkeypatch.setattr(qwen3_5, "gated_delta_step", counted)
-    engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+    engine = build_engine(tiny_qwen, max_len=64, kernels=True, gdn_ba=gdn_ba)
     assert engine.kernels and engine.fuse_gdn
+    gdn = [w for w in engine.layers if "la" in w]
+    assert all((w["ba"] is None) == (gdn_ba == "fused") for w in gdn)  # fused: one projection fewer a layer
     x = ids(6, 20)
     logits, _ = engine.forward(x, 0)
     torch.testing.assert_close(logits, tiny_qwen.model(input_ids=x[None]).logits[0], atol=1e-4, rtol=1e-4)
@@ -265,6 +270,29 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, monkeypatch):
     torch.testing.assert_close(after[-1], expected, atol=1e-4, rtol=1e-4)
     layers = tiny_qwen.model.config.layer_types.count("linear_attention")
     assert calls == [4] * layers + [1] * layers, "the prompt unfused; the block and the step fused, every GDN layer"
+
+
+def test_gdn_ba_fused_without_kernels_and_where_it_cannot_fuse(tiny_qwen, tiny_llama):
+    """gdn_ba="fused" on the CPU path (no kernels): the same logits as transformers; on a target whose qkvz is
+    4-bit (b / a stay 16-bit) it keeps them apart ("given"); only Qwen3.5 takes the option, and only its values."""
+    from qdflash.quant.apply import replace_linears, select_linears
+    from qdflash.quant.gptq import rtn_quantize
+    from qdflash.quant.grid import GridSpec
+
+    x = ids(4, 24)
+    engine = build_engine(tiny_qwen, max_len=64, gdn_ba="fused")
+    torch.testing.assert_close(engine.forward(x, 0)[0], tiny_qwen.model(input_ids=x[None]).logits[0], atol=1e-5, rtol=1e-5)
+    quantized = copy.deepcopy(tiny_qwen)
+    modules = dict(quantized.model.named_modules())
+    names = select_linears(quantized.model, ["*in_proj_qkv", "*in_proj_z"])
+    replace_linears(quantized.model, {n: rtn_quantize(modules[n].weight.detach(), GridSpec(4, 32, True)) for n in names})
+    mixed = build_engine(quantized, max_len=64, gdn_ba="fused")
+    assert all(w["ba"] is not None for w in mixed.layers if "la" in w)
+    torch.testing.assert_close(mixed.forward(x, 0)[0], build_engine(quantized, max_len=64).forward(x, 0)[0])
+    with pytest.raises(QdflashError, match="gdn_ba='cat'"):
+        build_engine(tiny_qwen, max_len=64, gdn_ba="cat")
+    with pytest.raises(QdflashError, match="only a Qwen3.5 engine"):
+        build_engine(tiny_llama, max_len=64, gdn_ba="fused")
 
 
 def test_bf16_engine_keeps_the_residual_in_fp32(smollm2):

@@ -246,7 +246,9 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, mon
         conv_in, state, outs = torch.zeros(32, conv_dim, device=DEVICE), state0.clone().to(DEVICE), []
         for start, end in pieces:
             states = torch.zeros(end - start + 1, heads, dk, dv, device=DEVICE)
-            ba = ba_w if ba_weight else (x @ ba_w.T)[start:end]  # one product: its rows do not depend on how it is cut
+            # one product: its rows do not depend on how it is cut; given, it is the tail of wider rows (as a fused
+            # qkvz + b / a projection hands it over)
+            ba = ba_w if ba_weight else torch.cat([qkvz, x @ ba_w.T], 1)[start:end, qkvz.shape[1]:]
             outs.append(gated_delta_step(qkvz[start:end].to(DEVICE), conv_in, conv_w.to(DEVICE),
                                          torch.arange(start, end, device=DEVICE), x[start:end].to(DEVICE), ba.to(DEVICE),
                                          decay.to(DEVICE), dt_bias.to(DEVICE), state, states, key_heads=key_heads,
@@ -358,7 +360,7 @@ def gdn_step_case(tokens, pdl=False):
     from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
-                 "x_ptr": "*bf16", "ba_ptr": "*bf16", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16", "state_ptr": "*fp32",
+                 "x_ptr": "*bf16", "ba_ptr": "*bf16", "ba_stride": "i32", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16", "state_ptr": "*fp32",
                  "out_ptr": "*fp32", "states_ptr": "*fp32", "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
     return "qdflash.kernels.gated_delta", "_gated_delta_step_kernel", signature, dict(HIDDEN=2560, HIDDEN_P=4096, T=tokens, REP=2, KW=4, KW_P=4, DK=128, DV=128,
                                                      BLOCK_V=STEP_BLOCK_V, BA_DOT=True, STORE_STATES=True, PDL=pdl)

@@ -26,7 +26,8 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
 - `--hf-generate`: transformers' own static compiled `generate` on the same 16-bit model at batch 1, its
   decode step's time from two generation lengths (`hf_static_generate`), and over this engine's steps;
 - `--pdl-only`: the tuned 16-bit target and the W4 target, each without and with programmatic dependent launch
-  of the matmul kernels (`kernels.set_pdl`; `--inductor-pdl`: inductor's kernels too), side by side (`pdl_study`);
+  of the matmul kernels and the fused GDN step (`kernels.set_pdl`; `--inductor-pdl`: inductor's kernels too), and
+  with each further `--gdn-ba` mode (how the GDN gates get their b / a projection), side by side (`pdl_study`);
 - `--profile`: where a decode step's and a verify block's time goes, kernel by kernel (torch.profiler over graph
   replays), grouped into matmuls, recurrence, attention, fused elementwise (inductor) and the rest.
 Each time is set against its bound: bytes it must read (weights, recurrent states read and written,
@@ -292,39 +293,53 @@ def unfused_gdn_arm(engine, args, device, layer_ids, bandwidth) -> dict:
         engine.fuse_gdn, engine.graphs = True, {}
 
 
-PDL_ARMS = (("", False, False), ("_pdl", True, False), ("_pdl_inductor", True, True))  # label suffix, ours, inductor's
+def gdn_ba_list(text: str) -> list[str]:
+    from qdflash.engine.qwen3_5 import GDN_BA
+
+    out = text.split(",")
+    if any(mode not in GDN_BA for mode in out) or len(set(out)) < len(out):
+        raise argparse.ArgumentTypeError(f"--gdn-ba: expected distinct modes of {', '.join(GDN_BA)}, got {text!r}")
+    return out
+
+
+def study_arms(args) -> list[tuple[str, str, bool, bool]]:
+    """`--pdl-only`'s arms: (label suffix, gdn_ba, our kernels with PDL, inductor's with PDL). The first is the
+    base the others are set against; the PDL arms keep its gdn_ba, the gdn_ba arms run without PDL."""
+    base = args.gdn_ba[0]
+    arms = [("", base, False, False), ("_pdl", base, True, False)]
+    if args.inductor_pdl:
+        arms.append(("_pdl_inductor", base, True, True))
+    return arms + [(f"_gdn_{mode}", mode, False, False) for mode in args.gdn_ba[1:]]
 
 
 def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, result) -> dict:
-    """`--pdl-only`: the tuned 16-bit target, then the W4 target (RTN, `--group`), each measured per PDL_ARMS in
-    turn: without PDL, with the matmul kernels launched with it (kernels.set_pdl; retuned, since PDL changes what
-    a kernel costs beside the others: tuning times a kernel back to back with itself) and, with `--inductor-pdl`,
-    inductor's kernels too. Each arm compiles afresh (dynamo's cache does not key on inductor's config).
-    `pdl.<target><arm>.<step>_speedup`: the arm's time over the first arm's (> 1: faster with PDL).
+    """`--pdl-only`: the tuned 16-bit target, then the W4 target (RTN, `--group`), each measured per `study_arms` in
+    turn: without PDL, with the matmul kernels and the fused GDN step launched with it (kernels.set_pdl; retuned,
+    since PDL changes what a kernel costs beside the others: tuning times a kernel back to back with itself), with
+    `--inductor-pdl` inductor's kernels too, and each further `--gdn-ba` mode (an engine of its own; "fused" needs
+    16-bit b / a and qkvz, so the W4 target skips it). Each arm compiles afresh (dynamo's cache does not key on
+    inductor's config). `vs_base.<target><arm>.<step>_speedup`: the arm's time over the first arm's (> 1: faster).
     Our kernels wait for the kernel before them in every program, so the stream's order holds whatever launches
     around them; inductor's own PDL waits only where its kernel reads the previous kernel's output, so its arm's
     logits check (`compiled_vs_eager_max_abs`) is the evidence that it stayed correct here, not a proof."""
     import torch._inductor.config as inductor_config
 
     out = {}
-    engines = {"target16": lambda: engine16}
-
-    def w4_engine():
-        out["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
-        engine = build_engine(target, max_len=max_len, attention=args.attention)
-        engine.fuse_gdn = engine16.fuse_gdn
-        return engine
-
-    engines["target_w4"] = w4_engine
-    for label, make in engines.items():
-        engine = make()
-        for suffix, ours, inductor in PDL_ARMS:
+    for label in ("target16", "target_w4"):
+        if label == "target_w4":
+            out["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
+        engine = engine16 if label == "target16" else None
+        for suffix, gdn_ba, ours, inductor in study_arms(args):
             arm = label + suffix
-            if inductor and not args.inductor_pdl:
-                continue
             if inductor and not hasattr(inductor_config.triton, "enable_pdl"):
                 out[arm] = f"skipped: torch {torch.__version__}'s inductor has no triton.enable_pdl"
                 continue
+            if label == "target_w4" and gdn_ba == "fused":
+                out[arm] = "skipped: the W4 target's qkvz is 4-bit, its b / a 16-bit: they do not fuse"
+                continue
+            if engine is None or engine.gdn_ba != gdn_ba:
+                engine = None  # an arm's own engine is freed before the next is built (each copies the weights)
+                engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=gdn_ba)
             set_pdl(ours)
             try:
                 out[f"{arm}.tuned"] = engine.tune_kernels()
@@ -336,7 +351,7 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
             for step in ("decode", "verify", "decode_compiled", "verify_compiled"):
                 base, this = out.get(f"{label}.{step}_ms"), out.get(f"{arm}.{step}_ms")
                 if suffix and base and this:
-                    out[f"pdl.{arm}.{step}_speedup"] = round(base / this, 3)
+                    out[f"vs_base.{arm}.{step}_speedup"] = round(base / this, 3)
             report(result | out, arm, args.out)
     return out
 
@@ -475,6 +490,9 @@ def main() -> None:
     parser.add_argument("--inductor-pdl", action="store_true",
                         help="--pdl-only: a third arm with inductor's own kernels launched with PDL too "
                              "(torch._inductor.config.triton.enable_pdl)")
+    parser.add_argument("--gdn-ba", type=gdn_ba_list, default=["dot"],
+                        help="how the GDN gates get their b / a projection (LeanQwen35's gdn_ba: dot, given, fused), comma-"
+                             "separated: the first for every engine of the run; with --pdl-only each other one is an arm too")
     parser.add_argument("--hf-generate", action="store_true",
                         help="then transformers' static compiled generate on the same 16-bit model (hf_static.*, issue 23)")
     parser.add_argument("--hf-tokens", type=int, default=64, help="--hf-generate: decode steps timed (beyond 8)")
@@ -495,7 +513,7 @@ def main() -> None:
     result["target.parameters"] = sum(p.numel() for p in target.model.parameters())
     max_len = args.context + 4 * args.block
     layer_ids = init_drafter(target, block_size=args.block, **DRAFTERS[args.shape]).config.target_layer_ids
-    engine16 = build_engine(target, max_len=max_len, attention=args.attention)
+    engine16 = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
     result.update(gdn_check(engine16, device))
     fuse_gdn = engine16.fuse_gdn  # False where the fused path failed its check: every engine of the run then runs unfused
     report(result, "gdn_fused_check", args.out)
@@ -531,7 +549,7 @@ def main() -> None:
     report(result, "drafter", args.out)
     del engine16
     result["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
-    engine4 = build_engine(target, max_len=max_len, attention=args.attention)
+    engine4 = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
     engine4.fuse_gdn = fuse_gdn
     result["w4a16.tuned"] = engine4.tune_kernels()
     result.update(kernel_check(engine4, device))
@@ -543,7 +561,7 @@ def main() -> None:
     if args.w4_head:  # the same W4 target with its LM head on the W4 grid too, in this process (side by side)
         del engine4
         quantize_in_place(target.model, args.group, ["lm_head"])
-        engine4h = build_engine(target, max_len=max_len, attention=args.attention)
+        engine4h = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
         engine4h.fuse_gdn = fuse_gdn
         result["w4a16_head.tuned"] = engine4h.tune_kernels()
         result.update(measure_target(engine4h, args, device, layer_ids, bandwidth, "target_w4_head"))

@@ -21,17 +21,24 @@ from .llama import LeanLlama
 from .qwen3_5 import LeanQwen35
 
 
-def build_engine(target, max_len: int | None = None, kernels: bool | str = "auto", attention: str = "sdpa"):
+def build_engine(target, max_len: int | None = None, kernels: bool | str = "auto", attention: str = "sdpa",
+                 gdn_ba: str | None = None):
     """The lean model for `target` (sharing its embedding, norms and LM head; fused copies of the
     projections, packed 4-bit where the target's layers are QuantLinear on the symmetric 4-bit grid).
-    `kernels`: the Triton kernels ("auto": on CUDA); `attention`: EngineBase.set_attention. Raises
-    QdflashError for families not built yet."""
+    `kernels`: the Triton kernels ("auto": on CUDA); `attention`: EngineBase.set_attention; `gdn_ba` (Qwen3.5
+    only; None: its default): LeanQwen35's. Raises QdflashError for families not built yet."""
     model_type = getattr(target.config, "model_type", "?")
     builders = {"llama": LeanLlama, "qwen2": LeanLlama, "qwen3_5_text": LeanQwen35}  # qwen2: llama + q/k/v biases
     if model_type not in builders:
         raise QdflashError(f"no lean engine for model type {model_type!r} yet (built: {', '.join(builders)})")
+    options = {}
+    if gdn_ba is not None:
+        if builders[model_type] is not LeanQwen35:
+            raise QdflashError(f"gdn_ba={gdn_ba!r}: only a Qwen3.5 engine has Gated DeltaNet layers (this is {model_type!r})")
+        options["gdn_ba"] = gdn_ba
     try:
-        engine = builders[model_type](target.model, max_len or getattr(target.config, "max_position_embeddings", 4096), kernels)
+        engine = builders[model_type](target.model, max_len or getattr(target.config, "max_position_embeddings", 4096), kernels,
+                                      **options)
     except TypeError as err:  # a projection the engine cannot run (Projection.of says which)
         raise QdflashError(f"lean engine: {err}") from err
     engine.set_attention(attention)

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..errors import QdflashError
 from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_step
 from .linear import Projection
 from ..ops import apply_rope, tap_features
 from .base import EngineBase, cached_attention
+
+
+GDN_BA = ("dot", "given", "fused")  # LeanQwen35's gdn_ba: how a step's GDN gates get their b / a projection
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -47,10 +51,18 @@ def recurrence_torch(q, k, v, g, beta, state, states=None):
 
 
 class LeanQwen35(EngineBase):
-    def __init__(self, model, max_len: int, kernels: bool | str = "auto", max_block: int = 16, fp32_residual: bool = True):
+    def __init__(self, model, max_len: int, kernels: bool | str = "auto", max_block: int = 16, fp32_residual: bool = True,
+                 gdn_ba: str = "dot"):
         c = model.config
         super().__init__(model, max_len, kernels, fp32_residual)
         self.max_block = max_block
+        # the gates' b / a projection (2 x heads rows) in a decode step / verify block with the kernels: "dot", the
+        # fused GDN kernel computes it from the hidden row (no launch of its own, but a hidden-wide dot and reduction
+        # in the kernel's token chain); "given", its own matmul before the kernel; "fused", its rows appended to the
+        # qkvz projection where both are 16-bit (one matmul; a quantized qkvz keeps "given")
+        if gdn_ba not in GDN_BA:
+            raise QdflashError(f"gdn_ba={gdn_ba!r}: expected one of {', '.join(GDN_BA)}")
+        self.gdn_ba = gdn_ba
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
         # False runs the unfused layer (the benchmark's side-by-side arm)
         self.fuse_gdn = True
@@ -76,8 +88,12 @@ class LeanQwen35(EngineBase):
                 self.v_cache[i] = torch.zeros(kv, device=device, dtype=dtype)
             else:
                 la = layer.linear_attn
-                w.update(la=la, qkvz=Projection.of([la.in_proj_qkv, la.in_proj_z], dtype, self.kernels),
-                         ba=Projection.of([la.in_proj_b, la.in_proj_a], dtype, self.kernels), out=Projection.of([la.out_proj], dtype, self.kernels),
+                parts = [la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a]
+                if gdn_ba == "fused" and all(type(m) is nn.Linear for m in parts):  # ba=None: its rows end qkvz's
+                    w.update(qkvz=Projection.of(parts, dtype, self.kernels), ba=None)
+                else:
+                    w.update(qkvz=Projection.of(parts[:2], dtype, self.kernels), ba=Projection.of(parts[2:], dtype, self.kernels))
+                w.update(la=la, out=Projection.of([la.out_proj], dtype, self.kernels),
                          conv=la.conv1d.weight.detach(), decay=-la.A_log.detach().float().exp(), dt_bias=la.dt_bias.detach())
                 self.conv_in[i] = torch.zeros(max_len, la.conv_dim, device=device, dtype=dtype)
                 self.state[i] = torch.zeros(la.num_v_heads, la.head_k_dim, la.head_v_dim, device=device)
@@ -129,13 +145,14 @@ class LeanQwen35(EngineBase):
         la, t = w["la"], x.shape[0]
         if self.kernels and self.fuse_gdn and t <= CHUNK:
             return self._delta_net_fused(i, w, x, positions)
-        mixed_in, z = w["qkvz"](x).split([la.conv_dim, la.value_dim], dim=-1)
+        qkvz, ba = self._qkvz_ba(w, x)
+        mixed_in, z = qkvz.split([la.conv_dim, la.value_dim], dim=-1)
         self.conv_in[i].index_copy_(0, positions, mixed_in)
         kernel = la.conv_kernel_size
         rows = positions[0] + self.conv_offsets[: t + kernel - 1]  # the block and the kernel-1 inputs before it
         window = self.conv_in[i][rows.clamp(min=0)] * (rows >= 0)[:, None]  # zero history before the sequence start
         mixed = F.silu(F.conv1d(window.T[None], w["conv"], groups=la.conv_dim)[0].T)
-        q, k, v, g, beta = self._gdn_inputs(w, mixed, x)
+        q, k, v, g, beta = self._gdn_inputs(w, mixed, ba)
         states = self.block_states[i] if t <= self.max_block else None
         if self.kernels:
             out = gated_delta_recurrence(q, k, v, g, beta, self.state[i], states)
@@ -143,20 +160,34 @@ class LeanQwen35(EngineBase):
             out = recurrence_torch(q, k, v, g, beta, self.state[i], states)
         return self._gdn_out(w, out, z)
 
+    def _qkvz_ba(self, w, x):
+        """The layer's qkvz projection of x and its b / a product [..., 2 * heads] (b heads, then a heads): the two
+        ends of one matmul's output where gdn_ba "fused" joined them, else two matmuls."""
+        if w["ba"] is not None:
+            return w["qkvz"](x), w["ba"](x)
+        out = w["qkvz"](x)
+        n = w["la"].conv_dim + w["la"].value_dim
+        return out[..., :n], out[..., n:]
+
     def _delta_net_fused(self, i, w, x, positions):
         """`_delta_net` for a decode step or verify block with the kernels on: everything between the qkvz
-        and out projections but the gated norm in one launch (kernels.gated_delta.gated_delta_step)."""
+        and out projections but the gated norm in one launch (kernels.gated_delta.gated_delta_step), the gates'
+        b / a product as `gdn_ba` says (a b / a projection with a bias is always computed apart)."""
         la, t = w["la"], x.shape[0]
-        qkvz = w["qkvz"](x)
         ba = w["ba"]
-        dense = isinstance(ba, Projection) and ba.weight is not None and ba.bias is None  # the dot runs in the kernel
-        out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dense else ba(x).contiguous(),
-                               w["decay"], w["dt_bias"], self.state[i], self.block_states[i] if t <= self.max_block else None,
-                               key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dense)
+        dot = self.gdn_ba == "dot" and isinstance(ba, Projection) and ba.weight is not None and ba.bias is None
+        if dot:  # the kernel computes x @ ba.T
+            qkvz = w["qkvz"](x)
+        else:
+            qkvz, ba = self._qkvz_ba(w, x)
+        out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
+                               self.state[i], self.block_states[i] if t <= self.max_block else None,
+                               key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot)
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
 
-    def _gdn_inputs(self, w, mixed, x):
-        """q, k, v [..., T, heads, d] (fp32; q scaled), decay g and beta [..., T, heads] of the conv output."""
+    def _gdn_inputs(self, w, mixed, ba):
+        """q, k, v [..., T, heads, d] (fp32; q scaled), decay g and beta [..., T, heads] of the conv output and the
+        b / a product `ba`."""
         la = w["la"]
         lead = mixed.shape[:-1]
         q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
@@ -164,7 +195,7 @@ class LeanQwen35(EngineBase):
         q = l2norm(q.reshape(*lead, la.num_k_heads, la.head_k_dim).float()).repeat_interleave(rep, -2) / la.head_k_dim ** 0.5
         k = l2norm(k.reshape(*lead, la.num_k_heads, la.head_k_dim).float()).repeat_interleave(rep, -2)
         v = v.reshape(*lead, la.num_v_heads, la.head_v_dim).float()
-        b, a = w["ba"](x).float().split([la.num_v_heads, la.num_v_heads], dim=-1)
+        b, a = ba.float().split([la.num_v_heads, la.num_v_heads], dim=-1)
         return q, k, v, w["decay"] * F.softplus(a + w["dt_bias"]), torch.sigmoid(b)
 
     def _gdn_out(self, w, out, z):
@@ -180,11 +211,12 @@ class LeanQwen35(EngineBase):
         copies). Zeroed, they are a sequence start (the zero history the batch-1 path masks in)."""
         la = w["la"]
         t = x.shape[1]
-        mixed_in, z = w["qkvz"](x).split([la.conv_dim, la.value_dim], dim=-1)
+        qkvz, ba = self._qkvz_ba(w, x)
+        mixed_in, z = qkvz.split([la.conv_dim, la.value_dim], dim=-1)
         window = torch.cat([conv_state, mixed_in], dim=1)  # [B, kernel-1+T, conv_dim]
         conv_state.copy_(window[:, t:])
         mixed = F.silu(F.conv1d(window.transpose(1, 2), w["conv"], groups=la.conv_dim).transpose(1, 2))
-        q, k, v, g, beta = self._gdn_inputs(w, mixed, x)
+        q, k, v, g, beta = self._gdn_inputs(w, mixed, ba)
         out = recurrence_torch(*(a.transpose(0, 1) for a in (q, k, v, g, beta)), state).transpose(0, 1)
         return self._gdn_out(w, out, z)
 

@@ -65,7 +65,7 @@ if triton is not None:
         tl.store(state_ptr + tile, s)
 
     @triton.jit
-    def _gated_delta_step_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, x_ptr, ba_ptr, decay_ptr, dt_bias_ptr,
+    def _gated_delta_step_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, x_ptr, ba_ptr, ba_stride, decay_ptr, dt_bias_ptr,
                                  state_ptr, out_ptr, states_ptr, HV, KEY_DIM, CONV_DIM, SCALE, HIDDEN: tl.constexpr,
                                  HIDDEN_P: tl.constexpr, T: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr,
                                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, BA_DOT: tl.constexpr,
@@ -111,14 +111,14 @@ if triton is not None:
         # it, so they are in flight while the recurrence runs (a reduction across warps is a barrier, which
         # no load or use moves across: computed before it, they would wait there). The last token is peeled
         # off the loop so a decode step (T = 1) loads nothing it does not use.
-        xq, xk, xv, xh, here_q, here_k, here_v = _load_inputs(start, 0, qkvz_ptr, qkvz_stride, conv_in_ptr, x_ptr, ba_ptr, qc,
-                                                              kc, vc, rj, rh, h, vb, HV, CONV_DIM, REP, KW, HIDDEN, BA_DOT)
+        xq, xk, xv, xh, here_q, here_k, here_v = _load_inputs(start, 0, qkvz_ptr, qkvz_stride, conv_in_ptr, x_ptr, ba_ptr, ba_stride,
+                                                              qc, kc, vc, rj, rh, h, vb, HV, CONV_DIM, REP, KW, HIDDEN, BA_DOT)
         qq, kk, vv, kq, g, beta = _inputs(start, 0, conv_in_ptr, xq, xk, xv, xh, here_q, here_k, here_v, wq, wk, wv, wb, wa,
                                           dt_bias, decay, qc, kc, vc, rk, h, vb, CONV_DIM, SCALE, dt, REP, BA_DOT)
         for t in range(T - 1):
             xq, xk, xv, xh, here_q, here_k, here_v = _load_inputs(start, t + 1, qkvz_ptr, qkvz_stride, conv_in_ptr, x_ptr, ba_ptr,
-                                                                  qc, kc, vc, rj, rh, h, vb, HV, CONV_DIM, REP, KW, HIDDEN,
-                                                                  BA_DOT)
+                                                                  ba_stride, qc, kc, vc, rj, rh, h, vb, HV, CONV_DIM, REP, KW,
+                                                                  HIDDEN, BA_DOT)
             s = _step_state(s, qq, kk, vv, kq, g, beta, out_ptr + (t * HV + h) * DV + rv)
             if STORE_STATES:
                 tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
@@ -138,8 +138,8 @@ if triton is not None:
         return a0 + a1, b0 + b1
 
     @triton.jit
-    def _load_inputs(start, t, qkvz_ptr, qkvz_stride, conv_in_ptr, x_ptr, ba_ptr, qc, kc, vc, rj, rh, h, vb, HV, CONV_DIM,
-                     REP: tl.constexpr, KW: tl.constexpr, HIDDEN: tl.constexpr, BA_DOT: tl.constexpr):
+    def _load_inputs(start, t, qkvz_ptr, qkvz_stride, conv_in_ptr, x_ptr, ba_ptr, ba_stride, qc, kc, vc, rj, rh, h, vb, HV,
+                     CONV_DIM, REP: tl.constexpr, KW: tl.constexpr, HIDDEN: tl.constexpr, BA_DOT: tl.constexpr):
         """Token t's loads, nothing computed from them: the conv's input rows p-KW+1..p as [taps, channels]
         tiles (this block's rows from qkvz, earlier ones from the conv-input buffer, zero before the sequence
         start), its hidden state (for the a / b dot; else its a / b projection, as [HIDDEN_P] with b, a first),
@@ -154,8 +154,8 @@ if triton is not None:
         xv = tl.load(tl.where(cur, src + vc[None, :], buf + vc[None, :]), mask=cur | old, other=0.0)
         if BA_DOT:
             xh = tl.load(x_ptr + t * HIDDEN + rh, mask=rh < HIDDEN, other=0.0)
-        else:  # ba_ptr: the projection's output [T, 2 * HV] (b heads, then a heads): b and a of this head
-            xh = tl.load(ba_ptr + t * 2 * HV + h + HV * tl.arange(0, 2))
+        else:  # ba_ptr: the projection's output [T, 2 * HV] (b heads, then a heads; rows ba_stride apart): this head's b, a
+            xh = tl.load(ba_ptr + t * ba_stride + h + HV * tl.arange(0, 2))
         own = (qc * 0 + h % REP + vb) == 0  # the first program of a key head writes its query and key channels
         here = qkvz_ptr + t * qkvz_stride
         return xq, xk, xv, xh, tl.load(here + qc, mask=own, other=0.0), tl.load(here + kc, mask=own, other=0.0), tl.load(here + vc)
@@ -265,7 +265,8 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
     (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
     g = decay * softplus(a + dt_bias) and beta = sigmoid(b) with b, a = x [T, hidden] @ `ba` [2H, hidden].T
-    (`ba_weight`; else `ba` is that product [T, 2H]), then the recurrence as `gated_delta_recurrence`.
+    (`ba_weight`; else `ba` is that product [T, 2H], its rows possibly strided: the tail of a fused projection's
+    output), then the recurrence as `gated_delta_recurrence`.
     `positions` [T]: consecutive, read on the device (a captured step's input). Returns o [T, H, dv] fp32.
     What it replaces per layer (engine.qwen3_5's unfused path: the buffer write, the window gather, the conv,
     silu / l2norm, the gates and the a / b matmul) is about eight launches, each a few microseconds at batch 1."""
@@ -279,8 +280,10 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     if conv_dim != 2 * key_dim + heads * dv or conv_in.shape[1] != conv_dim or heads % key_heads or key_dim != key_heads * dk:
         raise QdflashError(f"gated_delta_step: conv_dim {conv_dim} (buffer {conv_in.shape[1]}) is not 2 x key_dim {key_dim} "
                            f"+ {heads} heads x dv {dv}, or {key_heads} key heads do not split {heads} value heads")
-    if qkvz.stride(-1) != 1 or not (x.is_contiguous() and ba.is_contiguous() and conv_in.is_contiguous() and conv_weight.is_contiguous()):
-        raise QdflashError("gated_delta_step: qkvz rows, x, ba, conv_in and the conv weight must be contiguous")
+    ba_ok = ba.is_contiguous() if ba_weight else ba.stride(-1) == 1
+    if qkvz.stride(-1) != 1 or not (x.is_contiguous() and ba_ok and conv_in.is_contiguous() and conv_weight.is_contiguous()):
+        raise QdflashError("gated_delta_step: qkvz and b / a product rows, x, the b / a weight, conv_in and the conv weight must be "
+                           "contiguous")
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise QdflashError(f"gated_delta_step: the state must be contiguous fp32 (got {state.dtype})")
     block_v = _value_block("gated_delta_step", dk, dv, block_v, states, t)
@@ -298,7 +301,7 @@ def _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, s
     kw = conv_weight.shape[-1]
     out = torch.empty(t, heads, dv, device=qkvz.device, dtype=torch.float32)
     _gated_delta_step_kernel[(heads, dv // block_v)](
-        qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, out,
+        qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
         state if states is None else states, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), HIDDEN=hidden,
         HIDDEN_P=triton.next_power_of_2(hidden), T=t, REP=heads // key_heads, KW=kw, KW_P=triton.next_power_of_2(kw), DK=dk,
         DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None, PDL=pdl, num_warps=num_warps,
