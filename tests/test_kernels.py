@@ -154,6 +154,75 @@ def test_bf16_nibbles_asm_dequantizes_a_word_as_the_reference_does():
             assert [regs[f"${j}"] for j in range(8)] == want[row, i].tolist(), (row, i)
 
 
+@pytest.fixture
+def bf16_interpreter(monkeypatch):
+    """Triton's interpreter taught what the fast W4 kernel needs and it lacks: our BF16_NIBBLES asm (run by numpy
+    as `run_ptx` shows the PTX computes: round_bf16((nibble - 8) * scale)) and a bf16 dot (it multiplies bf16's bit
+    patterns as integers). Test-only patches of the interpreter's builder; skipped on a GPU, where they are real."""
+    import numpy as np
+
+    if DEVICE != "cpu":
+        pytest.skip("on a GPU the kernel runs for real")
+    from triton.runtime import interpreter
+    import triton.language as tl
+
+    from qdflash.kernels.w4a16 import BF16_NIBBLES
+
+    builder = interpreter.InterpreterBuilder
+    if not all(hasattr(builder, name) for name in ("create_inline_asm", "create_dot")):
+        pytest.skip("this Triton's interpreter has no builder hooks to patch")
+
+    def bf16_to_f32(bits):
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def f32_to_bf16(x):  # round to nearest even, as the PTX's .rn (no NaN here)
+        bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+    class Results:
+        def __init__(self, handles):
+            self.handles = handles
+
+        def get_result(self, i):
+            return self.handles[i]
+
+    def inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        assert asm == BF16_NIBBLES and pack == 1
+        words, scale = values[0].data.astype(np.int64) & 0xFFFFFFFF, bf16_to_f32(values[1].data)
+        return Results([interpreter.TensorHandle(f32_to_bf16((((words >> 4 * j) & 0xF) - 8).astype(np.float32) * scale),
+                                                 tl.bfloat16) for j in range(8)])
+
+    plain_dot = builder.create_dot
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16:
+            a = interpreter.TensorHandle(bf16_to_f32(a.data), tl.float32)
+            b = interpreter.TensorHandle(bf16_to_f32(b.data), tl.float32)
+        return plain_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(builder, "create_inline_asm", inline_asm)
+    monkeypatch.setattr(builder, "create_dot", dot)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_fast_w4a16_kernel_equals_the_dequantized_product(rows, bf16_interpreter):
+    """The fast tensor-core W4 kernel (Config.fast: BF16_NIBBLES's bf16 weights met as 8 dots of [BN, BK8] with x's
+    strided columns) at 1, 5 and 16 rows, split-K or not, in bf16: F.linear with the weight dequantized and rounded
+    to bf16, up to the fp32 accumulation order and the bf16 output. Through the launch itself: w4a16_matmul refuses a
+    fast config off the GPU."""
+    from qdflash.kernels import w4a16 as w4_module
+
+    n, k, group = 64, 512, 32
+    q, scale, deq = quantized(n, k, group)
+    words, scale = pack_int4(q), scale.to(torch.bfloat16)  # bf16 values already: the grid's scales are stored in bf16
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    ref = x.float() @ deq.to(torch.bfloat16).float().T
+    for config in (Config(32, 16, 1, fast=True), Config(16, 16, 2, fast=True), Config(64, 32, 1, fast=True)):
+        out = w4_module._launch(x, words, scale, group, config, False)
+        y = out[0].float() if config.split_k == 1 else out.sum(0)
+        torch.testing.assert_close(y, ref, atol=2e-2 * float(ref.abs().max()), rtol=1e-2)
+
+
 def test_w4a16_matmul_refuses_what_it_cannot_do():
     q, scale, _ = quantized(32, 128, 32)
     words = pack_int4(q)
@@ -168,7 +237,12 @@ def test_w4a16_matmul_refuses_what_it_cannot_do():
     with pytest.raises(QdflashError, match="does not tile"):
         w4a16_matmul(torch.randn(1, 128), words, scale, 32, Config(8, 16, fast=True))  # fast: tensor cores at 1 row too
     with pytest.raises(QdflashError, match="bf16 activations on a CUDA GPU"):  # inline PTX: no interpreter, no fp16 / fp32
-        w4a16_matmul(torch.randn(1, 128).to(torch.bfloat16), words, scale, 32, Config(32, 16, fast=True))
+        w4a16_matmul(torch.randn(1, 128).to(torch.bfloat16), words, scale.to(torch.bfloat16), 32, Config(32, 16, fast=True))
+    # scales stored wider than bf16: the same tile without the bit tricks (which read bf16 scales)
+    torch.testing.assert_close(w4a16_matmul(torch.randn(1, 128, generator=torch.Generator().manual_seed(0)), words, scale, 32,
+                                            Config(32, 16, fast=True)),
+                               w4a16_matmul(torch.randn(1, 128, generator=torch.Generator().manual_seed(0)), words, scale, 32,
+                                            Config(32, 16)), rtol=0, atol=0)
     # fast candidates only where asked (tune: bf16 on CUDA), tensor-core tiles of <= 2048 words, for 1 row too
     assert not any(c.fast for c in candidate_configs(2560, 32, 2560, 1))
     fast = [c for c in candidate_configs(2560, 32, 2560, 1, fast=True) if c.fast]

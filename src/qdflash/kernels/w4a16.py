@@ -257,6 +257,8 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
     config = config or default_config(n, k, group, m, x.dtype)
     if not fits(config, k, group, m):
         raise QdflashError(f"w4a16_matmul: {config} does not tile K={k} (group {group}) for {m} rows")
+    if config.fast and scale.dtype != torch.bfloat16:  # its bit tricks read bf16 scales: the same tile without them
+        config = replace(config, fast=False)
     if config.fast and (x.dtype != torch.bfloat16 or not x.is_cuda):
         raise QdflashError(f"w4a16_matmul: a fast config takes bf16 activations on a CUDA GPU (its bit tricks are bf16 PTX), "
                            f"got {x.dtype} on {x.device}")
