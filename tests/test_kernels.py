@@ -59,9 +59,15 @@ def test_with_pdl_the_matmuls_are_ops_of_our_own_a_compiled_step_keeps(rows, mon
     wrappers take the op path: the fakes' shapes and dtypes against the real calls (torch.library.opcheck), the
     same numbers as the direct launch, split-K reduced outside the op, and a fullgraph compile that keeps each
     one node between elementwise work."""
+    import qdflash.kernels as kernels_module
     from qdflash.kernels import gemv as gemv_module
     from qdflash.kernels import w4a16 as w4_module
 
+    kernels_module.set_pdl(True)  # only where every GPU has compute capability >= 9
+    try:
+        assert kernels_module._PDL[0] == (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+    finally:
+        kernels_module.set_pdl(False)
     n, k, group = 64, 512, 32
     q, scale, _ = quantized(n, k, group)
     words, weight = pack_int4(q), torch.randn(n, k, generator=torch.Generator().manual_seed(2))

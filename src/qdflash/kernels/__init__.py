@@ -36,14 +36,16 @@ def set_pdl(on: bool) -> None:
     Every program waits unconditionally, so a kernel still ends after the one before it: the stream's
     order holds for the kernels around it, whether they use PDL or not. (The GDN step also loads the layer's
     recurrent state before waiting: only that layer's kernel writes it, in an earlier step.)
-    Off by default until it is measured in a step on the H200."""
-    _PDL[0] = bool(on)
+    Off by default until it is measured in a step on the H200. Takes effect only where every visible GPU has
+    compute capability 9 or more (the CPU's interpreter and older GPUs have no grid dependency control)."""
+    _PDL[0] = bool(on) and torch.cuda.is_available() and all(
+        torch.cuda.get_device_capability(i)[0] >= 9 for i in range(torch.cuda.device_count()))
 
 
 def pdl_for(t: torch.Tensor) -> bool:
-    """Whether kernels on `t`'s device launch with PDL: `set_pdl(True)` and a CUDA device of compute
-    capability 9 or more (the interpreter and older GPUs have no grid dependency control)."""
-    return _PDL[0] and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+    """Whether a kernel on `t`'s device launches with PDL (`set_pdl`). Read while torch.compile traces a step,
+    so it only reads a flag: the device check is `set_pdl`'s."""
+    return _PDL[0] and t.is_cuda
 
 
 def row_bucket(rows: int) -> int:
