@@ -41,7 +41,7 @@ def runs(tmp_path_factory):
                # --pdl-only: on the CPU there is no PDL, so the arms run one code path; what is tested is the study's
                # plumbing: each arm retuned, compiled afresh and measured, and set against the first
                "pdl": Started(folder, "pdl", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
-                              "--pdl-only", "--inductor-pdl", "--gdn-ba", "dot,fused", "--compile", "aot_eager"),
+                              "--pdl-only", "--inductor-pdl", "--gdn-ba", "dot,fused", "--gdn-two-phase", "--compile", "aot_eager"),
                "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
                                "--attention", "sdpa,kernel", "--kernels", "on"),
                # --compile (traced with aot_eager: Triton's interpreter does not run under dynamo, so sdpa here)
@@ -101,8 +101,9 @@ def test_component_bench_runs_on_the_cpu(runs):
 def test_pdl_study_runs_each_arm_on_the_cpu(runs):
     r = runs["pdl"].result()
     assert r["target_w4_gdn_fused"].startswith("skipped: the W4 target's qkvz is 4-bit")
+    assert r["target_w4_gdn_fused_two_phase"].startswith("skipped: the W4 target's qkvz is 4-bit")
     for label in ("target16", "target_w4"):
-        for suffix in ("", "_pdl", "_pdl_inductor") + (("_gdn_fused",) if label == "target16" else ()):
+        for suffix in ("", "_pdl", "_pdl_inductor") + (("_gdn_fused", "_gdn_fused_two_phase") if label == "target16" else ()):
             arm = label + suffix
             assert r[f"{arm}.decode_compiled_ms"] > 0 and r[f"{arm}.verify_compiled_ms"] > 0, r.get(f"{arm}.compile_error")
             assert r[f"{arm}.graph_vs_eager_max_abs"] == 0.0 and r[f"{arm}.compiled_vs_eager_max_abs"] == 0.0

@@ -238,13 +238,14 @@ def test_a_quantized_lm_head_runs_in_the_engine_the_drafter_and_the_loop(family,
     assert speculative_generate(fast, drafter, prompt, 16).tokens == reference
 
 
-@pytest.mark.parametrize("gdn_ba", ["dot", "given", "fused"])
-def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, monkeypatch):
+@pytest.mark.parametrize("gdn_ba,two_phase", [("dot", False), ("given", False), ("fused", False), ("fused", True)])
+def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phase, monkeypatch):
     """kernels=True: the Gated DeltaNet recurrence runs in the Triton kernels (their interpreter here): a
     20-token prompt through the unfused layer and the recurrence kernel, a verify block and a decode step
     through the fused layer middle (gated_delta_step). Both keep per-position states, and a rollback into
     a block still predicts what a fresh forward does. Whichever way the gates get their b / a projection
-    (`gdn_ba`: in the kernel, its own matmul, or the tail of the qkvz matmul)."""
+    (`gdn_ba`: in the kernel, its own matmul, or the tail of the qkvz matmul), and with the block through the
+    two-phase kernel (`gdn_two_phase`)."""
     pytest.importorskip("triton")
     import qdflash.engine.qwen3_5 as qwen3_5
     from qdflash.kernels.gated_delta import gated_delta_step
@@ -252,11 +253,12 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, monkeypa
     calls = []
 
     def counted(qkvz, *args, **kwargs):
-        calls.append(qkvz.shape[0])
+        calls.append((qkvz.shape[0], kwargs["two_phase"]))
         return gated_delta_step(qkvz, *args, **kwargs)
 
     monkeypatch.setattr(qwen3_5, "gated_delta_step", counted)
     engine = build_engine(tiny_qwen, max_len=64, kernels=True, gdn_ba=gdn_ba)
+    engine.gdn_two_phase = two_phase
     assert engine.kernels and engine.fuse_gdn
     gdn = [w for w in engine.layers if "la" in w]
     assert all((w["ba"] is None) == (gdn_ba == "fused") for w in gdn)  # fused: one projection fewer a layer
@@ -269,7 +271,8 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, monkeypa
     expected = tiny_qwen.model(input_ids=torch.cat([x, torch.tensor([101, 777])])[None]).logits[0, -1]
     torch.testing.assert_close(after[-1], expected, atol=1e-4, rtol=1e-4)
     layers = tiny_qwen.model.config.layer_types.count("linear_attention")
-    assert calls == [4] * layers + [1] * layers, "the prompt unfused; the block and the step fused, every GDN layer"
+    assert calls == [(4, two_phase)] * layers + [(1, False)] * layers, \
+        "the prompt unfused; the block (two-phase where asked) and the step fused, every GDN layer"
 
 
 def test_gdn_ba_fused_without_kernels_and_where_it_cannot_fuse(tiny_qwen, tiny_llama):

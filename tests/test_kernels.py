@@ -294,15 +294,17 @@ def gdn_middle_reference(qkvz, x, conv_w, ba_w, decay, dt_bias, key_heads, dk, s
     return out, states
 
 
-@pytest.mark.parametrize("ba_weight,through_op", [(True, False), (False, False), (True, True)])
-def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, monkeypatch):
+@pytest.mark.parametrize("ba_weight,through_op,two_phase", [(True, False, False), (False, False, False), (True, True, False),
+                                                             (False, False, True), (False, True, True)])
+def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two_phase, monkeypatch):
     """gated_delta_step (conv + silu + l2norm + gates + recurrence in one launch) fed a sequence in pieces
     (a prompt from position 0, a decode step, verify blocks; history from its buffer and from the block)
     gives the unfused layer's outputs and states, writes the block's conv inputs to the buffer, and each
     token's output is bit for bit the same whether it came in a block or in a one-token step. `through_op`:
     the same through `qdflash::gated_delta_step`, the op it launches through with PDL (kernels.set_pdl; here
     without PDL, which the CPU has not), its buffers written in place by the op, a compiled step's way
-    (test_the_gated_delta_op_compiles_as_one_node)."""
+    (test_the_gated_delta_op_compiles_as_one_node). `two_phase`: the block kernel that computes every token's
+    inputs first (its sums in another order: blocks and steps then agree to fp32 rounding)."""
     from qdflash.kernels import gated_delta as gdn_module
     from qdflash.kernels.gated_delta import gated_delta_step
 
@@ -332,7 +334,7 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, mon
             outs.append(gated_delta_step(qkvz[start:end].to(DEVICE), conv_in, conv_w.to(DEVICE),
                                          torch.arange(start, end, device=DEVICE), x[start:end].to(DEVICE), ba.to(DEVICE),
                                          decay.to(DEVICE), dt_bias.to(DEVICE), state, states, key_heads=key_heads,
-                                         key_dim=key_dim, ba_weight=ba_weight))
+                                         key_dim=key_dim, ba_weight=ba_weight, two_phase=two_phase))
             torch.testing.assert_close(states.cpu(), ref_states[start:end + 1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(state.cpu(), ref_states[-1], atol=1e-5, rtol=1e-5)
         assert torch.equal(conv_in[:tokens].cpu(), qkvz[:, :conv_dim]) and not conv_in[tokens:].any()
@@ -340,10 +342,17 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, mon
 
     blocks = run([(0, 2), (2, 3), (3, 8), (8, 12)])  # 2 < kw - 1: the first block's history is the zero start
     torch.testing.assert_close(blocks, ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(run([(s, s + 1) for s in range(tokens)]), blocks)
+    steps = run([(s, s + 1) for s in range(tokens)])
+    if two_phase:
+        torch.testing.assert_close(steps, blocks, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(steps, blocks)
     with pytest.raises(QdflashError, match="1..16"):
         gated_delta_step(torch.zeros(17, qkvz.shape[1]), torch.zeros(32, conv_dim), conv_w, torch.arange(17), torch.zeros(17, hidden),
                          ba_w, decay, dt_bias, state0.clone(), key_heads=key_heads, key_dim=key_dim)
+    with pytest.raises(QdflashError, match="two_phase takes the b / a product given"):
+        gated_delta_step(qkvz[:2], torch.zeros(32, conv_dim), conv_w, torch.arange(2), x[:2], ba_w, decay, dt_bias, state0.clone(),
+                         key_heads=key_heads, key_dim=key_dim, two_phase=True)
     with pytest.raises(QdflashError, match="contiguous fp32"):
         gated_delta_step(qkvz[:1], torch.zeros(32, conv_dim), conv_w, torch.arange(1), x[:1], ba_w, decay, dt_bias,
                          state0.double(), key_heads=key_heads, key_dim=key_dim)
@@ -446,6 +455,18 @@ def gdn_step_case(tokens, pdl=False):
                                                      BLOCK_V=STEP_BLOCK_V, BA_DOT=True, STORE_STATES=True, PDL=pdl)
 
 
+def gdn_block_case(tokens, pdl=False):
+    """The two-phase GDN block kernel at Qwen3.5-4B's heads, its default value block (with BLOCK_WARPS)."""
+    from qdflash.kernels.gated_delta import STEP_BLOCK_V
+
+    signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
+                 "ba_ptr": "*bf16", "ba_stride": "i32", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16", "state_ptr": "*fp32",
+                 "out_ptr": "*fp32", "states_ptr": "*fp32", "scratch_ptr": "*fp32", "HV": "i32", "KEY_DIM": "i32",
+                 "CONV_DIM": "i32", "SCALE": "fp32"}
+    return "qdflash.kernels.gated_delta", "_gated_delta_block_kernel", signature, dict(
+        T=tokens, T_P=tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True, PDL=pdl)
+
+
 def attention_case(tree, block=False):
     from qdflash.kernels.decode_attention import BLOCK_N, MAX_SPLITS
 
@@ -482,13 +503,14 @@ def pdl_cases(pdl):
             # the fast (BF16_NIBBLES) tile at its largest candidate, 2048 words
             "w4 rows fast": ("qdflash.kernels.w4a16", "_w4a16_kernel", w4_rows, dict(GROUP=32, BLOCK_M=16, BLOCK_N=64, BLOCK_K8=32,
                                                                                      K_PER_SPLIT=2560, PDL=pdl, FAST=True)),
-            "gdn step 16": gdn_step_case(16, pdl)}
+            "gdn step 16": gdn_step_case(16, pdl), "gdn block 16": gdn_block_case(16, pdl)}
 
 
 def aligned_args(signature):
-    """The arguments a launch at the engine's shapes specializes as multiples of 16: torch's pointers, these strides
-    and a split's K (its K are multiples of 128 per split)."""
-    return [arg for arg in signature if arg.endswith("_ptr") or arg.startswith("stride") or arg == "K_PER_SPLIT"]
+    """The arguments a launch at the engine's shapes specializes as multiples of 16: torch's pointers, these strides,
+    a split's K (its K are multiples of 128 per split) and the GDN kernels' row strides and sizes."""
+    return [arg for arg in signature if arg.endswith(("_ptr", "_stride")) or arg.startswith("stride")
+            or arg in ("K_PER_SPLIT", "HV", "KEY_DIM", "CONV_DIM")]
 
 
 @pytest.mark.parametrize("case", sorted(pdl_cases(True)))
@@ -497,12 +519,12 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
     loads issued before it (a matmul's first weight tile: a weight is no kernel's output; the GDN step's weights and
     recurrent state), the next kernel released after it, and no spill; without PDL, neither instruction. The fast W4
     tile carries BF16_NIBBLES's bf16x2 FMAs (8 a word) into its PTX, the others none."""
-    from qdflash.kernels.gated_delta import STEP_WARPS
+    from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_WARPS
 
     for pdl in (True, False):
         module, name, signature, constexprs = pdl_cases(pdl)[case]
-        gdn = case.startswith("gdn")
-        used = sm90_resources(module, name, signature, constexprs, STEP_WARPS if gdn else 4, [] if gdn else aligned_args(signature))
+        warps = {"gdn step 16": STEP_WARPS, "gdn block 16": BLOCK_WARPS}.get(case, 4)
+        used = sm90_resources(module, name, signature, constexprs, warps, aligned_args(signature))
         assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
         assert (used["BF16X2_FMAS"] > 0) == case.endswith("fast"), used
         if pdl:

@@ -302,14 +302,19 @@ def gdn_ba_list(text: str) -> list[str]:
     return out
 
 
-def study_arms(args) -> list[tuple[str, str, bool, bool]]:
-    """`--pdl-only`'s arms: (label suffix, gdn_ba, our kernels with PDL, inductor's with PDL). The first is the
-    base the others are set against; the PDL arms keep its gdn_ba, the gdn_ba arms run without PDL."""
+def study_arms(args) -> list[tuple[str, str, bool, bool, bool]]:
+    """`--pdl-only`'s arms: (label suffix, gdn_ba, two-phase GDN blocks, our kernels with PDL, inductor's with PDL).
+    The first is the base the others are set against; the PDL arms keep its gdn_ba, the gdn_ba arms run without
+    PDL, and with `--gdn-two-phase` each of them but dot also through the two-phase GDN block kernel."""
     base = args.gdn_ba[0]
-    arms = [("", base, False, False), ("_pdl", base, True, False)]
+    arms = [("", base, False, False, False), ("_pdl", base, False, True, False)]
     if args.inductor_pdl:
-        arms.append(("_pdl_inductor", base, True, True))
-    return arms + [(f"_gdn_{mode}", mode, False, False) for mode in args.gdn_ba[1:]]
+        arms.append(("_pdl_inductor", base, False, True, True))
+    for mode in args.gdn_ba[1:]:
+        arms.append((f"_gdn_{mode}", mode, False, False, False))
+        if args.gdn_two_phase and mode != "dot":
+            arms.append((f"_gdn_{mode}_two_phase", mode, True, False, False))
+    return arms
 
 
 def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, result) -> dict:
@@ -325,11 +330,13 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
     import torch._inductor.config as inductor_config
 
     out = {}
-    for label in ("target16", "target_w4"):
+    if args.pdl_targets not in (["16"], ["w4"], ["16", "w4"]):
+        raise SystemExit(f"--pdl-targets: expected 16, w4 or 16,w4 (the W4 arms quantize the model), got {','.join(args.pdl_targets)}")
+    for label in [{"16": "target16", "w4": "target_w4"}[name] for name in args.pdl_targets]:
         if label == "target_w4":
             out["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
         engine = engine16 if label == "target16" else None
-        for suffix, gdn_ba, ours, inductor in study_arms(args):
+        for suffix, gdn_ba, two_phase, ours, inductor in study_arms(args):
             arm = label + suffix
             if inductor and not hasattr(inductor_config.triton, "enable_pdl"):
                 out[arm] = f"skipped: torch {torch.__version__}'s inductor has no triton.enable_pdl"
@@ -340,9 +347,13 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
             if engine is None or engine.gdn_ba != gdn_ba:
                 engine = None  # an arm's own engine is freed before the next is built (each copies the weights)
                 engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=gdn_ba)
+                engine.fuse_gdn = engine16.fuse_gdn  # False where the fused path failed its check (gdn_check)
+            engine.gdn_two_phase, engine.graphs = two_phase, {}
             set_pdl(ours)
             try:
+                t0 = time.perf_counter()
                 out[f"{arm}.tuned"] = engine.tune_kernels()
+                out[f"{arm}.tune_s"] = round(time.perf_counter() - t0, 1)
                 torch._dynamo.reset()
                 with inductor_config.patch({"triton.enable_pdl": True}) if inductor else contextlib.nullcontext():
                     out.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
@@ -493,6 +504,12 @@ def main() -> None:
     parser.add_argument("--gdn-ba", type=gdn_ba_list, default=["dot"],
                         help="how the GDN gates get their b / a projection (LeanQwen35's gdn_ba: dot, given, fused), comma-"
                              "separated: the first for every engine of the run; with --pdl-only each other one is an arm too")
+    parser.add_argument("--pdl-targets", type=lambda text: text.split(","), default=["16", "w4"],
+                        help="--pdl-only: which targets' arms, in order (16: the 16-bit target; w4: the W4 one; the W4 arms "
+                             "quantize the model in place, so 16 after w4 is refused)")
+    parser.add_argument("--gdn-two-phase", action="store_true",
+                        help="--pdl-only: each --gdn-ba arm other than dot again with its verify block's GDN middle through "
+                             "the two-phase kernel (LeanQwen35.gdn_two_phase)")
     parser.add_argument("--hf-generate", action="store_true",
                         help="then transformers' static compiled generate on the same 16-bit model (hf_static.*, issue 23)")
     parser.add_argument("--hf-tokens", type=int, default=64, help="--hf-generate: decode steps timed (beyond 8)")

@@ -15,8 +15,10 @@ outputs against the default one's.
 
 `--variants` times each launch shape again as: `dot` (the default: the kernel computes the a / b projection of the
 hidden row itself, a HIDDEN-wide dot and cross-warp reduction per token), `given` (that product computed before,
-as a fused qkvz + ba projection would give it: the kernel reads 2 values a token) and `pdl` (`dot` launched with
-programmatic dependent launch, kernels.set_pdl: weights and state loaded before waiting on the kernel before).
+as a fused qkvz + ba projection would give it: the kernel reads 2 values a token), `two_phase` (`given` through the
+block kernel that computes every token's inputs first, then runs the recurrence alone; a decode step, one token,
+keeps the step kernel) and `pdl` (`dot` launched with programmatic dependent launch, kernels.set_pdl: weights and
+state loaded before waiting on the kernel before).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from qdflash.kernels.gated_delta import gated_delta_step
 # Qwen3.5-4B's linear-attention layers: 16 key heads, 32 value heads, head dims 128, conv kernel 4, hidden 2560
 SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
 LAUNCHES = [(16, 4), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]  # (block_v, num_warps); the default first
-VARIANTS = ("dot", "given", "pdl")
+VARIANTS = ("dot", "given", "two_phase", "pdl")
 
 
 def launch_list(text: str) -> list[tuple[int, int]]:
@@ -69,11 +71,12 @@ def layer_inputs(t: int, position: int, device, g: torch.Generator) -> dict:
 
 
 def run(layer: dict, block_v: int, num_warps: int, keep_states: bool, variant: str = "dot"):
-    given = variant == "given"
+    given = variant in ("given", "two_phase")
     return gated_delta_step(layer["qkvz"], layer["conv_in"], layer["conv_weight"], layer["positions"], layer["x"],
                             layer["ba_product"] if given else layer["ba"], layer["decay"], layer["dt_bias"], layer["state"],
                             layer["states"] if keep_states else None, key_heads=SHAPE["key_heads"],
-                            key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps)
+                            key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps,
+                            two_phase=variant == "two_phase" and layer["qkvz"].shape[0] > 1)
 
 
 def variant_list(text: str) -> list[str]:

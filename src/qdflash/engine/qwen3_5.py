@@ -63,6 +63,10 @@ class LeanQwen35(EngineBase):
         if gdn_ba not in GDN_BA:
             raise QdflashError(f"gdn_ba={gdn_ba!r}: expected one of {', '.join(GDN_BA)}")
         self.gdn_ba = gdn_ba
+        # with the b / a product given (gdn_ba "given" / "fused"): a verify block's GDN middle through the two-phase
+        # kernel (every token's inputs first, then the recurrence alone; gated_delta_step's two_phase). Set before
+        # capture, like fuse_gdn
+        self.gdn_two_phase = False
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
         # False runs the unfused layer (the benchmark's side-by-side arm)
         self.fuse_gdn = True
@@ -182,7 +186,8 @@ class LeanQwen35(EngineBase):
             qkvz, ba = self._qkvz_ba(w, x)
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
                                self.state[i], self.block_states[i] if t <= self.max_block else None,
-                               key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot)
+                               key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
+                               two_phase=self.gdn_two_phase and not dot and t > 1)
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
 
     def _gdn_inputs(self, w, mixed, ba):

@@ -130,6 +130,99 @@ if triton is not None:
         tl.store(state_ptr + tile, s)
 
     @triton.jit
+    def _gated_delta_block_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, ba_ptr, ba_stride, decay_ptr,
+                                  dt_bias_ptr, state_ptr, out_ptr, states_ptr, scratch_ptr, HV, KEY_DIM, CONV_DIM, SCALE,
+                                  T: tl.constexpr, T_P: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr, DK: tl.constexpr,
+                                  DV: tl.constexpr, BLOCK_V: tl.constexpr, STORE_STATES: tl.constexpr, PDL: tl.constexpr):
+        """`_gated_delta_step_kernel` for a block with its b / a product given, in two phases. First every token's
+        inputs at once ([T, channels] tiles: the conv's taps as shifted loads, silu, the l2norms' reductions over
+        the key dimension for all tokens in one, the gates), written to this program's rows of `scratch`; then the
+        recurrence token by token, reading them back: a token's chain is its state update alone (one reduction
+        of the state over the key dimension), its inputs' loads free to be issued ahead of it. The same formulas
+        as the one-token kernel, summed in another order (the conv over its taps, the l2norms), so a block and
+        one-token steps agree to fp32 rounding, not bit for bit. PDL as in that kernel."""
+        h = tl.program_id(0)
+        vb = tl.program_id(1)
+        rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        rb = tl.arange(0, BLOCK_V)
+        rk = tl.arange(0, DK)
+        rt = tl.arange(0, T_P)
+        t_ok = rt < T
+        qc = (h // REP) * DK + rk
+        kc = KEY_DIM + qc
+        vc = 2 * KEY_DIM + h * DV + rv
+        dt = qkvz_ptr.dtype.element_ty
+        tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
+        s = tl.load(state_ptr + tile)  # in flight through phase 1
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        decay = tl.load(decay_ptr + h)
+        if PDL:
+            pdl_wait()
+        start = tl.load(pos_ptr)
+        aq = tl.zeros((T_P, DK), dtype=tl.float32)
+        ak = tl.zeros((T_P, DK), dtype=tl.float32)
+        av = tl.zeros((T_P, BLOCK_V), dtype=tl.float32)
+        for j in tl.static_range(KW):  # tap j of every token: the input row KW - 1 - j before it
+            row = start + rt - (KW - 1) + j
+            cur = (t_ok & (row >= start))[:, None]  # this block's rows, from qkvz
+            old = (t_ok & (row >= 0) & (row < start))[:, None]  # earlier ones, from the buffer (zero before the start)
+            src = qkvz_ptr + (row - start)[:, None] * qkvz_stride
+            buf = conv_in_ptr + row[:, None] * CONV_DIM
+            xq = tl.load(tl.where(cur, src + qc[None, :], buf + qc[None, :]), mask=cur | old, other=0.0)
+            xk = tl.load(tl.where(cur, src + kc[None, :], buf + kc[None, :]), mask=cur | old, other=0.0)
+            xv = tl.load(tl.where(cur, src + vc[None, :], buf + vc[None, :]), mask=cur | old, other=0.0)
+            aq += xq.to(tl.float32) * tl.load(conv_w_ptr + qc * KW + j).to(tl.float32)[None, :]
+            ak += xk.to(tl.float32) * tl.load(conv_w_ptr + kc * KW + j).to(tl.float32)[None, :]
+            av += xv.to(tl.float32) * tl.load(conv_w_ptr + vc * KW + j).to(tl.float32)[None, :]
+        # conv and silu rounded where the unfused layer rounds, as `_inputs`
+        aq = aq.to(dt).to(tl.float32)
+        ak = ak.to(dt).to(tl.float32)
+        av = av.to(dt).to(tl.float32)
+        qq = (aq / (1.0 + tl.exp(-aq))).to(dt).to(tl.float32)
+        kk = (ak / (1.0 + tl.exp(-ak))).to(dt).to(tl.float32)
+        vv = (av / (1.0 + tl.exp(-av))).to(dt).to(tl.float32)
+        rq = 1.0 / tl.sqrt(tl.sum(qq * qq, axis=1) + 1e-6)
+        rk2 = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
+        kq = tl.sum(kk * qq, axis=1) * rk2 * rq / SCALE
+        qq = qq * rq[:, None] / SCALE
+        kk = kk * rk2[:, None]
+        b = tl.load(ba_ptr + rt * ba_stride + h, mask=t_ok, other=0.0).to(tl.float32)
+        a = tl.load(ba_ptr + rt * ba_stride + HV + h, mask=t_ok, other=0.0).to(tl.float32)
+        u = a + dt_bias
+        e = tl.exp(u)
+        w = 1.0 + e
+        g = decay * tl.where(u > 20.0, u, tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0)))  # softplus as `_inputs`
+        beta = 1.0 / (1.0 + tl.exp(-b))
+        # this block's conv inputs to the buffer (later steps read them as history): each program its value
+        # channels, the first program of a key head its query and key channels
+        here = qkvz_ptr + rt[:, None] * qkvz_stride
+        dst = conv_in_ptr + (start + rt)[:, None] * CONV_DIM
+        tl.store(dst + vc[None, :], tl.load(here + vc[None, :], mask=t_ok[:, None]), mask=t_ok[:, None])
+        own = t_ok[:, None] & ((qc * 0 + h % REP + vb) == 0)[None, :]
+        tl.store(dst + qc[None, :], tl.load(here + qc[None, :], mask=own), mask=own)
+        tl.store(dst + kc[None, :], tl.load(here + kc[None, :], mask=own), mask=own)
+        # phase 2: the tokens' inputs through this program's scratch rows
+        SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
+        base = scratch_ptr + (h * tl.num_programs(1) + vb) * (T_P * SCR)
+        tl.store(base + rt[:, None] * SCR + rk[None, :], qq)
+        tl.store(base + rt[:, None] * SCR + DK + rk[None, :], kk)
+        tl.store(base + rt[:, None] * SCR + 2 * DK + rb[None, :], vv)
+        tl.store(base + rt * SCR + 2 * DK + BLOCK_V, kq)
+        tl.store(base + rt * SCR + 2 * DK + BLOCK_V + 1, g)
+        tl.store(base + rt * SCR + 2 * DK + BLOCK_V + 2, beta)
+        tl.debug_barrier()  # the rows are read back by other threads of this program
+        if STORE_STATES:
+            tl.store(states_ptr + tile, s)
+        for t in range(T):
+            row_t = base + t * SCR
+            s = _step_state(s, tl.load(row_t + rk), tl.load(row_t + DK + rk), tl.load(row_t + 2 * DK + rb),
+                            tl.load(row_t + 2 * DK + BLOCK_V), tl.load(row_t + 2 * DK + BLOCK_V + 1),
+                            tl.load(row_t + 2 * DK + BLOCK_V + 2), out_ptr + (t * HV + h) * DV + rv)
+            if STORE_STATES:
+                tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
+        tl.store(state_ptr + tile, s)
+
+    @triton.jit
     def _add3(a0, b0, c0, a1, b1, c1):
         return a0 + a1, b0 + b1, c0 + c1
 
@@ -224,6 +317,9 @@ CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs 
 # 16-token block keeps 32 columns x 4 warps in registers only without the next token's inputs in flight;
 # 16 x 4 holds both (tests/test_kernels.py compiles it for sm_90 and checks it does not spill).
 STEP_BLOCK_V, STEP_WARPS = 16, 4
+# the two-phase block kernel's warps at that value block: its [T, dk] input tiles (and their 64-bit address tiles)
+# take 254 registers a thread at 4 warps and 128 at 8 (sm_90 compile, 16 tokens; no spill either way)
+BLOCK_WARPS = 8
 
 
 def _value_block(name: str, dk: int, dv: int, block_v: int, states, t: int) -> int:
@@ -260,7 +356,7 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
 
 def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states=None, *,
                      key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = STEP_BLOCK_V,
-                     num_warps: int = STEP_WARPS):
+                     num_warps: int | None = None, two_phase: bool = False):
     """A Gated DeltaNet layer's middle for a decode step or verify block (T <= CHUNK tokens) in one launch:
     the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
     (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
@@ -269,12 +365,14 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     output), then the recurrence as `gated_delta_recurrence`.
     `positions` [T]: consecutive, read on the device (a captured step's input). Returns o [T, H, dv] fp32.
     What it replaces per layer (engine.qwen3_5's unfused path: the buffer write, the window gather, the conv,
-    silu / l2norm, the gates and the a / b matmul) is about eight launches, each a few microseconds at batch 1."""
+    silu / l2norm, the gates and the a / b matmul) is about eight launches, each a few microseconds at batch 1.
+    `two_phase` (the product given, T > 1): `_gated_delta_block_kernel`, every token's inputs first, then the
+    recurrence alone token by token. `num_warps`: STEP_WARPS, or BLOCK_WARPS for two_phase, unless given."""
     if triton is None:
         raise QdflashError("gated_delta_step needs triton")
     t = qkvz.shape[0]
     heads, dk, dv = state.shape
-    conv_dim, kw = conv_weight.shape[0], conv_weight.shape[-1]
+    conv_dim = conv_weight.shape[0]
     if not 1 <= t <= CHUNK:
         raise QdflashError(f"gated_delta_step: {t} tokens; it takes 1..{CHUNK} (a longer prefill runs the unfused layer)")
     if conv_dim != 2 * key_dim + heads * dv or conv_in.shape[1] != conv_dim or heads % key_heads or key_dim != key_heads * dk:
@@ -286,39 +384,52 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
                            "contiguous")
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise QdflashError(f"gated_delta_step: the state must be contiguous fp32 (got {state.dtype})")
+    if two_phase and ba_weight:
+        raise QdflashError("gated_delta_step: two_phase takes the b / a product given (ba_weight=False)")
     block_v = _value_block("gated_delta_step", dk, dv, block_v, states, t)
+    num_warps = num_warps or (BLOCK_WARPS if two_phase else STEP_WARPS)
     args = (qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
-            num_warps)
+            num_warps, two_phase)
     if pdl_for(qkvz):  # a launch option torch.compile does not trace through (kernels.gemv._gemv_op)
         return _step_op(*args, True)
     return _launch_step(*args, False)
 
 
 def _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight,
-                 block_v, num_warps, pdl):
+                 block_v, num_warps, two_phase, pdl):
     t, hidden = qkvz.shape[0], x.shape[-1]
     heads, dk, dv = state.shape
     kw = conv_weight.shape[-1]
     out = torch.empty(t, heads, dv, device=qkvz.device, dtype=torch.float32)
+    launch = {"launch_pdl": True} if pdl else {}
+    if two_phase:
+        t_p = triton.next_power_of_2(t)
+        scratch = torch.empty(heads * (dv // block_v), t_p, 2 * dk + block_v + 3, device=qkvz.device, dtype=torch.float32)
+        _gated_delta_block_kernel[(heads, dv // block_v)](
+            qkvz, qkvz.stride(0), conv_in, conv_weight, positions, ba, ba.stride(0), decay, dt_bias, state, out,
+            state if states is None else states, scratch, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), T=t, T_P=t_p,
+            REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None, PDL=pdl,
+            num_warps=num_warps, **launch)
+        return out
     _gated_delta_step_kernel[(heads, dv // block_v)](
         qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
         state if states is None else states, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), HIDDEN=hidden,
         HIDDEN_P=triton.next_power_of_2(hidden), T=t, REP=heads // key_heads, KW=kw, KW_P=triton.next_power_of_2(kw), DK=dk,
-        DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None, PDL=pdl, num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}))
+        DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None, PDL=pdl, num_warps=num_warps, **launch)
     return out
 
 
 @torch.library.custom_op("qdflash::gated_delta_step", mutates_args=("conv_in", "state", "states"))
 def _step_op(qkvz: torch.Tensor, conv_in: torch.Tensor, conv_weight: torch.Tensor, positions: torch.Tensor, x: torch.Tensor,
              ba: torch.Tensor, decay: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, states: torch.Tensor | None,
-             key_heads: int, key_dim: int, ba_weight: bool, block_v: int, num_warps: int, pdl: bool) -> torch.Tensor:
+             key_heads: int, key_dim: int, ba_weight: bool, block_v: int, num_warps: int, two_phase: bool,
+             pdl: bool) -> torch.Tensor:
     """`_launch_step` as one node of a compiled graph, writing the conv-input buffer and the states in place."""
     return _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim,
-                        ba_weight, block_v, num_warps, pdl)
+                        ba_weight, block_v, num_warps, two_phase, pdl)
 
 
 @_step_op.register_fake
 def _(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
-      num_warps, pdl):
+      num_warps, two_phase, pdl):
     return qkvz.new_empty((qkvz.shape[0], *state.shape[::2]), dtype=torch.float32)
