@@ -53,21 +53,21 @@ def test_w4a16_matmul_equals_dequantized_linear(dtype, rows):
 
 @pytest.mark.parametrize("rows", [1, 5])
 def test_with_pdl_the_matmuls_are_ops_of_our_own_a_compiled_step_keeps(rows, monkeypatch):
-    """With PDL on (kernels.set_pdl, a CUDA GPU of compute capability >= 9) gemv and w4a16_matmul launch through
+    """With PDL on (kernels.pdl.set_pdl, a CUDA GPU of compute capability >= 9) gemv and w4a16_matmul launch through
     `qdflash::gemv` / `qdflash::w4a16`, because torch.compile traces a Triton launch itself and drops its launch
     options. The CPU has no PDL, so here the ops launch without it (`_launch` pinned to pdl=False) while the
     wrappers take the op path: the fakes' shapes and dtypes against the real calls (torch.library.opcheck), the
     same numbers as the direct launch, split-K reduced outside the op, and a fullgraph compile that keeps each
     one node between elementwise work."""
-    import qdflash.kernels as kernels_module
+    import qdflash.kernels.pdl as pdl_module
     from qdflash.kernels import gemv as gemv_module
     from qdflash.kernels import w4a16 as w4_module
 
-    kernels_module.set_pdl(True)  # only where every GPU has compute capability >= 9
+    pdl_module.set_pdl(True)  # only where every GPU has compute capability >= 9
     try:
-        assert kernels_module._PDL[0] == (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+        assert pdl_module._PDL[0] == (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
     finally:
-        kernels_module.set_pdl(False)
+        pdl_module.set_pdl(False)
     n, k, group = 64, 512, 32
     q, scale, _ = quantized(n, k, group)
     words, weight = pack_int4(q), torch.randn(n, k, generator=torch.Generator().manual_seed(2))
@@ -229,6 +229,79 @@ def test_fast_w4a16_kernel_equals_the_dequantized_product(rows, bf16_interpreter
         torch.testing.assert_close(y, ref, atol=2e-2 * float(ref.abs().max()), rtol=1e-2)
 
 
+def test_tuning_drops_fast_configs_that_fail_or_are_off(monkeypatch):
+    """tune() times a fast (inline-PTX) config only after its product matched the dequantized one on the device:
+    one that raises (here: off the GPU it is refused) or is off by more than EXTERNAL_TOLERANCE is dropped, with
+    what was wrong; the others stay."""
+    from qdflash.kernels import w4a16 as w4_module
+
+    q, scale, _ = quantized(32, 256, 32)
+    words, scale = pack_int4(q), scale.to(torch.bfloat16)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    plain, fast, other = Config(32, 16), Config(32, 16, fast=True), Config(16, 16, 2, fast=True)
+    kept, problems = w4_module._check_fast(x, words, scale, 32, [plain, fast])
+    assert kept == [plain] and len(problems) == 1 and "raised QdflashError" in problems[0]
+    matmul = w4_module.w4a16_matmul
+
+    def fake(x, words, scale, group, config=None):  # the fast tile (32, 16) right, the other off by a factor
+        out = matmul(x.float(), words, scale, group, Config(config.block_n, config.block_k8, config.split_k))
+        return out if config.block_n == 32 else out * 1.5
+
+    monkeypatch.setattr(w4_module, "w4a16_matmul", fake)
+    kept, problems = w4_module._check_fast(x, words, scale, 32, [plain, fast, other])
+    assert kept == [plain, fast] and len(problems) == 1 and "off the dequantized product" in problems[0]
+
+
+@pytest.fixture
+def pdl_interpreter(monkeypatch):
+    """Triton's interpreter running kernels launched with PDL: its grid-dependency instructions (which it lacks) as
+    no-ops. The interpreter runs programs one after another, so what is checked is that the PDL code paths (a
+    first tile peeled off before the wait) compute what the plain ones do; their place in the PTX is checked by
+    test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel."""
+    if DEVICE != "cpu":
+        pytest.skip("on a GPU PDL runs for real")
+    import triton.language.extra.cuda as cuda_extra
+
+    monkeypatch.setattr(cuda_extra, "gdc_wait", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cuda_extra, "gdc_launch_dependents", lambda *args, **kwargs: None)
+
+
+def test_pdl_launches_compute_what_plain_launches_do(pdl_interpreter):
+    """Every kernel with a PDL path, launched with it and without, on the same inputs: the same numbers, bit for bit
+    (the 16-bit GEMV at 1 and 5 rows, its K loop run and unrolled, split or not; the W4 kernels at 1 and 5 rows; the
+    GDN step and two-phase block kernels, their outputs, states and conv-input buffer)."""
+    from qdflash.kernels import gated_delta as gdn_module
+    from qdflash.kernels import gemv as gemv_module
+    from qdflash.kernels import w4a16 as w4_module
+
+    g = torch.Generator().manual_seed(6)
+    n, k, group = 40, 512, 32
+    weight = torch.randn(n, k, generator=g)
+    q, scale, _ = quantized(n, k, group)
+    words = pack_int4(q)
+    for rows in (1, 5):
+        x = torch.randn(rows, k, generator=g)
+        for config in (gemv_module.GemvConfig(8, 128, 1), gemv_module.GemvConfig(16, 128, 2, 4, True), gemv_module.GemvConfig(16, 64, 2)):
+            assert torch.equal(gemv_module._launch(x, weight, config, True), gemv_module._launch(x, weight, config, False)), config
+        for config in (Config(16, 16, 2), Config(32, 16, 1)):
+            assert torch.equal(w4_module._launch(x, words, scale, group, config, True),
+                               w4_module._launch(x, words, scale, group, config, False)), config
+    key_heads, heads, dk, dv, kw, hidden, tokens = 1, 2, 16, 16, 4, 32, 5
+    key_dim, conv_dim = key_heads * dk, 2 * key_heads * dk + heads * dv
+    qkvz = torch.randn(tokens, conv_dim + heads * dv, generator=g)
+    conv_w, ba = torch.randn(conv_dim, 1, kw, generator=g), torch.randn(tokens, 2 * heads, generator=g)
+    decay, dt_bias = -torch.rand(heads, generator=g), torch.randn(heads, generator=g)
+    history, state0 = torch.randn(8, conv_dim, generator=g), torch.randn(heads, dk, dv, generator=g) * 0.1
+    for two_phase in (False, True):
+        results = []
+        for pdl in (True, False):
+            conv_in, state, states = history.clone(), state0.clone(), torch.zeros(tokens + 1, heads, dk, dv)
+            out = gdn_module._launch_step(qkvz, conv_in, conv_w, torch.arange(3, 3 + tokens), torch.zeros(tokens, hidden), ba, decay,
+                                          dt_bias, state, states, key_heads, key_dim, False, 16, 4, two_phase, pdl)
+            results.append((out, conv_in, state, states))
+        assert all(torch.equal(a, b) for a, b in zip(*results)), two_phase
+
+
 def test_w4a16_matmul_refuses_what_it_cannot_do():
     q, scale, _ = quantized(32, 128, 32)
     words = pack_int4(q)
@@ -301,7 +374,7 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two
     (a prompt from position 0, a decode step, verify blocks; history from its buffer and from the block)
     gives the unfused layer's outputs and states, writes the block's conv inputs to the buffer, and each
     token's output is bit for bit the same whether it came in a block or in a one-token step. `through_op`:
-    the same through `qdflash::gated_delta_step`, the op it launches through with PDL (kernels.set_pdl; here
+    the same through `qdflash::gated_delta_step`, the op it launches through with PDL (kernels.pdl.set_pdl; here
     without PDL, which the CPU has not), its buffers written in place by the op, a compiled step's way
     (test_the_gated_delta_op_compiles_as_one_node). `two_phase`: the block kernel that computes every token's
     inputs first (its sums in another order: blocks and steps then agree to fp32 rounding)."""
@@ -360,7 +433,8 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two
 
 def test_the_gated_delta_op_compiles_as_one_node(monkeypatch):
     """With PDL the fused GDN middle launches through `qdflash::gated_delta_step`, which writes the conv-input
-    buffer and the states in place: a fullgraph compile keeps it one node and leaves the buffers as eager does."""
+    buffer and the states in place: a fullgraph compile keeps it one node, and with AOT autograd (functionalized)
+    leaves the buffers as eager does; the op's schema and fake against the real call (opcheck)."""
     from qdflash.kernels import gated_delta as gdn_module
 
     g = torch.Generator().manual_seed(4)
@@ -388,13 +462,21 @@ def test_the_gated_delta_op_compiles_as_one_node(monkeypatch):
         graphs.append(gm)
         return gm
 
-    eager, compiled = buffers(), buffers()
+    eager = buffers()
     want = step(qkvz, *eager)
-    got = torch.compile(step, backend=backend, fullgraph=True)(qkvz, *compiled)
-    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(compiled, eager))
     assert eager[0][2:2 + tokens].any()  # the block's conv inputs were written
+    # traced as one node; then through AOT autograd's functionalization, which turns the op's writes into copies
+    # back to the buffers: they end as eager leaves them
+    for compile_backend in (backend, "aot_eager"):
+        compiled = buffers()
+        got = torch.compile(step, backend=compile_backend, fullgraph=True)(qkvz, *compiled)
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(compiled, eager)), compile_backend
+        torch._dynamo.reset()
     ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
     assert ops.count(torch.ops.qdflash.gated_delta_step.default) == 1, ops
+    conv_w, x, ba_w, decay, dt_bias = weights
+    torch.library.opcheck(gdn_module._step_op, (qkvz, *buffers()[:1], conv_w, torch.arange(2, 2 + tokens), x, ba_w, decay, dt_bias,
+                                                *buffers()[1:], key_heads, key_dim, True, 16, 4, False, False))
 
 
 SM90_COMPILE = """
@@ -419,7 +501,9 @@ ptx = kernel.asm["ptx"].splitlines()
 waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
 # PDL: how many global loads the PTX issues before its first wait (-1: it has no wait)
 before = sum(1 for line in ptx[: waits[0]] if "ld.global" in line) if waits else -1
+writes = sum(1 for line in ptx[: waits[0]] if re.search(r"\\b(st|atom|red)\\.global", line)) if waits else -1
 print(json.dumps({**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)}, "LOADS_BEFORE_WAIT": before,
+                  "WRITES_BEFORE_WAIT": writes,
                   "WAITS": len(waits), "LAUNCHES": sum("griddepcontrol.launch_dependents" in line for line in ptx),
                   "BF16X2_FMAS": sum("fma.rn.bf16x2" in line for line in ptx)}))
 """
@@ -515,9 +599,10 @@ def aligned_args(signature):
 
 @pytest.mark.parametrize("case", sorted(pdl_cases(True)))
 def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
-    """With PDL (kernels.set_pdl) each matmul kernel and the GDN step lower for sm_90 with one grid-dependency wait,
-    loads issued before it (a matmul's first weight tile: a weight is no kernel's output; the GDN step's weights and
-    recurrent state), the next kernel released after it, and no spill; without PDL, neither instruction. The fast W4
+    """With PDL (kernels.pdl.set_pdl) each matmul kernel and the GDN kernels lower for sm_90 with one grid-dependency
+    wait, loads issued before it (a matmul's first weight tile: a weight is no kernel's output; the GDN kernels'
+    weights and recurrent state), no global write before it, the next kernel released after it, and no spill;
+    without PDL, neither instruction. The fast W4
     tile carries BF16_NIBBLES's bf16x2 FMAs (8 a word) into its PTX, the others none."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_WARPS
 
@@ -529,6 +614,7 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
         assert (used["BF16X2_FMAS"] > 0) == case.endswith("fast"), used
         if pdl:
             assert used["WAITS"] == 1 and used["LAUNCHES"] == 1 and used["LOADS_BEFORE_WAIT"] > 0, used
+            assert used["WRITES_BEFORE_WAIT"] == 0, used  # nothing written before the previous kernel has ended
         else:
             assert used["WAITS"] == used["LAUNCHES"] == 0, used
 

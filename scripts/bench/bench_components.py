@@ -26,7 +26,7 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
 - `--hf-generate`: transformers' own static compiled `generate` on the same 16-bit model at batch 1, its
   decode step's time from two generation lengths (`hf_static_generate`), and over this engine's steps;
 - `--pdl-only`: the tuned 16-bit target and the W4 target, each without and with programmatic dependent launch
-  of the matmul kernels and the fused GDN step (`kernels.set_pdl`; `--inductor-pdl`: inductor's kernels too), and
+  of the matmul kernels and the fused GDN step (`kernels.pdl.set_pdl`; `--inductor-pdl`: inductor's kernels too), and
   with each further `--gdn-ba` mode (how the GDN gates get their b / a projection), side by side (`pdl_study`);
 - `--profile`: where a decode step's and a verify block's time goes, kernel by kernel (torch.profiler over graph
   replays), grouped into matmuls, recurrence, attention, fused elementwise (inductor) and the rest.
@@ -60,7 +60,7 @@ from qdflash.engine import build_engine
 from qdflash.engine.base import allow_compiles, compiled_step
 from qdflash.engine.graphs import restore, snapshot
 from qdflash.engine.linear import pack_linears, tune_projections
-from qdflash.kernels import set_pdl
+from qdflash.kernels.pdl import set_pdl
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
 from qdflash.quant.apply import replace_linears, select_linears
 from qdflash.quant.gptq import rtn_quantize
@@ -304,22 +304,32 @@ def gdn_ba_list(text: str) -> list[str]:
 
 def study_arms(args) -> list[tuple[str, str, bool, bool, bool]]:
     """`--pdl-only`'s arms: (label suffix, gdn_ba, two-phase GDN blocks, our kernels with PDL, inductor's with PDL).
-    The first is the base the others are set against; the PDL arms keep its gdn_ba, the gdn_ba arms run without
-    PDL, and with `--gdn-two-phase` each of them but dot also through the two-phase GDN block kernel."""
+    The first is the base the others are set against; the PDL arms keep its gdn_ba, every other `--gdn-ba` mode is
+    an arm without PDL, and with `--gdn-two-phase` each mode but dot (the base's too) also through the two-phase GDN
+    block kernel."""
     base = args.gdn_ba[0]
     arms = [("", base, False, False, False), ("_pdl", base, False, True, False)]
     if args.inductor_pdl:
         arms.append(("_pdl_inductor", base, False, True, True))
-    for mode in args.gdn_ba[1:]:
-        arms.append((f"_gdn_{mode}", mode, False, False, False))
+    for mode in args.gdn_ba:
+        if mode != base:
+            arms.append((f"_gdn_{mode}", mode, False, False, False))
         if args.gdn_two_phase and mode != "dot":
             arms.append((f"_gdn_{mode}_two_phase", mode, True, False, False))
     return arms
 
 
+def pdl_targets(text: str) -> list[str]:
+    out = text.split(",")
+    if out not in (["16"], ["w4"], ["16", "w4"]):
+        raise argparse.ArgumentTypeError(f"--pdl-targets: expected 16, w4 or 16,w4 (the W4 arms quantize the model in place), "
+                                         f"got {text!r}")
+    return out
+
+
 def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, result) -> dict:
     """`--pdl-only`: the tuned 16-bit target, then the W4 target (RTN, `--group`), each measured per `study_arms` in
-    turn: without PDL, with the matmul kernels and the fused GDN step launched with it (kernels.set_pdl; retuned,
+    turn: without PDL, with the matmul kernels and the fused GDN step launched with it (kernels.pdl.set_pdl; retuned,
     since PDL changes what a kernel costs beside the others: tuning times a kernel back to back with itself), with
     `--inductor-pdl` inductor's kernels too, and each further `--gdn-ba` mode (an engine of its own; "fused" needs
     16-bit b / a and qkvz, so the W4 target skips it). Each arm compiles afresh (dynamo's cache does not key on
@@ -330,8 +340,6 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
     import torch._inductor.config as inductor_config
 
     out = {}
-    if args.pdl_targets not in (["16"], ["w4"], ["16", "w4"]):
-        raise SystemExit(f"--pdl-targets: expected 16, w4 or 16,w4 (the W4 arms quantize the model), got {','.join(args.pdl_targets)}")
     for label in [{"16": "target16", "w4": "target_w4"}[name] for name in args.pdl_targets]:
         if label == "target_w4":
             out["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
@@ -347,16 +355,19 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
             if engine is None or engine.gdn_ba != gdn_ba:
                 engine = None  # an arm's own engine is freed before the next is built (each copies the weights)
                 engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=gdn_ba)
-                engine.fuse_gdn = engine16.fuse_gdn  # False where the fused path failed its check (gdn_check)
             engine.gdn_two_phase, engine.graphs = two_phase, {}
             set_pdl(ours)
             try:
+                if suffix:  # the arm's GDN path (its kernel, PDL or not) against the unfused layer, as main() checks the base's
+                    out.update(gdn_check(engine, device, label=f"{arm}.gdn_check"))
                 t0 = time.perf_counter()
                 out[f"{arm}.tuned"] = engine.tune_kernels()
                 out[f"{arm}.tune_s"] = round(time.perf_counter() - t0, 1)
                 torch._dynamo.reset()
                 with inductor_config.patch({"triton.enable_pdl": True}) if inductor else contextlib.nullcontext():
                     out.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
+            except Exception as err:  # noqa: BLE001 -- an arm's kernel failing on its first GPU run is a result; the next arm runs
+                out[f"{arm}.error"] = f"{type(err).__name__}: {str(err)[:300]}"
             finally:
                 set_pdl(False)
             for step in ("decode", "verify", "decode_compiled", "verify_compiled"):
@@ -442,13 +453,14 @@ def kernel_check(engine, device) -> dict:
     return out
 
 
-def gdn_check(engine, device: str, tokens: int = 40, block: int = 8) -> dict:
+def gdn_check(engine, device: str, tokens: int = 40, block: int = 8, label: str = "gdn_fused_check") -> dict:
     """Before any timing: the fused GDN layer middle against the unfused one on the same prompt (a prefill of
     `tokens` - `block`, then a `block`-token step and a 1-token step, eager), logits compared. Where the fused path
     raises (a kernel that does not build on this device), the engine runs unfused for the whole run and the error
-    is recorded, so that the rest is still measured. Without the kernels there is one path: nothing to check."""
+    is recorded, so that the rest is still measured. Without the kernels there is one path: nothing to check.
+    `label`: the keys' prefix."""
     if not engine.kernels:
-        return {"gdn_fused_check": "kernels off: one torch path"}
+        return {label: "kernels off: one torch path"}
     prompt = torch.randint(0, engine.lm_head.shape[0], (tokens,), device=device)
     logits = {}
     try:
@@ -463,10 +475,10 @@ def gdn_check(engine, device: str, tokens: int = 40, block: int = 8) -> dict:
     except Exception as err:  # noqa: BLE001 -- a fused kernel that fails here is a result; the run goes on unfused
         engine.fuse_gdn = False
         engine.reset()
-        return {"gdn_fused_check.error": f"{type(err).__name__}: {str(err)[:300]}"}
+        return {f"{label}.error": f"{type(err).__name__}: {str(err)[:300]}"}
     engine.reset()
-    return {"gdn_fused_check.max_abs": float((logits[True] - logits[False]).abs().max()),
-            "gdn_fused_check.logit_scale": float(logits[False].abs().max())}
+    return {f"{label}.max_abs": float((logits[True] - logits[False]).abs().max()),
+            f"{label}.logit_scale": float(logits[False].abs().max())}
 
 
 def main() -> None:
@@ -497,14 +509,14 @@ def main() -> None:
                              "fused GDN layer middle saves, in a few minutes of device time; no drafters, no W4")
     parser.add_argument("--pdl-only", action="store_true",
                         help="the 16-bit target (tuned) and the W4 target, each without and then with programmatic dependent "
-                             "launch of the matmul kernels (kernels.set_pdl; retuned per arm), same process; no drafters")
+                             "launch of the matmul kernels (kernels.pdl.set_pdl; retuned per arm), same process; no drafters")
     parser.add_argument("--inductor-pdl", action="store_true",
                         help="--pdl-only: a third arm with inductor's own kernels launched with PDL too "
                              "(torch._inductor.config.triton.enable_pdl)")
     parser.add_argument("--gdn-ba", type=gdn_ba_list, default=["dot"],
                         help="how the GDN gates get their b / a projection (LeanQwen35's gdn_ba: dot, given, fused), comma-"
                              "separated: the first for every engine of the run; with --pdl-only each other one is an arm too")
-    parser.add_argument("--pdl-targets", type=lambda text: text.split(","), default=["16", "w4"],
+    parser.add_argument("--pdl-targets", type=pdl_targets, default=["16", "w4"],
                         help="--pdl-only: which targets' arms, in order (16: the 16-bit target; w4: the W4 one; the W4 arms "
                              "quantize the model in place, so 16 after w4 is refused)")
     parser.add_argument("--gdn-two-phase", action="store_true",

@@ -17,7 +17,7 @@ outputs against the default one's.
 hidden row itself, a HIDDEN-wide dot and cross-warp reduction per token), `given` (that product computed before,
 as a fused qkvz + ba projection would give it: the kernel reads 2 values a token), `two_phase` (`given` through the
 block kernel that computes every token's inputs first, then runs the recurrence alone; a decode step, one token,
-keeps the step kernel) and `pdl` (`dot` launched with programmatic dependent launch, kernels.set_pdl: weights and
+keeps the step kernel) and `pdl` (`dot` launched with programmatic dependent launch, kernels.pdl.set_pdl: weights and
 state loaded before waiting on the kernel before).
 """
 
@@ -29,12 +29,14 @@ import platform
 
 import torch
 
-from qdflash.kernels import copies_past_l2, graph_ms, set_pdl
+from qdflash.kernels import copies_past_l2, graph_ms
+from qdflash.kernels.pdl import set_pdl
 from qdflash.kernels.gated_delta import gated_delta_step
 
 # Qwen3.5-4B's linear-attention layers: 16 key heads, 32 value heads, head dims 128, conv kernel 4, hidden 2560
 SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
-LAUNCHES = [(16, 4), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]  # (block_v, num_warps); the default first
+# (block_v, num_warps); the default first, then the two-phase block kernel's (16 x BLOCK_WARPS)
+LAUNCHES = [(16, 4), (16, 8), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]
 VARIANTS = ("dot", "given", "two_phase", "pdl")
 
 
@@ -76,13 +78,13 @@ def run(layer: dict, block_v: int, num_warps: int, keep_states: bool, variant: s
                             layer["ba_product"] if given else layer["ba"], layer["decay"], layer["dt_bias"], layer["state"],
                             layer["states"] if keep_states else None, key_heads=SHAPE["key_heads"],
                             key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps,
-                            two_phase=variant == "two_phase" and layer["qkvz"].shape[0] > 1)
+                            two_phase=variant == "two_phase")
 
 
 def variant_list(text: str) -> list[str]:
     out = text.split(",")
-    if not out or any(v not in VARIANTS for v in out):
-        raise argparse.ArgumentTypeError(f"--variants: expected a comma-separated subset of {','.join(VARIANTS)}, got {text!r}")
+    if any(v not in VARIANTS for v in out) or len(set(out)) < len(out):
+        raise argparse.ArgumentTypeError(f"--variants: expected distinct names of {','.join(VARIANTS)}, comma-separated, got {text!r}")
     return out
 
 

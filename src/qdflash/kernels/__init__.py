@@ -6,9 +6,9 @@ Both run wherever Triton does: on a CUDA device, and on the CPU under Triton's i
 (`TRITON_INTERPRET=1`, set before triton is first imported), which is how the tests check them
 against the plain-torch reference on a machine without a GPU.
 
-`set_pdl(True)` launches the matmul kernels and the fused GDN step with programmatic dependent launch on
+`pdl.set_pdl(True)` launches the matmul kernels and the fused GDN step with programmatic dependent launch on
 Hopper and later (each then goes through a custom op of ours, since torch.compile drops a Triton launch's
-options): what it is for and why it keeps the stream's order is in its docstring.
+options): `pdl` says what it is for and why it keeps the stream's order.
 """
 
 from __future__ import annotations
@@ -20,34 +20,6 @@ import torch
 from ..errors import QdflashError
 
 MAX_ROWS = 16  # rows the matmul kernels take, padded to one tensor-core tile: a verify block of 16 tokens
-_PDL = [False]  # set_pdl
-
-
-def set_pdl(on: bool) -> None:
-    """Launch the matmul kernels (`gemv`, `w4a16`) and the fused GDN step (`gated_delta.gated_delta_step`) with
-    programmatic dependent launch where the GPU has it
-    (Hopper and later), from now on: every later launch, a tuning's timings and a captured step's kernels.
-
-    Why: a decode step is ~400 kernels of a few microseconds each, and between two of them the GPU drains
-    the first, flushes its writes and only then starts the second, whose first weight loads wait a DRAM
-    round trip more. A matmul's weight is no kernel's output, so with PDL a launch starts its programs
-    while the previous kernel's last ones still run, issues its first weight tile's loads, and only then
-    waits (`gdc_wait`) for the previous kernel's results (its input row) and before writing anything.
-    Every program waits unconditionally, so a kernel still ends after the one before it: the stream's
-    order holds for the kernels around it, whether they use PDL or not. (The GDN step also loads the layer's
-    recurrent state before waiting: only that layer's kernel writes it, in an earlier step.)
-    Off by default until it is measured in a step on the H200. Takes effect only where every visible GPU has
-    compute capability 9 or more (the CPU's interpreter and older GPUs have no grid dependency control)."""
-    _PDL[0] = bool(on) and torch.cuda.is_available() and all(
-        torch.cuda.get_device_capability(i)[0] >= 9 for i in range(torch.cuda.device_count()))
-
-
-def pdl_for(t: torch.Tensor) -> bool:
-    """Whether a kernel on `t`'s device launches with PDL (`set_pdl`). Read while torch.compile traces a step,
-    so it only reads a flag: the device check is `set_pdl`'s."""
-    return _PDL[0] and t.is_cuda
-
-
 def row_bucket(rows: int) -> int:
     """What a kernel is tuned for at `rows` rows: 1 (a decode step) or MAX_ROWS (2-16: a verify block)."""
     return 1 if rows == 1 else MAX_ROWS

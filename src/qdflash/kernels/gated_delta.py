@@ -13,7 +13,8 @@ layer instead of ~10 small kernels per token. With `states` given, the state aft
 written to states[t + 1] (states[0] = the state before the block): a rejected draft is rolled back by
 copying one of them, with no token fed again (docs/recipe.md: "keep per-position states during verify").
 A decode step (T = 1) and a verify block run the same per-token arithmetic, so their outputs agree
-bit for bit.
+bit for bit (except through the two-phase block kernel, `gated_delta_step(two_phase=True)`, whose sums run in
+another order: there they agree to fp32 rounding, and a greedy token may flip where two logits nearly tie).
 
 `gated_delta_step` is the same recurrence with what feeds it in the same launch: the causal conv over the
 projected inputs (reading earlier positions from the layer's conv-input buffer and writing this block's
@@ -29,13 +30,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import QdflashError
-from . import pdl_for
+from .pdl import pdl_for
 
 try:
     import triton
     import triton.language as tl
 
-    from .gemv import pdl_wait
+    from .pdl import pdl_wait_and_release
 except ImportError:
     triton = tl = None
 
@@ -70,9 +71,9 @@ if triton is not None:
                                  HIDDEN_P: tl.constexpr, T: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr,
                                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, BA_DOT: tl.constexpr,
                                  STORE_STATES: tl.constexpr, PDL: tl.constexpr):
-        """PDL (kernels.set_pdl): the weights and the recurrent state are loaded before `pdl_wait`. None is
-        another kernel's output in this step: the state is written only by this layer's kernel, in an earlier
-        step (an earlier graph launch, ended before this one began) or by a rollback between steps."""
+        """PDL (kernels.pdl.set_pdl): the weights and the recurrent state are loaded before `pdl_wait_and_release`.
+        Only the kernel right before this one may still be running (kernels.pdl), and it writes neither: the state
+        is written only by this layer's GDN kernel (or a rollback between steps)."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -102,7 +103,7 @@ if triton is not None:
         tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
         s = tl.load(state_ptr + tile)
         if PDL:
-            pdl_wait()
+            pdl_wait_and_release()
             start = tl.load(pos_ptr)
         if STORE_STATES:
             tl.store(states_ptr + tile, s)
@@ -157,7 +158,7 @@ if triton is not None:
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         decay = tl.load(decay_ptr + h)
         if PDL:
-            pdl_wait()
+            pdl_wait_and_release()
         start = tl.load(pos_ptr)
         aq = tl.zeros((T_P, DK), dtype=tl.float32)
         ak = tl.zeros((T_P, DK), dtype=tl.float32)
@@ -366,8 +367,9 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     `positions` [T]: consecutive, read on the device (a captured step's input). Returns o [T, H, dv] fp32.
     What it replaces per layer (engine.qwen3_5's unfused path: the buffer write, the window gather, the conv,
     silu / l2norm, the gates and the a / b matmul) is about eight launches, each a few microseconds at batch 1.
-    `two_phase` (the product given, T > 1): `_gated_delta_block_kernel`, every token's inputs first, then the
-    recurrence alone token by token. `num_warps`: STEP_WARPS, or BLOCK_WARPS for two_phase, unless given."""
+    `two_phase` (the product given): a block of T > 1 tokens through `_gated_delta_block_kernel`, every token's
+    inputs first, then the recurrence alone token by token (one token keeps the step kernel). `num_warps`:
+    STEP_WARPS, or BLOCK_WARPS for the block kernel, unless given."""
     if triton is None:
         raise QdflashError("gated_delta_step needs triton")
     t = qkvz.shape[0]
@@ -386,6 +388,7 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
         raise QdflashError(f"gated_delta_step: the state must be contiguous fp32 (got {state.dtype})")
     if two_phase and ba_weight:
         raise QdflashError("gated_delta_step: two_phase takes the b / a product given (ba_weight=False)")
+    two_phase = two_phase and t > 1
     block_v = _value_block("gated_delta_step", dk, dv, block_v, states, t)
     num_warps = num_warps or (BLOCK_WARPS if two_phase else STEP_WARPS)
     args = (qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
@@ -432,4 +435,5 @@ def _step_op(qkvz: torch.Tensor, conv_in: torch.Tensor, conv_weight: torch.Tenso
 @_step_op.register_fake
 def _(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
       num_warps, two_phase, pdl):
-    return qkvz.new_empty((qkvz.shape[0], *state.shape[::2]), dtype=torch.float32)
+    heads, _, dv = state.shape
+    return qkvz.new_empty((qkvz.shape[0], heads, dv), dtype=torch.float32)

@@ -28,11 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import QdflashError
-from . import MAX_ROWS, copies_past_l2, fastest, graph_ms, pdl_for, row_bucket
+from . import MAX_ROWS, copies_past_l2, fastest, graph_ms, row_bucket
+from .pdl import pdl_for
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_wait_and_release
 except ImportError:  # the CPU install
     triton = tl = None
 
@@ -52,21 +55,13 @@ class GemvConfig:
 if triton is not None:
 
     @triton.jit
-    def pdl_wait():
-        """With programmatic dependent launch (kernels.set_pdl): wait until the previous kernel has ended and
-        its writes are visible, then let the next kernel's programs start. A kernel calls it in every program
-        before it reads another kernel's output or writes anything; only loads of weights come before it."""
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, stride_os, K_PER_SPLIT, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
         """TILES = 0: a runtime loop over K_PER_SPLIT (one compile serves every K). TILES > 0: K_PER_SPLIT
         is TILES * BLOCK_K and the loop is unrolled, so the compiler issues every tile's loads before the
         arithmetic: a program's whole slice of the weight in flight, where the runtime loop waits on memory
         once per tile (one compile per K and split). PDL: the first tile's weight loads go out before
-        `pdl_wait`."""
+        `pdl_wait_and_release`."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,8 +72,8 @@ if triton is not None:
         FIRST: tl.constexpr = 1 if PDL else 0  # tiles done before the loop
         if PDL:
             w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok, other=0)
-            pdl_wait()
-            acc += w.to(tl.float32) * tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
+            pdl_wait_and_release()
+            acc += _gemv_product(x_ptr, w, k0 + rk)
         if TILES > 0:
             for tile in tl.static_range(FIRST, TILES):
                 acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + tile * BLOCK_K + rk, stride_wn)
@@ -105,7 +100,7 @@ if triton is not None:
         FIRST: tl.constexpr = 1 if PDL else 0
         if PDL:
             w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok, other=0)
-            pdl_wait()
+            pdl_wait_and_release()
             x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok, other=0)
             acc += _rows_product(x, w, IEEE)
         if TILES > 0:
@@ -131,6 +126,10 @@ if triton is not None:
     @triton.jit
     def _gemv_tile(x_ptr, w_ptr, rn, n_ok, col, stride_wn):
         w = tl.load(w_ptr + rn[:, None] * stride_wn + col[None, :], mask=n_ok, other=0)
+        return _gemv_product(x_ptr, w, col)
+
+    @triton.jit
+    def _gemv_product(x_ptr, w, col):
         return w.to(tl.float32) * tl.load(x_ptr + col).to(tl.float32)[None, :]
 
 

@@ -34,13 +34,14 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError
 from ..quant.grid import GridSpec, dequantize
-from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, pdl_for, row_bucket, tinygemm
+from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, row_bucket, tinygemm
+from .pdl import pdl_for
 
 try:
     import triton
     import triton.language as tl
 
-    from .gemv import pdl_wait
+    from .pdl import pdl_wait_and_release
 except ImportError:  # the CPU install: kernels are optional, the dense path remains
     triton = tl = None
 
@@ -119,7 +120,7 @@ if triton is not None:
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr,
                       K_PER_SPLIT: tl.constexpr, PDL: tl.constexpr, FAST: tl.constexpr):
         """2-16 rows: the [BN, BK] weight tile unpacked once, one tensor-core dot with all rows. PDL: the
-        first tile's words and scales are loaded before `pdl_wait` (they are no kernel's output). FAST (bf16):
+        first tile's words and scales are loaded before `pdl_wait_and_release` (they are no kernel's output). FAST (bf16):
         the nibbles made bf16 by BF16_NIBBLES, each word's scale loaded beside it, and the tile's 8 columns of
         every word multiplied as 8 dots of [BN, BK8] (no reshape of the weights)."""
         BLOCK_K: tl.constexpr = 8 * BLOCK_K8
@@ -133,7 +134,7 @@ if triton is not None:
         FIRST: tl.constexpr = BLOCK_K if PDL else 0  # columns done before the loop
         if PDL:
             w, s = _w4_tile(w_ptr, s_ptr, rn, n_ok, pid_k * K_PER_SPLIT, stride_wn, stride_sn, GROUP, BLOCK_K8, FAST)
-            pdl_wait()
+            pdl_wait_and_release()
             acc += _w4_dot(x_ptr, w, s, rm, m_ok, pid_k * K_PER_SPLIT, stride_xm, GROUP, BLOCK_N, BLOCK_K8, FAST)
         for step in range(FIRST, K_PER_SPLIT, BLOCK_K):
             col0 = pid_k * K_PER_SPLIT + step  # first column of this tile
@@ -144,8 +145,8 @@ if triton is not None:
     @triton.jit
     def _w4_tile(w_ptr, s_ptr, rn, n_ok, col0, stride_wn, stride_sn, GROUP: tl.constexpr, BLOCK_K8: tl.constexpr,
                  FAST: tl.constexpr):
-        """The words [BN, BK8] and scales [BN, BK / GROUP] of the tile starting at column col0 (FAST: each
-        word's scale, [BN, BK8])."""
+        """The words [BN, BK8] of the tile starting at column col0 and its scales: [BN, BK / GROUP], or with FAST
+        each word's scale [BN, BK8]."""
         if FAST:
             w, s = _w4_words(w_ptr, s_ptr, rn, tl.arange(0, BLOCK_K8), n_ok, col0, stride_wn, stride_sn, GROUP)
         else:
@@ -201,7 +202,7 @@ if triton is not None:
         FIRST: tl.constexpr = 8 * BLOCK_K8 if PDL else 0
         if PDL:
             w, s = _w4_words(w_ptr, s_ptr, rn, ri, n_ok, pid_k * K_PER_SPLIT, stride_wn, stride_sn, GROUP)
-            pdl_wait()
+            pdl_wait_and_release()
             acc += _w4_gemv_part(x_ptr, w, s, ri, pid_k * K_PER_SPLIT, BLOCK_N, BLOCK_K8)
         for step in range(FIRST, K_PER_SPLIT, 8 * BLOCK_K8):
             col0 = pid_k * K_PER_SPLIT + step
@@ -211,7 +212,7 @@ if triton is not None:
 
     @triton.jit
     def _w4_words(w_ptr, s_ptr, rn, ri, n_ok, col0, stride_wn, stride_sn, GROUP: tl.constexpr):
-        """The one-row kernel's [BN, BK8] words from column col0, and each word's scale."""
+        """The [BN, BK8] words from column col0, and each word's scale (the one-row kernel's tile, and the fast one's)."""
         w = tl.load(w_ptr + rn[:, None] * stride_wn + (col0 // 8 + ri)[None, :], mask=n_ok, other=0)
         s = tl.load(s_ptr + rn[:, None] * stride_sn + ((col0 + 8 * ri) // GROUP)[None, :], mask=n_ok, other=0)
         return w, s
@@ -374,22 +375,35 @@ def _check_external(name: str, x, ws, ss, group: int):
     except Exception as err:  # noqa: BLE001 - RuntimeError from torch's op, anything from a package's Triton code
         return [], f"raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
     reference = F.linear(x.float(), dequantize_words(ws[0], ss[0], group))
-    error = float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
+    error = _relative_error(got, reference)
     if error > EXTERNAL_TOLERANCE:
         return [], f"is off the dequantized product by {error:.3g} (relative; tolerance {EXTERNAL_TOLERANCE})"
     return states, None
 
 
-def _check_fast(x, words, scale, group: int, configs: list[Config]) -> str | None:
-    """What is wrong with the first fast config's product against the dequantized one (each weight rounded to
-    bf16, as that path rounds it), or None (also where there is no fast config)."""
-    fast = next((c for c in configs if c.fast), None)
-    if fast is None:
-        return None
-    got = w4a16_matmul(x, words, scale, group, fast).float()
+def _relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
+    """The largest error relative to the reference's largest value (what EXTERNAL_TOLERANCE bounds)."""
+    return float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
+
+
+def _check_fast(x, words, scale, group: int, configs: list[Config]) -> tuple[list[Config], list[str]]:
+    """`configs` without the fast ones whose product is off the dequantized one (each weight rounded to bf16, as
+    that path rounds it) or that fail to run, and what was wrong with each dropped: inline PTX the interpreter cannot
+    run, checked on the device before any timing or use."""
     reference = F.linear(x.float(), dequantize_words(words, scale, group).to(x.dtype).float())
-    error = float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
-    return f"are off the dequantized product by {error:.3g} (relative)" if error > EXTERNAL_TOLERANCE else None
+    kept, problems = [], []
+    for config in configs:
+        if config.fast:
+            try:
+                error = _relative_error(w4a16_matmul(x, words, scale, group, config).float(), reference)
+            except Exception as err:  # noqa: BLE001 -- a tile that does not build or launch here is dropped, not fatal
+                problems.append(f"{config}: raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+                continue
+            if error > EXTERNAL_TOLERANCE:
+                problems.append(f"{config}: off the dequantized product by {error:.3g} (relative)")
+                continue
+        kept.append(config)
+    return kept, problems
 
 
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
@@ -408,10 +422,10 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     x = torch.randn(rows, k, device=device, dtype=dtype)
     fast = dtype == torch.bfloat16 and torch.device(device).type == "cuda"
     configs = candidate_configs(k, group, n, rows, fast) or candidate_configs(k, group, None, rows, fast)
-    problem = _check_fast(x, ws[0], ss[0], group, configs)
-    if problem:  # inline PTX the interpreter cannot run: checked here, on the device, before any use
-        warnings.warn(f"w4a16 fast configs on {n}x{k} (group {group}, {rows} rows) {problem}: not used", stacklevel=2)
-        configs = [c for c in configs if not c.fast]
+    configs, problems = _check_fast(x, ws[0], ss[0], group, configs)
+    if problems:
+        warnings.warn(f"w4a16 on {n}x{k} (group {group}, {rows} rows), fast configs not used: {'; '.join(problems)[:1000]}",
+                      stacklevel=2)
     config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c) for w, s in zip(ws, ss)], copies)
     others: dict[str, float | None] = {}
     for name in EXTERNAL:
