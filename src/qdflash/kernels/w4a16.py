@@ -304,8 +304,9 @@ def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_
     GPU's SMs, few enough that split-K partial sums stay small): the set `tune` times. One row
     (the GEMV kernel) takes [BN, BK8] word tiles of 512-4096 words: long contiguous runs of each
     weight row, and its five tile-sized fp32/int32 arrays still fit the registers. `fast` (bf16 on a GPU): the
-    tensor-core tiles again with BF16_NIBBLES (for 1 row also 16 x 16 words), of at most 2048 words: 4096 spill
-    on sm_90, the 8 bf16 column operands living beside the words."""
+    tensor-core tiles again with BF16_NIBBLES (for 1 row also 16 x 16 words), of at most 2048 words (4096 spill
+    on sm_90, the 8 bf16 column operands living beside the words), each at its two fewest K splits that fill
+    the GPU (a K split is a compile of its own for that kernel: tuning time)."""
     one = rows == 1
 
     def launches(c: Config) -> bool:
@@ -321,9 +322,13 @@ def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_
                     c = Config(block_n, block_k8, split_k, warps, 3)
                     if fits(c, k, group, rows) and launches(c):
                         out.append(c)
-    if fast:
+    if fast:  # per tile its two fewest splits that still launch >= 128 programs: each is a compile of its own
         tiles = candidate_configs(k, group, n, MAX_ROWS) + ([Config(16, 16, split) for split in (1, 2, 4, 8, 16)] if one else [])
-        out += [replace(c, fast=True) for c in tiles if c.block_n * c.block_k8 <= 2048 and fits(c, k, group) and launches(c)]
+        fitting = [replace(c, fast=True) for c in tiles if c.block_n * c.block_k8 <= 2048 and fits(c, k, group) and launches(c)]
+        for tile in dict.fromkeys((c.block_n, c.block_k8) for c in fitting):
+            splits = sorted((c for c in fitting if (c.block_n, c.block_k8) == tile), key=lambda c: c.split_k)
+            full = [c for c in splits if -(-(n or 0) // c.block_n) * c.split_k >= 128] if n else splits
+            out += (full or splits[-1:])[:2]
     return out
 
 
