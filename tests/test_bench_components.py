@@ -39,9 +39,10 @@ def runs(tmp_path_factory):
                                      "--w4-head", "--compile", "aot_eager", "--unfused-gdn",
                                      "--hf-generate", "--hf-tokens", "8", "--hf-reps", "1"),
                # --pdl-only: on the CPU there is no PDL, so the arms run one code path; what is tested is the study's
-               # plumbing: each arm retuned, compiled afresh and measured, and set against the first
+               # plumbing: each arm retuned, checked, measured and set against the first (not compiled here: the
+               # components run above covers --compile, and a compile per arm would double this test's time)
                "pdl": Started(folder, "pdl", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
-                              "--pdl-only", "--inductor-pdl", "--gdn-ba", "dot,fused", "--gdn-two-phase", "--compile", "aot_eager"),
+                              "--pdl-only", "--inductor-pdl", "--gdn-ba", "dot,fused", "--gdn-two-phase"),
                "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
                                "--attention", "sdpa,kernel", "--kernels", "on"),
                # --compile (traced with aot_eager: Triton's interpreter does not run under dynamo, so sdpa here)
@@ -105,11 +106,11 @@ def test_pdl_study_runs_each_arm_on_the_cpu(runs):
     for label in ("target16", "target_w4"):
         for suffix in ("", "_pdl", "_pdl_inductor") + (("_gdn_fused", "_gdn_fused_two_phase") if label == "target16" else ()):
             arm = label + suffix
-            assert r[f"{arm}.decode_compiled_ms"] > 0 and r[f"{arm}.verify_compiled_ms"] > 0, r.get(f"{arm}.compile_error")
-            assert r[f"{arm}.graph_vs_eager_max_abs"] == 0.0 and r[f"{arm}.compiled_vs_eager_max_abs"] == 0.0
+            assert r[f"{arm}.decode_ms"] > 0 and r[f"{arm}.verify_ms"] > 0, r.get(f"{arm}.error")
+            assert r[f"{arm}.graph_vs_eager_max_abs"] == 0.0
             if suffix:
-                assert r[f"vs_base.{arm}.decode_compiled_speedup"] == pytest.approx(
-                    r[f"{label}.decode_compiled_ms"] / r[f"{arm}.decode_compiled_ms"], abs=2e-3)
+                assert r[f"vs_base.{arm}.decode_speedup"] == pytest.approx(r[f"{label}.decode_ms"] / r[f"{arm}.decode_ms"], abs=2e-3)
+                assert r[f"{arm}.gdn_check"] == "kernels off: one torch path"  # the GPU compares the arm's GDN path
     assert r["target_w4.quantized_layers"] > 0 and not any(k.startswith("drafter") for k in r)
 
 

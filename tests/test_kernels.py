@@ -602,11 +602,12 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
     """With PDL (kernels.pdl.set_pdl) each matmul kernel and the GDN kernels lower for sm_90 with one grid-dependency
     wait, loads issued before it (a matmul's first weight tile: a weight is no kernel's output; the GDN kernels'
     weights and recurrent state), no global write before it, the next kernel released after it, and no spill;
-    without PDL, neither instruction. The fast W4
+    without PDL (checked on one case), neither instruction. The fast W4
     tile carries BF16_NIBBLES's bf16x2 FMAs (8 a word) into its PTX, the others none."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_WARPS
 
-    for pdl in (True, False):
+    # without PDL on one case only: the others' plain compiles are what the other compile test and every GPU run build
+    for pdl in (True, False) if case == "gemv 1" else (True,):
         module, name, signature, constexprs = pdl_cases(pdl)[case]
         warps = {"gdn step 16": STEP_WARPS, "gdn block 16": BLOCK_WARPS}.get(case, 4)
         used = sm90_resources(module, name, signature, constexprs, warps, aligned_args(signature))
