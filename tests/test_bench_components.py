@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from qdflash.paths import REPO_ROOT
 
@@ -216,3 +217,35 @@ def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_q
     bad = bench_components.gdn_check(engine, "cpu", tokens=24, block=4)
     assert bad == {"gdn_fused_check.error": "RuntimeError: no such PTX"} and not engine.fuse_gdn
     assert bench_components.unfused_gdn_arm(engine, None, "cpu", None, 1.0)["target16_unfused_gdn"].startswith("skipped: the fused")
+
+
+def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
+    """bench_gdn_step.py's variants on one tiny layer through the kernels (Triton's interpreter here; the script
+    itself needs CUDA for its timings): dot, given and two_phase give the same outputs for a 4-token block and a
+    decode step (to fp32 rounding), so a device run times the same computation three ways; bad --variants and
+    --launches values are clear errors."""
+    import argparse
+
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_gdn_step
+
+    monkeypatch.setitem(bench_gdn_step.SHAPE, "key_heads", 1)
+    for key, value in dict(heads=2, dk=16, dv=16, hidden=32).items():
+        monkeypatch.setitem(bench_gdn_step.SHAPE, key, value)
+    for tokens in (4, 1):
+        layer = bench_gdn_step.layer_inputs(tokens, 5, "cpu", torch.Generator().manual_seed(tokens))
+        layer = {k: v.float() if v is not None and v.is_floating_point() else v for k, v in layer.items()}
+        layer["ba_product"] = layer["x"] @ layer["ba"].T  # from the fp32 copies, as the dot computes it
+        start, outs = layer["state"].clone(), {}
+        for variant in ("dot", "given", "two_phase"):
+            layer["state"].copy_(start)
+            outs[variant] = bench_gdn_step.run(layer, 16, 4, tokens > 1, variant)
+        for variant in ("given", "two_phase"):
+            torch.testing.assert_close(outs[variant], outs["dot"], atol=1e-5, rtol=1e-5)
+    assert bench_gdn_step.variant_list("dot,two_phase") == ["dot", "two_phase"]
+    for bad in ("dot,dot", "dot,fast", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--variants"):
+            bench_gdn_step.variant_list(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="--launches"):
+        bench_gdn_step.launch_list("16x4,16")
