@@ -20,6 +20,8 @@ import torch
 from ..errors import QdflashError
 
 MAX_ROWS = 16  # rows the matmul kernels take, padded to one tensor-core tile: a verify block of 16 tokens
+
+
 def row_bucket(rows: int) -> int:
     """What a kernel is tuned for at `rows` rows: 1 (a decode step) or MAX_ROWS (2-16: a verify block)."""
     return 1 if rows == 1 else MAX_ROWS

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import QdflashError
-from .pdl import pdl_for
+from .pdl import launch_options, pdl_for
 
 try:
     import triton
@@ -175,13 +175,9 @@ if triton is not None:
             aq += xq.to(tl.float32) * tl.load(conv_w_ptr + qc * KW + j).to(tl.float32)[None, :]
             ak += xk.to(tl.float32) * tl.load(conv_w_ptr + kc * KW + j).to(tl.float32)[None, :]
             av += xv.to(tl.float32) * tl.load(conv_w_ptr + vc * KW + j).to(tl.float32)[None, :]
-        # conv and silu rounded where the unfused layer rounds, as `_inputs`
-        aq = aq.to(dt).to(tl.float32)
-        ak = ak.to(dt).to(tl.float32)
-        av = av.to(dt).to(tl.float32)
-        qq = (aq / (1.0 + tl.exp(-aq))).to(dt).to(tl.float32)
-        kk = (ak / (1.0 + tl.exp(-ak))).to(dt).to(tl.float32)
-        vv = (av / (1.0 + tl.exp(-av))).to(dt).to(tl.float32)
+        qq = _silu_rounded(aq, dt)
+        kk = _silu_rounded(ak, dt)
+        vv = _silu_rounded(av, dt)
         rq = 1.0 / tl.sqrt(tl.sum(qq * qq, axis=1) + 1e-6)
         rk2 = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
         kq = tl.sum(kk * qq, axis=1) * rk2 * rq / SCALE
@@ -189,11 +185,7 @@ if triton is not None:
         kk = kk * rk2[:, None]
         b = tl.load(ba_ptr + rt * ba_stride + h, mask=t_ok, other=0.0).to(tl.float32)
         a = tl.load(ba_ptr + rt * ba_stride + HV + h, mask=t_ok, other=0.0).to(tl.float32)
-        u = a + dt_bias
-        e = tl.exp(u)
-        w = 1.0 + e
-        g = decay * tl.where(u > 20.0, u, tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0)))  # softplus as `_inputs`
-        beta = 1.0 / (1.0 + tl.exp(-b))
+        g, beta = _gates(a, b, dt_bias, decay)
         # this block's conv inputs to the buffer (later steps read them as history): each program its value
         # channels, the first program of a key head its query and key channels
         here = qkvz_ptr + rt[:, None] * qkvz_stride
@@ -271,20 +263,11 @@ if triton is not None:
             xf = xh.to(tl.float32)
             b = tl.sum(tl.where(tl.arange(0, 2) == 0, xf, 0.0), axis=0)
             a = tl.sum(tl.where(tl.arange(0, 2) == 1, xf, 0.0), axis=0)
-        u = a + dt_bias
-        e = tl.exp(u)
-        w = 1.0 + e
-        # softplus as torch's (threshold 20), log1p(e) to full precision where e is tiny (log(w) * e / (w - 1))
-        softplus = tl.where(u > 20.0, u, tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0)))
-        g = decay * softplus
-        beta = 1.0 / (1.0 + tl.exp(-b))
-        # the causal conv, then silu, rounded where the unfused layer rounds (the conv's and the silu's 16-bit outputs)
-        aq = tl.sum(xq.to(tl.float32) * wq, axis=0).to(dt).to(tl.float32)
-        ak = tl.sum(xk.to(tl.float32) * wk, axis=0).to(dt).to(tl.float32)
-        av = tl.sum(xv.to(tl.float32) * wv, axis=0).to(dt).to(tl.float32)
-        qq = (aq / (1.0 + tl.exp(-aq))).to(dt).to(tl.float32)
-        kk = (ak / (1.0 + tl.exp(-ak))).to(dt).to(tl.float32)
-        vv = (av / (1.0 + tl.exp(-av))).to(dt).to(tl.float32)
+        g, beta = _gates(a, b, dt_bias, decay)
+        # the causal conv over the taps, then silu
+        qq = _silu_rounded(tl.sum(xq.to(tl.float32) * wq, axis=0), dt)
+        kk = _silu_rounded(tl.sum(xk.to(tl.float32) * wk, axis=0), dt)
+        vv = _silu_rounded(tl.sum(xv.to(tl.float32) * wv, axis=0), dt)
         # l2norm (then q / sqrt(dk)) and k . q from one reduction over the key dimension
         q2, k2, kq = tl.reduce((qq * qq, kk * kk, kk * qq), 0, _add3)
         rq = 1.0 / tl.sqrt(q2 + 1e-6)
@@ -298,6 +281,23 @@ if triton is not None:
         tl.store(conv_in_ptr + p * CONV_DIM + qc, here_q, mask=own)
         tl.store(conv_in_ptr + p * CONV_DIM + kc, here_k, mask=own)
         return qq, kk, vv, kq, g, beta
+
+    @triton.jit
+    def _gates(a, b, dt_bias, decay):
+        """The decay g = decay * softplus(a + dt_bias) and beta = sigmoid(b), for one token or a [T] block alike:
+        softplus as torch's (threshold 20), log1p(e) to full precision where e is tiny (log(w) * e / (w - 1))."""
+        u = a + dt_bias
+        e = tl.exp(u)
+        w = 1.0 + e
+        softplus = tl.where(u > 20.0, u, tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0)))
+        return decay * softplus, 1.0 / (1.0 + tl.exp(-b))
+
+    @triton.jit
+    def _silu_rounded(conv, dt: tl.constexpr):
+        """silu of the conv's output, each rounded to the model's dtype where the unfused layer's 16-bit
+        outputs round (the conv's, then the silu's)."""
+        conv = conv.to(dt).to(tl.float32)
+        return (conv / (1.0 + tl.exp(-conv))).to(dt).to(tl.float32)
 
     @triton.jit
     def _step_state(s, qq, kk, vv, kq, g, beta, out_ptrs):
@@ -404,7 +404,7 @@ def _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, s
     heads, dk, dv = state.shape
     kw = conv_weight.shape[-1]
     out = torch.empty(t, heads, dv, device=qkvz.device, dtype=torch.float32)
-    launch = {"launch_pdl": True} if pdl else {}
+    launch = launch_options(pdl)
     if two_phase:
         t_p = triton.next_power_of_2(t)
         scratch = torch.empty(heads * (dv // block_v), t_p, 2 * dk + block_v + 3, device=qkvz.device, dtype=torch.float32)

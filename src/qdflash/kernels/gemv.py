@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError
 from . import MAX_ROWS, copies_past_l2, fastest, graph_ms, row_bucket
-from .pdl import pdl_for
+from .pdl import launch_options, pdl_for
 
 try:
     import triton
@@ -165,7 +165,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool
     # K_PER_SPLIT is a runtime argument (one compile per tile serves every shape: tuning is compile-bound),
     # except where the config unrolls the K loop
     tiles = k // (config.split_k * config.block_k) if config.unrolled else 0
-    launch = {"launch_pdl": True} if pdl else {}
+    launch = launch_options(pdl)
     if m == 1:
         _gemv_kernel[grid](x, weight, out, n, weight.stride(0), out.stride(0), k // config.split_k, BLOCK_N=config.block_n,
                            BLOCK_K=config.block_k, TILES=tiles, PDL=pdl, num_warps=config.num_warps, **launch)

@@ -44,6 +44,11 @@ def pdl_for(t: torch.Tensor) -> bool:
     return _PDL[0] and t.is_cuda
 
 
+def launch_options(pdl: bool) -> dict:
+    """The keyword arguments that make a Triton launch a PDL one (none for a plain launch)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 if triton is not None:
 
     @triton.jit

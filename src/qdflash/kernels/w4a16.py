@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..errors import QdflashError
 from ..quant.grid import GridSpec, dequantize
 from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, row_bucket, tinygemm
-from .pdl import pdl_for
+from .pdl import launch_options, pdl_for
 
 try:
     import triton
@@ -239,12 +239,12 @@ def _check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int
 
 
 def fits(config: Config, k: int, group: int, rows: int = MAX_ROWS) -> bool:
-    """A config is valid for K when its K tiles cover each split exactly and hold whole scale groups
-    (and, for the tensor-core path of 2-16 rows and a fast config at any rows, its column block is at least 16
+    """A config is valid for K when its K tiles cover each split exactly and hold whole scale groups, a word's
+    8 columns in one group (the one-row and fast kernels scale a word once) (and, for the tensor-core path of 2-16 rows and a fast config at any rows, its column block is at least 16
     wide; a fast config's dots are BK8 deep, so at least 16 words too)."""
     tile = 8 * config.block_k8
     dot = rows > 1 or config.fast
-    return (tile % group == 0 and k % (config.split_k * tile) == 0 and (not dot or config.block_n >= 16)
+    return (tile % group == 0 and group % 8 == 0 and k % (config.split_k * tile) == 0 and (not dot or config.block_n >= 16)
             and (not config.fast or config.block_k8 >= 16))
 
 
@@ -276,7 +276,7 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: in
     out = torch.empty(config.split_k, m, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     common = dict(GROUP=group, BLOCK_N=config.block_n, BLOCK_K8=config.block_k8, PDL=pdl, num_warps=config.num_warps,
-                  num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}))
+                  num_stages=config.num_stages, **launch_options(pdl))
     if m == 1 and not config.fast:  # K_PER_SPLIT at run time: one compile per tile serves every shape (tuning is compile-bound)
         _w4a16_gemv_kernel[grid](x, words, scale, out, n, words.stride(0), scale.stride(0), out.stride(0),
                                  k // config.split_k, **common)
@@ -309,8 +309,11 @@ def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_
     the GPU (a K split is a compile of its own for that kernel: tuning time)."""
     one = rows == 1
 
+    def programs(c: Config) -> int:
+        return -(-n // c.block_n) * c.split_k if n else 64
+
     def launches(c: Config) -> bool:
-        return 64 <= (-(-n // c.block_n) * c.split_k if n else 64) <= 4096
+        return 64 <= programs(c) <= 4096
 
     out = []
     for block_n in ((8, 16, 32, 64, 128) if one else (32, 64, 128)):
@@ -327,7 +330,7 @@ def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_
         fitting = [replace(c, fast=True) for c in tiles if c.block_n * c.block_k8 <= 2048 and fits(c, k, group) and launches(c)]
         for tile in dict.fromkeys((c.block_n, c.block_k8) for c in fitting):
             splits = sorted((c for c in fitting if (c.block_n, c.block_k8) == tile), key=lambda c: c.split_k)
-            full = [c for c in splits if -(-(n or 0) // c.block_n) * c.split_k >= 128] if n else splits
+            full = [c for c in splits if programs(c) >= 128] if n else splits
             out += (full or splits[-1:])[:2]
     return out
 
