@@ -370,22 +370,26 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
                 out[f"{arm}.error"] = f"{type(err).__name__}: {str(err)[:300]}"
             finally:
                 set_pdl(False)
-            for step in ("decode", "verify", "decode_compiled", "verify_compiled"):
-                base, this = out.get(f"{label}.{step}_ms"), out.get(f"{arm}.{step}_ms")
-                if suffix and base and this:
-                    out[f"vs_base.{arm}.{step}_speedup"] = round(base / this, 3)
+            if suffix:
+                out.update(step_speedups(out, label, arm, f"vs_base.{arm}"))
             report(result | out, arm, args.out)
+    return out
+
+
+def step_speedups(result: dict, slower: str, faster: str, prefix: str) -> dict:
+    """`<prefix>.<step>_speedup`: arm `slower`'s time over arm `faster`'s for each step both measured (> 1: `faster`
+    is faster)."""
+    out = {}
+    for step in ("decode", "verify", "decode_compiled", "verify_compiled"):
+        before, after = result.get(f"{slower}.{step}_ms"), result.get(f"{faster}.{step}_ms")
+        if before and after:
+            out[f"{prefix}.{step}_speedup"] = round(before / after, 3)
     return out
 
 
 def fused_gdn_gains(result: dict) -> dict:
     """Unfused over fused time of each step both arms measured (> 1: the fused layer middle is faster)."""
-    out = {}
-    for step in ("decode", "verify", "decode_compiled", "verify_compiled"):
-        fused, unfused = result.get(f"target16.{step}_ms"), result.get(f"target16_unfused_gdn.{step}_ms")
-        if fused and unfused:
-            out[f"fused_gdn.{step}_speedup"] = round(unfused / fused, 3)
-    return out
+    return step_speedups(result, "target16_unfused_gdn", "target16", "fused_gdn")
 
 
 def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int | None) -> dict:
