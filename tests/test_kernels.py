@@ -2,6 +2,7 @@
 GPU for real): the W4A16 matmul equals F.linear with the dequantized weight, and the Gated DeltaNet
 recurrence kernel equals the engine's torch loop, per-position states included."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,22 @@ from qdflash.kernels.w4a16 import Config, candidate_configs, pack_int4, unpack_i
 from qdflash.quant.grid import GridSpec, compute_scale, dequantize, quantize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps the FX graphs dynamo hands it and runs them as they are: what a compiled
+    step's trace holds, without a compiler."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm
+
+    def ops(self) -> list:
+        """The functions the first graph calls."""
+        return [node.target for node in self.graphs[0].graph.nodes if node.op == "call_function"]
 
 
 def quantized(n, k, group, seed=0):
@@ -80,11 +97,7 @@ def test_with_pdl_the_matmuls_are_ops_of_our_own_a_compiled_step_keeps(rows, mon
         launch = module._launch
         monkeypatch.setattr(module, "pdl_for", lambda t: True)
         monkeypatch.setattr(module, "_launch", lambda *args, launch=launch: launch(*args[:-1], False))
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm
+    backend = GraphRecorder()
 
     def step(x):
         return (torch.relu(gemv_module.gemv(x * 2.0, weight, dense)) + 1.0,
@@ -93,8 +106,19 @@ def test_with_pdl_the_matmuls_are_ops_of_our_own_a_compiled_step_keeps(rows, mon
     compiled = torch.compile(step, backend=backend, fullgraph=True)
     for got, want in zip(compiled(x / 2.0), direct):
         assert torch.equal(got, torch.relu(want) + 1.0)
-    ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    ops = backend.ops()
     assert ops.count(torch.ops.qdflash.gemv.default) == ops.count(torch.ops.qdflash.w4a16.default) == 1, ops
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (as Triton's interpreter stores bf16) -> their fp32 values."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 values -> bf16 bit patterns, rounded to nearest even (as PTX's .rn; no NaN here)."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def run_ptx(asm: str, operands: dict) -> dict:
@@ -108,10 +132,10 @@ def run_ptx(asm: str, operands: dict) -> dict:
         return int(token, 16) if token.startswith("0x") else int(token) if token.isdigit() else regs[token]
 
     def bf16(bits):
-        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().item()
+        return float(bf16_to_f32(np.array([bits]))[0])
 
     def to_bits(x):  # exact in fp32 here (a 4-bit times an 8-bit significand), then rounded to nearest even
-        return int(torch.tensor([x], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+        return int(f32_to_bf16(np.array([x]))[0])
 
     for line in asm.strip().strip("{}").split(";"):
         line = line.strip()
@@ -165,8 +189,6 @@ def bf16_interpreter(monkeypatch):
     """Triton's interpreter taught what the fast W4 kernel needs and it lacks: our BF16_NIBBLES asm (run by numpy
     as `run_ptx` shows the PTX computes: round_bf16((nibble - 8) * scale)) and a bf16 dot (it multiplies bf16's bit
     patterns as integers). Test-only patches of the interpreter's builder; skipped on a GPU, where they are real."""
-    import numpy as np
-
     if DEVICE != "cpu":
         pytest.skip("on a GPU the kernel runs for real")
     from triton.runtime import interpreter
@@ -177,13 +199,6 @@ def bf16_interpreter(monkeypatch):
     builder = interpreter.InterpreterBuilder
     if not all(hasattr(builder, name) for name in ("create_inline_asm", "create_dot")):
         pytest.skip("this Triton's interpreter has no builder hooks to patch")
-
-    def bf16_to_f32(bits):
-        return (bits.astype(np.uint32) << 16).view(np.float32)
-
-    def f32_to_bf16(x):  # round to nearest even, as the PTX's .rn (no NaN here)
-        bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
     class Results:
         def __init__(self, handles):
@@ -456,11 +471,7 @@ def test_the_gated_delta_op_compiles_as_one_node(monkeypatch):
                                           state, states, key_heads=key_heads, key_dim=key_dim)
         return out + 1.0
 
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm
+    backend = GraphRecorder()
 
     eager = buffers()
     want = step(qkvz, *eager)
@@ -472,7 +483,7 @@ def test_the_gated_delta_op_compiles_as_one_node(monkeypatch):
         got = torch.compile(step, backend=compile_backend, fullgraph=True)(qkvz, *compiled)
         assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(compiled, eager)), compile_backend
         torch._dynamo.reset()
-    ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    ops = backend.ops()
     assert ops.count(torch.ops.qdflash.gated_delta_step.default) == 1, ops
     conv_w, x, ba_w, decay, dt_bias = weights
     torch.library.opcheck(gdn_module._step_op, (qkvz, *buffers()[:1], conv_w, torch.arange(2, 2 + tokens), x, ba_w, decay, dt_bias,
@@ -1018,18 +1029,14 @@ def test_marlin_is_one_node_a_compiled_step_traces_through(monkeypatch):
     x = torch.randn(3, k)
     torch.library.opcheck(marlin_w4._marlin_mm, (x.to(torch.bfloat16), tiled, scales, workspace, n))
 
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm
+    backend = GraphRecorder()
 
     def step(x):  # a projection between elementwise work, as in a decode step
         return torch.nn.functional.silu(marlin_w4.matmul(x * 2.0, tiled, scales, workspace, n, group)) + 1.0
 
     compiled = torch.compile(step, backend=backend, fullgraph=True)
     assert torch.equal(compiled(x), step(x))
-    ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    ops = backend.ops()
     assert ops.count(torch.ops.qdflash.marlin_w4_mm.default) == 1, ops
 
 
@@ -1078,18 +1085,14 @@ def test_machete_takes_our_words_as_they_are_and_only_its_shapes(monkeypatch):
     monkeypatch.setattr(machete_w4, "_mm", reference)
     x = torch.randn(3, k)
     torch.library.opcheck(machete_w4._machete_mm, (x.to(torch.bfloat16), prepacked, scales, group))
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm
+    backend = GraphRecorder()
 
     def step(x):
         return torch.nn.functional.silu(machete_w4.matmul(x * 2.0, prepacked, scales, group)) + 1.0
 
     compiled = torch.compile(step, backend=backend, fullgraph=True)
     assert torch.equal(compiled(x), step(x))
-    ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    ops = backend.ops()
     assert ops.count(torch.ops.qdflash.machete_w4_mm.default) == 1, ops
 
 
