@@ -319,7 +319,8 @@ CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs 
 # 16 x 4 holds both (tests/test_kernels.py compiles it for sm_90 and checks it does not spill).
 STEP_BLOCK_V, STEP_WARPS = 16, 4
 # the two-phase block kernel's warps at that value block: its [T, dk] input tiles (and their 64-bit address tiles)
-# take 254 registers a thread at 4 warps and 128 at 8 (sm_90 compile, 16 tokens; no spill either way)
+# take 168 registers a thread at 4 warps and 100 at 8 (sm_90 compile at 16 tokens with a launch's alignment,
+# tests' sm90_resources; neither spills). 8 for the lighter programs until the H200 times both (bench_gdn_step)
 BLOCK_WARPS = 8
 
 
