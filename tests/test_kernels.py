@@ -284,7 +284,7 @@ def pdl_interpreter(monkeypatch):
 def test_pdl_launches_compute_what_plain_launches_do(pdl_interpreter):
     """Every kernel with a PDL path, launched with it and without, on the same inputs: the same numbers, bit for bit
     (the 16-bit GEMV at 1 and 5 rows, its K loop run and unrolled, split or not; the W4 kernels at 1 and 5 rows; the
-    GDN step and two-phase block kernels, their outputs, states and conv-input buffer)."""
+    GDN step and two-phase block kernels, their outputs, states and conv-input buffer, and the step with the gated norm)."""
     from qdflash.kernels import gated_delta as gdn_module
     from qdflash.kernels import gemv as gemv_module
     from qdflash.kernels import w4a16 as w4_module
@@ -307,14 +307,17 @@ def test_pdl_launches_compute_what_plain_launches_do(pdl_interpreter):
     conv_w, ba = torch.randn(conv_dim, 1, kw, generator=g), torch.randn(tokens, 2 * heads, generator=g)
     decay, dt_bias = -torch.rand(heads, generator=g), torch.randn(heads, generator=g)
     history, state0 = torch.randn(8, conv_dim, generator=g), torch.randn(heads, dk, dv, generator=g) * 0.1
-    for two_phase in (False, True):
+    norm_weight = torch.rand(dv, generator=g) + 0.5
+    for two_phase, norm in ((False, False), (True, False), (False, True)):
         results = []
         for pdl in (True, False):
             conv_in, state, states = history.clone(), state0.clone(), torch.zeros(tokens + 1, heads, dk, dv)
+            arrivals = torch.zeros(heads, dtype=torch.int32)
             out = gdn_module._launch_step(qkvz, conv_in, conv_w, torch.arange(3, 3 + tokens), torch.zeros(tokens, hidden), ba, decay,
-                                          dt_bias, state, states, key_heads, key_dim, False, 16, 4, two_phase, pdl)
-            results.append((out, conv_in, state, states))
-        assert all(torch.equal(a, b) for a, b in zip(*results)), two_phase
+                                          dt_bias, state, states, key_heads, key_dim, False, 16, 4, two_phase,
+                                          norm_weight if norm else None, 1e-6, arrivals, pdl)
+            results.append((out, conv_in, state, states, arrivals))
+        assert all(torch.equal(a, b) for a, b in zip(*results)), (two_phase, norm)
 
 
 def test_w4a16_matmul_refuses_what_it_cannot_do():
@@ -446,6 +449,58 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two
                          state0.double(), key_heads=key_heads, key_dim=key_dim)
 
 
+@pytest.mark.parametrize("dtype,weight_dtype,two_phase", [(torch.float32, torch.float32, False), (torch.float16, torch.float16, False),
+                                                           (torch.float16, torch.float32, True)])
+def test_gated_delta_step_with_the_gated_norm_is_transformers_norm_of_its_output(dtype, weight_dtype, two_phase):
+    """`norm_weight`: the same launch ends in the layer's gated RMSNorm (the last program of each head to finish
+    normalizes the head's outputs): a decode step and a verify block give what transformers' Qwen3_5RMSNormGated
+    gives for the kernel's own o and the qkvz rows' z, in the model's dtype (fp16 here: the rounding steps of a
+    16-bit model; the module's weight in that dtype or fp32), and leave the arrival counts at zero for the next
+    launch. Bad norm operands fail clearly."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    from qdflash.kernels.gated_delta import gated_delta_step
+
+    g = torch.Generator().manual_seed(5)
+    key_heads, heads, dk, dv, kw, hidden = 1, 2, 16, 16, 4, 32
+    key_dim, conv_dim = key_heads * dk, 2 * key_heads * dk + heads * dv
+    conv_w = (torch.randn(conv_dim, 1, kw, generator=g) * 0.5).to(DEVICE, dtype)
+    ba = (torch.randn(2 * heads, hidden, generator=g) * 0.3).to(DEVICE, dtype)
+    decay, dt_bias = -torch.rand(heads, generator=g).to(DEVICE), torch.randn(heads, generator=g).to(DEVICE, dtype)
+    norm = Qwen3_5RMSNormGated(dv, eps=1e-6).to(DEVICE, weight_dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(dv, generator=g))
+    conv_in, state = torch.zeros(16, conv_dim, device=DEVICE, dtype=dtype), torch.full((heads, dk, dv), 0.05, device=DEVICE)
+    arrivals = torch.zeros(heads, dtype=torch.int32, device=DEVICE)
+    for start, end in ((0, 5), (5, 6)):  # a verify block, then a decode step
+        t = end - start
+        qkvz = torch.randn(t, conv_dim + heads * dv, generator=g).to(DEVICE, dtype)
+        x = torch.randn(t, hidden, generator=g).to(DEVICE, dtype)
+        given = (x.float() @ ba.float().T).to(dtype) if two_phase else ba
+        args = (qkvz, conv_in, conv_w, torch.arange(start, end, device=DEVICE), x, given, decay, dt_bias)
+        common = dict(key_heads=key_heads, key_dim=key_dim, ba_weight=not two_phase, two_phase=two_phase)
+        saved = conv_in.clone(), state.clone()
+        o = gated_delta_step(*args, state, **common)
+        conv_in.copy_(saved[0])
+        state.copy_(saved[1])
+        y = gated_delta_step(*args, state, **common, norm_weight=norm.weight.detach(), norm_eps=1e-6, arrivals=arrivals)
+        want = norm(o.to(dtype), qkvz[:, conv_dim:].reshape(t, heads, dv)).reshape(t, -1)
+        assert y.dtype == dtype and y.shape == want.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+        else:  # the sum of squares in another order: at most one unit in the last place of a rounding step
+            torch.testing.assert_close(y.float(), want.float(), atol=2e-3, rtol=2e-3)
+            assert (y == want).float().mean() > 0.9
+        assert not arrivals.any()
+    bad = dict(key_heads=key_heads, key_dim=key_dim)
+    with pytest.raises(QdflashError, match="arrivals"):
+        gated_delta_step(*args, state, **bad, norm_weight=norm.weight.detach())
+    with pytest.raises(QdflashError, match="norm_weight must be contiguous"):
+        gated_delta_step(*args, state, **bad, norm_weight=torch.ones(dv + 1, device=DEVICE), arrivals=arrivals)
+    with pytest.raises(QdflashError, match="end in z"):
+        gated_delta_step(qkvz[:, :conv_dim + 1], *args[1:], state, **bad, norm_weight=norm.weight.detach(), arrivals=arrivals)
+
+
 def test_the_gated_delta_op_compiles_as_one_node(monkeypatch):
     """With PDL the fused GDN middle launches through `qdflash::gated_delta_step`, which writes the conv-input
     buffer and the states in place: a fullgraph compile keeps it one node, and with AOT autograd (functionalized)
@@ -486,8 +541,10 @@ def test_the_gated_delta_op_compiles_as_one_node(monkeypatch):
     ops = backend.ops()
     assert ops.count(torch.ops.qdflash.gated_delta_step.default) == 1, ops
     conv_w, x, ba_w, decay, dt_bias = weights
-    torch.library.opcheck(gdn_module._step_op, (qkvz, *buffers()[:1], conv_w, torch.arange(2, 2 + tokens), x, ba_w, decay, dt_bias,
-                                                *buffers()[1:], key_heads, key_dim, True, 16, 4, False, False))
+    for norm in (None, (torch.rand(dv) + 0.5, 1e-6, torch.zeros(heads, dtype=torch.int32))):  # with the gated norm: y, counts kept
+        torch.library.opcheck(gdn_module._step_op, (qkvz, *buffers()[:1], conv_w, torch.arange(2, 2 + tokens), x, ba_w, decay,
+                                                    dt_bias, *buffers()[1:], key_heads, key_dim, True, 16, 4, False,
+                                                    *(norm or (None, 1e-6, None)), False))
 
 
 SM90_COMPILE = """
@@ -513,10 +570,15 @@ waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
 # PDL: how many global loads the PTX issues before its first wait (-1: it has no wait)
 before = sum(1 for line in ptx[: waits[0]] if "ld.global" in line) if waits else -1
 writes = sum(1 for line in ptx[: waits[0]] if re.search(r"\\b(st|atom|red)\\.global", line)) if waits else -1
+# atomics: how many, how many of them acq_rel at gpu scope by one thread (predicated), and with a CTA barrier in the
+# few lines before (every thread's stores done before the one that publishes them)
+atoms = [i for i, line in enumerate(ptx) if re.search(r"\\batom\\.", line)]
+published = sum(bool(re.search(r"@%p\\d+ atom\\.global\\.gpu\\.acq_rel\\.", ptx[i]))
+                and any("bar.sync" in line for line in ptx[max(0, i - 12):i]) for i in atoms)
 print(json.dumps({**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)}, "LOADS_BEFORE_WAIT": before,
                   "WRITES_BEFORE_WAIT": writes,
                   "WAITS": len(waits), "LAUNCHES": sum("griddepcontrol.launch_dependents" in line for line in ptx),
-                  "BF16X2_FMAS": sum("fma.rn.bf16x2" in line for line in ptx)}))
+                  "BF16X2_FMAS": sum("fma.rn.bf16x2" in line for line in ptx), "ATOMS": len(atoms), "PUBLISHED_ATOMS": published}))
 """
 
 
@@ -540,26 +602,32 @@ def sm90_resources(module: str, name: str, signature: dict, constexprs: dict, nu
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def gdn_step_case(tokens, pdl=False):
+GDN_NORM_ARGS = {"norm_w_ptr": "*bf16", "y_ptr": "*bf16", "arrivals_ptr": "*i32"}  # the gated norm's operands (NORM)
+
+
+def gdn_step_case(tokens, pdl=False, norm=False):
     from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
                  "x_ptr": "*bf16", "ba_ptr": "*bf16", "ba_stride": "i32", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16", "state_ptr": "*fp32",
-                 "out_ptr": "*fp32", "states_ptr": "*fp32", "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
-    return "qdflash.kernels.gated_delta", "_gated_delta_step_kernel", signature, dict(HIDDEN=2560, HIDDEN_P=4096, T=tokens, REP=2, KW=4, KW_P=4, DK=128, DV=128,
-                                                     BLOCK_V=STEP_BLOCK_V, BA_DOT=True, STORE_STATES=True, PDL=pdl)
+                 "out_ptr": "*fp32", "states_ptr": "*fp32", **GDN_NORM_ARGS, "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32",
+                 "SCALE": "fp32", "EPS": "fp32"}
+    return "qdflash.kernels.gated_delta", "_gated_delta_step_kernel", signature, dict(
+        HIDDEN=2560, HIDDEN_P=4096, T=tokens, T_P=tokens, REP=2, KW=4, KW_P=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, BA_DOT=True,
+        STORE_STATES=True, PDL=pdl, NORM=norm, ROUND_PRODUCT=norm)
 
 
-def gdn_block_case(tokens, pdl=False):
+def gdn_block_case(tokens, pdl=False, norm=False):
     """The two-phase GDN block kernel at Qwen3.5-4B's heads, its default value block (with BLOCK_WARPS)."""
     from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
                  "ba_ptr": "*bf16", "ba_stride": "i32", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16", "state_ptr": "*fp32",
-                 "out_ptr": "*fp32", "states_ptr": "*fp32", "scratch_ptr": "*fp32", "HV": "i32", "KEY_DIM": "i32",
-                 "CONV_DIM": "i32", "SCALE": "fp32"}
+                 "out_ptr": "*fp32", "states_ptr": "*fp32", "scratch_ptr": "*fp32", **GDN_NORM_ARGS, "HV": "i32", "KEY_DIM": "i32",
+                 "CONV_DIM": "i32", "SCALE": "fp32", "EPS": "fp32"}
     return "qdflash.kernels.gated_delta", "_gated_delta_block_kernel", signature, dict(
-        T=tokens, T_P=tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True, PDL=pdl)
+        T=tokens, T_P=tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True, PDL=pdl, NORM=norm,
+        ROUND_PRODUCT=norm)
 
 
 def attention_case(tree, block=False):
@@ -582,7 +650,7 @@ def rows_gemv_case(tiles, pdl=False):
 
 def pdl_cases(pdl):
     """The 16-bit GEMV (1 row; 2-16 rows, K loop run and unrolled) and the W4A16 kernels (1 row; 2-16 rows) at
-    tiles the H200 tuning picks for Qwen3.5-4B's shapes, and the fused GDN step for a verify block."""
+    tiles the H200 tuning picks for Qwen3.5-4B's shapes, and the fused GDN step for a verify block (also ending in the gated norm)."""
     one = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_wn": "i32", "stride_os": "i32",
            "K_PER_SPLIT": "i32"}
     w4_one = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_wn": "i32",
@@ -598,7 +666,8 @@ def pdl_cases(pdl):
             # the fast (BF16_NIBBLES) tile at its largest candidate, 2048 words
             "w4 rows fast": ("qdflash.kernels.w4a16", "_w4a16_kernel", w4_rows, dict(GROUP=32, BLOCK_M=16, BLOCK_N=64, BLOCK_K8=32,
                                                                                      K_PER_SPLIT=2560, PDL=pdl, FAST=True)),
-            "gdn step 16": gdn_step_case(16, pdl), "gdn block 16": gdn_block_case(16, pdl)}
+            "gdn step 16": gdn_step_case(16, pdl), "gdn block 16": gdn_block_case(16, pdl),
+            "gdn step norm 16": gdn_step_case(16, pdl, norm=True)}
 
 
 def aligned_args(signature):
@@ -620,7 +689,7 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
     # without PDL on one case only: the others' plain compiles are what the other compile test and every GPU run build
     for pdl in (True, False) if case == "gemv 1" else (True,):
         module, name, signature, constexprs = pdl_cases(pdl)[case]
-        warps = {"gdn step 16": STEP_WARPS, "gdn block 16": BLOCK_WARPS}.get(case, 4)
+        warps = {"gdn step 16": STEP_WARPS, "gdn step norm 16": STEP_WARPS, "gdn block 16": BLOCK_WARPS}.get(case, 4)
         used = sm90_resources(module, name, signature, constexprs, warps, aligned_args(signature))
         assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
         assert (used["BF16X2_FMAS"] > 0) == case.endswith("fast"), used
@@ -631,8 +700,8 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
             assert used["WAITS"] == used["LAUNCHES"] == 0, used
 
 
-@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "attention", "attention tree 16", "attention block 16",
-                                  "gemv rows 0", "gemv rows 16"])
+@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn step norm 1", "gdn step norm 16", "gdn block norm 16", "attention",
+                                  "attention tree 16", "attention block 16", "gemv rows 0", "gemv rows 16"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
@@ -640,18 +709,24 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     for a decode step and a verify block, and the decode attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of
     64) for a decode step, a verify block (its rows two to a program) and a tree of 16 nodes (what a tree round
     verifies on the GPU); and the 16-bit GEMV's
-    2-16-row form at its largest tile, its K loop run and unrolled (16 tiles)."""
+    2-16-row form at its largest tile, its K loop run and unrolled (16 tiles). With the gated norm (NORM), both GDN
+    kernels count a program's arrival with one atomic, acq_rel at gpu scope, by one thread after a CTA barrier (the
+    pattern that makes every thread's stores visible to the program that counts last); without it, no atomic."""
+    from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_WARPS
+
     kind, _, arg = case.rpartition(" ")
     num_warps = 4
     if kind.startswith("gdn"):
-        from qdflash.kernels.gated_delta import STEP_WARPS as num_warps
-    module, name, signature, constexprs = (gdn_step_case(int(arg)) if kind.startswith("gdn") else
-                                           rows_gemv_case(int(arg)) if kind.startswith("gemv") else
-                                           attention_case(int(arg) if "tree" in kind else 0, "block" in kind))
+        num_warps = BLOCK_WARPS if "block" in kind else STEP_WARPS
+        module, name, signature, constexprs = (gdn_block_case if "block" in kind else gdn_step_case)(int(arg), norm="norm" in kind)
+    else:
+        module, name, signature, constexprs = (rows_gemv_case(int(arg)) if kind.startswith("gemv") else
+                                               attention_case(int(arg) if "tree" in kind else 0, "block" in kind))
     # the GEMV's launches at the engine's shapes: torch's pointers and these strides are multiples of 16
     aligned = aligned_args(signature) if kind.startswith("gemv") else []
     used = sm90_resources(module, name, signature, constexprs, num_warps, aligned)
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
+    assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("norm" in kind), used
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

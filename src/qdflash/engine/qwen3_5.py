@@ -50,6 +50,13 @@ def recurrence_torch(q, k, v, g, beta, state, states=None):
     return out
 
 
+def _gated_rms_norm(norm: nn.Module) -> bool:
+    """Whether a GDN layer's norm computes what the GDN kernel's gated norm does (transformers' RMSNormGated:
+    weight * rmsnorm(o) * silu(z) per head); another one runs as itself after the kernel."""
+    return (type(norm).__name__.endswith("RMSNormGated") and getattr(norm, "activation", None) == "silu"
+            and hasattr(norm, "variance_epsilon"))
+
+
 class LeanQwen35(EngineBase):
     def __init__(self, model, max_len: int, kernels: bool | str = "auto", max_block: int = 16, fp32_residual: bool = True,
                  gdn_ba: str = "dot"):
@@ -69,6 +76,11 @@ class LeanQwen35(EngineBase):
         # speculative token may differ from the autoregressive one where two logits nearly tie. Set before
         # capture, like fuse_gdn
         self.gdn_two_phase = False
+        # with the kernels: the fused GDN middle ends in the layer's gated RMSNorm too (gated_delta_step's norm_weight:
+        # the last program of each head to finish normalizes it), two small kernels a layer fewer. Off until the H200
+        # times it (bench_components --gdn-norm). The arrival counts it needs: one buffer for every layer (their
+        # launches never overlap), zero between launches. Set before capture, like fuse_gdn
+        self.gdn_fuse_norm = False
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
         # False runs the unfused layer (the benchmark's side-by-side arm)
         self.fuse_gdn = True
@@ -107,6 +119,8 @@ class LeanQwen35(EngineBase):
             self.layers.append(w)
         kernel = max((w["la"].conv_kernel_size for w in self.layers if "la" in w), default=1)
         self.conv_offsets = torch.arange(-(kernel - 1), max_len, device=device)
+        self.gdn_arrivals = torch.zeros(max((w["la"].num_v_heads for w in self.layers if "la" in w), default=0), device=device,
+                                        dtype=torch.int32)
         self.length = 0
         self.block_start = 0  # the last block fed: states of positions block_start..length are kept
 
@@ -177,8 +191,9 @@ class LeanQwen35(EngineBase):
 
     def _delta_net_fused(self, i, w, x, positions):
         """`_delta_net` for a decode step or verify block with the kernels on: everything between the qkvz
-        and out projections but the gated norm in one launch (kernels.gated_delta.gated_delta_step), the gates'
-        b / a product as `gdn_ba` says (a b / a projection with a bias is always computed apart)."""
+        and out projections in one launch (kernels.gated_delta.gated_delta_step), the gated norm too where
+        `gdn_fuse_norm` says so and the layer's norm is transformers' gated RMSNorm, the gates' b / a product as
+        `gdn_ba` says (a b / a projection with a bias is always computed apart)."""
         la, t = w["la"], x.shape[0]
         ba = w["ba"]
         dot = self.gdn_ba == "dot" and isinstance(ba, Projection) and ba.weight is not None and ba.bias is None
@@ -186,10 +201,14 @@ class LeanQwen35(EngineBase):
             qkvz = w["qkvz"](x)
         else:
             qkvz, ba = self._qkvz_ba(w, x)
+        norm = self.gdn_fuse_norm and _gated_rms_norm(la.norm)
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
                                self.state[i], self.block_states[i] if t <= self.max_block else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
-                               two_phase=self.gdn_two_phase and not dot)
+                               two_phase=self.gdn_two_phase and not dot, norm_weight=la.norm.weight.detach() if norm else None,
+                               norm_eps=la.norm.variance_epsilon if norm else 1e-6, arrivals=self.gdn_arrivals)
+        if norm:
+            return w["out"](out)
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
 
     def _gdn_inputs(self, w, mixed, ba):

@@ -67,13 +67,15 @@ if triton is not None:
 
     @triton.jit
     def _gated_delta_step_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, x_ptr, ba_ptr, ba_stride, decay_ptr, dt_bias_ptr,
-                                 state_ptr, out_ptr, states_ptr, HV, KEY_DIM, CONV_DIM, SCALE, HIDDEN: tl.constexpr,
-                                 HIDDEN_P: tl.constexpr, T: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr,
-                                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, BA_DOT: tl.constexpr,
-                                 STORE_STATES: tl.constexpr, PDL: tl.constexpr):
+                                 state_ptr, out_ptr, states_ptr, norm_w_ptr, y_ptr, arrivals_ptr, HV, KEY_DIM, CONV_DIM, SCALE,
+                                 EPS, HIDDEN: tl.constexpr, HIDDEN_P: tl.constexpr, T: tl.constexpr, T_P: tl.constexpr,
+                                 REP: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                                 BLOCK_V: tl.constexpr, BA_DOT: tl.constexpr, STORE_STATES: tl.constexpr, PDL: tl.constexpr,
+                                 NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
         """PDL (kernels.pdl.set_pdl): the weights and the recurrent state are loaded before `pdl_wait_and_release`.
         Only the kernel right before this one may still be running (kernels.pdl), and it writes neither: the state
-        is written only by this layer's GDN kernel (or a rollback between steps)."""
+        is written only by this layer's GDN kernel (or a rollback between steps). NORM: `_gated_norm_tail` after
+        the last token."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -129,19 +131,24 @@ if triton is not None:
         if STORE_STATES:
             tl.store(states_ptr + T * HV * DK * DV + tile, s)
         tl.store(state_ptr + tile, s)
+        if NORM:
+            _gated_norm_tail(out_ptr, qkvz_ptr, qkvz_stride, norm_w_ptr, y_ptr, arrivals_ptr, h, HV, CONV_DIM, EPS, T, T_P, DV, dt,
+                             ROUND_PRODUCT)
 
     @triton.jit
     def _gated_delta_block_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, ba_ptr, ba_stride, decay_ptr,
-                                  dt_bias_ptr, state_ptr, out_ptr, states_ptr, scratch_ptr, HV, KEY_DIM, CONV_DIM, SCALE,
-                                  T: tl.constexpr, T_P: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr, DK: tl.constexpr,
-                                  DV: tl.constexpr, BLOCK_V: tl.constexpr, STORE_STATES: tl.constexpr, PDL: tl.constexpr):
+                                  dt_bias_ptr, state_ptr, out_ptr, states_ptr, scratch_ptr, norm_w_ptr, y_ptr, arrivals_ptr, HV,
+                                  KEY_DIM, CONV_DIM, SCALE, EPS, T: tl.constexpr, T_P: tl.constexpr, REP: tl.constexpr,
+                                  KW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                                  STORE_STATES: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
+                                  ROUND_PRODUCT: tl.constexpr):
         """`_gated_delta_step_kernel` for a block with its b / a product given, in two phases. First every token's
         inputs at once ([T, channels] tiles: the conv's taps as shifted loads, silu, the l2norms' reductions over
         the key dimension for all tokens in one, the gates), written to this program's rows of `scratch`; then the
         recurrence token by token, reading them back: a token's chain is its state update alone (one reduction
         of the state over the key dimension), its inputs' loads free to be issued ahead of it. The same formulas
         as the one-token kernel, summed in another order (the conv over its taps, the l2norms), so a block and
-        one-token steps agree to fp32 rounding, not bit for bit. PDL as in that kernel."""
+        one-token steps agree to fp32 rounding, not bit for bit. PDL and NORM as in that kernel."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -214,6 +221,9 @@ if triton is not None:
             if STORE_STATES:
                 tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
         tl.store(state_ptr + tile, s)
+        if NORM:
+            _gated_norm_tail(out_ptr, qkvz_ptr, qkvz_stride, norm_w_ptr, y_ptr, arrivals_ptr, h, HV, CONV_DIM, EPS, T, T_P, DV, dt,
+                             ROUND_PRODUCT)
 
     @triton.jit
     def _add3(a0, b0, c0, a1, b1, c1):
@@ -311,6 +321,36 @@ if triton is not None:
         tl.store(out_ptrs, decay * sq + kq * delta)
         return s * decay + kk[:, None] * delta[None, :]
 
+    @triton.jit
+    def _gated_norm_tail(out_ptr, qkvz_ptr, qkvz_stride, norm_w_ptr, y_ptr, arrivals_ptr, h, HV, Z_OFF, EPS, T: tl.constexpr,
+                         T_P: tl.constexpr, DV: tl.constexpr, dt: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
+        """The layer's gated RMSNorm of head h's outputs (transformers' Qwen3_5RMSNormGated: per head over dv,
+        weight * norm(o) * silu(z), z the tail of the qkvz rows from Z_OFF), by the last of the head's programs to
+        finish. Each program has stored its o [T, BLOCK_V] (out_ptr) and counts itself on the head's arrival
+        counter; the one that counts last reads the head's whole o [T, dv] back and writes y (the model's dtype),
+        then sets the counter back to 0 for the next launch. Why: the norm's reduction spans the head's programs,
+        and apart it was two small kernels a layer (inductor's), each a launch and a round trip through memory.
+        Rounded where the module's 16-bit results round: o to the dtype, the normed o, the weight's product (where
+        the weight is the model's dtype, ROUND_PRODUCT), the gated output."""
+        # every thread's stores before the count that publishes them: a CTA barrier, then the atomic (one thread of
+        # the program, acq_rel at gpu scope: a release for this program's stores, an acquire for the others')
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + h, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            rt = tl.arange(0, T_P)
+            rd = tl.arange(0, DV)
+            ok = (rt < T)[:, None]
+            rows = (rt[:, None] * HV + h) * DV + rd[None, :]
+            # .cg: from L2, where the other programs' stores are (this SM's L1 is not coherent with theirs)
+            o = tl.load(out_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(dt).to(tl.float32)
+            normed = (o * (1.0 / tl.sqrt(tl.sum(o * o, axis=1) / DV + EPS))[:, None]).to(dt).to(tl.float32)
+            y = tl.load(norm_w_ptr + rd).to(tl.float32)[None, :] * normed
+            if ROUND_PRODUCT:
+                y = y.to(dt).to(tl.float32)
+            z = tl.load(qkvz_ptr + rt[:, None] * qkvz_stride + Z_OFF + h * DV + rd[None, :], mask=ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rows, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=ok)
+            tl.store(arrivals_ptr + h, 0)
+
 
 CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs (a prefill) go in chunks
 # gated_delta_step's launch: value columns a program owns and its warps, one for every block length (a decode
@@ -358,7 +398,8 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
 
 def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states=None, *,
                      key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = STEP_BLOCK_V,
-                     num_warps: int | None = None, two_phase: bool = False):
+                     num_warps: int | None = None, two_phase: bool = False, norm_weight: torch.Tensor | None = None,
+                     norm_eps: float = 1e-6, arrivals: torch.Tensor | None = None):
     """A Gated DeltaNet layer's middle for a decode step or verify block (T <= CHUNK tokens) in one launch:
     the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
     (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
@@ -370,7 +411,11 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     silu / l2norm, the gates and the a / b matmul) is about eight launches, each a few microseconds at batch 1.
     `two_phase` (the product given): a block of T > 1 tokens through `_gated_delta_block_kernel`, every token's
     inputs first, then the recurrence alone token by token (one token keeps the step kernel). `num_warps`:
-    STEP_WARPS, or BLOCK_WARPS for the block kernel, unless given."""
+    STEP_WARPS, or BLOCK_WARPS for the block kernel, unless given.
+    `norm_weight` [dv] (the model's dtype or fp32): the layer's gated RMSNorm too, in the same launch
+    (`_gated_norm_tail`), z being the qkvz rows' tail [T, H * dv] after the conv part; then it returns y
+    [T, H * dv] in qkvz's dtype, what the out projection reads. `arrivals`: int32 [>= H] zeros, a count per head
+    that every launch leaves zero again (one buffer serves every layer: their launches never overlap)."""
     if triton is None:
         raise QdflashError("gated_delta_step needs triton")
     t = qkvz.shape[0]
@@ -389,52 +434,72 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
         raise QdflashError(f"gated_delta_step: the state must be contiguous fp32 (got {state.dtype})")
     if two_phase and ba_weight:
         raise QdflashError("gated_delta_step: two_phase takes the b / a product given (ba_weight=False)")
+    if norm_weight is not None:
+        if norm_weight.shape != (dv,) or norm_weight.dtype not in (qkvz.dtype, torch.float32) or not norm_weight.is_contiguous():
+            raise QdflashError(f"gated_delta_step: norm_weight must be contiguous [{dv}] in {qkvz.dtype} or fp32, got "
+                               f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
+        if arrivals is None or arrivals.dtype != torch.int32 or arrivals.numel() < heads or not arrivals.is_contiguous():
+            got = None if arrivals is None else f"{tuple(arrivals.shape)} {arrivals.dtype}"
+            raise QdflashError(f"gated_delta_step: norm_weight needs arrivals, a contiguous int32 tensor of >= {heads} zeros "
+                               f"(got {got})")
+        if qkvz.shape[1] < conv_dim + heads * dv:
+            raise QdflashError(f"gated_delta_step: with norm_weight, qkvz's rows end in z ({heads} x {dv} after the conv's "
+                               f"{conv_dim}); got {qkvz.shape[1]} columns")
     two_phase = two_phase and t > 1
     block_v = _value_block("gated_delta_step", dk, dv, block_v, states, t)
     num_warps = num_warps or (BLOCK_WARPS if two_phase else STEP_WARPS)
     args = (qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
-            num_warps, two_phase)
+            num_warps, two_phase, norm_weight, float(norm_eps), arrivals)
     if pdl_for(qkvz):  # a launch option torch.compile does not trace through (kernels.gemv._gemv_op)
         return _step_op(*args, True)
     return _launch_step(*args, False)
 
 
 def _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight,
-                 block_v, num_warps, two_phase, pdl):
+                 block_v, num_warps, two_phase, norm_weight, norm_eps, arrivals, pdl):
     t, hidden = qkvz.shape[0], x.shape[-1]
     heads, dk, dv = state.shape
     kw = conv_weight.shape[-1]
     out = torch.empty(t, heads, dv, device=qkvz.device, dtype=torch.float32)
+    norm = norm_weight is not None
+    y = torch.empty(t, heads * dv, device=qkvz.device, dtype=qkvz.dtype) if norm else out
+    # the norm's operands, or stand-ins a launch without it never reads
+    tail = (norm_weight, y, arrivals) if norm else (out, out, out)
+    tail_args = dict(NORM=norm, ROUND_PRODUCT=norm and norm_weight.dtype == qkvz.dtype)
+    t_p = triton.next_power_of_2(t)
     launch = launch_options(pdl)
     if two_phase:
-        t_p = triton.next_power_of_2(t)
         scratch = torch.empty(heads * (dv // block_v), t_p, 2 * dk + block_v + 3, device=qkvz.device, dtype=torch.float32)
         _gated_delta_block_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, ba, ba.stride(0), decay, dt_bias, state, out,
-            state if states is None else states, scratch, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), T=t, T_P=t_p,
-            REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None, PDL=pdl,
-            num_warps=num_warps, **launch)
-        return out
-    _gated_delta_step_kernel[(heads, dv // block_v)](
-        qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
-        state if states is None else states, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), HIDDEN=hidden,
-        HIDDEN_P=triton.next_power_of_2(hidden), T=t, REP=heads // key_heads, KW=kw, KW_P=triton.next_power_of_2(kw), DK=dk,
-        DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None, PDL=pdl, num_warps=num_warps, **launch)
-    return out
+            state if states is None else states, scratch, *tail, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), norm_eps,
+            T=t, T_P=t_p, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None, PDL=pdl,
+            **tail_args, num_warps=num_warps, **launch)
+    else:
+        _gated_delta_step_kernel[(heads, dv // block_v)](
+            qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
+            state if states is None else states, *tail, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), norm_eps,
+            HIDDEN=hidden, HIDDEN_P=triton.next_power_of_2(hidden), T=t, T_P=t_p, REP=heads // key_heads, KW=kw,
+            KW_P=triton.next_power_of_2(kw), DK=dk, DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None,
+            PDL=pdl, **tail_args, num_warps=num_warps, **launch)
+    return y if norm else out
 
 
-@torch.library.custom_op("qdflash::gated_delta_step", mutates_args=("conv_in", "state", "states"))
+@torch.library.custom_op("qdflash::gated_delta_step", mutates_args=("conv_in", "state", "states", "arrivals"))
 def _step_op(qkvz: torch.Tensor, conv_in: torch.Tensor, conv_weight: torch.Tensor, positions: torch.Tensor, x: torch.Tensor,
              ba: torch.Tensor, decay: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, states: torch.Tensor | None,
              key_heads: int, key_dim: int, ba_weight: bool, block_v: int, num_warps: int, two_phase: bool,
-             pdl: bool) -> torch.Tensor:
-    """`_launch_step` as one node of a compiled graph, writing the conv-input buffer and the states in place."""
+             norm_weight: torch.Tensor | None, norm_eps: float, arrivals: torch.Tensor | None, pdl: bool) -> torch.Tensor:
+    """`_launch_step` as one node of a compiled graph, writing the conv-input buffer and the states in place (and the
+    arrival counts, which it leaves as it found them)."""
     return _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim,
-                        ba_weight, block_v, num_warps, two_phase, pdl)
+                        ba_weight, block_v, num_warps, two_phase, norm_weight, norm_eps, arrivals, pdl)
 
 
 @_step_op.register_fake
 def _(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
-      num_warps, two_phase, pdl):
+      num_warps, two_phase, norm_weight, norm_eps, arrivals, pdl):
     heads, _, dv = state.shape
+    if norm_weight is not None:
+        return qkvz.new_empty((qkvz.shape[0], heads * dv))
     return qkvz.new_empty((qkvz.shape[0], heads, dv), dtype=torch.float32)
