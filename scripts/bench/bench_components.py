@@ -350,6 +350,8 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
         engine = engine16 if label == "target16" else None
         for suffix, gdn_ba, two_phase, ours, inductor, norm in study_arms(args):
             arm = label + suffix
+            if suffix and args.arms and arm not in args.arms:  # --arms: only these beside each target's base
+                continue
             if inductor and not hasattr(inductor_config.triton, "enable_pdl"):
                 out[arm] = f"skipped: torch {torch.__version__}'s inductor has no triton.enable_pdl"
                 continue
@@ -533,12 +535,20 @@ def main() -> None:
     parser.add_argument("--gdn-norm", action="store_true",
                         help="--pdl-only: two arms more, the base with each GDN layer's gated norm in its fused kernel "
                              "(LeanQwen35.gdn_fuse_norm), without PDL and with it")
+    parser.add_argument("--arms", type=lambda text: text.split(","), default=None,
+                        help="--pdl-only: run only these arms (full labels, e.g. target16_pdl,target_w4_pdl_gdn_norm) beside "
+                             "each target's base; the flags above say which arms there are")
     parser.add_argument("--hf-generate", action="store_true",
                         help="then transformers' static compiled generate on the same 16-bit model (hf_static.*, issue 23)")
     parser.add_argument("--hf-tokens", type=int, default=64, help="--hf-generate: decode steps timed (beyond 8)")
     parser.add_argument("--hf-reps", type=int, default=5, help="--hf-generate: runs of each length (median)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.arms:
+        known = {{"16": "target16", "w4": "target_w4"}[name] + arm[0] for name in args.pdl_targets for arm in study_arms(args)[1:]}
+        if not args.pdl_only or not set(args.arms) <= known:
+            parser.error(f"--arms: with --pdl-only, labels of {', '.join(sorted(known))} (as --pdl-targets and the arm flags "
+                         f"give them), got {','.join(args.arms)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     result = {"config": vars(args) | {"device": device, "dtype": str(dtype)}, **environment()}
