@@ -43,7 +43,7 @@ def runs(tmp_path_factory):
                # plumbing: each arm retuned, checked, measured and set against the first (not compiled here: the
                # components run above covers --compile, and a compile per arm would double this test's time)
                "pdl": Started(folder, "pdl", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
-                              "--pdl-only", "--inductor-pdl", "--gdn-ba", "dot,fused", "--gdn-two-phase", "--gdn-norm"),
+                              "--pdl-only", "--inductor-pdl", "--gdn-ba", "dot,fused", "--gdn-two-phase", "--epilogues"),
                "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
                                "--attention", "sdpa,kernel", "--kernels", "on"),
                # --compile (traced with aot_eager: Triton's interpreter does not run under dynamo, so sdpa here)
@@ -105,7 +105,7 @@ def test_pdl_study_runs_each_arm_on_the_cpu(runs):
     assert r["target_w4_gdn_fused"].startswith("skipped: the W4 target's qkvz is 4-bit")
     assert r["target_w4_gdn_fused_two_phase"].startswith("skipped: the W4 target's qkvz is 4-bit")
     for label in ("target16", "target_w4"):
-        for suffix in ("", "_pdl", "_pdl_inductor", "_gdn_norm", "_pdl_gdn_norm") + (
+        for suffix in ("", "_pdl", "_pdl_inductor", "_epilogues", "_pdl_epilogues") + (
                 ("_gdn_fused", "_gdn_fused_two_phase") if label == "target16" else ()):
             arm = label + suffix
             assert r[f"{arm}.decode_ms"] > 0 and r[f"{arm}.verify_ms"] > 0, r.get(f"{arm}.error")

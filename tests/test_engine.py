@@ -277,6 +277,40 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
         "the prompt unfused; the block (two-phase where asked) and the step fused, every GDN layer"
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_fused_swiglu_decodes_as_the_unfused_mlp(fixture, request, monkeypatch):
+    """engine.fuse_swiglu with the kernels (Triton's interpreter here) and a one-split GEMV tuned for the gate / up
+    shape: a decode step's silu(gate) * up comes from that GEMV's epilogue (every layer), a block's from the ops,
+    and the logits are the unfused engine's; greedy speculative decoding stays autoregressive decoding (Llama)."""
+    pytest.importorskip("triton")
+    from qdflash.kernels import gemv as gemv_module
+
+    target = request.getfixturevalue(fixture)
+    engine = build_engine(target, max_len=64, kernels=True)
+    n, k = engine.layers[0]["w13"].weight.shape
+    monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 1), gemv_module.GemvConfig(8, 16 if k % 32 else 32))
+    launched = []
+    launch = gemv_module._launch
+    monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(kw.get("swiglu", False)) or launch(*args, **kw))
+    x = ids(3, 12)
+    logits = {}
+    for fused in (False, True):
+        engine.fuse_swiglu = fused
+        engine.reset()
+        launched.clear()
+        engine.forward(x[:8], 0)
+        block = engine.forward(x[8:11], 8)[0]
+        step = engine.forward(x[11:], 11)[0]
+        logits[fused] = torch.cat([block, step])
+        assert launched == [fused] * len(engine.layers), "the one-row gate / up GEMV, fused where asked"
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)
+        prompt = x[None, :8]
+        fast = dataclasses.replace(target, engine=engine)
+        assert speculative_generate(fast, init_drafter(target, block_size=3, seed=0), prompt, 10).tokens == \
+            autoregressive_generate(target, prompt, 10).tokens
+
+
 def test_gdn_ba_fused_without_kernels_and_where_it_cannot_fuse(tiny_qwen, tiny_llama):
     """gdn_ba="fused" on the CPU path (no kernels): the same logits as transformers; on a target whose qkvz is
     4-bit (b / a stay 16-bit) it keeps them apart ("given"); only Qwen3.5 takes the option, and only its values."""

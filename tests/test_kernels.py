@@ -15,6 +15,7 @@ from qdflash.kernels.w4a16 import Config, candidate_configs, pack_int4, unpack_i
 from qdflash.quant.grid import GridSpec, compute_scale, dequantize, quantize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from qdflash.kernels.gemv import _launch as _LAUNCH_GEMV  # noqa: E402  the real launch, for tests that count its calls
 
 
 class GraphRecorder:
@@ -91,12 +92,13 @@ def test_with_pdl_the_matmuls_are_ops_of_our_own_a_compiled_step_keeps(rows, mon
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
     dense, w4 = gemv_module.GemvConfig(16, 128, 2), Config(32, 16, 2)
     direct = (gemv_module._launch(x, weight, dense, False).sum(0), w4_module._launch(x, words, scale, group, w4, False).sum(0))
-    torch.library.opcheck(gemv_module._gemv_op, (x, weight, 16, 128, 2, 4, False, False))
+    torch.library.opcheck(gemv_module._gemv_op, (x, weight, 16, 128, 2, 4, False, False, False))
+    torch.library.opcheck(gemv_module._gemv_op, (x[:1], weight, 16, 128, 1, 4, False, False, True))  # swiglu: [1, 1, N / 2]
     torch.library.opcheck(w4_module._w4a16_op, (x, words, scale, group, 32, 16, 2, 4, 3, False, False))
     for module in (gemv_module, w4_module):
         launch = module._launch
         monkeypatch.setattr(module, "pdl_for", lambda t: True)
-        monkeypatch.setattr(module, "_launch", lambda *args, launch=launch: launch(*args[:-1], False))
+        monkeypatch.setattr(module, "_launch", lambda *args, launch=launch, **kw: launch(*args[:-1], False, **kw))
     backend = GraphRecorder()
 
     def step(x):
@@ -298,6 +300,10 @@ def test_pdl_launches_compute_what_plain_launches_do(pdl_interpreter):
         x = torch.randn(rows, k, generator=g)
         for config in (gemv_module.GemvConfig(8, 128, 1), gemv_module.GemvConfig(16, 128, 2, 4, True), gemv_module.GemvConfig(16, 64, 2)):
             assert torch.equal(gemv_module._launch(x, weight, config, True), gemv_module._launch(x, weight, config, False)), config
+        if rows == 1:  # the swiglu epilogue (one split)
+            config = gemv_module.GemvConfig(8, 128)
+            assert torch.equal(gemv_module._launch(x, weight, config, True, swiglu=True),
+                               gemv_module._launch(x, weight, config, False, swiglu=True))
         for config in (Config(16, 16, 2), Config(32, 16, 1)):
             assert torch.equal(w4_module._launch(x, words, scale, group, config, True),
                                w4_module._launch(x, words, scale, group, config, False)), config
@@ -649,7 +655,7 @@ def rows_gemv_case(tiles, pdl=False):
 
 
 def pdl_cases(pdl):
-    """The 16-bit GEMV (1 row; 2-16 rows, K loop run and unrolled) and the W4A16 kernels (1 row; 2-16 rows) at
+    """The 16-bit GEMV (1 row, also with the swiglu epilogue; 2-16 rows, K loop run and unrolled) and the W4A16 kernels (1 row; 2-16 rows) at
     tiles the H200 tuning picks for Qwen3.5-4B's shapes, and the fused GDN step for a verify block (also ending in the gated norm)."""
     one = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_wn": "i32", "stride_os": "i32",
            "K_PER_SPLIT": "i32"}
@@ -657,8 +663,10 @@ def pdl_cases(pdl):
               "stride_sn": "i32", "stride_os": "i32", "K_PER_SPLIT": "i32"}
     w4_rows = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
                "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "stride_om": "i32"}
-    return {"gemv 1": ("qdflash.kernels.gemv", "_gemv_kernel", one, dict(BLOCK_N=8, BLOCK_K=512, TILES=0, PDL=pdl)),
-            "gemv 1 unrolled": ("qdflash.kernels.gemv", "_gemv_kernel", one, dict(BLOCK_N=8, BLOCK_K=512, TILES=5, PDL=pdl)),
+    return {"gemv 1": ("qdflash.kernels.gemv", "_gemv_kernel", one, dict(BLOCK_N=8, BLOCK_K=512, TILES=0, PDL=pdl, SWIGLU=False)),
+            "gemv 1 unrolled": ("qdflash.kernels.gemv", "_gemv_kernel", one, dict(BLOCK_N=8, BLOCK_K=512, TILES=5, PDL=pdl, SWIGLU=False)),
+            # the gate / up projection's tile with the swiglu epilogue (Qwen3.5-4B's, tuned: 8 x 256 unrolled over K 2,560)
+            "gemv 1 swiglu": ("qdflash.kernels.gemv", "_gemv_kernel", one, dict(BLOCK_N=8, BLOCK_K=256, TILES=10, PDL=pdl, SWIGLU=True)),
             "gemv rows": rows_gemv_case(0, pdl), "gemv rows unrolled": rows_gemv_case(16, pdl),
             "w4 1": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one, dict(GROUP=32, BLOCK_N=16, BLOCK_K8=64, PDL=pdl)),
             "w4 rows": ("qdflash.kernels.w4a16", "_w4a16_kernel", w4_rows, dict(GROUP=32, BLOCK_M=16, BLOCK_N=64, BLOCK_K8=16,
@@ -727,6 +735,49 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     used = sm90_resources(module, name, signature, constexprs, num_warps, aligned)
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
     assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("norm" in kind), used
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_swiglu_epilogue_is_silu_gate_times_up_of_the_plain_gemv(dtype, monkeypatch):
+    """`gemv(..., swiglu=True)`: one row through a gate / up weight gives F.silu(gate) * up of the same tile's
+    plain outputs (its sums in the same order), rounded as those torch ops round in the dtype; N / 2 not a
+    multiple of a program's outputs, the K loop run and unrolled, 2 rows a tile. `linear.swiglu` takes it only
+    when asked, for a tuned one-split shape at one row, and the ops otherwise. Bad calls fail clearly."""
+    import torch.nn.functional as F
+
+    from qdflash.engine.linear import Projection, swiglu
+    from qdflash.kernels import gemv as gemv_module
+
+    half, k = 37, 512
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(2 * half, k, generator=g).to(DEVICE, dtype), torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    for config in (gemv_module.GemvConfig(8, 128), gemv_module.GemvConfig(4, 256, 1, 4, True), gemv_module.GemvConfig(2, 512)):
+        gate, up = gemv_module.gemv(x, w, config).chunk(2, dim=-1)
+        want = F.silu(gate) * up
+        got = gemv_module.gemv(x, w, config, swiglu=True)
+        assert got.dtype == dtype and got.shape == (1, half)
+        # the same rounding steps; torch's exp and the kernel's may differ in fp32's last place
+        torch.testing.assert_close(got, want, atol=0, rtol=1e-3 if dtype == torch.float16 else 1e-6)
+        if dtype == torch.float16:  # rounded to 16 bits, mostly bit for bit
+            assert (got == want).float().mean() > 0.9, config
+    with pytest.raises(QdflashError, match="swiglu takes one row"):
+        gemv_module.gemv(torch.cat([x, x]), w, gemv_module.GemvConfig(8, 128), swiglu=True)
+    with pytest.raises(QdflashError, match="swiglu takes one row"):
+        gemv_module.gemv(x, w, gemv_module.GemvConfig(8, 128, 2), swiglu=True)
+    projection = Projection(weight=w, kernels=True)
+    key = (2 * half, k, dtype, 1)
+    launched = []
+    monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(kw.get("swiglu", False)) or _LAUNCH_GEMV(*args, **kw))
+    for tuned, fused, rows, want_swiglu in ((None, True, 1, []), (gemv_module.GemvConfig(8, 128, 2), True, 1, [False]),
+                                            (gemv_module.GemvConfig(8, 128), False, 1, [False]),
+                                            (gemv_module.GemvConfig(8, 128), True, 1, [True]),
+                                            (gemv_module.GemvConfig(8, 128), True, 2, [])):
+        monkeypatch.setitem(gemv_module._TUNED, key, tuned) if tuned else gemv_module._TUNED.pop(key, None)
+        launched.clear()
+        xs = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+        gate, up = (xs.float() @ w.float().T).chunk(2, dim=-1)
+        torch.testing.assert_close(swiglu(projection, xs, fused).float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
+        assert launched == want_swiglu, (tuned, fused, rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -304,16 +304,16 @@ def gdn_ba_list(text: str) -> list[str]:
 
 def study_arms(args) -> list[tuple[str, str, bool, bool, bool, bool]]:
     """`--pdl-only`'s arms: (label suffix, gdn_ba, two-phase GDN blocks, our kernels with PDL, inductor's with PDL,
-    the GDN kernel's gated norm). The first is the base the others are set against; the PDL arms keep its gdn_ba,
-    every other `--gdn-ba` mode is an arm without PDL, with `--gdn-two-phase` each mode but dot (the base's too) also
-    through the two-phase GDN block kernel, and with `--gdn-norm` the base with the gated norm in the GDN kernel,
-    without PDL and with it."""
+    epilogue fusions). The first is the base the others are set against; the PDL arms keep its gdn_ba, every other
+    `--gdn-ba` mode is an arm without PDL, with `--gdn-two-phase` each mode but dot (the base's too) also through the
+    two-phase GDN block kernel, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
+    LeanQwen35.gdn_fuse_norm; the gate / up GEMV's swiglu, EngineBase.fuse_swiglu), without PDL and with it."""
     base = args.gdn_ba[0]
     arms = [("", base, False, False, False, False), ("_pdl", base, False, True, False, False)]
     if args.inductor_pdl:
         arms.append(("_pdl_inductor", base, False, True, True, False))
-    if args.gdn_norm:
-        arms += [("_gdn_norm", base, False, False, False, True), ("_pdl_gdn_norm", base, False, True, False, True)]
+    if args.epilogues:
+        arms += [("_epilogues", base, False, False, False, True), ("_pdl_epilogues", base, False, True, False, True)]
     for mode in args.gdn_ba:
         if mode != base:
             arms.append((f"_gdn_{mode}", mode, False, False, False, False))
@@ -334,8 +334,7 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
     """`--pdl-only`: the tuned 16-bit target, then the W4 target (RTN, `--group`), each measured per `study_arms` in
     turn: without PDL, with the matmul kernels and the fused GDN step launched with it (kernels.pdl.set_pdl; retuned,
     since PDL changes what a kernel costs beside the others: tuning times a kernel back to back with itself), with
-    `--inductor-pdl` inductor's kernels too, with `--gdn-norm` the gated norm in the GDN kernel (without PDL and with
-    it), and each further `--gdn-ba` mode (an engine of its own; "fused" needs 16-bit b / a and qkvz, so the W4 target
+    `--inductor-pdl` inductor's kernels too, with `--epilogues` the epilogue fusions (without PDL and with it), and each further `--gdn-ba` mode (an engine of its own; "fused" needs 16-bit b / a and qkvz, so the W4 target
     skips it). Each arm compiles afresh (dynamo's cache does not key on
     inductor's config). `vs_base.<target><arm>.<step>_speedup`: the arm's time over the first arm's (> 1: faster).
     Our kernels wait for the kernel before them in every program, so the stream's order holds whatever launches
@@ -348,7 +347,7 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
         if label == "target_w4":
             out["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
         engine = engine16 if label == "target16" else None
-        for suffix, gdn_ba, two_phase, ours, inductor, norm in study_arms(args):
+        for suffix, gdn_ba, two_phase, ours, inductor, epilogues in study_arms(args):
             arm = label + suffix
             if suffix and args.arms and arm not in args.arms:  # --arms: only these beside each target's base
                 continue
@@ -361,7 +360,8 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
             if engine is None or engine.gdn_ba != gdn_ba:
                 engine = None  # an arm's own engine is freed before the next is built (each copies the weights)
                 engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=gdn_ba)
-            engine.gdn_two_phase, engine.gdn_fuse_norm, engine.graphs = two_phase, norm, {}
+            engine.gdn_two_phase, engine.graphs = two_phase, {}
+            engine.gdn_fuse_norm = engine.fuse_swiglu = epilogues
             set_pdl(ours)
             try:
                 if suffix:  # the arm's GDN path (its kernel, PDL or not) against the unfused layer, as main() checks the base's
@@ -532,11 +532,12 @@ def main() -> None:
     parser.add_argument("--gdn-two-phase", action="store_true",
                         help="--pdl-only: each --gdn-ba arm other than dot again with its verify block's GDN middle through "
                              "the two-phase kernel (LeanQwen35.gdn_two_phase)")
-    parser.add_argument("--gdn-norm", action="store_true",
-                        help="--pdl-only: two arms more, the base with each GDN layer's gated norm in its fused kernel "
-                             "(LeanQwen35.gdn_fuse_norm), without PDL and with it")
+    parser.add_argument("--epilogues", action="store_true",
+                        help="--pdl-only: two arms more, the base with its epilogue fusions (each GDN layer's gated norm in "
+                             "its fused kernel, LeanQwen35.gdn_fuse_norm; silu(gate) * up in the gate / up GEMV, "
+                             "EngineBase.fuse_swiglu), without PDL and with it")
     parser.add_argument("--arms", type=lambda text: text.split(","), default=None,
-                        help="--pdl-only: run only these arms (full labels, e.g. target16_pdl,target_w4_pdl_gdn_norm) beside "
+                        help="--pdl-only: run only these arms (full labels, e.g. target16_pdl,target_w4_pdl_epilogues) beside "
                              "each target's base; the flags above say which arms there are")
     parser.add_argument("--hf-generate", action="store_true",
                         help="then transformers' static compiled generate on the same 16-bit model (hf_static.*, issue 23)")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import gemv as gemv_kernel
-from ..kernels.gemv import gemv, gemv_config
+from ..kernels.gemv import gemv, gemv_config, swiglu_fits
 from ..kernels.w4a16 import EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, pack_int4, tune, w4a16_matmul
 from ..quant.grid import dequantize
 from ..quant.quantlinear import QuantLinear
@@ -132,6 +132,19 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, kernels: bool) -> torch.
     if config is None:
         return F.linear(x, weight)
     return gemv(x.reshape(rows, -1), weight, config).view(*x.shape[:-1], -1)
+
+
+def swiglu(w13: "Projection | Concat", x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """silu(gate) * up of a gate / up projection `w13` (gate rows, then up rows) of x. `fused`: for one row of
+    a 16-bit projection whose tuned GEMV runs in one K split, in the GEMV's epilogue (kernels.gemv's swiglu,
+    rounded as these ops round); anywhere else, these ops."""
+    rows = x.numel() // x.shape[-1]
+    if fused and isinstance(w13, Projection) and w13.weight is not None and w13.bias is None and w13.kernels:
+        config = gemv_config(*w13.weight.shape, w13.weight.dtype, rows)
+        if config is not None and swiglu_fits(config, rows, w13.weight.shape[0]):
+            return gemv(x.reshape(1, -1), w13.weight, config, swiglu=True).view(*x.shape[:-1], -1)
+    gate, up = w13(x).chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Concat:

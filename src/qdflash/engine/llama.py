@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..ops import apply_rope, rms_norm, tap_features
 from .base import EngineBase, cached_attention
-from .linear import Projection
+from .linear import Projection, swiglu
 
 
 class LeanLlama(EngineBase):
@@ -69,8 +69,7 @@ class LeanLlama(EngineBase):
             v = v.view(*lead, t, self.kv_heads, self.head_dim).transpose(-3, -2)
             h = h + w["wo"](attend(i, q, k, v))
             x = rms_norm(h, w["norm2"], self.eps, dtype)
-            gate, up = w["w13"](x).chunk(2, dim=-1)
-            h = h + w["w2"](F.silu(gate) * up)
+            h = h + w["w2"](swiglu(w["w13"], x, self.fuse_swiglu))
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
         return h, (tap_features(features, layer_ids) if layer_ids is not None else None)

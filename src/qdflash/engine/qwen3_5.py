@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import QdflashError
 from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_step
-from .linear import Projection
+from .linear import Projection, swiglu
 from ..ops import apply_rope, tap_features
 from .base import EngineBase, cached_attention
 
@@ -78,7 +78,7 @@ class LeanQwen35(EngineBase):
         self.gdn_two_phase = False
         # with the kernels: the fused GDN middle ends in the layer's gated RMSNorm too (gated_delta_step's norm_weight:
         # the last program of each head to finish normalizes it), two small kernels a layer fewer. Off until the H200
-        # times it (bench_components --gdn-norm). The arrival counts it needs: one buffer for every layer (their
+        # times it (bench_components --epilogues). The arrival counts it needs: one buffer for every layer (their
         # launches never overlap), zero between launches. Set before capture, like fuse_gdn
         self.gdn_fuse_norm = False
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
@@ -271,8 +271,7 @@ class LeanQwen35(EngineBase):
             else:
                 h = h + self._attention(i, w, x, cos, sin, attend)
             x = w["norm2"](h).to(dtype)
-            gate, up = w["w13"](x).chunk(2, dim=-1)
-            h = h + w["w2"](F.silu(gate) * up)
+            h = h + w["w2"](swiglu(w["w13"], x, self.fuse_swiglu))
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
         return h, (tap_features(features, layer_ids) if layer_ids is not None else None)

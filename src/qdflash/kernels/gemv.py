@@ -56,17 +56,24 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, stride_os, K_PER_SPLIT, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr, SWIGLU: tl.constexpr):
         """TILES = 0: a runtime loop over K_PER_SPLIT (one compile serves every K). TILES > 0: K_PER_SPLIT
         is TILES * BLOCK_K and the loop is unrolled, so the compiler issues every tile's loads before the
         arithmetic: a program's whole slice of the weight in flight, where the runtime loop waits on memory
         once per tile (one compile per K and split). PDL: the first tile's weight loads go out before
-        `pdl_wait_and_release`."""
+        `pdl_wait_and_release`. SWIGLU (one split): the weight is a gate projection's N rows over an up
+        projection's N rows, and the output is silu(gate) * up [N]; a program's BLOCK_N weight rows are
+        BLOCK_N / 2 gate rows interleaved with their up rows, so it holds both halves of its outputs."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SWIGLU:
+            ri = tl.arange(0, BLOCK_N)
+            rn = pid_n * (BLOCK_N // 2) + ri // 2 + (ri % 2) * N  # gate row j, then up row j (N rows on)
+            n_ok = (pid_n * (BLOCK_N // 2) + ri // 2)[:, None] < N
+        else:
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = rn[:, None] < N
         rk = tl.arange(0, BLOCK_K)
-        n_ok = rn[:, None] < N
         k0 = pid_k * TILES * BLOCK_K if TILES > 0 else pid_k * K_PER_SPLIT
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         FIRST: tl.constexpr = 1 if PDL else 0  # tiles done before the loop
@@ -80,7 +87,20 @@ if triton is not None:
         else:
             for step in range(FIRST * BLOCK_K, K_PER_SPLIT, BLOCK_K):
                 acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + step + rk, stride_wn)
-        tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
+        if SWIGLU:
+            gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N // 2, 2)))
+            _store_swiglu(out_ptr, pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), gate, up, N)
+        else:
+            tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
+
+    @triton.jit
+    def _store_swiglu(out_ptr, rows, gate, up, N):
+        """silu(gate) * up, rounded where the unfused ops round in the output's dtype: the projection's outputs,
+        silu's, the product's (torch's silu: x / (1 + e^-x) in fp32)."""
+        dt = out_ptr.dtype.element_ty
+        gate = gate.to(dt).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        tl.store(out_ptr + rows, (act * up.to(dt).to(tl.float32)).to(dt), mask=rows < N)
 
     @triton.jit
     def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_os, stride_om, K_PER_SPLIT,
@@ -137,8 +157,10 @@ def fits(config: GemvConfig, k: int) -> bool:
     return k % (config.split_k * config.block_k) == 0
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Tensor:
-    """x [M <= 16, K] @ weight [N, K].T -> [M, N] in x's dtype (fp32 accumulation)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, swiglu: bool = False) -> torch.Tensor:
+    """x [M <= 16, K] @ weight [N, K].T -> [M, N] in x's dtype (fp32 accumulation). `swiglu` (one row, one K
+    split): weight is a gate projection's rows over an up projection's, and the result silu(gate) * up
+    [1, N / 2], the product never written out (`_gemv_kernel`'s SWIGLU; `swiglu_fits` says where it runs)."""
     if triton is None:
         raise QdflashError("gemv needs triton (installed with torch on CUDA machines)")
     n, k = weight.shape
@@ -148,27 +170,36 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Ten
                            f"weight {tuple(weight.shape)}")
     if not fits(config, k):
         raise QdflashError(f"gemv: {config} does not tile K={k}")
+    if swiglu and not swiglu_fits(config, m, n):
+        raise QdflashError(f"gemv: swiglu takes one row, one K split, an even N and >= 2 rows a tile; got {m} rows, N={n}, {config}")
     x = x.contiguous()
     if pdl_for(x):  # a launch option torch.compile does not trace through: our op, an opaque node in a compiled step
-        out = _gemv_op(x, weight, *astuple(config), True)
+        out = _gemv_op(x, weight, *astuple(config), True, swiglu)
     else:
-        out = _launch(x, weight, config, False)
+        out = _launch(x, weight, config, False, swiglu=swiglu)
     return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool) -> torch.Tensor:
-    """The kernel's raw output [split_k, M, N]: x's dtype for one split, else fp32 partial sums."""
+def swiglu_fits(config: GemvConfig, rows: int, n: int) -> bool:
+    """Where `gemv(..., swiglu=True)` runs: one row, one K split (the epilogue needs whole sums), gate and up halves."""
+    return rows == 1 and config.split_k == 1 and n % 2 == 0 and config.block_n >= 2
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool, swiglu: bool = False) -> torch.Tensor:
+    """The kernel's raw output [split_k, M, N] (N / 2 with swiglu): x's dtype for one split, else fp32 partial sums."""
     n, k = weight.shape
     m = x.shape[0]
-    out = torch.empty(config.split_k, m, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
+    n_out = n // 2 if swiglu else n
+    out = torch.empty(config.split_k, m, n_out, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
+    # swiglu: the same weight rows a program (half of them gate rows, half up), so the tuned tile's shape and count
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     # K_PER_SPLIT is a runtime argument (one compile per tile serves every shape: tuning is compile-bound),
     # except where the config unrolls the K loop
     tiles = k // (config.split_k * config.block_k) if config.unrolled else 0
     launch = launch_options(pdl)
     if m == 1:
-        _gemv_kernel[grid](x, weight, out, n, weight.stride(0), out.stride(0), k // config.split_k, BLOCK_N=config.block_n,
-                           BLOCK_K=config.block_k, TILES=tiles, PDL=pdl, num_warps=config.num_warps, **launch)
+        _gemv_kernel[grid](x, weight, out, n_out, weight.stride(0), out.stride(0), k // config.split_k, BLOCK_N=config.block_n,
+                           BLOCK_K=config.block_k, TILES=tiles, PDL=pdl, SWIGLU=swiglu, num_warps=config.num_warps, **launch)
     else:
         _gemv_rows_kernel[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
                                 k // config.split_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILES=tiles,
@@ -178,15 +209,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool
 
 @torch.library.custom_op("qdflash::gemv", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, split_k: int, num_warps: int,
-             unrolled: bool, pdl: bool) -> torch.Tensor:
+             unrolled: bool, pdl: bool, swiglu: bool) -> torch.Tensor:
     """`_launch` as one opaque node of a compiled graph: torch.compile traces a Triton launch itself but
     drops its launch options (PDL's among them)."""
-    return _launch(x, weight, GemvConfig(block_n, block_k, split_k, num_warps, unrolled), pdl)
+    return _launch(x, weight, GemvConfig(block_n, block_k, split_k, num_warps, unrolled), pdl, swiglu=swiglu)
 
 
 @_gemv_op.register_fake
-def _(x, weight, block_n, block_k, split_k, num_warps, unrolled, pdl):
-    return x.new_empty((split_k, x.shape[0], weight.shape[0]), dtype=x.dtype if split_k == 1 else torch.float32)
+def _(x, weight, block_n, block_k, split_k, num_warps, unrolled, pdl, swiglu):
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    return x.new_empty((split_k, x.shape[0], n), dtype=x.dtype if split_k == 1 else torch.float32)
 
 
 def candidate_configs(n: int, k: int, rows: int = 1) -> list[GemvConfig]:
