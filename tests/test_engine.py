@@ -280,15 +280,17 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
 def test_fused_swiglu_decodes_as_the_unfused_mlp(fixture, request, monkeypatch):
     """engine.fuse_swiglu with the kernels (Triton's interpreter here) and a one-split GEMV tuned for the gate / up
-    shape: a decode step's silu(gate) * up comes from that GEMV's epilogue (every layer), a block's from the ops,
-    and the logits are the unfused engine's; greedy speculative decoding stays autoregressive decoding (Llama)."""
+    shape at one row and at 2-16: a decode step's, a verify block's (and a short prompt's) silu(gate) * up come from that GEMV's
+    epilogue (every layer), and the logits are the unfused engine's; greedy speculative decoding stays autoregressive decoding (Llama)."""
     pytest.importorskip("triton")
     from qdflash.kernels import gemv as gemv_module
 
     target = request.getfixturevalue(fixture)
     engine = build_engine(target, max_len=64, kernels=True)
     n, k = engine.layers[0]["w13"].weight.shape
-    monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 1), gemv_module.GemvConfig(8, 16 if k % 32 else 32))
+    block_k = 16 if k % 32 else 32
+    monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 1), gemv_module.GemvConfig(8, block_k))
+    monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 16), gemv_module.GemvConfig(16, block_k))
     launched = []
     launch = gemv_module._launch
     monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(kw.get("swiglu", False)) or launch(*args, **kw))
@@ -302,7 +304,8 @@ def test_fused_swiglu_decodes_as_the_unfused_mlp(fixture, request, monkeypatch):
         block = engine.forward(x[8:11], 8)[0]
         step = engine.forward(x[11:], 11)[0]
         logits[fused] = torch.cat([block, step])
-        assert launched == [fused] * len(engine.layers), "the one-row gate / up GEMV, fused where asked"
+        # the prompt's 8 rows, the block's 3 and the step's 1: the gate / up GEMV of each layer, fused where asked
+        assert launched == [fused] * 3 * len(engine.layers)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
     if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)
         prompt = x[None, :8]

@@ -648,10 +648,11 @@ def attention_case(tree, block=False):
         HAS_START=False, TREE=tree if tree else 0)
 
 
-def rows_gemv_case(tiles, pdl=False):
+def rows_gemv_case(tiles, pdl=False, swiglu=False):
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_os": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32"}
-    return "qdflash.kernels.gemv", "_gemv_rows_kernel", signature, dict(BLOCK_N=128, BLOCK_K=64, TILES=tiles, IEEE=False, PDL=pdl)
+    return "qdflash.kernels.gemv", "_gemv_rows_kernel", signature, dict(BLOCK_N=128, BLOCK_K=64, TILES=tiles, IEEE=False, PDL=pdl,
+                                                                       SWIGLU=swiglu)
 
 
 def pdl_cases(pdl):
@@ -709,7 +710,7 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
 
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn step norm 1", "gdn step norm 16", "gdn block norm 16", "attention",
-                                  "attention tree 16", "attention block 16", "gemv rows 0", "gemv rows 16"])
+                                  "attention tree 16", "attention block 16", "gemv rows 0", "gemv rows 16", "gemv rows swiglu 16"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
@@ -717,7 +718,8 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     for a decode step and a verify block, and the decode attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of
     64) for a decode step, a verify block (its rows two to a program) and a tree of 16 nodes (what a tree round
     verifies on the GPU); and the 16-bit GEMV's
-    2-16-row form at its largest tile, its K loop run and unrolled (16 tiles). With the gated norm (NORM), both GDN
+    2-16-row form at its largest tile, its K loop run and unrolled (16 tiles), and with the swiglu epilogue (its
+    tensor-core accumulator split into gate and up columns). With the gated norm (NORM), both GDN
     kernels count a program's arrival with one atomic, acq_rel at gpu scope, by one thread after a CTA barrier (the
     pattern that makes every thread's stores visible to the program that counts last); without it, no atomic."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_WARPS
@@ -728,7 +730,7 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
         num_warps = BLOCK_WARPS if "block" in kind else STEP_WARPS
         module, name, signature, constexprs = (gdn_block_case if "block" in kind else gdn_step_case)(int(arg), norm="norm" in kind)
     else:
-        module, name, signature, constexprs = (rows_gemv_case(int(arg)) if kind.startswith("gemv") else
+        module, name, signature, constexprs = (rows_gemv_case(int(arg), swiglu="swiglu" in kind) if kind.startswith("gemv") else
                                                attention_case(int(arg) if "tree" in kind else 0, "block" in kind))
     # the GEMV's launches at the engine's shapes: torch's pointers and these strides are multiples of 16
     aligned = aligned_args(signature) if kind.startswith("gemv") else []
@@ -739,10 +741,11 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemv_swiglu_epilogue_is_silu_gate_times_up_of_the_plain_gemv(dtype, monkeypatch):
-    """`gemv(..., swiglu=True)`: one row through a gate / up weight gives F.silu(gate) * up of the same tile's
-    plain outputs (its sums in the same order), rounded as those torch ops round in the dtype; N / 2 not a
-    multiple of a program's outputs, the K loop run and unrolled, 2 rows a tile. `linear.swiglu` takes it only
-    when asked, for a tuned one-split shape at one row, and the ops otherwise. Bad calls fail clearly."""
+    """`gemv(..., swiglu=True)`: one row (and 5: the verify block's kernel) through a gate / up weight gives
+    F.silu(gate) * up of the same tile's plain outputs (its sums in the same order), rounded as those torch ops
+    round in the dtype; N / 2 not a multiple of a program's outputs, the K loop run and unrolled, 2 rows a tile.
+    `linear.swiglu` takes it only when asked, for a shape and row bucket tuned with one K split, and the ops
+    otherwise. Bad calls fail clearly."""
     import torch.nn.functional as F
 
     from qdflash.engine.linear import Projection, swiglu
@@ -751,18 +754,19 @@ def test_gemv_swiglu_epilogue_is_silu_gate_times_up_of_the_plain_gemv(dtype, mon
     half, k = 37, 512
     g = torch.Generator().manual_seed(8)
     w, x = torch.randn(2 * half, k, generator=g).to(DEVICE, dtype), torch.randn(1, k, generator=g).to(DEVICE, dtype)
-    for config in (gemv_module.GemvConfig(8, 128), gemv_module.GemvConfig(4, 256, 1, 4, True), gemv_module.GemvConfig(2, 512)):
+    x5 = torch.randn(5, k, generator=g).to(DEVICE, dtype)
+    for x, config in ((x, gemv_module.GemvConfig(8, 128)), (x, gemv_module.GemvConfig(4, 256, 1, 4, True)),
+                      (x, gemv_module.GemvConfig(2, 512)), (x5, gemv_module.GemvConfig(16, 64)),
+                      (x5, gemv_module.GemvConfig(32, 64, 1, 4, True))):
         gate, up = gemv_module.gemv(x, w, config).chunk(2, dim=-1)
         want = F.silu(gate) * up
         got = gemv_module.gemv(x, w, config, swiglu=True)
-        assert got.dtype == dtype and got.shape == (1, half)
+        assert got.dtype == dtype and got.shape == (x.shape[0], half)
         # the same rounding steps; torch's exp and the kernel's may differ in fp32's last place
         torch.testing.assert_close(got, want, atol=0, rtol=1e-3 if dtype == torch.float16 else 1e-6)
         if dtype == torch.float16:  # rounded to 16 bits, mostly bit for bit
             assert (got == want).float().mean() > 0.9, config
-    with pytest.raises(QdflashError, match="swiglu takes one row"):
-        gemv_module.gemv(torch.cat([x, x]), w, gemv_module.GemvConfig(8, 128), swiglu=True)
-    with pytest.raises(QdflashError, match="swiglu takes one row"):
+    with pytest.raises(QdflashError, match="swiglu takes one K split"):
         gemv_module.gemv(x, w, gemv_module.GemvConfig(8, 128, 2), swiglu=True)
     projection = Projection(weight=w, kernels=True)
     key = (2 * half, k, dtype, 1)
@@ -771,7 +775,7 @@ def test_gemv_swiglu_epilogue_is_silu_gate_times_up_of_the_plain_gemv(dtype, mon
     for tuned, fused, rows, want_swiglu in ((None, True, 1, []), (gemv_module.GemvConfig(8, 128, 2), True, 1, [False]),
                                             (gemv_module.GemvConfig(8, 128), False, 1, [False]),
                                             (gemv_module.GemvConfig(8, 128), True, 1, [True]),
-                                            (gemv_module.GemvConfig(8, 128), True, 2, [])):
+                                            (gemv_module.GemvConfig(8, 128), True, 2, [])):  # the 2-16-row bucket untuned
         monkeypatch.setitem(gemv_module._TUNED, key, tuned) if tuned else gemv_module._TUNED.pop(key, None)
         launched.clear()
         xs = torch.randn(rows, k, generator=g).to(DEVICE, dtype)

@@ -168,8 +168,8 @@ class EngineBase:
         self.head_proj = head_projection(model, self.lm_head, self.dtype, self.kernels)  # what computes the logits
         self.graphs = {}  # (tokens per step, layer ids, cache length read, a tree's step) -> CapturedStep
         self.attention = "sdpa"  # set_attention
-        # with the kernels: a decode step's silu(gate) * up in the epilogue of the gate / up projection's GEMV where
-        # it runs for that shape (linear.swiglu), one small kernel a layer fewer. Off until the H200 times it
+        # with the kernels: a decode step's or verify block's silu(gate) * up in the epilogue of the gate / up
+        # projection's GEMV where it runs for that shape and row count (linear.swiglu), one small kernel a layer fewer. Off until the H200 times it
         # (bench_components --epilogues). Set before capture
         self.fuse_swiglu = False
 

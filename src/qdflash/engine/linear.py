@@ -135,14 +135,14 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, kernels: bool) -> torch.
 
 
 def swiglu(w13: "Projection | Concat", x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-    """silu(gate) * up of a gate / up projection `w13` (gate rows, then up rows) of x. `fused`: for one row of
-    a 16-bit projection whose tuned GEMV runs in one K split, in the GEMV's epilogue (kernels.gemv's swiglu,
-    rounded as these ops round); anywhere else, these ops."""
+    """silu(gate) * up of a gate / up projection `w13` (gate rows, then up rows) of x. `fused`: for 1-16 rows of
+    a 16-bit projection whose tuned GEMV (for that row count) runs in one K split, in the GEMV's epilogue
+    (kernels.gemv's swiglu, rounded as these ops round); anywhere else, these ops."""
     rows = x.numel() // x.shape[-1]
     if fused and isinstance(w13, Projection) and w13.weight is not None and w13.bias is None and w13.kernels:
         config = gemv_config(*w13.weight.shape, w13.weight.dtype, rows)
-        if config is not None and swiglu_fits(config, rows, w13.weight.shape[0]):
-            return gemv(x.reshape(1, -1), w13.weight, config, swiglu=True).view(*x.shape[:-1], -1)
+        if config is not None and swiglu_fits(config, w13.weight.shape[0]):
+            return gemv(x.reshape(rows, -1), w13.weight, config, swiglu=True).view(*x.shape[:-1], -1)
     gate, up = w13(x).chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -66,13 +66,7 @@ if triton is not None:
         BLOCK_N / 2 gate rows interleaved with their up rows, so it holds both halves of its outputs."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        if SWIGLU:
-            ri = tl.arange(0, BLOCK_N)
-            rn = pid_n * (BLOCK_N // 2) + ri // 2 + (ri % 2) * N  # gate row j, then up row j (N rows on)
-            n_ok = (pid_n * (BLOCK_N // 2) + ri // 2)[:, None] < N
-        else:
-            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = rn[:, None] < N
+        rn, n_ok = _weight_rows(pid_n, N, BLOCK_N, SWIGLU)
         rk = tl.arange(0, BLOCK_K)
         k0 = pid_k * TILES * BLOCK_K if TILES > 0 else pid_k * K_PER_SPLIT
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -89,32 +83,43 @@ if triton is not None:
                 acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + step + rk, stride_wn)
         if SWIGLU:
             gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N // 2, 2)))
-            _store_swiglu(out_ptr, pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), gate, up, N)
+            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            _store_swiglu(out_ptr + cols, cols < N, gate, up)
         else:
             tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
 
     @triton.jit
-    def _store_swiglu(out_ptr, rows, gate, up, N):
+    def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
+        """The BLOCK_N weight rows program pid_n reads and which of them exist ([BLOCK_N, 1]). SWIGLU: BLOCK_N / 2
+        gate rows each followed by its up row (N rows on), so a program holds both halves of its outputs."""
+        if SWIGLU:
+            ri = tl.arange(0, BLOCK_N)
+            out = pid_n * (BLOCK_N // 2) + ri // 2
+            return out + (ri % 2) * N, out[:, None] < N
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return rn, rn[:, None] < N
+
+    @triton.jit
+    def _store_swiglu(out_ptrs, mask, gate, up):
         """silu(gate) * up, rounded where the unfused ops round in the output's dtype: the projection's outputs,
         silu's, the product's (torch's silu: x / (1 + e^-x) in fp32)."""
-        dt = out_ptr.dtype.element_ty
+        dt = out_ptrs.dtype.element_ty
         gate = gate.to(dt).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-        tl.store(out_ptr + rows, (act * up.to(dt).to(tl.float32)).to(dt), mask=rows < N)
+        tl.store(out_ptrs, (act * up.to(dt).to(tl.float32)).to(dt), mask=mask)
 
     @triton.jit
     def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_os, stride_om, K_PER_SPLIT,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, IEEE: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, SWIGLU: tl.constexpr):
         """2-16 rows: the [BN, BK] weight tile read once and multiplied with all rows by one dot (rows
-        padded to 16 with zeros, never stored). TILES and PDL as in `_gemv_kernel`."""
+        padded to 16 with zeros, never stored). TILES, PDL and SWIGLU as in `_gemv_kernel`."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, 16)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn, n_ok = _weight_rows(pid_n, N, BLOCK_N, SWIGLU)
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm[:, None] < M
-        n_ok = rn[:, None] < N
         k0 = pid_k * TILES * BLOCK_K if TILES > 0 else pid_k * K_PER_SPLIT
         acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
         FIRST: tl.constexpr = 1 if PDL else 0
@@ -129,7 +134,12 @@ if triton is not None:
         else:
             for step in range(FIRST * BLOCK_K, K_PER_SPLIT, BLOCK_K):
                 acc += _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k0 + step + rk, stride_xm, stride_wn, IEEE)
-        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
+        if SWIGLU:
+            gate, up = tl.split(tl.reshape(acc, (16, BLOCK_N // 2, 2)))
+            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            _store_swiglu(out_ptr + rm[:, None] * stride_om + cols[None, :], m_ok & (cols[None, :] < N), gate, up)
+        else:
+            tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
 
     @triton.jit
     def _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, col, stride_xm, stride_wn, IEEE: tl.constexpr):
@@ -158,9 +168,9 @@ def fits(config: GemvConfig, k: int) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, swiglu: bool = False) -> torch.Tensor:
-    """x [M <= 16, K] @ weight [N, K].T -> [M, N] in x's dtype (fp32 accumulation). `swiglu` (one row, one K
-    split): weight is a gate projection's rows over an up projection's, and the result silu(gate) * up
-    [1, N / 2], the product never written out (`_gemv_kernel`'s SWIGLU; `swiglu_fits` says where it runs)."""
+    """x [M <= 16, K] @ weight [N, K].T -> [M, N] in x's dtype (fp32 accumulation). `swiglu` (one K split):
+    weight is a gate projection's rows over an up projection's, and the result silu(gate) * up [M, N / 2], the
+    product never written out (the kernels' SWIGLU; `swiglu_fits` says where it runs)."""
     if triton is None:
         raise QdflashError("gemv needs triton (installed with torch on CUDA machines)")
     n, k = weight.shape
@@ -170,8 +180,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, swiglu: bool
                            f"weight {tuple(weight.shape)}")
     if not fits(config, k):
         raise QdflashError(f"gemv: {config} does not tile K={k}")
-    if swiglu and not swiglu_fits(config, m, n):
-        raise QdflashError(f"gemv: swiglu takes one row, one K split, an even N and >= 2 rows a tile; got {m} rows, N={n}, {config}")
+    if swiglu and not swiglu_fits(config, n):
+        raise QdflashError(f"gemv: swiglu takes one K split, an even N and >= 2 rows a tile; got N={n}, {config}")
     x = x.contiguous()
     if pdl_for(x):  # a launch option torch.compile does not trace through: our op, an opaque node in a compiled step
         out = _gemv_op(x, weight, *astuple(config), True, swiglu)
@@ -180,9 +190,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, swiglu: bool
     return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
 
 
-def swiglu_fits(config: GemvConfig, rows: int, n: int) -> bool:
-    """Where `gemv(..., swiglu=True)` runs: one row, one K split (the epilogue needs whole sums), gate and up halves."""
-    return rows == 1 and config.split_k == 1 and n % 2 == 0 and config.block_n >= 2
+def swiglu_fits(config: GemvConfig, n: int) -> bool:
+    """Where `gemv(..., swiglu=True)` runs: one K split (the epilogue needs whole sums), gate and up halves."""
+    return config.split_k == 1 and n % 2 == 0 and config.block_n >= 2
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool, swiglu: bool = False) -> torch.Tensor:
@@ -201,9 +211,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool
         _gemv_kernel[grid](x, weight, out, n_out, weight.stride(0), out.stride(0), k // config.split_k, BLOCK_N=config.block_n,
                            BLOCK_K=config.block_k, TILES=tiles, PDL=pdl, SWIGLU=swiglu, num_warps=config.num_warps, **launch)
     else:
-        _gemv_rows_kernel[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+        _gemv_rows_kernel[grid](x, weight, out, m, n_out, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
                                 k // config.split_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILES=tiles,
-                                IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=config.num_warps, **launch)
+                                IEEE=x.dtype == torch.float32, PDL=pdl, SWIGLU=swiglu, num_warps=config.num_warps, **launch)
     return out
 
 
