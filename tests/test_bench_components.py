@@ -1,6 +1,7 @@
 """scripts/bench/bench_components.py runs its whole code path on the CPU (tiny shape): the numbers
 mean nothing here, but every part is measured and the captured-step check holds."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -114,6 +115,25 @@ def test_pdl_study_runs_each_arm_on_the_cpu(runs):
                 assert r[f"vs_base.{arm}.decode_speedup"] == pytest.approx(r[f"{label}.decode_ms"] / r[f"{arm}.decode_ms"], abs=2e-3)
                 assert r[f"{arm}.gdn_check"] == "kernels off: one torch path"  # the GPU compares the arm's GDN path
     assert r["target_w4.quantized_layers"] > 0 and not any(k.startswith("drafter") for k in r)
+    # --epilogues: which fusions each arm ran (none without the kernels); an arm after one of the same engine and PDL
+    # setting keeps its tuning
+    assert r["target16_epilogues.epilogues_in_use"] == {"swiglu@1": 0, "swiglu@16": 0, "gdn_norm": 0}
+    assert r["target16_epilogues.tuned"] == "as the arm before (PDL off)" and isinstance(r["target16_pdl.tuned"], dict)
+
+
+def test_pdl_study_arms_option_names_arms_of_the_targets(capsys):
+    """--arms takes the study's arm labels (not a base, not an arm the W4 target always skips) and fails clearly
+    otherwise; study_arms lists an engine's arms without PDL before those with it."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_components
+
+    args = argparse.Namespace(gdn_ba=["dot", "fused"], inductor_pdl=False, epilogues=True, gdn_two_phase=False)
+    assert [arm[0] for arm in bench_components.study_arms(args)] == ["", "_epilogues", "_pdl", "_pdl_epilogues", "_gdn_fused"]
+    for bad in ("target16", "target_w4_gdn_fused", "target16_pdl,target16_foo"):
+        sys.argv = ["bench_components.py", "--pdl-only", "--epilogues", "--gdn-ba", "dot,fused", "--arms", bad]
+        with pytest.raises(SystemExit):
+            bench_components.main()
+        assert "--arms: with --pdl-only, labels of" in capsys.readouterr().err
 
 
 def test_round_bench_runs_on_the_cpu(runs):

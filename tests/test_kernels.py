@@ -455,14 +455,16 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two
                          state0.double(), key_heads=key_heads, key_dim=key_dim)
 
 
-@pytest.mark.parametrize("dtype,weight_dtype,two_phase", [(torch.float32, torch.float32, False), (torch.float16, torch.float16, False),
-                                                           (torch.float16, torch.float32, True)])
-def test_gated_delta_step_with_the_gated_norm_is_transformers_norm_of_its_output(dtype, weight_dtype, two_phase):
+@pytest.mark.parametrize("dtype,weight_dtype,two_phase,block_v", [(torch.float32, torch.float32, False, 16),
+                                                                   (torch.float16, torch.float16, False, 8),
+                                                                   (torch.float16, torch.float32, True, 8)])
+def test_gated_delta_step_with_the_gated_norm_is_transformers_norm_of_its_output(dtype, weight_dtype, two_phase, block_v):
     """`norm_weight`: the same launch ends in the layer's gated RMSNorm (the last program of each head to finish
     normalizes the head's outputs): a decode step and a verify block give what transformers' Qwen3_5RMSNormGated
     gives for the kernel's own o and the qkvz rows' z, in the model's dtype (fp16 here: the rounding steps of a
     16-bit model; the module's weight in that dtype or fp32), and leave the arrival counts at zero for the next
-    launch. Bad norm operands fail clearly."""
+    launch; with one program a head, and with two (the last reads the other's outputs back). Bad norm operands fail
+    clearly."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
     from qdflash.kernels.gated_delta import gated_delta_step
@@ -484,7 +486,7 @@ def test_gated_delta_step_with_the_gated_norm_is_transformers_norm_of_its_output
         x = torch.randn(t, hidden, generator=g).to(DEVICE, dtype)
         given = (x.float() @ ba.float().T).to(dtype) if two_phase else ba
         args = (qkvz, conv_in, conv_w, torch.arange(start, end, device=DEVICE), x, given, decay, dt_bias)
-        common = dict(key_heads=key_heads, key_dim=key_dim, ba_weight=not two_phase, two_phase=two_phase)
+        common = dict(key_heads=key_heads, key_dim=key_dim, ba_weight=not two_phase, two_phase=two_phase, block_v=block_v)
         saved = conv_in.clone(), state.clone()
         o = gated_delta_step(*args, state, **common)
         conv_in.copy_(saved[0])
@@ -576,11 +578,12 @@ waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
 # PDL: how many global loads the PTX issues before its first wait (-1: it has no wait)
 before = sum(1 for line in ptx[: waits[0]] if "ld.global" in line) if waits else -1
 writes = sum(1 for line in ptx[: waits[0]] if re.search(r"\\b(st|atom|red)\\.global", line)) if waits else -1
-# atomics: how many, how many of them acq_rel at gpu scope by one thread (predicated), and with a CTA barrier in the
-# few lines before (every thread's stores done before the one that publishes them)
+# atomics: how many, how many of them acq_rel at gpu scope by one thread (predicated), with a CTA barrier between the
+# last global store before it and it (every thread's stores done before the one that publishes them)
 atoms = [i for i, line in enumerate(ptx) if re.search(r"\\batom\\.", line)]
+stores = [i for i, line in enumerate(ptx) if "st.global" in line]
 published = sum(bool(re.search(r"@%p\\d+ atom\\.global\\.gpu\\.acq_rel\\.", ptx[i]))
-                and any("bar.sync" in line for line in ptx[max(0, i - 12):i]) for i in atoms)
+                and any("bar.sync" in line for line in ptx[max([j for j in stores if j < i], default=0):i]) for i in atoms)
 print(json.dumps({**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)}, "LOADS_BEFORE_WAIT": before,
                   "WRITES_BEFORE_WAIT": writes,
                   "WAITS": len(waits), "LAUNCHES": sum("griddepcontrol.launch_dependents" in line for line in ptx),
@@ -676,7 +679,7 @@ def pdl_cases(pdl):
             "w4 rows fast": ("qdflash.kernels.w4a16", "_w4a16_kernel", w4_rows, dict(GROUP=32, BLOCK_M=16, BLOCK_N=64, BLOCK_K8=32,
                                                                                      K_PER_SPLIT=2560, PDL=pdl, FAST=True)),
             "gdn step 16": gdn_step_case(16, pdl), "gdn block 16": gdn_block_case(16, pdl),
-            "gdn step norm 16": gdn_step_case(16, pdl, norm=True)}
+            "gdn step norm 16": gdn_step_case(16, pdl, norm=True), "gdn block norm 16": gdn_block_case(16, pdl, norm=True)}
 
 
 def aligned_args(signature):
@@ -698,7 +701,8 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
     # without PDL on one case only: the others' plain compiles are what the other compile test and every GPU run build
     for pdl in (True, False) if case == "gemv 1" else (True,):
         module, name, signature, constexprs = pdl_cases(pdl)[case]
-        warps = {"gdn step 16": STEP_WARPS, "gdn step norm 16": STEP_WARPS, "gdn block 16": BLOCK_WARPS}.get(case, 4)
+        warps = {"gdn step 16": STEP_WARPS, "gdn step norm 16": STEP_WARPS, "gdn block 16": BLOCK_WARPS,
+                 "gdn block norm 16": BLOCK_WARPS}.get(case, 4)
         used = sm90_resources(module, name, signature, constexprs, warps, aligned_args(signature))
         assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
         assert (used["BF16X2_FMAS"] > 0) == case.endswith("fast"), used
@@ -720,8 +724,10 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     verifies on the GPU); and the 16-bit GEMV's
     2-16-row form at its largest tile, its K loop run and unrolled (16 tiles), and with the swiglu epilogue (its
     tensor-core accumulator split into gate and up columns). With the gated norm (NORM), both GDN
-    kernels count a program's arrival with one atomic, acq_rel at gpu scope, by one thread after a CTA barrier (the
-    pattern that makes every thread's stores visible to the program that counts last); without it, no atomic."""
+    kernels count a program's arrival with one atomic, acq_rel at gpu scope, by one thread, a CTA barrier between it
+    and the last global store before it (the pattern that makes every thread's stores visible to the program that
+    counts last; Triton puts a barrier of its own before a scalar atomic too, so this checks the emitted order, not
+    which line emits the barrier); without it, no atomic."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_WARPS
 
     kind, _, arg = case.rpartition(" ")

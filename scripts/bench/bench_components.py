@@ -309,17 +309,24 @@ def study_arms(args) -> list[tuple[str, str, bool, bool, bool, bool]]:
     two-phase GDN block kernel, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
     LeanQwen35.gdn_fuse_norm; the gate / up GEMV's swiglu, EngineBase.fuse_swiglu), without PDL and with it."""
     base = args.gdn_ba[0]
-    arms = [("", base, False, False, False, False), ("_pdl", base, False, True, False, False)]
+    # the base's engine without PDL, then with it: arms of one engine and one PDL setting in a row share a tuning
+    arms = [("", base, False, False, False, False)]
+    if args.epilogues:
+        arms.append(("_epilogues", base, False, False, False, True))
+    arms.append(("_pdl", base, False, True, False, False))
     if args.inductor_pdl:
         arms.append(("_pdl_inductor", base, False, True, True, False))
     if args.epilogues:
-        arms += [("_epilogues", base, False, False, False, True), ("_pdl_epilogues", base, False, True, False, True)]
+        arms.append(("_pdl_epilogues", base, False, True, False, True))
     for mode in args.gdn_ba:
         if mode != base:
             arms.append((f"_gdn_{mode}", mode, False, False, False, False))
         if args.gdn_two_phase and mode != "dot":
             arms.append((f"_gdn_{mode}_two_phase", mode, True, False, False, False))
     return arms
+
+
+TARGET_LABELS = {"16": "target16", "w4": "target_w4"}  # --pdl-targets' names -> the study's result labels
 
 
 def pdl_targets(text: str) -> list[str]:
@@ -343,10 +350,13 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
     import torch._inductor.config as inductor_config
 
     out = {}
-    for label in [{"16": "target16", "w4": "target_w4"}[name] for name in args.pdl_targets]:
+    for label in [TARGET_LABELS[name] for name in args.pdl_targets]:
+        if args.arms and not any(arm.startswith(label + "_") for arm in args.arms):
+            continue  # --arms names none of this target's arms: not even its base
         if label == "target_w4":
             out["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
         engine = engine16 if label == "target16" else None
+        tuned_for = None  # (engine, PDL) the kernels were last tuned for: an arm with both the same keeps that tuning
         for suffix, gdn_ba, two_phase, ours, inductor, epilogues in study_arms(args):
             arm = label + suffix
             if suffix and args.arms and arm not in args.arms:  # --arms: only these beside each target's base
@@ -366,9 +376,14 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
             try:
                 if suffix:  # the arm's GDN path (its kernel, PDL or not) against the unfused layer, as main() checks the base's
                     out.update(gdn_check(engine, device, label=f"{arm}.gdn_check"))
-                t0 = time.perf_counter()
-                out[f"{arm}.tuned"] = engine.tune_kernels()
-                out[f"{arm}.tune_s"] = round(time.perf_counter() - t0, 1)
+                if tuned_for == (engine, ours):  # the same kernels, the same launches: retuning would only add noise
+                    out[f"{arm}.tuned"] = f"as the arm before (PDL {'on' if ours else 'off'})"
+                else:
+                    t0 = time.perf_counter()
+                    out[f"{arm}.tuned"] = engine.tune_kernels()
+                    out[f"{arm}.tune_s"] = round(time.perf_counter() - t0, 1)
+                    tuned_for = (engine, ours)
+                out[f"{arm}.epilogues_in_use"] = epilogues_in_use(engine)
                 torch._dynamo.reset()
                 with inductor_config.patch({"triton.enable_pdl": True}) if inductor else contextlib.nullcontext():
                     out.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
@@ -379,6 +394,18 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
             if suffix:
                 out.update(step_speedups(out, label, arm, f"vs_base.{arm}"))
             report(result | out, arm, args.out)
+    return out
+
+
+def epilogues_in_use(engine) -> dict:
+    """How many layers run each epilogue fusion in this arm (its flags and its tuning decide): the gate / up GEMV's
+    swiglu at 1 row and at 2-16, and the GDN kernel's gated norm. An arm whose counts are all 0 ran the base's code."""
+    from qdflash.engine.linear import swiglu_config
+    from qdflash.kernels import MAX_ROWS
+
+    out = {f"swiglu@{rows}": sum(engine.fuse_swiglu and swiglu_config(w["w13"], rows) is not None for w in engine.layers)
+           for rows in (1, MAX_ROWS)}
+    out["gdn_norm"] = sum(bool(getattr(engine, "fuses_gdn_norm", lambda w: False)(w)) for w in engine.layers)
     return out
 
 
@@ -464,18 +491,19 @@ def kernel_check(engine, device) -> dict:
 
 
 def gdn_check(engine, device: str, tokens: int = 40, block: int = 8, label: str = "gdn_fused_check") -> dict:
-    """Before any timing: the fused GDN layer middle against the unfused one on the same prompt (a prefill of
-    `tokens` - `block`, then a `block`-token step and a 1-token step, eager), logits compared. Where the fused path
-    raises (a kernel that does not build on this device), the engine runs unfused for the whole run and the error
-    is recorded, so that the rest is still measured. Without the kernels there is one path: nothing to check.
+    """Before any timing: the fused GDN layer middle (with the epilogue fusions the engine has on) against the
+    unfused ops on the same prompt (a prefill of `tokens` - `block`, then a `block`-token step and a 1-token step,
+    eager), logits compared. Where the fused path raises (a kernel that does not build on this device), the engine
+    runs unfused for the whole run and the error is recorded, so that the rest is still measured. Without the kernels there is one path: nothing to check.
     `label`: the keys' prefix."""
     if not engine.kernels:
         return {label: "kernels off: one torch path"}
     prompt = torch.randint(0, engine.lm_head.shape[0], (tokens,), device=device)
     logits = {}
+    swiglu = engine.fuse_swiglu
     try:
-        for fused in (False, True):
-            engine.fuse_gdn = fused
+        for fused in (False, True):  # unfused: the epilogue fusions off too (the reference is the unfused ops)
+            engine.fuse_gdn, engine.fuse_swiglu = fused, swiglu and fused
             engine.reset()
             with torch.no_grad():
                 engine.forward(prompt[: tokens - block - 1], 0)
@@ -483,7 +511,7 @@ def gdn_check(engine, device: str, tokens: int = 40, block: int = 8, label: str 
                 step = engine.forward(prompt[tokens - 1:], tokens - 1)[0]
             logits[fused] = torch.cat([verify, step]).float()
     except Exception as err:  # noqa: BLE001 -- a fused kernel that fails here is a result; the run goes on unfused
-        engine.fuse_gdn = False
+        engine.fuse_gdn = engine.fuse_swiglu = False
         engine.reset()
         return {f"{label}.error": f"{type(err).__name__}: {str(err)[:300]}"}
     engine.reset()
@@ -546,7 +574,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.arms:
-        known = {{"16": "target16", "w4": "target_w4"}[name] + arm[0] for name in args.pdl_targets for arm in study_arms(args)[1:]}
+        # an arm the study would skip whatever the device (W4 with a fused qkvz + b / a) is no arm to ask for
+        known = {TARGET_LABELS[name] + arm[0] for name in args.pdl_targets for arm in study_arms(args)[1:]
+                 if not (name == "w4" and arm[1] == "fused")}
         if not args.pdl_only or not set(args.arms) <= known:
             parser.error(f"--arms: with --pdl-only, labels of {', '.join(sorted(known))} (as --pdl-targets and the arm flags "
                          f"give them), got {','.join(args.arms)}")

@@ -139,12 +139,19 @@ def swiglu(w13: "Projection | Concat", x: torch.Tensor, fused: bool = False) -> 
     a 16-bit projection whose tuned GEMV (for that row count) runs in one K split, in the GEMV's epilogue
     (kernels.gemv's swiglu, rounded as these ops round); anywhere else, these ops."""
     rows = x.numel() // x.shape[-1]
-    if fused and isinstance(w13, Projection) and w13.weight is not None and w13.bias is None and w13.kernels:
-        config = gemv_config(*w13.weight.shape, w13.weight.dtype, rows)
-        if config is not None and swiglu_fits(config, w13.weight.shape[0]):
-            return gemv(x.reshape(rows, -1), w13.weight, config, swiglu=True).view(*x.shape[:-1], -1)
+    config = swiglu_config(w13, rows) if fused else None
+    if config is not None:
+        return gemv(x.reshape(rows, -1), w13.weight, config, swiglu=True).view(*x.shape[:-1], -1)
     gate, up = w13(x).chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def swiglu_config(w13: "Projection | Concat", rows: int):
+    """The GEMV config `swiglu(fused=True)` runs w13's epilogue with at `rows` rows, or None where it runs the ops."""
+    if not (isinstance(w13, Projection) and w13.weight is not None and w13.bias is None and w13.kernels):
+        return None
+    config = gemv_config(*w13.weight.shape, w13.weight.dtype, rows)
+    return config if config is not None and swiglu_fits(config, w13.weight.shape[0]) else None
 
 
 class Concat:

@@ -128,6 +128,7 @@ class LeanQwen35(EngineBase):
         """An empty sequence (a new generation): zero recurrent states, length 0."""
         for state in self.state.values():
             state.zero_()
+        self.gdn_arrivals.zero_()  # zero after every launch anyway; a launch cut short must not leave a count behind
         self.length = self.block_start = 0
 
     def rollback(self, keep: int) -> None:
@@ -201,15 +202,23 @@ class LeanQwen35(EngineBase):
             qkvz = w["qkvz"](x)
         else:
             qkvz, ba = self._qkvz_ba(w, x)
-        norm = self.gdn_fuse_norm and _gated_rms_norm(la.norm)
+        norm = self.fuses_gdn_norm(w)
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
                                self.state[i], self.block_states[i] if t <= self.max_block else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
                                two_phase=self.gdn_two_phase and not dot, norm_weight=la.norm.weight.detach() if norm else None,
-                               norm_eps=la.norm.variance_epsilon if norm else 1e-6, arrivals=self.gdn_arrivals)
+                               norm_eps=la.norm.variance_epsilon if norm else 1e-6, arrivals=self.gdn_arrivals if norm else None)
         if norm:
             return w["out"](out)
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
+
+    def fuses_gdn_norm(self, w) -> bool:
+        """Whether a decode step's / verify block's GDN kernel of layer weights `w` ends in the layer's gated norm:
+        the fused kernel runs (kernels, fuse_gdn), the norm is asked for (gdn_fuse_norm) and is transformers' gated
+        RMSNorm, and a head's dv values make one tile (a power of two)."""
+        la = w.get("la")
+        return (self.kernels and self.fuse_gdn and self.gdn_fuse_norm and la is not None and _gated_rms_norm(la.norm)
+                and not la.head_v_dim & (la.head_v_dim - 1))
 
     def _gdn_inputs(self, w, mixed, ba):
         """q, k, v [..., T, heads, d] (fp32; q scaled), decay g and beta [..., T, heads] of the conv output and the

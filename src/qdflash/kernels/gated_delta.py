@@ -36,6 +36,7 @@ try:
     import triton
     import triton.language as tl
 
+    from .jit import silu_rounded
     from .pdl import pdl_wait_and_release
 except ImportError:
     triton = tl = None
@@ -182,9 +183,9 @@ if triton is not None:
             aq += xq.to(tl.float32) * tl.load(conv_w_ptr + qc * KW + j).to(tl.float32)[None, :]
             ak += xk.to(tl.float32) * tl.load(conv_w_ptr + kc * KW + j).to(tl.float32)[None, :]
             av += xv.to(tl.float32) * tl.load(conv_w_ptr + vc * KW + j).to(tl.float32)[None, :]
-        qq = _silu_rounded(aq, dt)
-        kk = _silu_rounded(ak, dt)
-        vv = _silu_rounded(av, dt)
+        qq = silu_rounded(aq, dt)
+        kk = silu_rounded(ak, dt)
+        vv = silu_rounded(av, dt)
         rq = 1.0 / tl.sqrt(tl.sum(qq * qq, axis=1) + 1e-6)
         rk2 = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
         kq = tl.sum(kk * qq, axis=1) * rk2 * rq / SCALE
@@ -275,9 +276,9 @@ if triton is not None:
             a = tl.sum(tl.where(tl.arange(0, 2) == 1, xf, 0.0), axis=0)
         g, beta = _gates(a, b, dt_bias, decay)
         # the causal conv over the taps, then silu
-        qq = _silu_rounded(tl.sum(xq.to(tl.float32) * wq, axis=0), dt)
-        kk = _silu_rounded(tl.sum(xk.to(tl.float32) * wk, axis=0), dt)
-        vv = _silu_rounded(tl.sum(xv.to(tl.float32) * wv, axis=0), dt)
+        qq = silu_rounded(tl.sum(xq.to(tl.float32) * wq, axis=0), dt)
+        kk = silu_rounded(tl.sum(xk.to(tl.float32) * wk, axis=0), dt)
+        vv = silu_rounded(tl.sum(xv.to(tl.float32) * wv, axis=0), dt)
         # l2norm (then q / sqrt(dk)) and k . q from one reduction over the key dimension
         q2, k2, kq = tl.reduce((qq * qq, kk * kk, kk * qq), 0, _add3)
         rq = 1.0 / tl.sqrt(q2 + 1e-6)
@@ -301,13 +302,6 @@ if triton is not None:
         w = 1.0 + e
         softplus = tl.where(u > 20.0, u, tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0)))
         return decay * softplus, 1.0 / (1.0 + tl.exp(-b))
-
-    @triton.jit
-    def _silu_rounded(conv, dt: tl.constexpr):
-        """silu of the conv's output, each rounded to the model's dtype where the unfused layer's 16-bit
-        outputs round (the conv's, then the silu's)."""
-        conv = conv.to(dt).to(tl.float32)
-        return (conv / (1.0 + tl.exp(-conv))).to(dt).to(tl.float32)
 
     @triton.jit
     def _step_state(s, qq, kk, vv, kq, g, beta, out_ptrs):
@@ -343,7 +337,7 @@ if triton is not None:
             rows = (rt[:, None] * HV + h) * DV + rd[None, :]
             # .cg: from L2, where the other programs' stores are (this SM's L1 is not coherent with theirs)
             o = tl.load(out_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(dt).to(tl.float32)
-            normed = (o * (1.0 / tl.sqrt(tl.sum(o * o, axis=1) / DV + EPS))[:, None]).to(dt).to(tl.float32)
+            normed = (o * tl.math.rsqrt(tl.sum(o * o, axis=1) / DV + EPS)[:, None]).to(dt).to(tl.float32)
             y = tl.load(norm_w_ptr + rd).to(tl.float32)[None, :] * normed
             if ROUND_PRODUCT:
                 y = y.to(dt).to(tl.float32)
@@ -435,6 +429,8 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     if two_phase and ba_weight:
         raise QdflashError("gated_delta_step: two_phase takes the b / a product given (ba_weight=False)")
     if norm_weight is not None:
+        if dv & (dv - 1):
+            raise QdflashError(f"gated_delta_step: the gated norm takes a head's dv={dv} values in one tile: a power of two")
         if norm_weight.shape != (dv,) or norm_weight.dtype not in (qkvz.dtype, torch.float32) or not norm_weight.is_contiguous():
             raise QdflashError(f"gated_delta_step: norm_weight must be contiguous [{dv}] in {qkvz.dtype} or fp32, got "
                                f"{tuple(norm_weight.shape)} {norm_weight.dtype}")

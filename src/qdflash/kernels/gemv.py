@@ -35,6 +35,7 @@ try:
     import triton
     import triton.language as tl
 
+    from .jit import silu_rounded
     from .pdl import pdl_wait_and_release
 except ImportError:  # the CPU install
     triton = tl = None
@@ -102,11 +103,9 @@ if triton is not None:
     @triton.jit
     def _store_swiglu(out_ptrs, mask, gate, up):
         """silu(gate) * up, rounded where the unfused ops round in the output's dtype: the projection's outputs,
-        silu's, the product's (torch's silu: x / (1 + e^-x) in fp32)."""
+        silu's, the product's."""
         dt = out_ptrs.dtype.element_ty
-        gate = gate.to(dt).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-        tl.store(out_ptrs, (act * up.to(dt).to(tl.float32)).to(dt), mask=mask)
+        tl.store(out_ptrs, (silu_rounded(gate, dt) * up.to(dt).to(tl.float32)).to(dt), mask=mask)
 
     @triton.jit
     def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_os, stride_om, K_PER_SPLIT,
