@@ -218,7 +218,8 @@ def test_drafter_step_block_variants_parse_or_name_the_bad_item():
 
 def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_qwen, monkeypatch):
     """bench_components.gdn_check, before any timing: the fused GDN layer middle against the unfused one on the same
-    prompt (the kernels under Triton's interpreter here), and where the fused path raises, the error recorded and
+    prompt (the kernels under Triton's interpreter here; also with the GDN kernel's gated norm, whose arrival counts
+    it reports), and where the fused path raises, the error recorded and
     the engine left unfused, so that one broken kernel does not cost the rest of a device run."""
     pytest.importorskip("triton")
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
@@ -230,6 +231,10 @@ def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_q
     engine = build_engine(tiny_qwen, max_len=64, kernels=True)
     good = bench_components.gdn_check(engine, "cpu", tokens=24, block=4)
     assert good["gdn_fused_check.max_abs"] < 1e-4 * good["gdn_fused_check.logit_scale"] and engine.fuse_gdn
+    engine.gdn_fuse_norm = True  # the GDN kernel's gated norm too: the same logits, no arrival count left behind
+    normed = bench_components.gdn_check(engine, "cpu", tokens=24, block=4)
+    assert normed["gdn_fused_check.max_abs"] < 1e-4 * normed["gdn_fused_check.logit_scale"]
+    assert normed["gdn_fused_check.arrivals_left"] == 0
 
     def broken(*args, **kwargs):
         raise RuntimeError("no such PTX")
