@@ -22,7 +22,8 @@ rows there), silu, the l2norm of q and k, and the gates from the a / b projectio
 computes itself (a 2 x heads-row matmul is a whole kernel launch otherwise). At batch 1 each of those was
 its own kernel of a few microseconds, launch-bound (results/published/2026-12-04-h200-components-marlin:
 ~500 non-matmul kernels per Qwen3.5-4B decode step). It rounds to the model's dtype where the unfused
-layer's 16-bit outputs round, so the two paths differ only by summation order.
+layer's 16-bit outputs round, so the two paths differ only by summation order. With `norm_weight` the launch also
+ends in the layer's gated RMSNorm (`_gated_norm_tail`: the last program of each head to finish normalizes it).
 """
 
 from __future__ import annotations
