@@ -48,6 +48,7 @@ import contextlib
 import json
 import platform
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -302,27 +303,36 @@ def gdn_ba_list(text: str) -> list[str]:
     return out
 
 
-def study_arms(args) -> list[tuple[str, str, bool, bool, bool, bool]]:
-    """`--pdl-only`'s arms: (label suffix, gdn_ba, two-phase GDN blocks, our kernels with PDL, inductor's with PDL,
-    epilogue fusions). The first is the base the others are set against; the PDL arms keep its gdn_ba, every other
-    `--gdn-ba` mode is an arm without PDL, with `--gdn-two-phase` each mode but dot (the base's too) also through the
+class Arm(NamedTuple):
+    """One arm of the `--pdl-only` study."""
+    suffix: str  # of the target's label ("" for its base)
+    gdn_ba: str
+    two_phase: bool  # verify blocks' GDN middle through the two-phase kernel
+    pdl: bool  # our kernels launched with PDL
+    inductor_pdl: bool  # inductor's kernels too
+    epilogues: bool  # the epilogue fusions (gated norm in the GDN kernel, swiglu in the gate / up GEMV)
+
+
+def study_arms(args) -> list[Arm]:
+    """`--pdl-only`'s arms (`Arm`). The first is the base the others are set against; the PDL arms keep its gdn_ba,
+    every other `--gdn-ba` mode is an arm without PDL, with `--gdn-two-phase` each mode but dot (the base's too) also through the
     two-phase GDN block kernel, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
     LeanQwen35.gdn_fuse_norm; the gate / up GEMV's swiglu, EngineBase.fuse_swiglu), without PDL and with it."""
     base = args.gdn_ba[0]
     # the base's engine without PDL, then with it: arms of one engine and one PDL setting in a row share a tuning
-    arms = [("", base, False, False, False, False)]
+    arms = [Arm("", base, False, False, False, False)]
     if args.epilogues:
-        arms.append(("_epilogues", base, False, False, False, True))
-    arms.append(("_pdl", base, False, True, False, False))
+        arms.append(Arm("_epilogues", base, False, False, False, True))
+    arms.append(Arm("_pdl", base, False, True, False, False))
     if args.inductor_pdl:
-        arms.append(("_pdl_inductor", base, False, True, True, False))
+        arms.append(Arm("_pdl_inductor", base, False, True, True, False))
     if args.epilogues:
-        arms.append(("_pdl_epilogues", base, False, True, False, True))
+        arms.append(Arm("_pdl_epilogues", base, False, True, False, True))
     for mode in args.gdn_ba:
         if mode != base:
-            arms.append((f"_gdn_{mode}", mode, False, False, False, False))
+            arms.append(Arm(f"_gdn_{mode}", mode, False, False, False, False))
         if args.gdn_two_phase and mode != "dot":
-            arms.append((f"_gdn_{mode}_two_phase", mode, True, False, False, False))
+            arms.append(Arm(f"_gdn_{mode}_two_phase", mode, True, False, False, False))
     return arms
 
 
@@ -341,9 +351,9 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
     """`--pdl-only`: the tuned 16-bit target, then the W4 target (RTN, `--group`), each measured per `study_arms` in
     turn: without PDL, with the matmul kernels and the fused GDN step launched with it (kernels.pdl.set_pdl; retuned,
     since PDL changes what a kernel costs beside the others: tuning times a kernel back to back with itself), with
-    `--inductor-pdl` inductor's kernels too, with `--epilogues` the epilogue fusions (without PDL and with it), and each further `--gdn-ba` mode (an engine of its own; "fused" needs 16-bit b / a and qkvz, so the W4 target
-    skips it). Each arm compiles afresh (dynamo's cache does not key on
-    inductor's config). `vs_base.<target><arm>.<step>_speedup`: the arm's time over the first arm's (> 1: faster).
+    `--inductor-pdl` inductor's kernels too, with `--epilogues` the epilogue fusions (without PDL and with it), and
+    each further `--gdn-ba` mode (an engine of its own; "fused" needs 16-bit b / a and qkvz, so the W4 target skips
+    it). Each arm compiles afresh (dynamo's cache does not key on inductor's config). `vs_base.<target><arm>.<step>_speedup`: the arm's time over the first arm's (> 1: faster).
     Our kernels wait for the kernel before them in every program, so the stream's order holds whatever launches
     around them; inductor's own PDL waits only where its kernel reads the previous kernel's output, so its arm's
     logits check (`compiled_vs_eager_max_abs`) is the evidence that it stayed correct here, not a proof."""
@@ -494,7 +504,8 @@ def gdn_check(engine, device: str, tokens: int = 40, block: int = 8, label: str 
     """Before any timing: the fused GDN layer middle (with the epilogue fusions the engine has on) against the
     unfused ops on the same prompt (a prefill of `tokens` - `block`, then a `block`-token step and a 1-token step,
     eager), logits compared. Where the fused path raises (a kernel that does not build on this device), the engine
-    runs unfused for the whole run and the error is recorded, so that the rest is still measured. Without the kernels there is one path: nothing to check.
+    runs unfused for the whole run and the error is recorded, so that the rest is still measured. Without the
+    kernels there is one path: nothing to check.
     `label`: the keys' prefix."""
     if not engine.kernels:
         return {label: "kernels off: one torch path"}
@@ -577,8 +588,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.arms:
         # an arm the study would skip whatever the device (W4 with a fused qkvz + b / a) is no arm to ask for
-        known = {TARGET_LABELS[name] + arm[0] for name in args.pdl_targets for arm in study_arms(args)[1:]
-                 if not (name == "w4" and arm[1] == "fused")}
+        known = {TARGET_LABELS[name] + arm.suffix for name in args.pdl_targets for arm in study_arms(args)[1:]
+                 if not (name == "w4" and arm.gdn_ba == "fused")}
         if not args.pdl_only or not set(args.arms) <= known:
             parser.error(f"--arms: with --pdl-only, labels of {', '.join(sorted(known))} (as --pdl-targets and the arm flags "
                          f"give them), got {','.join(args.arms)}")

@@ -169,8 +169,8 @@ class EngineBase:
         self.graphs = {}  # (tokens per step, layer ids, cache length read, a tree's step) -> CapturedStep
         self.attention = "sdpa"  # set_attention
         # with the kernels: a decode step's or verify block's silu(gate) * up in the epilogue of the gate / up
-        # projection's GEMV where it runs for that shape and row count (linear.swiglu), one small kernel a layer fewer. Off until the H200 times it
-        # (bench_components --epilogues). Set before capture
+        # projection's GEMV where it runs for that shape and row count (linear.swiglu), one small kernel a layer
+        # fewer. Off until the H200 times it (bench_components --epilogues). Set before capture
         self.fuse_swiglu = False
 
     def set_attention(self, attention: str) -> None:
