@@ -612,6 +612,9 @@ def sm90_resources(module: str, name: str, signature: dict, constexprs: dict, nu
 
 
 GDN_NORM_ARGS = {"norm_w_ptr": "*bf16", "y_ptr": "*bf16", "arrivals_ptr": "*i32"}  # the gated norm's operands (NORM)
+PLAIN = dict(NORM=False, N_P=1, ROUND_FIRST=False)  # the one-row GEMV without its residual norm
+# the one-row GEMV's residual norm operands (NORM; stand-ins without it)
+GEMV_NORM_ARGS = {"res_ptr": "*fp32", "norm_w_ptr": "*bf16", "xn_ptr": "*bf16", "arrivals_ptr": "*i32", "EPS": "fp32", "W_OFFSET": "fp32"}
 
 
 def gdn_step_case(tokens, pdl=False, norm=False):
@@ -662,15 +665,22 @@ def pdl_cases(pdl):
     """The 16-bit GEMV (1 row, also with the swiglu epilogue; 2-16 rows, K loop run and unrolled) and the W4A16 kernels (1 row; 2-16 rows) at
     tiles the H200 tuning picks for Qwen3.5-4B's shapes, and the fused GDN step for a verify block (also ending in the gated norm)."""
     one = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_wn": "i32", "stride_os": "i32",
-           "K_PER_SPLIT": "i32"}
+           "K_PER_SPLIT": "i32", **GEMV_NORM_ARGS}
     w4_one = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_wn": "i32",
               "stride_sn": "i32", "stride_os": "i32", "K_PER_SPLIT": "i32"}
     w4_rows = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
                "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "stride_om": "i32"}
-    return {"gemv 1": ("qdflash.kernels.gemv", "_gemv_kernel", one, dict(BLOCK_N=8, BLOCK_K=512, TILES=0, PDL=pdl, SWIGLU=False)),
-            "gemv 1 unrolled": ("qdflash.kernels.gemv", "_gemv_kernel", one, dict(BLOCK_N=8, BLOCK_K=512, TILES=5, PDL=pdl, SWIGLU=False)),
+    return {"gemv 1": ("qdflash.kernels.gemv", "_gemv_kernel", one,
+                       dict(BLOCK_N=8, BLOCK_K=512, TILES=0, PDL=pdl, SWIGLU=False, **PLAIN)),
+            "gemv 1 unrolled": ("qdflash.kernels.gemv", "_gemv_kernel", one,
+                                dict(BLOCK_N=8, BLOCK_K=512, TILES=5, PDL=pdl, SWIGLU=False, **PLAIN)),
             # the gate / up projection's tile with the swiglu epilogue (Qwen3.5-4B's, tuned: 8 x 256 unrolled over K 2,560)
-            "gemv 1 swiglu": ("qdflash.kernels.gemv", "_gemv_kernel", one, dict(BLOCK_N=8, BLOCK_K=256, TILES=10, PDL=pdl, SWIGLU=True)),
+            "gemv 1 swiglu": ("qdflash.kernels.gemv", "_gemv_kernel", one,
+                              dict(BLOCK_N=8, BLOCK_K=256, TILES=10, PDL=pdl, SWIGLU=True, **PLAIN)),
+            # the down projection's tile ending in the residual add and the next layer's norm (Qwen3.5-4B: 2,560 x 9,216, tuned
+            # 2 x 1,024 over K 9,216), its out_ptr the fp32 residual stream
+            "gemv 1 norm": ("qdflash.kernels.gemv", "_gemv_kernel", one | {"out_ptr": "*fp32"},
+                            dict(BLOCK_N=2, BLOCK_K=1024, TILES=0, PDL=pdl, SWIGLU=False, NORM=True, N_P=4096, ROUND_FIRST=False)),
             "gemv rows": rows_gemv_case(0, pdl), "gemv rows unrolled": rows_gemv_case(16, pdl),
             "w4 1": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one, dict(GROUP=32, BLOCK_N=16, BLOCK_K8=64, PDL=pdl)),
             "w4 rows": ("qdflash.kernels.w4a16", "_w4a16_kernel", w4_rows, dict(GROUP=32, BLOCK_M=16, BLOCK_N=64, BLOCK_K8=16,
@@ -695,7 +705,9 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
     wait, loads issued before it (a matmul's first weight tile: a weight is no kernel's output; the GDN kernels'
     weights and recurrent state), no global write before it, the next kernel released after it, and no spill;
     without PDL (checked on one case), neither instruction. The fast W4
-    tile carries BF16_NIBBLES's bf16x2 FMAs (8 a word) into its PTX, the others none."""
+    tile carries BF16_NIBBLES's bf16x2 FMAs (8 a word) into its PTX, the others none. The kernels ending in a norm of
+    values other programs wrote (the GDN kernels' gated norm; the one-row GEMV's residual norm, at the down projection's
+    tile) count their arrival with one atomic each, acq_rel at gpu scope, by one thread after a CTA barrier."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_WARPS
 
     # without PDL on one case only: the others' plain compiles are what the other compile test and every GPU run build
@@ -706,6 +718,8 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
         used = sm90_resources(module, name, signature, constexprs, warps, aligned_args(signature))
         assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
         assert (used["BF16X2_FMAS"] > 0) == case.endswith("fast"), used
+        # a norm epilogue (the GDN kernels' gated norm, the GEMV's residual norm) counts arrivals with one published atomic
+        assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("norm" in case), used
         if pdl:
             assert used["WAITS"] == 1 and used["LAUNCHES"] == 1 and used["LOADS_BEFORE_WAIT"] > 0, used
             assert used["WRITES_BEFORE_WAIT"] == 0, used  # nothing written before the previous kernel has ended
@@ -743,6 +757,51 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     used = sm90_resources(module, name, signature, constexprs, num_warps, aligned)
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
     assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("norm" in kind), used
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("zero_centered", [True, False], ids=["qwen3.5 norm", "llama norm"])
+def test_gemv_residual_norm_is_the_residual_add_then_the_models_rmsnorm(dtype, zero_centered):
+    """`gemv_residual_norm`: the fp32 residual stream plus the projection's output (the plain GEMV's, rounded to the
+    dtype: the same tile, the same sums) exactly, and the RMSNorm of the sum as transformers' Qwen3.5 module computes it
+    (weight + 1) or the llama engine's `ops.rms_norm` (the normed stream rounded before the weight), to the sums' order;
+    N not a power of two nor a multiple of a program's rows, the K loop run and unrolled, two launches on one counter
+    (each leaves it zero); the op's fake and schema; bad calls fail clearly."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from qdflash.kernels import gemv as gemv_module
+    from qdflash.ops import rms_norm
+
+    n, k, eps = 300, 512, 1e-6
+    g = torch.Generator().manual_seed(11)
+    weight = (torch.randn(n, k, generator=g) / 8).to(DEVICE, dtype)
+    norm_weight = (torch.randn(n, generator=g) * 0.3 + (0.0 if zero_centered else 1.0)).to(DEVICE, dtype)
+    arrivals = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    if zero_centered:
+        module = Qwen3_5RMSNorm(n, eps).to(DEVICE, dtype)
+        module.weight.data.copy_(norm_weight)
+        norm = lambda h: module(h).to(dtype)  # noqa: E731 -- as LeanQwen35.decoder calls it
+    else:
+        norm = lambda h: rms_norm(h, norm_weight, eps, dtype)  # noqa: E731
+    for config in (gemv_module.GemvConfig(8, 128), gemv_module.GemvConfig(16, 256, unrolled=True)):
+        for step in range(2):
+            x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+            residual = torch.randn(1, n, generator=g).to(DEVICE) * 4
+            h, normed = gemv_module.gemv_residual_norm(x, weight, config, residual, norm_weight, eps, float(zero_centered),
+                                                       not zero_centered, arrivals)
+            want = residual + gemv_module.gemv(x, weight, config).float()
+            assert h.dtype == torch.float32 and normed.dtype == dtype and torch.equal(h, want), (config, step)
+            torch.testing.assert_close(normed, norm(want), atol=0, rtol=2e-6 if dtype == torch.float32 else 1e-3)
+            assert int(arrivals.abs().sum()) == 0
+    torch.library.opcheck(gemv_module._residual_norm_op, (x, weight, 8, 128, 1, 4, False, False, residual, norm_weight, arrivals,
+                                                          eps, 1.0, False))
+    for bad, match in ((dict(config=gemv_module.GemvConfig(8, 128, split_k=2)), "one split"),
+                       (dict(residual=residual.to(dtype if dtype != torch.float32 else torch.float16)), "fp32 residual"),
+                       (dict(arrivals=arrivals.long()), "int32")):
+        call = dict(x=x, weight=weight, config=config, residual=residual, norm_weight=norm_weight, eps=eps, offset=0.0,
+                    round_first=True, arrivals=arrivals) | bad
+        with pytest.raises(QdflashError, match=match):
+            gemv_module.gemv_residual_norm(**call)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -56,15 +56,18 @@ class GemvConfig:
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, stride_os, K_PER_SPLIT, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr, SWIGLU: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, stride_os, K_PER_SPLIT, res_ptr, norm_w_ptr, xn_ptr, arrivals_ptr,
+                     EPS, W_OFFSET, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
+                     SWIGLU: tl.constexpr, NORM: tl.constexpr, N_P: tl.constexpr, ROUND_FIRST: tl.constexpr):
         """TILES = 0: a runtime loop over K_PER_SPLIT (one compile serves every K). TILES > 0: K_PER_SPLIT
         is TILES * BLOCK_K and the loop is unrolled, so the compiler issues every tile's loads before the
         arithmetic: a program's whole slice of the weight in flight, where the runtime loop waits on memory
         once per tile (one compile per K and split). PDL: the first tile's weight loads go out before
         `pdl_wait_and_release`. SWIGLU (one split): the weight is a gate projection's N rows over an up
         projection's N rows, and the output is silu(gate) * up [N]; a program's BLOCK_N weight rows are
-        BLOCK_N / 2 gate rows interleaved with their up rows, so it holds both halves of its outputs."""
+        BLOCK_N / 2 gate rows interleaved with their up rows, so it holds both halves of its outputs.
+        NORM (one split): the output is the residual stream after it, res + y (fp32, into out_ptr), and the last
+        program to finish writes the next RMSNorm of that stream (`_residual_norm_tail`)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn, n_ok = _weight_rows(pid_n, N, BLOCK_N, SWIGLU)
@@ -86,8 +89,38 @@ if triton is not None:
             gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N // 2, 2)))
             cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             _store_swiglu(out_ptr + cols, cols < N, gate, up)
+        elif NORM:
+            dt = xn_ptr.dtype.element_ty
+            # the projection's output rounded as the linear's would be, then added to the fp32 stream (torch's h + y)
+            h = tl.load(res_ptr + rn, mask=rn < N, other=0.0) + tl.sum(acc, axis=1).to(dt).to(tl.float32)
+            tl.store(out_ptr + rn, h, mask=rn < N)
+            _residual_norm_tail(out_ptr, norm_w_ptr, xn_ptr, arrivals_ptr, N, EPS, W_OFFSET, N_P, ROUND_FIRST, dt)
         else:
             tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
+
+    @triton.jit
+    def _residual_norm_tail(h_ptr, norm_w_ptr, xn_ptr, arrivals_ptr, N, EPS, W_OFFSET, N_P: tl.constexpr,
+                            ROUND_FIRST: tl.constexpr, dt: tl.constexpr):
+        """The RMSNorm of the residual stream h [N] (fp32) that the programs of this launch have stored, by the one that
+        finishes last (kernels.gated_delta's `_gated_norm_tail` pattern: a CTA barrier, one acq_rel atomic at gpu scope
+        per program, the last reads every program's stores back from L2 and sets the counter back to 0). Why: apart it
+        is a launch of its own after every residual add (two a layer) whose work is one 10 KB vector. x (`dt`) =
+        (h * rsqrt(mean(h^2) + eps)) * (w + W_OFFSET) (transformers' Qwen3.5 norm: W_OFFSET 1), or with ROUND_FIRST
+        w * round(h * rsqrt(...)) (the llama engine's `ops.rms_norm`), rounded where those round."""
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            rh = tl.arange(0, N_P)
+            ok = rh < N
+            h = tl.load(h_ptr + rh, mask=ok, other=0.0, cache_modifier=".cg")
+            normed = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / N + EPS)
+            w = tl.load(norm_w_ptr + rh, mask=ok, other=0.0).to(tl.float32)
+            if ROUND_FIRST:
+                x = w * normed.to(dt).to(tl.float32)
+            else:
+                x = normed * (w + W_OFFSET)
+            tl.store(xn_ptr + rh, x.to(dt), mask=ok)
+            tl.store(arrivals_ptr, 0)
 
     @triton.jit
     def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
@@ -189,17 +222,67 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, swiglu: bool
     return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
 
 
+MAX_NORM_WIDTH = 16384  # the residual norm's last program holds the whole stream in registers (4 warps: 128 values a thread)
+
+
+def gemv_residual_norm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, residual: torch.Tensor,
+                       norm_weight: torch.Tensor, eps: float, offset: float, round_first: bool,
+                       arrivals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row of a projection added to the residual stream, and the RMSNorm of the sum, in one launch:
+    h = residual + (x @ weight.T rounded to x's dtype), fp32 [1, N], and its norm [1, N] in x's dtype,
+    (h * rsqrt(mean(h^2) + eps)) * (norm_weight + offset), or with `round_first` norm_weight * (that product before
+    the weight, rounded to x's dtype) (`_residual_norm_tail`). `arrivals`: int32 [>= 1], zero, left zero. One K split."""
+    if triton is None:
+        raise QdflashError("gemv_residual_norm needs triton (installed with torch on CUDA machines)")
+    n, k = weight.shape
+    if x.shape != (1, k) or weight.stride(1) != 1 or residual.shape != (1, n) or residual.dtype != torch.float32:
+        raise QdflashError(f"gemv_residual_norm: x [1, {k}], a contiguous weight [{n}, {k}] and an fp32 residual [1, {n}] expected, "
+                           f"got x {tuple(x.shape)}, residual {tuple(residual.shape)} {residual.dtype}")
+    if norm_weight.shape != (n,) or not norm_weight.is_contiguous() or n > MAX_NORM_WIDTH:
+        raise QdflashError(f"gemv_residual_norm: a contiguous norm weight [{n}] (N <= {MAX_NORM_WIDTH}) expected, got "
+                           f"{tuple(norm_weight.shape)}")
+    if arrivals.dtype != torch.int32 or arrivals.numel() < 1 or not arrivals.is_contiguous():
+        raise QdflashError(f"gemv_residual_norm: arrivals must be a contiguous int32 tensor of >= 1 zero, got "
+                           f"{tuple(arrivals.shape)} {arrivals.dtype}")
+    if not fits(config, k) or config.split_k != 1:
+        raise QdflashError(f"gemv_residual_norm: {config} must tile K={k} in one split (the norm needs whole sums)")
+    x, residual = x.contiguous(), residual.contiguous()
+    if pdl_for(x):  # as gemv: our op, an opaque node in a compiled step
+        return _residual_norm_op(x, weight, *astuple(config), True, residual, norm_weight, arrivals, float(eps), float(offset),
+                                 round_first)
+    return _launch(x, weight, config, False, norm=(residual, norm_weight, arrivals, eps, offset, round_first))
+
+
+@torch.library.custom_op("qdflash::gemv_residual_norm", mutates_args=("arrivals",))
+def _residual_norm_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, split_k: int, num_warps: int,
+                      unrolled: bool, pdl: bool, residual: torch.Tensor, norm_weight: torch.Tensor, arrivals: torch.Tensor,
+                      eps: float, offset: float, round_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemv_residual_norm`'s launch as one opaque node (`_gemv_op` says why); it leaves `arrivals` as it found them."""
+    return _launch(x, weight, GemvConfig(block_n, block_k, split_k, num_warps, unrolled), pdl,
+                   norm=(residual, norm_weight, arrivals, eps, offset, round_first))
+
+
+@_residual_norm_op.register_fake
+def _(x, weight, block_n, block_k, split_k, num_warps, unrolled, pdl, residual, norm_weight, arrivals, eps, offset, round_first):
+    n = weight.shape[0]
+    return x.new_empty((1, n), dtype=torch.float32), x.new_empty((1, n))
+
+
 def swiglu_fits(config: GemvConfig, n: int) -> bool:
     """Where `gemv(..., swiglu=True)` runs: one K split (the epilogue needs whole sums), gate and up halves."""
     return config.split_k == 1 and n % 2 == 0 and config.block_n >= 2
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool, swiglu: bool = False) -> torch.Tensor:
-    """The kernel's raw output [split_k, M, N] (N / 2 with swiglu): x's dtype for one split, else fp32 partial sums."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool, swiglu: bool = False,
+            norm: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's raw output [split_k, M, N] (N / 2 with swiglu): x's dtype for one split, else fp32 partial sums.
+    `norm` (one row, one split): (residual [1, N] fp32, norm weight [N], arrivals, eps, weight offset, round first);
+    then the residual stream after the projection [1, N] fp32 and its RMSNorm [1, N] in x's dtype."""
     n, k = weight.shape
     m = x.shape[0]
     n_out = n // 2 if swiglu else n
-    out = torch.empty(config.split_k, m, n_out, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
+    out_dtype = torch.float32 if norm is not None or config.split_k > 1 else x.dtype
+    out = torch.empty(config.split_k, m, n_out, device=x.device, dtype=out_dtype)
     # swiglu: the same weight rows a program (half of them gate rows, half up), so the tuned tile's shape and count
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     # K_PER_SPLIT is a runtime argument (one compile per tile serves every shape: tuning is compile-bound),
@@ -207,8 +290,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool
     tiles = k // (config.split_k * config.block_k) if config.unrolled else 0
     launch = launch_options(pdl)
     if m == 1:
-        _gemv_kernel[grid](x, weight, out, n_out, weight.stride(0), out.stride(0), k // config.split_k, BLOCK_N=config.block_n,
-                           BLOCK_K=config.block_k, TILES=tiles, PDL=pdl, SWIGLU=swiglu, num_warps=config.num_warps, **launch)
+        if norm is not None:
+            residual, norm_weight, arrivals, eps, offset, round_first = norm
+            xn = torch.empty(1, n, device=x.device, dtype=x.dtype)
+            tail = (residual, norm_weight, xn, arrivals, float(eps), float(offset))
+            tail_args = dict(NORM=True, N_P=triton.next_power_of_2(n), ROUND_FIRST=round_first)
+        else:  # stand-ins the kernel never reads
+            tail, tail_args = (out, out, out, out, 0.0, 0.0), dict(NORM=False, N_P=1, ROUND_FIRST=False)
+        _gemv_kernel[grid](x, weight, out, n_out, weight.stride(0), out.stride(0), k // config.split_k, *tail, BLOCK_N=config.block_n,
+                           BLOCK_K=config.block_k, TILES=tiles, PDL=pdl, SWIGLU=swiglu, **tail_args, num_warps=config.num_warps,
+                           **launch)
+        if norm is not None:
+            return out[0], xn
     else:
         _gemv_rows_kernel[grid](x, weight, out, m, n_out, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
                                 k // config.split_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILES=tiles,
