@@ -314,6 +314,48 @@ def test_fused_swiglu_decodes_as_the_unfused_mlp(fixture, request, monkeypatch):
             autoregressive_generate(target, prompt, 10).tokens
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_fused_residual_norm_decodes_as_the_residual_add_and_norm_ops(fixture, request, monkeypatch):
+    """engine.fuse_residual_norm with the kernels (Triton's interpreter here) and one-split GEMVs tuned at one row for
+    the projections that end in the residual stream (o / GDN out, down): a decode step's residual adds and the norms after
+    them come from those GEMVs' launches (all but the last layer's down projection, which no norm follows in the
+    decoder), a prompt and a verify block stay the ops, the logits are the unfused engine's, the arrival count is left
+    zero; greedy speculative decoding stays autoregressive decoding (Llama)."""
+    pytest.importorskip("triton")
+    from qdflash.kernels import gemv as gemv_module
+
+    target = request.getfixturevalue(fixture)
+    engine = build_engine(target, max_len=64, kernels=True)
+    hidden = engine.embed.shape[1]
+    for w in engine.layers:
+        for name in ("wo", "o", "out", "w2"):
+            if name in w:
+                n, k = w[name].weight.shape
+                assert n == hidden
+                monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 1), gemv_module.GemvConfig(8, 16 if k % 32 else 32))
+    launched = []
+    launch = gemv_module._launch
+    monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(kw.get("norm") is not None) or launch(*args, **kw))
+    x = ids(3, 12)
+    logits = {}
+    for fused in (False, True):
+        engine.fuse_residual_norm = fused
+        engine.reset()
+        engine.forward(x[:8], 0)
+        block = engine.forward(x[8:11], 8)[0]
+        launched.clear()
+        step = engine.forward(x[11:], 11)[0]
+        logits[fused] = torch.cat([block, step])
+        assert sum(launched) == (2 * len(engine.layers) - 1 if fused else 0), launched
+        assert int(engine.norm_arrivals.abs().sum()) == 0
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)
+        prompt = x[None, :8]
+        fast = dataclasses.replace(target, engine=engine)
+        assert speculative_generate(fast, init_drafter(target, block_size=3, seed=0), prompt, 10).tokens == \
+            autoregressive_generate(target, prompt, 10).tokens
+
+
 def test_gdn_ba_fused_without_kernels_and_where_it_cannot_fuse(tiny_qwen, tiny_llama):
     """gdn_ba="fused" on the CPU path (no kernels): the same logits as transformers; on a target whose qkvz is
     4-bit (b / a stay 16-bit) it keeps them apart ("given"); only Qwen3.5 takes the option, and only its values."""

@@ -312,14 +312,15 @@ class Arm(NamedTuple):
     two_phase: bool  # verify blocks' GDN middle through the two-phase kernel
     pdl: bool  # our kernels launched with PDL
     inductor_pdl: bool  # inductor's kernels too
-    epilogues: bool  # the epilogue fusions (gated norm in the GDN kernel, swiglu in the gate / up GEMV)
+    epilogues: bool  # the epilogue fusions (gated norm in the GDN kernel, swiglu in the gate / up GEMV, residual norms)
 
 
 def study_arms(args) -> list[Arm]:
     """`--pdl-only`'s arms (`Arm`). The first is the base the others are set against; the PDL arms keep its gdn_ba,
     every other `--gdn-ba` mode is an arm without PDL, with `--gdn-two-phase` each mode but dot (the base's too) also through the
     two-phase GDN block kernel, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
-    LeanQwen35.gdn_fuse_norm; the gate / up GEMV's swiglu, EngineBase.fuse_swiglu), without PDL and with it."""
+    LeanQwen35.gdn_fuse_norm; the gate / up GEMV's swiglu, EngineBase.fuse_swiglu; the residual add and the norm after it
+    in the one-row GEMV before them, EngineBase.fuse_residual_norm), without PDL and with it."""
     base = args.gdn_ba[0]
     # the base's engine without PDL, then with it: arms of one engine and one PDL setting in a row share a tuning
     arms = [Arm("", base, False, False, False, False)]
@@ -383,7 +384,7 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
                 engine = None  # an arm's own engine is freed before the next is built (each copies the weights)
                 engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=gdn_ba)
             engine.gdn_two_phase, engine.graphs = two_phase, {}
-            engine.gdn_fuse_norm = engine.fuse_swiglu = epilogues
+            engine.gdn_fuse_norm = engine.fuse_swiglu = engine.fuse_residual_norm = epilogues
             set_pdl(ours)
             try:
                 if suffix:  # the arm's GDN path (its kernel, PDL or not) against the unfused layer, as main() checks the base's
@@ -411,13 +412,18 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
 
 def epilogues_in_use(engine) -> dict:
     """How many layers run each epilogue fusion in this arm (its flags and its tuning decide): the gate / up GEMV's
-    swiglu at 1 row and at 2-16, and the GDN kernel's gated norm. An arm whose counts are all 0 ran the base's code."""
-    from qdflash.engine.linear import swiglu_config
+    swiglu at 1 row and at 2-16, the GDN kernel's gated norm, and (projections, not layers) the one-row GEMVs that end in
+    the residual add and the norm after it (the o / GDN out projection's, the down projection's but the last layer's).
+    An arm whose counts are all 0 ran the base's code."""
+    from qdflash.engine.linear import residual_norm_config, swiglu_config
     from qdflash.kernels import MAX_ROWS
 
     out = {f"swiglu@{rows}": sum(engine.fuse_swiglu and swiglu_config(w["w13"], rows) is not None for w in engine.layers)
            for rows in (1, MAX_ROWS)}
     out["gdn_norm"] = sum(bool(getattr(engine, "fuses_gdn_norm", lambda w: False)(w)) for w in engine.layers)
+    ends = [w[name] for w in engine.layers for name in ("wo", "o", "out") if name in w] + [w["w2"] for w in engine.layers[:-1]]
+    out["residual_norm@1"] = sum(engine.kernels and engine.fuse_residual_norm and residual_norm_config(p, 1) is not None
+                                 for p in ends)
     return out
 
 
@@ -578,7 +584,8 @@ def main() -> None:
     parser.add_argument("--epilogues", action="store_true",
                         help="--pdl-only: two arms more, the base with its epilogue fusions (each GDN layer's gated norm in "
                              "its fused kernel, LeanQwen35.gdn_fuse_norm; silu(gate) * up in the gate / up GEMV, "
-                             "EngineBase.fuse_swiglu), without PDL and with it")
+                             "EngineBase.fuse_swiglu; a decode step's residual adds and the norms after them in the one-row "
+                             "GEMVs before them, EngineBase.fuse_residual_norm), without PDL and with it")
     parser.add_argument("--arms", type=lambda text: text.split(","), default=None,
                         help="--pdl-only: run only these arms (full labels, e.g. target16_pdl,target_w4_pdl_epilogues) beside "
                              "each target's base; the flags above say which arms there are")

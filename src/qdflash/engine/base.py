@@ -15,7 +15,7 @@ from ..drafter.blocks import tree_depths
 from ..errors import QdflashError
 from ..kernels import kernels_usable
 from ..ops import rope_tables
-from .linear import Concat, Projection, head_projection, tune_projections
+from .linear import Concat, Projection, head_projection, residual_norm, tune_projections
 
 
 KERNEL_TOKENS = 16  # tokens per step that the attention kernel takes (a verify block); a prefill runs SDPA
@@ -172,6 +172,16 @@ class EngineBase:
         # projection's GEMV where it runs for that shape and row count (linear.swiglu), one small kernel a layer
         # fewer. Off until the H200 times it (bench_components --epilogues). Set before capture
         self.fuse_swiglu = False
+        # with the kernels: a decode step's residual add after a 16-bit projection and the RMSNorm that follows it in
+        # that projection's GEMV launch (linear.residual_norm), two small kernels a layer fewer. Off until the H200
+        # times it (bench_components --epilogues). The arrival count its last program needs: one for every launch
+        # (they never overlap), zero between launches. Set before capture
+        self.fuse_residual_norm = False
+        self.norm_arrivals = torch.zeros(1, device=self.device, dtype=torch.int32)
+
+    def _residual_norm(self, projection, x, h, norm):
+        """linear.residual_norm with this engine's fusion flag: h + projection(x) and `norm` of it (or None)."""
+        return residual_norm(projection, x, h, norm, self.kernels and self.fuse_residual_norm, self.norm_arrivals)
 
     def set_attention(self, attention: str) -> None:
         """How decode steps and verify blocks attend over the cache: "sdpa" (torch's attention over

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import gemv as gemv_kernel
-from ..kernels.gemv import gemv, gemv_config, swiglu_fits
+from ..kernels.gemv import gemv, gemv_config, gemv_residual_norm, swiglu_fits
 from ..kernels.w4a16 import EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, pack_int4, tune, w4a16_matmul
 from ..quant.grid import dequantize
 from ..quant.quantlinear import QuantLinear
@@ -148,10 +148,51 @@ def swiglu(w13: "Projection | Concat", x: torch.Tensor, fused: bool = False) -> 
 
 def swiglu_config(w13: "Projection | Concat", rows: int):
     """The GEMV config `swiglu(fused=True)` runs w13's epilogue with at `rows` rows, or None where it runs the ops."""
-    if not (isinstance(w13, Projection) and w13.weight is not None and w13.bias is None and w13.kernels):
+    return epilogue_config(w13, rows, swiglu_fits)
+
+
+def epilogue_config(projection: "Projection | Concat", rows: int, fits):
+    """The tuned 16-bit GEMV config of `projection` (no bias, kernels on) at `rows` rows where an epilogue can end it
+    (`fits(config, n)`), else None."""
+    p = projection
+    if not (isinstance(p, Projection) and p.weight is not None and p.bias is None and p.kernels):
         return None
-    config = gemv_config(*w13.weight.shape, w13.weight.dtype, rows)
-    return config if config is not None and swiglu_fits(config, w13.weight.shape[0]) else None
+    config = gemv_config(*p.weight.shape, p.weight.dtype, rows)
+    return config if config is not None and fits(config, p.weight.shape[0]) else None
+
+
+def residual_norm_config(projection: "Projection | Concat", rows: int):
+    """The GEMV config `residual_norm(fused=True)` runs `projection` with at `rows` rows (one row, one K split), or None."""
+    return epilogue_config(projection, 1, lambda config, n: config.split_k == 1) if rows == 1 else None
+
+
+class StreamNorm:
+    """An RMSNorm of the residual stream into the model's dtype, the next matmul's input: `__call__` with torch ops
+    as the engine computes it, and (`weight`, `eps`, `offset`, `round_first`) the same formula for
+    `kernels.gemv.gemv_residual_norm` (`offset` None: a norm it does not compute; always the ops)."""
+
+    def __init__(self, fn, weight: torch.Tensor, eps: float, offset: float | None, round_first: bool = False):
+        self.fn, self.weight, self.eps, self.offset, self.round_first = fn, weight, eps, offset, round_first
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fn(h)
+
+
+def residual_norm(projection: "Projection | Concat", x: torch.Tensor, h: torch.Tensor, norm: StreamNorm | None,
+                  fused: bool = False, arrivals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual stream after a projection, h + projection(x), and `norm` of it (None: no norm follows). `fused`
+    (with `arrivals`, int32 zeros): for one row of the fp32 stream through a 16-bit projection whose tuned one-row GEMV
+    runs in one K split, both in that GEMV's launch (kernels.gemv.gemv_residual_norm: one kernel a residual add
+    fewer, rounded as these ops round); anywhere else, these ops."""
+    rows = x.numel() // x.shape[-1]
+    config = (residual_norm_config(projection, rows)
+              if fused and norm is not None and norm.offset is not None and h.dtype == torch.float32 else None)
+    if config is None:
+        h = h + projection(x)
+        return h, (norm(h) if norm is not None else None)
+    hn, xn = gemv_residual_norm(x.reshape(1, -1), projection.weight, config, h.reshape(1, -1), norm.weight, norm.eps,
+                                norm.offset, norm.round_first, arrivals)
+    return hn.view(h.shape), xn.view(h.shape)
 
 
 class Concat:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..ops import apply_rope, rms_norm, tap_features
 from .base import EngineBase, cached_attention
-from .linear import Projection, swiglu
+from .linear import Projection, StreamNorm, swiglu
 
 
 class LeanLlama(EngineBase):
@@ -29,12 +29,16 @@ class LeanLlama(EngineBase):
                 "wo": Projection.of([attn.o_proj], self.dtype, self.kernels),
                 "w13": Projection.of([mlp.gate_proj, mlp.up_proj], self.dtype, self.kernels),
                 "w2": Projection.of([mlp.down_proj], self.dtype, self.kernels),
-                "norm1": layer.input_layernorm.weight,
-                "norm2": layer.post_attention_layernorm.weight,
+                "norm1": self._norm(layer.input_layernorm.weight),
+                "norm2": self._norm(layer.post_attention_layernorm.weight),
             })
         shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    def _norm(self, weight: torch.Tensor) -> StreamNorm:
+        """`ops.rms_norm` with `weight` into the model's dtype (the normed stream rounded before the weight's product)."""
+        return StreamNorm(lambda h: rms_norm(h, weight, self.eps, self.dtype), weight, self.eps, 0.0, round_first=True)
 
     # reset / rollback: nothing to do. The cache is written before it is read, and positions at or
     # past the current one are masked until they are written again (a rollback is a new length).
@@ -61,15 +65,16 @@ class LeanLlama(EngineBase):
         h = F.embedding(ids, self.embed).to(self.residual_dtype)
         features = {}
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        x = self.layers[0]["norm1"](h) if self.layers else None
         for i, w in enumerate(self.layers):
-            x = rms_norm(h, w["norm1"], self.eps, dtype)
             q, k, v = w["wqkv"](x).split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rope(q.view(*lead, t, self.heads, self.head_dim).transpose(-3, -2), cos, sin)
             k = apply_rope(k.view(*lead, t, self.kv_heads, self.head_dim).transpose(-3, -2), cos, sin)
             v = v.view(*lead, t, self.kv_heads, self.head_dim).transpose(-3, -2)
-            h = h + w["wo"](attend(i, q, k, v))
-            x = rms_norm(h, w["norm2"], self.eps, dtype)
-            h = h + w["w2"](swiglu(w["w13"], x, self.fuse_swiglu))
+            # each residual add and the norm after it (the next layer's input norm after the MLP), one launch where fused
+            h, x = self._residual_norm(w["wo"], attend(i, q, k, v), h, w["norm2"])
+            after = self.layers[i + 1]["norm1"] if i + 1 < len(self.layers) else None
+            h, x = self._residual_norm(w["w2"], swiglu(w["w13"], x, self.fuse_swiglu), h, after)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
         return h, (tap_features(features, layer_ids) if layer_ids is not None else None)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import QdflashError
 from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_step
-from .linear import Projection, swiglu
+from .linear import Projection, StreamNorm, swiglu
 from ..ops import apply_rope, tap_features
 from .base import EngineBase, cached_attention
 
@@ -95,7 +95,7 @@ class LeanQwen35(EngineBase):
         self.layers, self.k_cache, self.v_cache = [], {}, {}
         self.conv_in, self.state, self.block_states = {}, {}, {}
         for i, layer in enumerate(model.model.layers):
-            w = {"norm1": layer.input_layernorm, "norm2": layer.post_attention_layernorm,
+            w = {"norm1": self._norm(layer.input_layernorm), "norm2": self._norm(layer.post_attention_layernorm),
                  "w13": Projection.of([layer.mlp.gate_proj, layer.mlp.up_proj], dtype, self.kernels),
                  "w2": Projection.of([layer.mlp.down_proj], dtype, self.kernels)}
             if self.types[i] == "full_attention":
@@ -124,11 +124,20 @@ class LeanQwen35(EngineBase):
         self.length = 0
         self.block_start = 0  # the last block fed: states of positions block_start..length are kept
 
+    def _norm(self, module: nn.Module) -> StreamNorm:
+        """The model's own norm module into the model's dtype (it computes in fp32 and returns its input's dtype), which
+        the GEMV's residual norm computes too where it is transformers' Qwen3.5 RMSNorm (x * (1 + w))."""
+        known = type(module).__name__ == "Qwen3_5RMSNorm" and hasattr(module, "eps")
+        return StreamNorm(lambda h: module(h).to(self.dtype), module.weight.detach(), getattr(module, "eps", 0.0),
+                          1.0 if known else None)
+
     def reset(self) -> None:
         """An empty sequence (a new generation): zero recurrent states, length 0."""
         for state in self.state.values():
             state.zero_()
-        self.gdn_arrivals.zero_()  # zero after every launch anyway; a launch cut short must not leave a count behind
+        # zero after every launch anyway; a launch cut short must not leave a count behind
+        self.gdn_arrivals.zero_()
+        self.norm_arrivals.zero_()
         self.length = self.block_start = 0
 
     def rollback(self, keep: int) -> None:
@@ -160,7 +169,7 @@ class LeanQwen35(EngineBase):
         q = self._rope(w["q_norm"](q).transpose(-3, -2), cos, sin)
         k = self._rope(w["k_norm"](k.view(*lead, t, self.kv_heads, self.head_dim)).transpose(-3, -2), cos, sin)
         v = v.view(*lead, t, self.kv_heads, self.head_dim).transpose(-3, -2)
-        return w["o"](attend(i, q, k, v) * torch.sigmoid(gate.reshape(*lead, t, -1)))
+        return attend(i, q, k, v) * torch.sigmoid(gate.reshape(*lead, t, -1))  # the o projection's input
 
     def _delta_net(self, i, w, x, positions):
         la, t = w["la"], x.shape[0]
@@ -209,7 +218,7 @@ class LeanQwen35(EngineBase):
                                two_phase=self.gdn_two_phase and not dot, norm_weight=la.norm.weight.detach() if norm else None,
                                norm_eps=la.norm.variance_epsilon if norm else 1e-6, arrivals=self.gdn_arrivals if norm else None)
         if norm:
-            return w["out"](out)
+            return out
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
 
     def fuses_gdn_norm(self, w) -> bool:
@@ -234,10 +243,11 @@ class LeanQwen35(EngineBase):
         return q, k, v, w["decay"] * F.softplus(a + w["dt_bias"]), torch.sigmoid(b)
 
     def _gdn_out(self, w, out, z):
+        """The out projection's input: the gated RMSNorm norm(out) * silu(z) per head, heads concatenated."""
         la = w["la"]
         lead = z.shape[:-1]
         z = z.reshape(*lead, la.num_v_heads, la.head_v_dim)
-        return w["out"](la.norm(out.to(z.dtype), z).reshape(*lead, -1))  # gated RMSNorm: norm(out) * silu(z)
+        return la.norm(out.to(z.dtype), z).reshape(*lead, -1)
 
     def delta_net_rows(self, i, w, x, conv_state, state):
         """The Gated DeltaNet layer for a batch of rows (`engine.batched`): x [B, T, hidden], each
@@ -267,20 +277,22 @@ class LeanQwen35(EngineBase):
         return self.head(h), features
 
     def decoder(self, ids, positions, attend, layer_ids=None, mix=None):
-        """LeanLlama.decoder's contract, plus `mix(layer, weights, x)`: the Gated DeltaNet layers (the
-        batch-1 path's per-position states, or the batched rows' states)."""
+        """LeanLlama.decoder's contract, plus `mix(layer, weights, x)`: the Gated DeltaNet layers up to their out
+        projection's input (the batch-1 path's per-position states, or the batched rows' states)."""
         dtype = self.dtype
         cos, sin = self.cos[positions].unsqueeze(-3), self.sin[positions].unsqueeze(-3)  # broadcast over heads
         h = F.embedding(ids, self.embed).to(self.residual_dtype)  # fp32 residual stream: EngineBase says why
         features = {}
+        x = self.layers[0]["norm1"](h) if self.layers else None
         for i, w in enumerate(self.layers):
-            x = w["norm1"](h).to(dtype)  # the model's norm computes in fp32 and returns its input's dtype
             if self.types[i] == "linear_attention":
-                h = h + mix(i, w, x)
+                mixed, out = mix(i, w, x), w["out"]
             else:
-                h = h + self._attention(i, w, x, cos, sin, attend)
-            x = w["norm2"](h).to(dtype)
-            h = h + w["w2"](swiglu(w["w13"], x, self.fuse_swiglu))
+                mixed, out = self._attention(i, w, x, cos, sin, attend), w["o"]
+            # each residual add and the norm after it (the next layer's input norm after the MLP), one launch where fused
+            h, x = self._residual_norm(out, mixed, h, w["norm2"])
+            after = self.layers[i + 1]["norm1"] if i + 1 < len(self.layers) else None
+            h, x = self._residual_norm(w["w2"], swiglu(w["w13"], x, self.fuse_swiglu), h, after)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
         return h, (tap_features(features, layer_ids) if layer_ids is not None else None)
