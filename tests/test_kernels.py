@@ -69,6 +69,40 @@ def test_w4a16_matmul_equals_dequantized_linear(dtype, rows):
         torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_row_w4a16_reduces_its_k_splits_in_its_launch(dtype, monkeypatch):
+    """With `counts` a one-row W4A16 call split over K sums its splits' partials in its own launch (the last program of
+    each column block, `jit.reduce_splits_last`): the torch-summed result to the fp32 sums' order, no torch sum after it
+    (one kernel launch), N not a multiple of the column block, two calls in a row on the same counts (each leaves them
+    zero); the op's fake and schema with counts; one split, 2-16 rows and too few counts as before / a clear error."""
+    from qdflash.kernels import w4a16 as w4_module
+
+    n, k, group = 100, 1024, 32
+    q, scale, _ = quantized(n, k, group)
+    words, scale = pack_int4(q).to(DEVICE), scale.to(DEVICE, dtype)
+    counts = w4_module.split_counts(n, DEVICE)
+    g = torch.Generator().manual_seed(7)
+    sums = []
+    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, f=torch.Tensor.sum, **kw: sums.append(1) or f(self, *a, **kw))
+    for split in (2, 4, 8):
+        config = Config(8, 16, split)
+        for _ in range(2):
+            x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+            sums.clear()
+            got = w4a16_matmul(x, words, scale, group, config, counts)
+            assert not sums and got.dtype == dtype and got.shape == (1, n)
+            want = w4a16_matmul(x, words, scale, group, config)  # partial sums reduced by torch
+            assert sums
+            torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 2e-3, rtol=1e-5)
+            assert int(counts.abs().sum()) == 0
+    torch.library.opcheck(w4_module._w4a16_op, (x, words, scale, group, 8, 16, 4, 4, 3, False, False, counts))
+    x5 = torch.randn(5, k, generator=g).to(DEVICE, dtype)  # 2-16 rows: the tensor-core kernel and torch's sum, as before
+    torch.testing.assert_close(w4a16_matmul(x5, words, scale, group, Config(32, 16, 2), counts),
+                               w4a16_matmul(x5, words, scale, group, Config(32, 16, 2)))
+    with pytest.raises(QdflashError, match="one per column block"):
+        w4a16_matmul(x, words, scale, group, Config(8, 16, 2), counts[:3])
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_with_pdl_the_matmuls_are_ops_of_our_own_a_compiled_step_keeps(rows, monkeypatch):
     """With PDL on (kernels.pdl.set_pdl, a CUDA GPU of compute capability >= 9) gemv and w4a16_matmul launch through
@@ -667,7 +701,7 @@ def pdl_cases(pdl):
     one = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_wn": "i32", "stride_os": "i32",
            "K_PER_SPLIT": "i32", **GEMV_NORM_ARGS}
     w4_one = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_wn": "i32",
-              "stride_sn": "i32", "stride_os": "i32", "K_PER_SPLIT": "i32"}
+              "stride_sn": "i32", "stride_os": "i32", "K_PER_SPLIT": "i32", "y_ptr": "*bf16", "counts_ptr": "*i32"}
     w4_rows = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
                "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "stride_om": "i32"}
     return {"gemv 1": ("qdflash.kernels.gemv", "_gemv_kernel", one,
@@ -682,7 +716,10 @@ def pdl_cases(pdl):
             "gemv 1 norm": ("qdflash.kernels.gemv", "_gemv_kernel", one | {"out_ptr": "*fp32"},
                             dict(BLOCK_N=2, BLOCK_K=1024, TILES=0, PDL=pdl, SWIGLU=False, NORM=True, N_P=4096, ROUND_FIRST=False)),
             "gemv rows": rows_gemv_case(0, pdl), "gemv rows unrolled": rows_gemv_case(16, pdl),
-            "w4 1": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one, dict(GROUP=32, BLOCK_N=16, BLOCK_K8=64, PDL=pdl)),
+            "w4 1": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one, dict(GROUP=32, BLOCK_N=16, BLOCK_K8=64, PDL=pdl, SPLITS=1)),
+            # 2,560 x 9,216 split 8 ways over K, reduced in the launch (its partial sums fp32)
+            "w4 1 split": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one | {"out_ptr": "*fp32"},
+                           dict(GROUP=32, BLOCK_N=8, BLOCK_K8=128, PDL=pdl, SPLITS=8)),
             "w4 rows": ("qdflash.kernels.w4a16", "_w4a16_kernel", w4_rows, dict(GROUP=32, BLOCK_M=16, BLOCK_N=64, BLOCK_K8=16,
                                                                                 K_PER_SPLIT=2560, PDL=pdl, FAST=False)),
             # the fast (BF16_NIBBLES) tile at its largest candidate, 2048 words
@@ -707,7 +744,8 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
     without PDL (checked on one case), neither instruction. The fast W4
     tile carries BF16_NIBBLES's bf16x2 FMAs (8 a word) into its PTX, the others none. The kernels ending in a norm of
     values other programs wrote (the GDN kernels' gated norm; the one-row GEMV's residual norm, at the down projection's
-    tile) count their arrival with one atomic each, acq_rel at gpu scope, by one thread after a CTA barrier."""
+    tile; the one-row W4 GEMV reducing its K splits in its launch) count their arrival with one atomic each, acq_rel at gpu
+    scope, by one thread after a CTA barrier."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_WARPS
 
     # without PDL on one case only: the others' plain compiles are what the other compile test and every GPU run build
@@ -718,8 +756,9 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
         used = sm90_resources(module, name, signature, constexprs, warps, aligned_args(signature))
         assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
         assert (used["BF16X2_FMAS"] > 0) == case.endswith("fast"), used
-        # a norm epilogue (the GDN kernels' gated norm, the GEMV's residual norm) counts arrivals with one published atomic
-        assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("norm" in case), used
+        # an epilogue over other programs' results (the GDN kernels' gated norm, the GEMV's residual norm, the W4 GEMV's
+        # split reduction) counts arrivals with one published atomic
+        assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("norm" in case or "split" in case), used
         if pdl:
             assert used["WAITS"] == 1 and used["LAUNCHES"] == 1 and used["LOADS_BEFORE_WAIT"] > 0, used
             assert used["WRITES_BEFORE_WAIT"] == 0, used  # nothing written before the previous kernel has ended
@@ -1037,7 +1076,7 @@ def test_a_packed_projection_runs_dense_only_where_tuning_said_so(monkeypatch):
     projection = linear.Projection.of([layer], torch.float32, kernels=True)
     assert projection.fast
     calls = []
-    monkeypatch.setattr(linear, "w4a16_matmul", lambda *a: calls.append(a[0].shape[0]) or w4a16_matmul(*a))
+    monkeypatch.setattr(linear, "w4a16_matmul", lambda *a, **kw: calls.append(a[0].shape[0]) or w4a16_matmul(*a, **kw))
     monkeypatch.setattr(w4a16, "_DENSE_FASTER", {(n, k, group, 16, torch.float32)})  # dense won at 2-16 rows only
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
     one = projection(x[:1])
@@ -1066,7 +1105,7 @@ def test_a_packed_projection_runs_tinygemm_only_where_tuning_chose_it(monkeypatc
     layer = QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False), QuantizedWeight(q, scale, None, GridSpec(4, group, True)))
     projection = linear.Projection.of([layer], torch.float32, kernels=True)
     kernel_rows, packs = [], []
-    monkeypatch.setattr(linear, "w4a16_matmul", lambda *a: kernel_rows.append(a[0].shape[0]) or w4a16_matmul(*a))
+    monkeypatch.setattr(linear, "w4a16_matmul", lambda *a, **kw: kernel_rows.append(a[0].shape[0]) or w4a16_matmul(*a, **kw))
     monkeypatch.setattr(tinygemm, "pack", lambda *a, _real=tinygemm.pack: packs.append(a[2]) or _real(*a))
     monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
     monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {(n, k, group, 1, torch.float32): "tinygemm"})

@@ -503,7 +503,7 @@ def kernel_check(engine, device) -> dict:
     for rows in (1, MAX_ROWS):
         x = torch.randn(rows, p.in_features, device=device, dtype=engine.dtype)
         ref = F.linear(x.float(), p.dequantized().float())
-        got = w4a16_matmul(x, p.words, p.scale, p.group).float()
+        got = w4a16_matmul(x, p.words, p.scale, p.group, counts=p.counts).float()
         out[f"w4a16_rel_err@{rows}"] = float((got - ref).abs().max() / ref.abs().max())
     return out
 

@@ -23,7 +23,8 @@ from torch import nn
 
 from ..kernels import gemv as gemv_kernel
 from ..kernels.gemv import gemv, gemv_config, gemv_residual_norm, swiglu_fits
-from ..kernels.w4a16 import EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, pack_int4, tune, w4a16_matmul
+from ..kernels.w4a16 import (EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, pack_int4, split_counts, tune,
+                             w4a16_matmul)
 from ..quant.grid import dequantize
 from ..quant.quantlinear import QuantLinear
 
@@ -48,6 +49,8 @@ class Projection:
             self.in_features = words.shape[1] * 8
         else:
             self.in_features = weight.shape[1]
+        # a one-row W4A16 call split over K reduces its splits in its own launch on these (zero between launches)
+        self.counts = split_counts(self.out_features, words.device) if self.fast else None
 
     @classmethod
     def of(cls, modules: list[nn.Module], dtype: torch.dtype, kernels: bool = False) -> "Projection | Concat":
@@ -87,7 +90,7 @@ class Projection:
         if self.fast and rows.shape[0] <= MAX_ROWS:
             use = backend(self.out_features, self.in_features, self.group, rows.shape[0], x.dtype)
             if use == "w4a16":
-                return w4a16_matmul(rows, self.words, self.scale, self.group).view(*x.shape[:-1], -1)
+                return w4a16_matmul(rows, self.words, self.scale, self.group, counts=self.counts).view(*x.shape[:-1], -1)
             if use in EXTERNAL:
                 kernel = EXTERNAL[use]
                 if use not in self._external:  # repacked once (the same ints and scales): a captured step reads it at every replay

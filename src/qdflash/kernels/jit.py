@@ -11,6 +11,24 @@ except ImportError:  # the CPU install
 if triton is not None:
 
     @triton.jit
+    def reduce_splits_last(part_ptr, y_ptr, counts_ptr, block, cols, N, stride_split, SPLITS: tl.constexpr):
+        """A split-K GEMV's reduction by the last of a column block's SPLITS programs to finish, in its launch: each has
+        stored its partial sums of columns `cols` (fp32, split s at part_ptr + s * stride_split) and counts itself on the
+        block's counter (a CTA barrier, then one acq_rel atomic at gpu scope: kernels.gated_delta's `_gated_norm_tail`
+        pattern); the one that counts last sums the block's SPLITS partials in a fixed order (deterministic), writes
+        them in y's dtype and sets the counter back to 0. Why: reduced apart, the partial sums are a launch of their own
+        (torch's sum), which at batch 1 costs about what the split saves. SPLITS: a power of two."""
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counts_ptr + block, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            rs = tl.arange(0, SPLITS)
+            ok = cols < N
+            # .cg: from L2, where the other programs' stores are (this SM's L1 is not coherent with theirs)
+            parts = tl.load(part_ptr + rs[:, None] * stride_split + cols[None, :], mask=ok[None, :], other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + cols, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty), mask=ok)
+            tl.store(counts_ptr + block, 0)
+
+    @triton.jit
     def silu_rounded(x, dt: tl.constexpr):
         """silu of x as a 16-bit model's unfused ops give it: x rounded to the model's dtype `dt` (the op before's
         output), silu in fp32 (torch's: x / (1 + e^-x)), rounded to `dt` again; returned in fp32."""

@@ -41,6 +41,7 @@ try:
     import triton
     import triton.language as tl
 
+    from .jit import reduce_splits_last
     from .pdl import pdl_wait_and_release
 except ImportError:  # the CPU install: kernels are optional, the dense path remains
     triton = tl = None
@@ -184,15 +185,17 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_os, K_PER_SPLIT,
-                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, PDL: tl.constexpr):
+    def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_os, K_PER_SPLIT, y_ptr, counts_ptr,
+                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, PDL: tl.constexpr,
+                           SPLITS: tl.constexpr):
         """1 row (a decode step): bound by the weight bytes only if unpacking costs few instructions
         per byte. So no reshape (a layout shuffle through shared memory) and no int->float convert
         instruction (a quarter-rate op): nibble j of every word in the [BN, BK8] tile is taken in
         turn, made a float by the exponent trick (nibble | 0x4B000000 is the fp32 2^23 + nibble),
         multiplied with x's columns 8i + j (a strided load from L1), and a word's 8 products are
         scaled once (its 8 columns share a scale group). q * x is exact in fp32, so this is the
-        fp32 dequantized product up to the order of the sums. PDL as in `_w4a16_kernel`."""
+        fp32 dequantized product up to the order of the sums. PDL as in `_w4a16_kernel`. SPLITS > 1: the K splits'
+        partial sums (out_ptr) are reduced in this launch into y_ptr (`reduce_splits_last`), counted on counts_ptr."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -209,6 +212,8 @@ if triton is not None:
             w, s = _w4_words(w_ptr, s_ptr, rn, ri, n_ok, col0, stride_wn, stride_sn, GROUP)
             acc += _w4_gemv_part(x_ptr, w, s, ri, col0, BLOCK_N, BLOCK_K8)
         tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
+        if SPLITS > 1:
+            reduce_splits_last(out_ptr, y_ptr, counts_ptr, pid_n, rn, N, stride_os, SPLITS)
 
     @triton.jit
     def _w4_words(w_ptr, s_ptr, rn, ri, n_ok, col0, stride_wn, stride_sn, GROUP: tl.constexpr):
@@ -249,8 +254,10 @@ def fits(config: Config, k: int, group: int, rows: int = MAX_ROWS) -> bool:
 
 
 def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int,
-                 config: Config | None = None) -> torch.Tensor:
-    """x [M <= 16, K] (bf16/fp16/fp32) @ dequant(words, scale).T -> [M, N] in x's dtype."""
+                 config: Config | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= 16, K] (bf16/fp16/fp32) @ dequant(words, scale).T -> [M, N] in x's dtype. `counts` (int32 zeros, one a
+    column block of the config, `split_counts`): one row split over K is reduced in its own launch instead of by a
+    torch sum after it (`jit.reduce_splits_last`); the counts are left zero."""
     if triton is None:
         raise QdflashError("w4a16_matmul needs triton (installed with torch on CUDA machines)")
     x = x.contiguous()
@@ -263,23 +270,40 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
     if config.fast and (x.dtype != torch.bfloat16 or not x.is_cuda):
         raise QdflashError(f"w4a16_matmul: a fast config takes bf16 activations on a CUDA GPU (its bit tricks are bf16 PTX), "
                            f"got {x.dtype} on {x.device}")
+    in_launch = counts is not None and m == 1 and not config.fast and config.split_k > 1 and not config.split_k & (config.split_k - 1)
+    if in_launch and (counts.dtype != torch.int32 or not counts.is_contiguous() or counts.numel() < -(-n // config.block_n)):
+        raise QdflashError(f"w4a16_matmul: counts must be contiguous int32 zeros, one per column block ({-(-n // config.block_n)} "
+                           f"for {config} at N={n}), got {tuple(counts.shape)} {counts.dtype}")
+    counts = counts if in_launch else None
     if pdl_for(x):  # a launch option torch.compile does not trace through: our op, an opaque node in a compiled step
-        out = _w4a16_op(x, words, scale, group, *astuple(config), True)
+        out = _w4a16_op(x, words, scale, group, *astuple(config), True, counts)
     else:
-        out = _launch(x, words, scale, group, config, False)
-    return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
+        out = _launch(x, words, scale, group, config, False, counts=counts)
+    return out[0] if out.shape[0] == 1 else out.sum(0).to(x.dtype)
 
 
-def _launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int, config: Config, pdl: bool) -> torch.Tensor:
-    """The kernel's raw output [split_k, M, N]: x's dtype for one split, else fp32 partial sums (reduced by the caller)."""
+def split_counts(n: int, device) -> torch.Tensor:
+    """The zeroed counts `w4a16_matmul` reduces a one-row split with, for any one-row config of N columns (its
+    narrowest column block is 8): made once per projection, before a graph captures it."""
+    return torch.zeros(-(-n // 8), device=device, dtype=torch.int32)
+
+
+def _launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int, config: Config, pdl: bool,
+            counts: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's raw output [split_k, M, N]: x's dtype for one split, else fp32 partial sums (reduced by the caller);
+    with `counts` (one row, split over K) the splits reduced in the launch, [1, 1, N] in x's dtype."""
     m, n, k = x.shape[0], words.shape[0], x.shape[1]
     out = torch.empty(config.split_k, m, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     common = dict(GROUP=group, BLOCK_N=config.block_n, BLOCK_K8=config.block_k8, PDL=pdl, num_warps=config.num_warps,
                   num_stages=config.num_stages, **launch_options(pdl))
     if m == 1 and not config.fast:  # K_PER_SPLIT at run time: one compile per tile serves every shape (tuning is compile-bound)
+        y = torch.empty(1, 1, n, device=x.device, dtype=x.dtype) if counts is not None else out
         _w4a16_gemv_kernel[grid](x, words, scale, out, n, words.stride(0), scale.stride(0), out.stride(0),
-                                 k // config.split_k, **common)
+                                 k // config.split_k, y, out if counts is None else counts,
+                                 SPLITS=1 if counts is None else config.split_k, **common)
+        if counts is not None:
+            return y
     else:
         _w4a16_kernel[grid](x, words, scale, out, m, n, x.stride(0), words.stride(0), scale.stride(0),
                             out.stride(0), out.stride(1), BLOCK_M=MAX_ROWS, K_PER_SPLIT=k // config.split_k, FAST=config.fast,
@@ -287,15 +311,18 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: in
     return out
 
 
-@torch.library.custom_op("qdflash::w4a16", mutates_args=())
+@torch.library.custom_op("qdflash::w4a16", mutates_args=("counts",))
 def _w4a16_op(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int, block_n: int, block_k8: int,
-              split_k: int, num_warps: int, num_stages: int, fast: bool, pdl: bool) -> torch.Tensor:
-    """`_launch` as one opaque node of a compiled graph (kernels.gemv._gemv_op says why)."""
-    return _launch(x, words, scale, group, Config(block_n, block_k8, split_k, num_warps, num_stages, fast), pdl)
+              split_k: int, num_warps: int, num_stages: int, fast: bool, pdl: bool,
+              counts: torch.Tensor | None = None) -> torch.Tensor:
+    """`_launch` as one opaque node of a compiled graph (kernels.gemv._gemv_op says why); it leaves `counts` zero."""
+    return _launch(x, words, scale, group, Config(block_n, block_k8, split_k, num_warps, num_stages, fast), pdl, counts=counts)
 
 
 @_w4a16_op.register_fake
-def _(x, words, scale, group, block_n, block_k8, split_k, num_warps, num_stages, fast, pdl):
+def _(x, words, scale, group, block_n, block_k8, split_k, num_warps, num_stages, fast, pdl, counts=None):
+    if counts is not None:
+        return x.new_empty((1, x.shape[0], words.shape[0]))
     return x.new_empty((split_k, x.shape[0], words.shape[0]), dtype=x.dtype if split_k == 1 else torch.float32)
 
 
@@ -434,7 +461,8 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     if problems:
         warnings.warn(f"w4a16 on {n}x{k} (group {group}, {rows} rows), fast configs not used: {'; '.join(problems)[:1000]}",
                       stacklevel=2)
-    config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c) for w, s in zip(ws, ss)], copies)
+    counts = split_counts(n, device)  # one row split over K reduces in its launch, as in the engine (Projection.counts)
+    config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c, counts) for w, s in zip(ws, ss)], copies)
     others: dict[str, float | None] = {}
     for name in EXTERNAL:
         others[name] = None
