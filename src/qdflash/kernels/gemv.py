@@ -22,7 +22,7 @@ shape, the CPU and a GPU where cuBLAS wins run exactly as before.
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,11 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     unrolled: bool = False  # the K loop unrolled at compile time: every tile's loads issued up front
+
+    def args(self) -> tuple:
+        """The fields in order, as the ops take them. Not dataclasses.astuple: it deep-copies each field, and under
+        torch.compile that traces id() of a config read from the tuning table, which dynamo cannot resolve."""
+        return self.block_n, self.block_k, self.split_k, self.num_warps, self.unrolled
 
 
 if triton is not None:
@@ -216,7 +221,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, swiglu: bool
         raise QdflashError(f"gemv: swiglu takes one K split, an even N and >= 2 rows a tile; got N={n}, {config}")
     x = x.contiguous()
     if pdl_for(x):  # a launch option torch.compile does not trace through: our op, an opaque node in a compiled step
-        out = _gemv_op(x, weight, *astuple(config), True, swiglu)
+        out = _gemv_op(x, weight, *config.args(), True, swiglu)
     else:
         out = _launch(x, weight, config, False, swiglu=swiglu)
     return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
@@ -248,7 +253,7 @@ def gemv_residual_norm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig
         raise QdflashError(f"gemv_residual_norm: {config} must tile K={k} in one split (the norm needs whole sums)")
     x, residual = x.contiguous(), residual.contiguous()
     if pdl_for(x):  # as gemv: our op, an opaque node in a compiled step
-        return _residual_norm_op(x, weight, *astuple(config), True, residual, norm_weight, arrivals, float(eps), float(offset),
+        return _residual_norm_op(x, weight, *config.args(), True, residual, norm_weight, arrivals, float(eps), float(offset),
                                  round_first)
     return _launch(x, weight, config, False, norm=(residual, norm_weight, arrivals, eps, offset, round_first))
 

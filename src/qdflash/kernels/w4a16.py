@@ -27,7 +27,7 @@ speed, and the engine runs those shapes on the dequantized weight instead (engin
 from __future__ import annotations
 
 import warnings
-from dataclasses import astuple, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +76,10 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     fast: bool = False  # bf16 on a GPU: the tensor-core kernel (also for 1 row) with its nibbles made bf16 by bit tricks (BF16_NIBBLES)
+
+    def args(self) -> tuple:
+        """The fields in order, as the op takes them (not dataclasses.astuple: kernels.gemv.GemvConfig.args says why)."""
+        return self.block_n, self.block_k8, self.split_k, self.num_warps, self.num_stages, self.fast
 
 
 # One int32 word of 8 nibbles and its scale s (bf16) -> the 8 weights round_bf16((nibble_j - 8) * s), column j in
@@ -276,7 +280,7 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
                            f"for {config} at N={n}), got {tuple(counts.shape)} {counts.dtype}")
     counts = counts if in_launch else None
     if pdl_for(x):  # a launch option torch.compile does not trace through: our op, an opaque node in a compiled step
-        out = _w4a16_op(x, words, scale, group, *astuple(config), True, counts)
+        out = _w4a16_op(x, words, scale, group, *config.args(), True, counts)
     else:
         out = _launch(x, words, scale, group, config, False, counts=counts)
     return out[0] if out.shape[0] == 1 else out.sum(0).to(x.dtype)
