@@ -621,6 +621,9 @@ published = sum(bool(re.search(r"@%p\\d+ atom\\.global\\.gpu\\.acq_rel\\.", ptx[
 print(json.dumps({**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)}, "LOADS_BEFORE_WAIT": before,
                   "WRITES_BEFORE_WAIT": writes,
                   "WAITS": len(waits), "LAUNCHES": sum("griddepcontrol.launch_dependents" in line for line in ptx),
+                  # PDL: global loads between the wait and the release of the next kernel (its main loop: > 0)
+                  "LOADS_BEFORE_RELEASE": sum("ld.global" in line for line in ptx[waits[0]:next(
+                      (i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line), len(ptx))]) if waits else -1,
                   "BF16X2_FMAS": sum("fma.rn.bf16x2" in line for line in ptx), "ATOMS": len(atoms), "PUBLISHED_ATOMS": published}))
 """
 
@@ -762,6 +765,7 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
         if pdl:
             assert used["WAITS"] == 1 and used["LAUNCHES"] == 1 and used["LOADS_BEFORE_WAIT"] > 0, used
             assert used["WRITES_BEFORE_WAIT"] == 0, used  # nothing written before the previous kernel has ended
+            assert used["LOADS_BEFORE_RELEASE"] > 0, used  # the next kernel released after the main loop, not at the wait
         else:
             assert used["WAITS"] == used["LAUNCHES"] == 0, used
 

@@ -38,7 +38,7 @@ try:
     import triton.language as tl
 
     from .jit import silu_rounded
-    from .pdl import pdl_wait_and_release
+    from .pdl import pdl_release, pdl_wait
 except ImportError:
     triton = tl = None
 
@@ -74,7 +74,8 @@ if triton is not None:
                                  REP: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                  BLOCK_V: tl.constexpr, BA_DOT: tl.constexpr, STORE_STATES: tl.constexpr, PDL: tl.constexpr,
                                  NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
-        """PDL (kernels.pdl.set_pdl): the weights and the recurrent state are loaded before `pdl_wait_and_release`.
+        """PDL (kernels.pdl.set_pdl): the weights and the recurrent state are loaded before `pdl_wait`; the next kernel is
+        released after the last token's update (`pdl_release`).
         Only the kernel right before this one may still be running (kernels.pdl), and it writes neither: the state
         is written only by this layer's GDN kernel (or a rollback between steps). NORM: `_gated_norm_tail` after
         the last token."""
@@ -107,7 +108,7 @@ if triton is not None:
         tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
         s = tl.load(state_ptr + tile)
         if PDL:
-            pdl_wait_and_release()
+            pdl_wait()
             start = tl.load(pos_ptr)
         if STORE_STATES:
             tl.store(states_ptr + tile, s)
@@ -130,6 +131,8 @@ if triton is not None:
             qq, kk, vv, kq, g, beta = _inputs(start, t + 1, conv_in_ptr, xq, xk, xv, xh, here_q, here_k, here_v, wq, wk, wv, wb,
                                               wa, dt_bias, decay, qc, kc, vc, rk, h, vb, CONV_DIM, SCALE, dt, REP, BA_DOT)
         s = _step_state(s, qq, kk, vv, kq, g, beta, out_ptr + ((T - 1) * HV + h) * DV + rv)
+        if PDL:
+            pdl_release()
         if STORE_STATES:
             tl.store(states_ptr + T * HV * DK * DV + tile, s)
         tl.store(state_ptr + tile, s)
@@ -167,7 +170,7 @@ if triton is not None:
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         decay = tl.load(decay_ptr + h)
         if PDL:
-            pdl_wait_and_release()
+            pdl_wait()
         start = tl.load(pos_ptr)
         aq = tl.zeros((T_P, DK), dtype=tl.float32)
         ak = tl.zeros((T_P, DK), dtype=tl.float32)
@@ -222,6 +225,8 @@ if triton is not None:
                             tl.load(row_t + 2 * DK + BLOCK_V + 2), out_ptr + (t * HV + h) * DV + rv)
             if STORE_STATES:
                 tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
+        if PDL:
+            pdl_release()
         tl.store(state_ptr + tile, s)
         if NORM:
             _gated_norm_tail(out_ptr, qkvz_ptr, qkvz_stride, norm_w_ptr, y_ptr, arrivals_ptr, h, HV, CONV_DIM, EPS, T, T_P, DV, dt,

@@ -36,7 +36,7 @@ try:
     import triton.language as tl
 
     from .jit import silu_rounded
-    from .pdl import pdl_wait_and_release
+    from .pdl import pdl_release, pdl_wait
 except ImportError:  # the CPU install
     triton = tl = None
 
@@ -68,9 +68,10 @@ if triton is not None:
         is TILES * BLOCK_K and the loop is unrolled, so the compiler issues every tile's loads before the
         arithmetic: a program's whole slice of the weight in flight, where the runtime loop waits on memory
         once per tile (one compile per K and split). PDL: the first tile's weight loads go out before
-        `pdl_wait_and_release`. SWIGLU (one split): the weight is a gate projection's N rows over an up
-        projection's N rows, and the output is silu(gate) * up [N]; a program's BLOCK_N weight rows are
-        BLOCK_N / 2 gate rows interleaved with their up rows, so it holds both halves of its outputs.
+        `pdl_wait`, and the next kernel is released (`pdl_release`) after the K loop. SWIGLU (one split): the
+        weight is a gate projection's N rows over an up projection's N rows, and the output is silu(gate) * up [N];
+        a program's BLOCK_N weight rows are BLOCK_N / 2 gate rows interleaved with their up rows, so it holds both
+        halves of its outputs.
         NORM (one split): the output is the residual stream after it, res + y (fp32, into out_ptr), and the last
         program to finish writes the next RMSNorm of that stream (`_residual_norm_tail`)."""
         pid_n = tl.program_id(0)
@@ -82,7 +83,7 @@ if triton is not None:
         FIRST: tl.constexpr = 1 if PDL else 0  # tiles done before the loop
         if PDL:
             w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok, other=0)
-            pdl_wait_and_release()
+            pdl_wait()
             acc += _gemv_product(x_ptr, w, k0 + rk)
         if TILES > 0:
             for tile in tl.static_range(FIRST, TILES):
@@ -90,6 +91,8 @@ if triton is not None:
         else:
             for step in range(FIRST * BLOCK_K, K_PER_SPLIT, BLOCK_K):
                 acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + step + rk, stride_wn)
+        if PDL:
+            pdl_release()
         if SWIGLU:
             gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N // 2, 2)))
             cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -162,7 +165,7 @@ if triton is not None:
         FIRST: tl.constexpr = 1 if PDL else 0
         if PDL:
             w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok, other=0)
-            pdl_wait_and_release()
+            pdl_wait()
             x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok, other=0)
             acc += _rows_product(x, w, IEEE)
         if TILES > 0:
@@ -171,6 +174,8 @@ if triton is not None:
         else:
             for step in range(FIRST * BLOCK_K, K_PER_SPLIT, BLOCK_K):
                 acc += _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k0 + step + rk, stride_xm, stride_wn, IEEE)
+        if PDL:
+            pdl_release()
         if SWIGLU:
             gate, up = tl.split(tl.reshape(acc, (16, BLOCK_N // 2, 2)))
             cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)

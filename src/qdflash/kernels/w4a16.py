@@ -42,7 +42,7 @@ try:
     import triton.language as tl
 
     from .jit import reduce_splits_last
-    from .pdl import pdl_wait_and_release
+    from .pdl import pdl_release, pdl_wait
 except ImportError:  # the CPU install: kernels are optional, the dense path remains
     triton = tl = None
 
@@ -125,7 +125,7 @@ if triton is not None:
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr,
                       K_PER_SPLIT: tl.constexpr, PDL: tl.constexpr, FAST: tl.constexpr):
         """2-16 rows: the [BN, BK] weight tile unpacked once, one tensor-core dot with all rows. PDL: the
-        first tile's words and scales are loaded before `pdl_wait_and_release` (they are no kernel's output). FAST (bf16):
+        first tile's words and scales are loaded before `pdl_wait` (they are no kernel's output). FAST (bf16):
         the nibbles made bf16 by BF16_NIBBLES, each word's scale loaded beside it, and the tile's 8 columns of
         every word multiplied as 8 dots of [BN, BK8] (no reshape of the weights)."""
         BLOCK_K: tl.constexpr = 8 * BLOCK_K8
@@ -139,12 +139,14 @@ if triton is not None:
         FIRST: tl.constexpr = BLOCK_K if PDL else 0  # columns done before the loop
         if PDL:
             w, s = _w4_tile(w_ptr, s_ptr, rn, n_ok, pid_k * K_PER_SPLIT, stride_wn, stride_sn, GROUP, BLOCK_K8, FAST)
-            pdl_wait_and_release()
+            pdl_wait()
             acc += _w4_dot(x_ptr, w, s, rm, m_ok, pid_k * K_PER_SPLIT, stride_xm, GROUP, BLOCK_N, BLOCK_K8, FAST)
         for step in range(FIRST, K_PER_SPLIT, BLOCK_K):
             col0 = pid_k * K_PER_SPLIT + step  # first column of this tile
             w, s = _w4_tile(w_ptr, s_ptr, rn, n_ok, col0, stride_wn, stride_sn, GROUP, BLOCK_K8, FAST)
             acc += _w4_dot(x_ptr, w, s, rm, m_ok, col0, stride_xm, GROUP, BLOCK_N, BLOCK_K8, FAST)
+        if PDL:  # the next kernel's programs start once this one's loop is done (kernels.pdl.pdl_release)
+            pdl_release()
         tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
 
     @triton.jit
@@ -209,12 +211,14 @@ if triton is not None:
         FIRST: tl.constexpr = 8 * BLOCK_K8 if PDL else 0
         if PDL:
             w, s = _w4_words(w_ptr, s_ptr, rn, ri, n_ok, pid_k * K_PER_SPLIT, stride_wn, stride_sn, GROUP)
-            pdl_wait_and_release()
+            pdl_wait()
             acc += _w4_gemv_part(x_ptr, w, s, ri, pid_k * K_PER_SPLIT, BLOCK_N, BLOCK_K8)
         for step in range(FIRST, K_PER_SPLIT, 8 * BLOCK_K8):
             col0 = pid_k * K_PER_SPLIT + step
             w, s = _w4_words(w_ptr, s_ptr, rn, ri, n_ok, col0, stride_wn, stride_sn, GROUP)
             acc += _w4_gemv_part(x_ptr, w, s, ri, col0, BLOCK_N, BLOCK_K8)
+        if PDL:
+            pdl_release()
         tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
         if SPLITS > 1:
             reduce_splits_last(out_ptr, y_ptr, counts_ptr, pid_n, rn, N, stride_os, SPLITS)
