@@ -124,12 +124,17 @@ def test_pdl_study_runs_each_arm_on_the_cpu(runs):
 
 def test_pdl_study_arms_option_names_arms_of_the_targets(capsys):
     """--arms takes the study's arm labels (not a base, not an arm the W4 target always skips) and fails clearly
-    otherwise; study_arms lists an engine's arms without PDL before those with it."""
+    otherwise; study_arms lists an engine's arms without PDL before those with it, and with --each-epilogue an arm of
+    each epilogue fusion alone."""
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
     import bench_components
 
     args = argparse.Namespace(gdn_ba=["dot", "fused"], inductor_pdl=False, epilogues=True, gdn_two_phase=False)
     assert [arm[0] for arm in bench_components.study_arms(args)] == ["", "_epilogues", "_pdl", "_pdl_epilogues", "_gdn_fused"]
+    args.epilogues, args.each_epilogue = False, True
+    each = {arm.suffix: (arm.epilogues, arm.pdl) for arm in bench_components.study_arms(args)}
+    assert {k: v for k, v in each.items() if v[0]} == {"_gdn_norm": (("gdn_norm",), False), "_swiglu": (("swiglu",), False),
+                                                       "_residual_norm": (("residual_norm",), False)}
     for bad in ("target16", "target_w4_gdn_fused", "target16_pdl,target16_foo"):
         sys.argv = ["bench_components.py", "--pdl-only", "--epilogues", "--gdn-ba", "dot,fused", "--arms", bad]
         with pytest.raises(SystemExit):

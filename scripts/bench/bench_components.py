@@ -312,7 +312,12 @@ class Arm(NamedTuple):
     two_phase: bool  # verify blocks' GDN middle through the two-phase kernel
     pdl: bool  # our kernels launched with PDL
     inductor_pdl: bool  # inductor's kernels too
-    epilogues: bool  # the epilogue fusions (gated norm in the GDN kernel, swiglu in the gate / up GEMV, residual norms)
+    epilogues: tuple[str, ...]  # the epilogue fusions it runs (EPILOGUES' names)
+
+
+# the epilogue fusions by name: the engine flag each turns on (the GDN kernel's gated norm, silu(gate) * up in the gate /
+# up GEMV, each residual add and the norm after it in the one-row GEMV before them)
+EPILOGUES = {"gdn_norm": "gdn_fuse_norm", "swiglu": "fuse_swiglu", "residual_norm": "fuse_residual_norm"}
 
 
 def study_arms(args) -> list[Arm]:
@@ -320,22 +325,26 @@ def study_arms(args) -> list[Arm]:
     every other `--gdn-ba` mode is an arm without PDL, with `--gdn-two-phase` each mode but dot (the base's too) also through the
     two-phase GDN block kernel, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
     LeanQwen35.gdn_fuse_norm; the gate / up GEMV's swiglu, EngineBase.fuse_swiglu; the residual add and the norm after it
-    in the one-row GEMV before them, EngineBase.fuse_residual_norm), without PDL and with it."""
+    in the one-row GEMV before them, EngineBase.fuse_residual_norm), without PDL and with it; with `--each-epilogue` each
+    of those alone (without PDL), as `_<name>` (EPILOGUES): the fused kernels keep their names in a profile, so only
+    arms of one fusion each say which one costs what."""
     base = args.gdn_ba[0]
     # the base's engine without PDL, then with it: arms of one engine and one PDL setting in a row share a tuning
-    arms = [Arm("", base, False, False, False, False)]
+    arms = [Arm("", base, False, False, False, ())]
     if args.epilogues:
-        arms.append(Arm("_epilogues", base, False, False, False, True))
-    arms.append(Arm("_pdl", base, False, True, False, False))
+        arms.append(Arm("_epilogues", base, False, False, False, tuple(EPILOGUES)))
+    if getattr(args, "each_epilogue", False):
+        arms += [Arm(f"_{name}", base, False, False, False, (name,)) for name in EPILOGUES]
+    arms.append(Arm("_pdl", base, False, True, False, ()))
     if args.inductor_pdl:
-        arms.append(Arm("_pdl_inductor", base, False, True, True, False))
+        arms.append(Arm("_pdl_inductor", base, False, True, True, ()))
     if args.epilogues:
-        arms.append(Arm("_pdl_epilogues", base, False, True, False, True))
+        arms.append(Arm("_pdl_epilogues", base, False, True, False, tuple(EPILOGUES)))
     for mode in args.gdn_ba:
         if mode != base:
-            arms.append(Arm(f"_gdn_{mode}", mode, False, False, False, False))
+            arms.append(Arm(f"_gdn_{mode}", mode, False, False, False, ()))
         if args.gdn_two_phase and mode != "dot":
-            arms.append(Arm(f"_gdn_{mode}_two_phase", mode, True, False, False, False))
+            arms.append(Arm(f"_gdn_{mode}_two_phase", mode, True, False, False, ()))
     return arms
 
 
@@ -384,7 +393,8 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
                 engine = None  # an arm's own engine is freed before the next is built (each copies the weights)
                 engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=gdn_ba)
             engine.gdn_two_phase, engine.graphs = two_phase, {}
-            engine.gdn_fuse_norm = engine.fuse_swiglu = engine.fuse_residual_norm = epilogues
+            for name, flag in EPILOGUES.items():
+                setattr(engine, flag, name in epilogues)
             set_pdl(ours)
             try:
                 if suffix:  # the arm's GDN path (its kernel, PDL or not) against the unfused layer, as main() checks the base's
@@ -586,6 +596,9 @@ def main() -> None:
                              "its fused kernel, LeanQwen35.gdn_fuse_norm; silu(gate) * up in the gate / up GEMV, "
                              "EngineBase.fuse_swiglu; a decode step's residual adds and the norms after them in the one-row "
                              "GEMVs before them, EngineBase.fuse_residual_norm), without PDL and with it")
+    parser.add_argument("--each-epilogue", action="store_true",
+                        help="--pdl-only: an arm for each epilogue fusion alone, without PDL (_gdn_norm, _swiglu, "
+                             "_residual_norm): which of them costs what (their kernels keep their names in a profile)")
     parser.add_argument("--arms", type=lambda text: text.split(","), default=None,
                         help="--pdl-only: run only these arms (full labels, e.g. target16_pdl,target_w4_pdl_epilogues) beside "
                              "each target's base; the flags above say which arms there are")
