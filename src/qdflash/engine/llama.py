@@ -38,7 +38,7 @@ class LeanLlama(EngineBase):
 
     def _norm(self, weight: torch.Tensor) -> StreamNorm:
         """`ops.rms_norm` with `weight` into the model's dtype (the normed stream rounded before the weight's product)."""
-        return StreamNorm(lambda h: rms_norm(h, weight, self.eps, self.dtype), weight, self.eps, 0.0, round_first=True)
+        return StreamNorm(lambda h: rms_norm(h, weight, self.eps, self.dtype), weight.detach(), self.eps, 0.0, round_first=True)
 
     # reset / rollback: nothing to do. The cache is written before it is read, and positions at or
     # past the current one are masked until they are written again (a rollback is a new length).

@@ -172,6 +172,8 @@ class LeanQwen35(EngineBase):
         return attend(i, q, k, v) * torch.sigmoid(gate.reshape(*lead, t, -1))  # the o projection's input
 
     def _delta_net(self, i, w, x, positions):
+        """A Gated DeltaNet layer of the batch-1 path up to its out projection's input (the decoder adds the projection
+        to the residual stream)."""
         la, t = w["la"], x.shape[0]
         if self.kernels and self.fuse_gdn and t <= CHUNK:
             return self._delta_net_fused(i, w, x, positions)
@@ -250,8 +252,8 @@ class LeanQwen35(EngineBase):
         return la.norm(out.to(z.dtype), z).reshape(*lead, -1)
 
     def delta_net_rows(self, i, w, x, conv_state, state):
-        """The Gated DeltaNet layer for a batch of rows (`engine.batched`): x [B, T, hidden], each
-        row's rolling conv input of its last kernel-1 positions `conv_state` [B, kernel-1, conv_dim]
+        """The Gated DeltaNet layer up to its out projection's input, for a batch of rows (`engine.batched`): x [B, T,
+        hidden], each row's rolling conv input of its last kernel-1 positions `conv_state` [B, kernel-1, conv_dim]
         and recurrent `state` [B, heads, dk, dv], both updated in place (no rollback: no per-position
         copies). Zeroed, they are a sequence start (the zero history the batch-1 path masks in)."""
         la = w["la"]
