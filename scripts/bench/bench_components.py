@@ -118,12 +118,14 @@ KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
     ("int4 matmul (tinygemm, Marlin, Machete)", ("tinygemm", "marlin", "machete")),  # before cuBLAS: "tinygemm" holds "gemm"
     ("cuBLAS matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
     ("attention", ("flash", "attention", "fmha", "sdpa")), ("fused elementwise (inductor)", ("triton_",)),
+    ("memcpy / memset", ("memcpy", "memset")),
 )
 
 
 def kernel_breakdown(step, device: str, replays: int = 20) -> dict:
     """Device time per call of `step` (a decode step or a verify block), by kernel and by group (torch.profiler
-    over `replays` replays)."""
+    over `replays` replays); device copies and fills count as kernels (`kernels_per_step` too: before
+    2026-12-05-h200-epilogues-pdl's successor runs they were left out)."""
     if device != "cuda":
         return {}
     from torch.profiler import ProfilerActivity, profile
@@ -137,7 +139,8 @@ def kernel_breakdown(step, device: str, replays: int = 20) -> dict:
     kernels = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if us > 0 and not e.key.startswith(("cuda", "Memcpy", "Memset")):
+        # copies and fills count: a graph node that is no kernel of ours or inductor's would otherwise show only as a gap
+        if us > 0 and not e.key.startswith("cuda"):
             kernels[e.key] = (us / replays, e.count / replays)
     groups = {}
     for name, (us, _) in kernels.items():
