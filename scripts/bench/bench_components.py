@@ -124,8 +124,8 @@ KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
 
 def kernel_breakdown(step, device: str, replays: int = 20) -> dict:
     """Device time per call of `step` (a decode step or a verify block), by kernel and by group (torch.profiler
-    over `replays` replays); device copies and fills count as kernels (`kernels_per_step` too: before
-    2026-12-05-h200-epilogues-pdl's successor runs they were left out)."""
+    over `replays` replays); device copies and fills count as kernels, in `kernels_per_step` too (the runs published
+    up to 2026-12-05-h200-epilogues-pdl left them out)."""
     if device != "cuda":
         return {}
     from torch.profiler import ProfilerActivity, profile
