@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import gemv as gemv_kernel
-from ..kernels.gemv import gemv, gemv_config, gemv_residual_norm, swiglu_fits
+from ..kernels.gemv import gemv, gemv_config, gemv_residual_norm, residual_norm_fits, swiglu_fits
 from ..kernels.w4a16 import (EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, pack_int4, split_counts, tune,
                              w4a16_matmul)
 from ..quant.grid import dequantize
@@ -166,7 +166,7 @@ def epilogue_config(projection: "Projection | Concat", rows: int, fits):
 
 def residual_norm_config(projection: "Projection | Concat", rows: int):
     """The GEMV config `residual_norm(fused=True)` runs `projection` with at `rows` rows (one row, one K split), or None."""
-    return epilogue_config(projection, 1, lambda config, n: config.split_k == 1) if rows == 1 else None
+    return epilogue_config(projection, 1, residual_norm_fits) if rows == 1 else None
 
 
 class StreamNorm:

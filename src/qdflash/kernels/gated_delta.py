@@ -37,7 +37,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .jit import silu_rounded
+    from .jit import last_to_arrive, silu_rounded
     from .pdl import pdl_release, pdl_wait
 except ImportError:
     triton = tl = None
@@ -332,16 +332,11 @@ if triton is not None:
         and apart it was two small kernels a layer (inductor's), each a launch and a round trip through memory.
         Rounded where the module's 16-bit results round: o to the dtype, the normed o, the weight's product (where
         the weight is the model's dtype, ROUND_PRODUCT), the gated output."""
-        # every thread's stores before the count that publishes them: a CTA barrier, then the atomic (one thread of
-        # the program, acq_rel at gpu scope: a release for this program's stores, an acquire for the others')
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + h, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
+        if last_to_arrive(arrivals_ptr + h, tl.num_programs(1)):
             rt = tl.arange(0, T_P)
             rd = tl.arange(0, DV)
             ok = (rt < T)[:, None]
             rows = (rt[:, None] * HV + h) * DV + rd[None, :]
-            # .cg: from L2, where the other programs' stores are (this SM's L1 is not coherent with theirs)
             o = tl.load(out_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(dt).to(tl.float32)
             normed = (o * tl.math.rsqrt(tl.sum(o * o, axis=1) / DV + EPS)[:, None]).to(dt).to(tl.float32)
             y = tl.load(norm_w_ptr + rd).to(tl.float32)[None, :] * normed

@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .jit import silu_rounded
+    from .jit import last_to_arrive, silu_rounded
     from .pdl import pdl_release, pdl_wait
 except ImportError:  # the CPU install
     triton = tl = None
@@ -110,14 +110,11 @@ if triton is not None:
     def _residual_norm_tail(h_ptr, norm_w_ptr, xn_ptr, arrivals_ptr, N, EPS, W_OFFSET, N_P: tl.constexpr,
                             ROUND_FIRST: tl.constexpr, dt: tl.constexpr):
         """The RMSNorm of the residual stream h [N] (fp32) that the programs of this launch have stored, by the one that
-        finishes last (kernels.gated_delta's `_gated_norm_tail` pattern: a CTA barrier, one acq_rel atomic at gpu scope
-        per program, the last reads every program's stores back from L2 and sets the counter back to 0). Why: apart it
+        finishes last (`jit.last_to_arrive`), which sets the counter back to 0. Why: apart it
         is a launch of its own after every residual add (two a layer) whose work is one 10 KB vector. x (`dt`) =
         (h * rsqrt(mean(h^2) + eps)) * (w + W_OFFSET) (transformers' Qwen3.5 norm: W_OFFSET 1), or with ROUND_FIRST
         w * round(h * rsqrt(...)) (the llama engine's `ops.rms_norm`), rounded where those round."""
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) - 1:
+        if last_to_arrive(arrivals_ptr, tl.num_programs(0)):
             rh = tl.arange(0, N_P)
             ok = rh < N
             h = tl.load(h_ptr + rh, mask=ok, other=0.0, cache_modifier=".cg")
@@ -248,14 +245,14 @@ def gemv_residual_norm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig
     if x.shape != (1, k) or weight.stride(1) != 1 or residual.shape != (1, n) or residual.dtype != torch.float32:
         raise QdflashError(f"gemv_residual_norm: x [1, {k}], a contiguous weight [{n}, {k}] and an fp32 residual [1, {n}] expected, "
                            f"got x {tuple(x.shape)}, residual {tuple(residual.shape)} {residual.dtype}")
-    if norm_weight.shape != (n,) or not norm_weight.is_contiguous() or n > MAX_NORM_WIDTH:
-        raise QdflashError(f"gemv_residual_norm: a contiguous norm weight [{n}] (N <= {MAX_NORM_WIDTH}) expected, got "
-                           f"{tuple(norm_weight.shape)}")
+    if norm_weight.shape != (n,) or not norm_weight.is_contiguous():
+        raise QdflashError(f"gemv_residual_norm: a contiguous norm weight [{n}] expected, got {tuple(norm_weight.shape)}")
     if arrivals.dtype != torch.int32 or arrivals.numel() < 1 or not arrivals.is_contiguous():
         raise QdflashError(f"gemv_residual_norm: arrivals must be a contiguous int32 tensor of >= 1 zero, got "
                            f"{tuple(arrivals.shape)} {arrivals.dtype}")
-    if not fits(config, k) or config.split_k != 1:
-        raise QdflashError(f"gemv_residual_norm: {config} must tile K={k} in one split (the norm needs whole sums)")
+    if not fits(config, k) or not residual_norm_fits(config, n):
+        raise QdflashError(f"gemv_residual_norm: {config} must tile K={k} in one split (the norm needs whole sums), and N={n} "
+                           f"be <= {MAX_NORM_WIDTH}")
     x, residual = x.contiguous(), residual.contiguous()
     if pdl_for(x):  # as gemv: our op, an opaque node in a compiled step
         return _residual_norm_op(x, weight, *config.args(), True, residual, norm_weight, arrivals, float(eps), float(offset),
@@ -276,6 +273,11 @@ def _residual_norm_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block
 def _(x, weight, block_n, block_k, split_k, num_warps, unrolled, pdl, residual, norm_weight, arrivals, eps, offset, round_first):
     n = weight.shape[0]
     return x.new_empty((1, n), dtype=torch.float32), x.new_empty((1, n))
+
+
+def residual_norm_fits(config: GemvConfig, n: int) -> bool:
+    """Where `gemv_residual_norm` runs: one K split (the norm needs whole sums), a stream its last program holds."""
+    return config.split_k == 1 and n <= MAX_NORM_WIDTH
 
 
 def swiglu_fits(config: GemvConfig, n: int) -> bool:
