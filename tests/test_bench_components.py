@@ -118,14 +118,14 @@ def test_pdl_study_runs_each_arm_on_the_cpu(runs):
     # --epilogues: which fusions each arm ran (none without the kernels); an arm after one of the same engine and PDL
     # setting keeps its tuning
     assert r["target16_epilogues.epilogues_in_use"] == {"swiglu@1": 0, "swiglu@16": 0, "gdn_norm": 0,
-                                                           "residual_norm@1": 0}
+                                                           "residual_norm@1": 0, "prologue@1": 0, "residual_add@1": 0}
     assert r["target16_epilogues.tuned"] == "as the arm before (PDL off)" and isinstance(r["target16_pdl.tuned"], dict)
 
 
 def test_pdl_study_arms_option_names_arms_of_the_targets(capsys):
     """--arms takes the study's arm labels (not a base, not an arm the W4 target always skips) and fails clearly
-    otherwise; study_arms lists an engine's arms without PDL before those with it, and with --each-epilogue an arm of
-    each epilogue fusion alone."""
+    otherwise; study_arms lists an engine's arms without PDL before those with it, with --each-epilogue an arm of
+    each epilogue fusion alone, and with --prologues the prologue fusions' arms."""
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
     import bench_components
 
@@ -135,6 +135,10 @@ def test_pdl_study_arms_option_names_arms_of_the_targets(capsys):
     each = {arm.suffix: (arm.epilogues, arm.pdl) for arm in bench_components.study_arms(args)}
     assert {k: v for k, v in each.items() if v[0]} == {"_gdn_norm": (("gdn_norm",), False), "_swiglu": (("swiglu",), False),
                                                        "_residual_norm": (("residual_norm",), False)}
+    args.each_epilogue, args.prologues = False, True  # --prologues: alone, with the GDN kernel's gated norm, with PDL
+    assert [(arm.suffix, arm.epilogues, arm.pdl) for arm in bench_components.study_arms(args) if arm.epilogues] == [
+        ("_prologues", ("prologues",), False), ("_prologues_gdn_norm", ("prologues", "gdn_norm"), False),
+        ("_pdl_prologues", ("prologues",), True)]
     for bad in ("target16", "target_w4_gdn_fused", "target16_pdl,target16_foo"):
         sys.argv = ["bench_components.py", "--pdl-only", "--epilogues", "--gdn-ba", "dot,fused", "--arms", bad]
         with pytest.raises(SystemExit):

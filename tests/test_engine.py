@@ -356,6 +356,48 @@ def test_fused_residual_norm_decodes_as_the_residual_add_and_norm_ops(fixture, r
             autoregressive_generate(target, prompt, 10).tokens
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, request, monkeypatch):
+    """engine.fuse_prologues with the kernels (Triton's interpreter here) and one-split GEMVs tuned at one row for every
+    16-bit layer projection: in a decode step each layer's four GEMVs make their own x or take the residual add (the
+    mixer's input projection and the gate / up projection the norm of the stream, the o / out projection the add, the
+    down projection silu(gate) * up and the add), the GDN kernel reads the x the qkvz GEMV kept; a prompt and a verify
+    block stay the ops; the logits are the unfused engine's; greedy speculative decoding stays autoregressive decoding
+    (Llama)."""
+    pytest.importorskip("triton")
+    from qdflash.kernels import gemv as gemv_module
+
+    target = request.getfixturevalue(fixture)
+    engine = build_engine(target, max_len=64, kernels=True)
+    for p in engine.projections():
+        if getattr(p, "weight", None) is not None:
+            n, k = p.weight.shape
+            monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 1), gemv_module.GemvConfig(8, 16 if k % 32 else 32))
+    launched = []
+    launch = gemv_module._launch
+    monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(
+        ((kw.get("prologue") or (0,))[0], kw.get("residual") is not None)) or launch(*args, **kw))
+    x = ids(3, 12)
+    logits = {}
+    for fused in (False, True):
+        engine.fuse_prologues = fused
+        engine.reset()
+        engine.forward(x[:8], 0)
+        block = engine.forward(x[8:11], 8)[0]
+        assert not any(any(kind) for kind in launched), "a prompt and a verify block make their inputs with the ops"
+        launched.clear()
+        step = engine.forward(x[11:], 11)[0]
+        logits[fused] = torch.cat([block, step])
+        per_layer = [(1, False), (0, True), (1, False), (2, True)]  # norm -> mixer; add; norm -> gate / up; swiglu -> down + add
+        assert [kind for kind in launched if any(kind)] == (per_layer * len(engine.layers) if fused else []), launched
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)
+        prompt = x[None, :8]
+        fast = dataclasses.replace(target, engine=engine)
+        assert speculative_generate(fast, init_drafter(target, block_size=3, seed=0), prompt, 10).tokens == \
+            autoregressive_generate(target, prompt, 10).tokens
+
+
 def test_gdn_ba_fused_without_kernels_and_where_it_cannot_fuse(tiny_qwen, tiny_llama):
     """gdn_ba="fused" on the CPU path (no kernels): the same logits as transformers; on a target whose qkvz is
     4-bit (b / a stay 16-bit) it keeps them apart ("given"); only Qwen3.5 takes the option, and only its values."""

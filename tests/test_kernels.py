@@ -649,9 +649,11 @@ def sm90_resources(module: str, name: str, signature: dict, constexprs: dict, nu
 
 
 GDN_NORM_ARGS = {"norm_w_ptr": "*bf16", "y_ptr": "*bf16", "arrivals_ptr": "*i32"}  # the gated norm's operands (NORM)
-PLAIN = dict(NORM=False, N_P=1, ROUND_FIRST=False)  # the one-row GEMV without its residual norm
-# the one-row GEMV's residual norm operands (NORM; stand-ins without it)
-GEMV_NORM_ARGS = {"res_ptr": "*fp32", "norm_w_ptr": "*bf16", "xn_ptr": "*bf16", "arrivals_ptr": "*i32", "EPS": "fp32", "W_OFFSET": "fp32"}
+# the one-row GEMV without its residual norm, residual add or prologue
+PLAIN = dict(NORM=False, N_P=1, ROUND_FIRST=False, RESIDUAL=False, X_IN=0, IN_ROUND_FIRST=False, KEEP_X=False)
+# the one-row GEMV's residual norm operands (NORM; stand-ins without it), and its prologue's (X_IN)
+GEMV_NORM_ARGS = {"res_ptr": "*fp32", "norm_w_ptr": "*bf16", "xn_ptr": "*bf16", "arrivals_ptr": "*i32", "EPS": "fp32", "W_OFFSET": "fp32",
+                  "src_ptr": "*fp32", "in_w_ptr": "*bf16", "xs_ptr": "*bf16", "K": "i32", "IN_EPS": "fp32", "IN_OFFSET": "fp32"}
 
 
 def gdn_step_case(tokens, pdl=False, norm=False):
@@ -717,7 +719,15 @@ def pdl_cases(pdl):
             # the down projection's tile ending in the residual add and the next layer's norm (Qwen3.5-4B: 2,560 x 9,216, tuned
             # 2 x 1,024 over K 9,216), its out_ptr the fp32 residual stream
             "gemv 1 norm": ("qdflash.kernels.gemv", "_gemv_kernel", one | {"out_ptr": "*fp32"},
-                            dict(BLOCK_N=2, BLOCK_K=1024, TILES=0, PDL=pdl, SWIGLU=False, NORM=True, N_P=4096, ROUND_FIRST=False)),
+                            dict(BLOCK_N=2, BLOCK_K=1024, TILES=0, PDL=pdl, SWIGLU=False, **PLAIN | dict(NORM=True, N_P=4096))),
+            # the prologues (gemv_fused): the qkvz projection's tile (12,288 x 2,560, 8 x 512 unrolled) making x as the
+            # RMSNorm of the residual stream and keeping it; the down projection's (2,560 x 9,216) making x as silu(gate) *
+            # up of the gate / up output and adding the residual stream to its product
+            "gemv 1 prologue norm": ("qdflash.kernels.gemv", "_gemv_kernel", one,
+                                     dict(BLOCK_N=8, BLOCK_K=512, TILES=5, PDL=pdl, SWIGLU=False, **PLAIN | dict(X_IN=1, KEEP_X=True))),
+            "gemv 1 prologue swiglu": ("qdflash.kernels.gemv", "_gemv_kernel", one | {"out_ptr": "*fp32", "src_ptr": "*bf16"},
+                                       dict(BLOCK_N=2, BLOCK_K=1024, TILES=0, PDL=pdl, SWIGLU=False,
+                                            **PLAIN | dict(X_IN=2, RESIDUAL=True))),
             "gemv rows": rows_gemv_case(0, pdl), "gemv rows unrolled": rows_gemv_case(16, pdl),
             "w4 1": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one, dict(GROUP=32, BLOCK_N=16, BLOCK_K8=64, PDL=pdl, SPLITS=1)),
             # 2,560 x 9,216 split 8 ways over K, reduced in the launch (its partial sums fp32)
@@ -760,8 +770,8 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
         assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
         assert (used["BF16X2_FMAS"] > 0) == case.endswith("fast"), used
         # an epilogue over other programs' results (the GDN kernels' gated norm, the GEMV's residual norm, the W4 GEMV's
-        # split reduction) counts arrivals with one published atomic
-        assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("norm" in case or "split" in case), used
+        # split reduction) counts arrivals with one published atomic; a prologue's norm waits on no other program
+        assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == (("norm" in case and "prologue" not in case) or "split" in case), used
         if pdl:
             assert used["WAITS"] == 1 and used["LAUNCHES"] == 1 and used["LOADS_BEFORE_WAIT"] > 0, used
             assert used["WRITES_BEFORE_WAIT"] == 0, used  # nothing written before the previous kernel has ended
@@ -845,6 +855,62 @@ def test_gemv_residual_norm_is_the_residual_add_then_the_models_rmsnorm(dtype, z
                     round_first=True, arrivals=arrivals) | bad
         with pytest.raises(QdflashError, match=match):
             gemv_module.gemv_residual_norm(**call)
+
+
+@pytest.mark.parametrize("dtype, zero_centered", [(torch.float32, True), (torch.float16, False)],
+                         ids=["fp32 qwen3.5 norm", "fp16 llama norm"])
+def test_gemv_fused_makes_x_in_its_prologue_and_adds_the_residual_in_its_epilogue(dtype, zero_centered):
+    """`gemv_fused`: x made in the launch is the x the ops make apart (the residual stream's RMSNorm as transformers'
+    Qwen3.5 module or the llama engine's `ops.rms_norm` computes it; silu(gate) * up as torch rounds it), to the sums'
+    order, and the product is the plain GEMV's of that x; x kept where asked (all K splits write theirs); the residual
+    epilogue is the residual plus the rounded product exactly; K not a multiple of the norm's 1,024-wide chunks, N not
+    of a program's rows, the K loop run, unrolled and split. The op's fake and schema; bad calls fail clearly."""
+    import torch.nn.functional as F
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from qdflash.kernels import gemv as gemv_module
+    from qdflash.ops import rms_norm
+
+    n, k, eps = 44, 1536, 1e-6
+    g = torch.Generator().manual_seed(12)
+    weight = (torch.randn(n, k, generator=g) / 8).to(DEVICE, dtype)
+    norm_weight = (torch.randn(k, generator=g) * 0.3 + (0.0 if zero_centered else 1.0)).to(DEVICE, dtype)
+    if zero_centered:
+        module = Qwen3_5RMSNorm(k, eps).to(DEVICE, dtype)
+        module.weight.data.copy_(norm_weight)
+        norm = lambda h: module(h).to(dtype)  # noqa: E731 -- as LeanQwen35.decoder calls it
+    else:
+        norm = lambda h: rms_norm(h, norm_weight, eps, dtype)  # noqa: E731
+    spec = (norm_weight, eps, float(zero_centered), not zero_centered)
+    tol = dict(atol=0, rtol=2e-6 if dtype == torch.float32 else 1e-3)
+    for config in (gemv_module.GemvConfig(8, 512), gemv_module.GemvConfig(16, 256, unrolled=True),
+                   gemv_module.GemvConfig(8, 256, 3, 4, True)):
+        stream = torch.randn(1, k, generator=g).to(DEVICE) * 4
+        out, x = gemv_module.gemv_fused(weight, config, stream=stream, norm=spec, keep_x=True)
+        torch.testing.assert_close(x, norm(stream), **tol)
+        assert out.dtype == dtype and torch.equal(out, gemv_module.gemv(x, weight, config)), config
+        assert gemv_module.gemv_fused(weight, config, stream=stream, norm=spec)[1] is None
+        gate_up = torch.randn(1, 2 * k, generator=g).to(DEVICE, dtype)
+        out, x = gemv_module.gemv_fused(weight, config, gate_up=gate_up, keep_x=True)
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(x, F.silu(gate) * up, atol=0, rtol=1e-3 if dtype == torch.float16 else 1e-6)
+        assert torch.equal(out, gemv_module.gemv(x, weight, config)), config
+        if config.split_k == 1:
+            residual = torch.randn(1, n, generator=g).to(DEVICE) * 4
+            h, kept = gemv_module.gemv_fused(weight, config, x, residual=residual)
+            assert h.dtype == torch.float32 and kept is x
+            assert torch.equal(h, residual + gemv_module.gemv(x, weight, config).float()), config
+            h, x = gemv_module.gemv_fused(weight, config, stream=stream, norm=spec, residual=residual, keep_x=True)
+            assert torch.equal(h, residual + gemv_module.gemv(x, weight, config).float()), config
+    torch.library.opcheck(gemv_module._fused_op, (stream, weight, 8, 512, 1, 4, False, False, 1, norm_weight, eps, 1.0,
+                                                  False, True, residual))
+    for bad, match in ((dict(x=x), "exactly one of"), (dict(stream=stream.to(dtype) if dtype != torch.float32 else stream[:, 1:]),
+                                                       "stream"),
+                       (dict(norm=None), "goes with"), (dict(norm=(norm_weight, eps, None, False)), "numeric offset"),
+                       (dict(residual=residual, config=gemv_module.GemvConfig(4, 256, split_k=2)), "one K split")):
+        call = dict(weight=weight, config=gemv_module.GemvConfig(8, 512), stream=stream, norm=spec) | bad
+        with pytest.raises(QdflashError, match=match):
+            gemv_module.gemv_fused(**call)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -320,7 +320,10 @@ class Arm(NamedTuple):
 
 # the epilogue fusions by name: the engine flag each turns on (the GDN kernel's gated norm, silu(gate) * up in the gate /
 # up GEMV, each residual add and the norm after it in the one-row GEMV before them)
-EPILOGUES = {"gdn_norm": "gdn_fuse_norm", "swiglu": "fuse_swiglu", "residual_norm": "fuse_residual_norm"}
+EPILOGUES = {"gdn_norm": "gdn_fuse_norm", "swiglu": "fuse_swiglu", "residual_norm": "fuse_residual_norm",
+             "prologues": "fuse_prologues"}
+# `--epilogues`' arms: the fusions at the end of a kernel (fuse_prologues replaces the GEMV ones at one row: its own arms)
+ENDS = ("gdn_norm", "swiglu", "residual_norm")
 
 
 def study_arms(args) -> list[Arm]:
@@ -335,14 +338,19 @@ def study_arms(args) -> list[Arm]:
     # the base's engine without PDL, then with it: arms of one engine and one PDL setting in a row share a tuning
     arms = [Arm("", base, False, False, False, ())]
     if args.epilogues:
-        arms.append(Arm("_epilogues", base, False, False, False, tuple(EPILOGUES)))
+        arms.append(Arm("_epilogues", base, False, False, False, ENDS))
     if getattr(args, "each_epilogue", False):
-        arms += [Arm(f"_{name}", base, False, False, False, (name,)) for name in EPILOGUES]
+        arms += [Arm(f"_{name}", base, False, False, False, (name,)) for name in ENDS]
+    if getattr(args, "prologues", False):
+        arms += [Arm("_prologues", base, False, False, False, ("prologues",)),
+                 Arm("_prologues_gdn_norm", base, False, False, False, ("prologues", "gdn_norm"))]
     arms.append(Arm("_pdl", base, False, True, False, ()))
     if args.inductor_pdl:
         arms.append(Arm("_pdl_inductor", base, False, True, True, ()))
     if args.epilogues:
-        arms.append(Arm("_pdl_epilogues", base, False, True, False, tuple(EPILOGUES)))
+        arms.append(Arm("_pdl_epilogues", base, False, True, False, ENDS))
+    if getattr(args, "prologues", False):
+        arms.append(Arm("_pdl_prologues", base, False, True, False, ("prologues",)))
     for mode in args.gdn_ba:
         if mode != base:
             arms.append(Arm(f"_gdn_{mode}", mode, False, False, False, ()))
@@ -428,8 +436,9 @@ def epilogues_in_use(engine) -> dict:
     swiglu at 1 row and at 2-16, the GDN kernel's gated norm, and (projections, not layers) the one-row GEMVs that end in
     the residual add and the norm after it (the o / GDN out projection's, the down projection's but the last layer's).
     An arm whose counts are all 0 ran the base's code."""
-    from qdflash.engine.linear import residual_norm_config, swiglu_config
+    from qdflash.engine.linear import Projection, residual_norm_config, swiglu_config
     from qdflash.kernels import MAX_ROWS
+    from qdflash.kernels.gemv import GemvConfig, gemv_config
 
     out = {f"swiglu@{rows}": sum(engine.fuse_swiglu and swiglu_config(w["w13"], rows) is not None for w in engine.layers)
            for rows in (1, MAX_ROWS)}
@@ -437,6 +446,16 @@ def epilogues_in_use(engine) -> dict:
     ends = [w[name] for w in engine.layers for name in ("wo", "o", "out") if name in w] + [w["w2"] for w in engine.layers[:-1]]
     out["residual_norm@1"] = sum(engine.kernels and engine.fuse_residual_norm and residual_norm_config(p, 1) is not None
                                  for p in ends)
+    # fuse_prologues: the one-row 16-bit GEMVs that make their x (the mixer's input projection, gate / up, down) and those
+    # that add the residual (o / GDN out, down: one K split)
+    on = engine.kernels and getattr(engine, "fuse_prologues", False)
+    readers = [w[name] for w in engine.layers for name in ("wqkv", "qkv", "qkvz", "w13", "w2") if name in w]
+    out["prologue@1"] = sum(on and isinstance(p, Projection) and p.weight is not None and gemv_config(*p.weight.shape, p.weight.dtype, 1)
+                            is not None for p in readers)
+    adds = [w[name] for w in engine.layers for name in ("wo", "o", "out", "w2") if name in w]
+    out["residual_add@1"] = sum(on and isinstance(p, Projection) and p.weight is not None and p.bias is None and
+                                (gemv_config(*p.weight.shape, p.weight.dtype, 1) or GemvConfig(split_k=2)).split_k == 1
+                                for p in adds)
     return out
 
 
@@ -522,8 +541,8 @@ def kernel_check(engine, device) -> dict:
 
 
 def gdn_check(engine, device: str, tokens: int = 40, block: int = 8, label: str = "gdn_fused_check") -> dict:
-    """Before any timing: the fused GDN layer middle (with the epilogue fusions the engine has on) against the
-    unfused ops on the same prompt (a prefill of `tokens` - `block`, then a `block`-token step and a 1-token step,
+    """Before any timing: the fused GDN layer middle (with the epilogue and prologue fusions the engine has on) against
+    the unfused ops on the same prompt (a prefill of `tokens` - `block`, then a `block`-token step and a 1-token step,
     eager), logits compared. Where the fused path raises (a kernel that does not build on this device), the engine
     runs unfused for the whole run and the error is recorded, so that the rest is still measured. Without the
     kernels there is one path: nothing to check.
@@ -532,10 +551,12 @@ def gdn_check(engine, device: str, tokens: int = 40, block: int = 8, label: str 
         return {label: "kernels off: one torch path"}
     prompt = torch.randint(0, engine.lm_head.shape[0], (tokens,), device=device)
     logits = {}
-    swiglu = engine.fuse_swiglu
+    flags = {flag: getattr(engine, flag) for flag in ("fuse_swiglu", "fuse_residual_norm", "fuse_prologues")}
     try:
-        for fused in (False, True):  # unfused: the epilogue fusions off too (the reference is the unfused ops)
-            engine.fuse_gdn, engine.fuse_swiglu = fused, swiglu and fused
+        for fused in (False, True):  # unfused: the epilogue and prologue fusions off too (the reference is the unfused ops)
+            engine.fuse_gdn = fused
+            for flag, on in flags.items():
+                setattr(engine, flag, on and fused)
             engine.reset()
             with torch.no_grad():
                 engine.forward(prompt[: tokens - block - 1], 0)
@@ -543,7 +564,9 @@ def gdn_check(engine, device: str, tokens: int = 40, block: int = 8, label: str 
                 step = engine.forward(prompt[tokens - 1:], tokens - 1)[0]
             logits[fused] = torch.cat([verify, step]).float()
     except Exception as err:  # noqa: BLE001 -- a fused kernel that fails here is a result; the run goes on unfused
-        engine.fuse_gdn = engine.fuse_swiglu = False
+        engine.fuse_gdn = False
+        for flag in flags:
+            setattr(engine, flag, False)
         engine.reset()
         return {f"{label}.error": f"{type(err).__name__}: {str(err)[:300]}"}
     # the GDN kernel's gated norm leaves its arrival counts at zero after every launch: what is left over is a bug
@@ -602,6 +625,10 @@ def main() -> None:
     parser.add_argument("--each-epilogue", action="store_true",
                         help="--pdl-only: an arm for each epilogue fusion alone, without PDL (_gdn_norm, _swiglu, "
                              "_residual_norm): which of them costs what (their kernels keep their names in a profile)")
+    parser.add_argument("--prologues", action="store_true",
+                        help="--pdl-only: arms with each one-row GEMV making its input (the norms, silu(gate) * up) in its "
+                             "prologue and adding the residual in its epilogue (EngineBase.fuse_prologues): alone, with the "
+                             "GDN kernel's gated norm, and with PDL")
     parser.add_argument("--arms", type=lambda text: text.split(","), default=None,
                         help="--pdl-only: run only these arms (full labels, e.g. target16_pdl,target_w4_pdl_epilogues) beside "
                              "each target's base; the flags above say which arms there are")

@@ -178,10 +178,21 @@ class EngineBase:
         # (they never overlap), zero between launches. Set before capture
         self.fuse_residual_norm = False
         self.norm_arrivals = torch.zeros(1, device=self.device, dtype=torch.int32)
+        # with the kernels: a decode step's norms and silu(gate) * up made in the prologue of the 16-bit GEMV that reads
+        # them, each residual add in the epilogue of the GEMV before it (linear.Deferred, linear.project): four small
+        # kernels a layer fewer, none waiting on a whole row (fuse_residual_norm's last program does). Takes precedence
+        # over fuse_residual_norm and fuse_swiglu for one row. Off until the H200 times it (bench_components
+        # --prologues). Set before capture
+        self.fuse_prologues = False
 
-    def _residual_norm(self, projection, x, h, norm):
-        """linear.residual_norm with this engine's fusion flag: h + projection(x) and `norm` of it (or None)."""
-        return residual_norm(projection, x, h, norm, self.kernels and self.fuse_residual_norm, self.norm_arrivals)
+    def _defer(self, ids: torch.Tensor) -> bool:
+        """Whether this step's layer inputs are made in the GEMVs that read them (fuse_prologues, one token)."""
+        return self.kernels and self.fuse_prologues and ids.numel() == 1
+
+    def _residual_norm(self, projection, x, h, norm, defer: bool = False):
+        """linear.residual_norm with this engine's fusion flags: h + projection(x) and `norm` of it (or None; a Deferred
+        where `defer`)."""
+        return residual_norm(projection, x, h, norm, self.kernels and self.fuse_residual_norm, self.norm_arrivals, defer)
 
     def set_attention(self, attention: str) -> None:
         """How decode steps and verify blocks attend over the cache: "sdpa" (torch's attention over

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import QdflashError
 from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_step
-from .linear import Projection, StreamNorm, swiglu
+from .linear import Deferred, Projection, StreamNorm, project, swiglu
 from ..ops import apply_rope, tap_features
 from .base import EngineBase, cached_attention
 
@@ -164,7 +164,7 @@ class LeanQwen35(EngineBase):
     def _attention(self, i, w, x, cos, sin, attend):
         *lead, t, _ = x.shape
         q_size, kv_size = self.heads * 2 * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = w["qkv"](x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = project(w["qkv"], x)[0].split([q_size, kv_size, kv_size], dim=-1)
         q, gate = q.view(*lead, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self._rope(w["q_norm"](q).transpose(-3, -2), cos, sin)
         k = self._rope(w["k_norm"](k.view(*lead, t, self.kv_heads, self.head_dim)).transpose(-3, -2), cos, sin)
@@ -196,8 +196,9 @@ class LeanQwen35(EngineBase):
         """The layer's qkvz projection of x and its b / a product [..., 2 * heads] (b heads, then a heads): the two
         ends of one matmul's output where gdn_ba "fused" joined them, else two matmuls."""
         if w["ba"] is not None:
-            return w["qkvz"](x), w["ba"](x)
-        out = w["qkvz"](x)
+            out, x = project(w["qkvz"], x, keep_x=True)
+            return out, w["ba"](x)
+        out = project(w["qkvz"], x)[0]
         n = w["la"].conv_dim + w["la"].value_dim
         return out[..., :n], out[..., n:]
 
@@ -210,7 +211,7 @@ class LeanQwen35(EngineBase):
         ba = w["ba"]
         dot = self.gdn_ba == "dot" and isinstance(ba, Projection) and ba.weight is not None and ba.bias is None
         if dot:  # the kernel computes x @ ba.T
-            qkvz = w["qkvz"](x)
+            qkvz, x = project(w["qkvz"], x, keep_x=True)
         else:
             qkvz, ba = self._qkvz_ba(w, x)
         norm = self.fuses_gdn_norm(w)
@@ -285,16 +286,17 @@ class LeanQwen35(EngineBase):
         cos, sin = self.cos[positions].unsqueeze(-3), self.sin[positions].unsqueeze(-3)  # broadcast over heads
         h = F.embedding(ids, self.embed).to(self.residual_dtype)  # fp32 residual stream: EngineBase says why
         features = {}
-        x = self.layers[0]["norm1"](h) if self.layers else None
+        defer = self._defer(ids)  # each layer input made in the GEMV that reads it (linear.Deferred)
+        x = (Deferred(h, self.layers[0]["norm1"]) if defer else self.layers[0]["norm1"](h)) if self.layers else None
         for i, w in enumerate(self.layers):
             if self.types[i] == "linear_attention":
                 mixed, out = mix(i, w, x), w["out"]
             else:
                 mixed, out = self._attention(i, w, x, cos, sin, attend), w["o"]
             # each residual add and the norm after it (the next layer's input norm after the MLP), one launch where fused
-            h, x = self._residual_norm(out, mixed, h, w["norm2"])
+            h, x = self._residual_norm(out, mixed, h, w["norm2"], defer)
             after = self.layers[i + 1]["norm1"] if i + 1 < len(self.layers) else None
-            h, x = self._residual_norm(w["w2"], swiglu(w["w13"], x, self.fuse_swiglu), h, after)
+            h, x = self._residual_norm(w["w2"], swiglu(w["w13"], x, self.fuse_swiglu, defer), h, after, defer)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
         return h, (tap_features(features, layer_ids) if layer_ids is not None else None)

@@ -62,8 +62,10 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, stride_os, K_PER_SPLIT, res_ptr, norm_w_ptr, xn_ptr, arrivals_ptr,
-                     EPS, W_OFFSET, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
-                     SWIGLU: tl.constexpr, NORM: tl.constexpr, N_P: tl.constexpr, ROUND_FIRST: tl.constexpr):
+                     EPS, W_OFFSET, src_ptr, in_w_ptr, xs_ptr, K, IN_EPS, IN_OFFSET,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
+                     SWIGLU: tl.constexpr, NORM: tl.constexpr, N_P: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                     RESIDUAL: tl.constexpr, X_IN: tl.constexpr, IN_ROUND_FIRST: tl.constexpr, KEEP_X: tl.constexpr):
         """TILES = 0: a runtime loop over K_PER_SPLIT (one compile serves every K). TILES > 0: K_PER_SPLIT
         is TILES * BLOCK_K and the loop is unrolled, so the compiler issues every tile's loads before the
         arithmetic: a program's whole slice of the weight in flight, where the runtime loop waits on memory
@@ -73,36 +75,52 @@ if triton is not None:
         a program's BLOCK_N weight rows are BLOCK_N / 2 gate rows interleaved with their up rows, so it holds both
         halves of its outputs.
         NORM (one split): the output is the residual stream after it, res + y (fp32, into out_ptr), and the last
-        program to finish writes the next RMSNorm of that stream (`_residual_norm_tail`)."""
+        program to finish writes the next RMSNorm of that stream (`_residual_norm_tail`). RESIDUAL (one split): that
+        residual stream alone, no norm (the next GEMV's prologue computes it).
+        X_IN: where x comes from (`_x_tile`, a prologue that replaces the small kernel which made x): 0 x_ptr; 1 the
+        RMSNorm of the fp32 residual stream src_ptr [K] with weight in_w_ptr (each program sums the whole stream's
+        squares itself, while its first weight tile is in flight: no program waits on another); 2 silu(gate) * up of
+        a gate / up projection's output src_ptr [2K]. KEEP_X: the programs of the first column block also store the x
+        they made into xs_ptr (for a consumer that reads x itself, e.g. the GDN kernel's b / a product)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn, n_ok = _weight_rows(pid_n, N, BLOCK_N, SWIGLU)
         rk = tl.arange(0, BLOCK_K)
         k0 = pid_k * TILES * BLOCK_K if TILES > 0 else pid_k * K_PER_SPLIT
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        FIRST: tl.constexpr = 1 if PDL else 0  # tiles done before the loop
-        if PDL:
+        dt = w_ptr.dtype.element_ty  # the model's dtype: what a prologue's x is rounded to, as the ops before round it
+        keep = tl.where(pid_n == 0, K, 0)  # with KEEP_X: x's columns below this are stored (the first column block's)
+        PEEL: tl.constexpr = PDL or X_IN == 1  # the first tile's weights loaded before the wait / the stream's norm
+        FIRST: tl.constexpr = 1 if PEEL else 0  # tiles done before the loop
+        if PEEL:
             w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok, other=0)
-            pdl_wait()
-            acc += _gemv_product(x_ptr, w, k0 + rk)
+            if PDL:
+                pdl_wait()
+            rstd = _stream_rstd(src_ptr, K, IN_EPS, X_IN == 1)
+            acc += w.to(tl.float32) * _x_tile(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, k0 + rk, K, rstd, IN_OFFSET, X_IN,
+                                              IN_ROUND_FIRST, KEEP_X, dt)[None, :]
+        else:
+            rstd = _stream_rstd(src_ptr, K, IN_EPS, False)
         if TILES > 0:
             for tile in tl.static_range(FIRST, TILES):
-                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + tile * BLOCK_K + rk, stride_wn)
+                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + tile * BLOCK_K + rk, stride_wn, src_ptr, in_w_ptr, xs_ptr, keep, K,
+                                  rstd, IN_OFFSET, X_IN, IN_ROUND_FIRST, KEEP_X, dt)
         else:
             for step in range(FIRST * BLOCK_K, K_PER_SPLIT, BLOCK_K):
-                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + step + rk, stride_wn)
+                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + step + rk, stride_wn, src_ptr, in_w_ptr, xs_ptr, keep, K,
+                                  rstd, IN_OFFSET, X_IN, IN_ROUND_FIRST, KEEP_X, dt)
         if PDL:
             pdl_release()
         if SWIGLU:
             gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N // 2, 2)))
             cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             _store_swiglu(out_ptr + cols, cols < N, gate, up)
-        elif NORM:
-            dt = xn_ptr.dtype.element_ty
+        elif NORM or RESIDUAL:
             # the projection's output rounded as the linear's would be, then added to the fp32 stream (torch's h + y)
             h = tl.load(res_ptr + rn, mask=rn < N, other=0.0) + tl.sum(acc, axis=1).to(dt).to(tl.float32)
             tl.store(out_ptr + rn, h, mask=rn < N)
-            _residual_norm_tail(out_ptr, norm_w_ptr, xn_ptr, arrivals_ptr, N, EPS, W_OFFSET, N_P, ROUND_FIRST, dt)
+            if NORM:
+                _residual_norm_tail(out_ptr, norm_w_ptr, xn_ptr, arrivals_ptr, N, EPS, W_OFFSET, N_P, ROUND_FIRST, dt)
         else:
             tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
 
@@ -193,13 +211,49 @@ if triton is not None:
         return tl.dot(x, tl.trans(w))
 
     @triton.jit
-    def _gemv_tile(x_ptr, w_ptr, rn, n_ok, col, stride_wn):
+    def _gemv_tile(x_ptr, w_ptr, rn, n_ok, col, stride_wn, src_ptr, in_w_ptr, xs_ptr, keep, K, rstd, IN_OFFSET,
+                   X_IN: tl.constexpr, IN_ROUND_FIRST: tl.constexpr, KEEP_X: tl.constexpr, dt: tl.constexpr):
         w = tl.load(w_ptr + rn[:, None] * stride_wn + col[None, :], mask=n_ok, other=0)
-        return _gemv_product(x_ptr, w, col)
+        return w.to(tl.float32) * _x_tile(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, col, K, rstd, IN_OFFSET, X_IN, IN_ROUND_FIRST,
+                                          KEEP_X, dt)[None, :]
 
     @triton.jit
-    def _gemv_product(x_ptr, w, col):
-        return w.to(tl.float32) * tl.load(x_ptr + col).to(tl.float32)[None, :]
+    def _stream_rstd(src_ptr, K, EPS, NORM_IN: tl.constexpr):
+        """rsqrt(mean(h^2) + eps) of the fp32 residual stream h [K] (NORM_IN), summed by this program alone; else 0,
+        never read."""
+        if NORM_IN:
+            rc = tl.arange(0, 1024)
+            squares = tl.zeros((1024,), dtype=tl.float32)
+            for c in range(0, K, 1024):
+                h = tl.load(src_ptr + c + rc, mask=c + rc < K, other=0.0)
+                squares += h * h
+            rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + EPS)
+        else:
+            rstd = 0.0
+        return rstd
+
+    @triton.jit
+    def _x_tile(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, col, K, rstd, IN_OFFSET, X_IN: tl.constexpr,
+                IN_ROUND_FIRST: tl.constexpr, KEEP_X: tl.constexpr, dt: tl.constexpr):
+        """x's columns `col` in fp32 (`_gemv_kernel`'s X_IN), rounded to `dt` where the ops that make x apart round: the
+        norm as `_residual_norm_tail` computes it, silu(gate) * up as `_store_swiglu`; with KEEP_X stored into xs_ptr below
+        column `keep`."""
+        if X_IN == 1:
+            normed = tl.load(src_ptr + col) * rstd
+            w = tl.load(in_w_ptr + col).to(tl.float32)
+            if IN_ROUND_FIRST:
+                x = (w * normed.to(dt).to(tl.float32)).to(dt)
+            else:
+                x = (normed * (w + IN_OFFSET)).to(dt)
+        elif X_IN == 2:
+            gate = tl.load(src_ptr + col).to(tl.float32)
+            up = tl.load(src_ptr + K + col).to(tl.float32)
+            x = (silu_rounded(gate, dt) * up).to(dt)
+        else:
+            x = tl.load(x_ptr + col)
+        if KEEP_X:
+            tl.store(xs_ptr + col, x, mask=col < keep)
+        return x.to(tl.float32)
 
 
 def fits(config: GemvConfig, k: int) -> bool:
@@ -280,21 +334,96 @@ def residual_norm_fits(config: GemvConfig, n: int) -> bool:
     return config.split_k == 1 and n <= MAX_NORM_WIDTH
 
 
+def gemv_fused(weight: torch.Tensor, config: GemvConfig, x: torch.Tensor | None = None, *, stream: torch.Tensor | None = None,
+               norm: tuple | None = None, gate_up: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+               keep_x: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One row of x @ weight.T with what makes x and what takes the product in the same launch, where they are
+    otherwise kernels of their own (a launch costs a decode step more than the few KB it computes). x comes from one
+    of: `x` [1, K] as it is; `stream` [1, K] fp32 (a residual stream) with `norm` (weight [K], eps, offset,
+    round_first), x = its RMSNorm as `gemv_residual_norm` computes one; `gate_up` [1, 2K], x = silu(gate) * up,
+    rounded as `gemv(..., swiglu=True)` rounds it. `residual` [1, N] fp32 (one K split): the output is
+    residual + (x @ weight.T rounded to the weight's dtype), fp32, else the product in the weight's dtype.
+    `keep_x`: x [1, K] too (the weight's dtype), else None. Returns (output [1, N], x)."""
+    if triton is None:
+        raise QdflashError("gemv_fused needs triton (installed with torch on CUDA machines)")
+    n, k = weight.shape
+    sources = [name for name, t in (("x", x), ("stream", stream), ("gate_up", gate_up)) if t is not None]
+    if len(sources) != 1:
+        raise QdflashError(f"gemv_fused: exactly one of x, stream, gate_up expected, got {sources or 'none'}")
+    if weight.stride(1) != 1 or not fits(config, k):
+        raise QdflashError(f"gemv_fused: a contiguous weight [{n}, {k}] that {config} tiles expected, got {tuple(weight.shape)}")
+    expected = {"x": ((1, k), weight.dtype), "stream": ((1, k), torch.float32), "gate_up": ((1, 2 * k), weight.dtype)}
+    source = (x, stream, gate_up)[("x", "stream", "gate_up").index(sources[0])]
+    shape, dtype = expected[sources[0]]
+    if tuple(source.shape) != shape or source.dtype != dtype:
+        raise QdflashError(f"gemv_fused: {sources[0]} {list(shape)} {dtype} expected, got {tuple(source.shape)} {source.dtype}")
+    if (stream is None) != (norm is None):
+        raise QdflashError("gemv_fused: `norm` (weight, eps, offset, round_first) goes with `stream`, and only with it")
+    if norm is not None and (norm[0].shape != (k,) or not norm[0].is_contiguous() or norm[2] is None):
+        raise QdflashError(f"gemv_fused: a contiguous norm weight [{k}] and a numeric offset expected, got "
+                           f"{tuple(norm[0].shape)}, offset {norm[2]}")
+    if residual is not None and (tuple(residual.shape) != (1, n) or residual.dtype != torch.float32 or config.split_k != 1):
+        raise QdflashError(f"gemv_fused: a residual [1, {n}] fp32 and one K split expected, got {tuple(residual.shape)} "
+                           f"{residual.dtype}, {config}")
+    source = source.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    x_in = 0 if x is not None else 1 if stream is not None else 2
+    in_weight, eps, offset, round_first = norm if norm is not None else (None, 0.0, 0.0, False)
+    keep = keep_x and x_in != 0
+    if pdl_for(source):  # as gemv: our op, an opaque node in a compiled step
+        out, xs = _fused_op(source, weight, *config.args(), True, x_in, in_weight, float(eps), float(offset), round_first,
+                            keep, residual)
+    elif x_in == 0 and residual is None:
+        out, xs = _launch(source, weight, config, False), None
+    else:
+        out, xs = _launch(source if x_in == 0 else None, weight, config, False,
+                          prologue=(x_in, source, in_weight, eps, offset, round_first, keep) if x_in else None,
+                          residual=residual)
+    out = out[0] if config.split_k == 1 else out.sum(0).to(weight.dtype)
+    return out, (xs if keep else x)
+
+
+@torch.library.custom_op("qdflash::gemv_fused", mutates_args=())
+def _fused_op(source: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, split_k: int, num_warps: int,
+              unrolled: bool, pdl: bool, x_in: int, in_weight: torch.Tensor | None, eps: float, offset: float,
+              round_first: bool, keep_x: bool, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemv_fused`'s launch as one opaque node (`_gemv_op` says why): (raw output, x or an empty tensor)."""
+    config = GemvConfig(block_n, block_k, split_k, num_warps, unrolled)
+    if x_in == 0 and residual is None:
+        return _launch(source, weight, config, pdl), source.new_empty(1, 0)
+    return _launch(source if x_in == 0 else None, weight, config, pdl, residual=residual,
+                   prologue=(x_in, source, in_weight, eps, offset, round_first, keep_x) if x_in else None)
+
+
+@_fused_op.register_fake
+def _(source, weight, block_n, block_k, split_k, num_warps, unrolled, pdl, x_in, in_weight, eps, offset, round_first, keep_x,
+      residual):
+    n, k = weight.shape
+    dtype = torch.float32 if residual is not None or split_k > 1 else weight.dtype
+    return weight.new_empty((split_k, 1, n), dtype=dtype), weight.new_empty((1, k if keep_x else 0))
+
+
 def swiglu_fits(config: GemvConfig, n: int) -> bool:
     """Where `gemv(..., swiglu=True)` runs: one K split (the epilogue needs whole sums), gate and up halves."""
     return config.split_k == 1 and n % 2 == 0 and config.block_n >= 2
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool, swiglu: bool = False,
-            norm: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _launch(x: torch.Tensor | None, weight: torch.Tensor, config: GemvConfig, pdl: bool, swiglu: bool = False,
+            norm: tuple | None = None, prologue: tuple | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The kernel's raw output [split_k, M, N] (N / 2 with swiglu): x's dtype for one split, else fp32 partial sums.
     `norm` (one row, one split): (residual [1, N] fp32, norm weight [N], arrivals, eps, weight offset, round first);
-    then the residual stream after the projection [1, N] fp32 and its RMSNorm [1, N] in x's dtype."""
+    then the residual stream after the projection [1, N] fp32 and its RMSNorm [1, N] in x's dtype.
+    `prologue` (one row, x None): (X_IN 1 or 2, its source, norm weight or None, eps, offset, round first, keep x);
+    `residual` (one row, one split): [1, N] fp32, the output is residual + y [1, N] fp32. With either: (output, x
+    [1, K] in the weight's dtype where the prologue keeps it, else an empty tensor)."""
     n, k = weight.shape
-    m = x.shape[0]
+    m = x.shape[0] if x is not None else 1
+    device = weight.device
     n_out = n // 2 if swiglu else n
-    out_dtype = torch.float32 if norm is not None or config.split_k > 1 else x.dtype
-    out = torch.empty(config.split_k, m, n_out, device=x.device, dtype=out_dtype)
+    fused = prologue is not None or residual is not None
+    out_dtype = torch.float32 if norm is not None or residual is not None or config.split_k > 1 else weight.dtype
+    out = torch.empty(config.split_k, m, n_out, device=device, dtype=out_dtype)
     # swiglu: the same weight rows a program (half of them gate rows, half up), so the tuned tile's shape and count
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     # K_PER_SPLIT is a runtime argument (one compile per tile serves every shape: tuning is compile-bound),
@@ -303,17 +432,29 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, pdl: bool
     launch = launch_options(pdl)
     if m == 1:
         if norm is not None:
-            residual, norm_weight, arrivals, eps, offset, round_first = norm
-            xn = torch.empty(1, n, device=x.device, dtype=x.dtype)
-            tail = (residual, norm_weight, xn, arrivals, float(eps), float(offset))
+            res, norm_weight, arrivals, eps, offset, round_first = norm
+            xn = torch.empty(1, n, device=device, dtype=x.dtype)
+            tail = (res, norm_weight, xn, arrivals, float(eps), float(offset))
             tail_args = dict(NORM=True, N_P=triton.next_power_of_2(n), ROUND_FIRST=round_first)
         else:  # stand-ins the kernel never reads
-            tail, tail_args = (out, out, out, out, 0.0, 0.0), dict(NORM=False, N_P=1, ROUND_FIRST=False)
-        _gemv_kernel[grid](x, weight, out, n_out, weight.stride(0), out.stride(0), k // config.split_k, *tail, BLOCK_N=config.block_n,
-                           BLOCK_K=config.block_k, TILES=tiles, PDL=pdl, SWIGLU=swiglu, **tail_args, num_warps=config.num_warps,
-                           **launch)
+            tail = (residual if residual is not None else out, out, out, out, 0.0, 0.0)
+            tail_args = dict(NORM=False, N_P=1, ROUND_FIRST=False)
+        if prologue is not None:
+            x_in, source, in_weight, in_eps, in_offset, in_round_first, keep_x = prologue
+            xs = torch.empty(1, k if keep_x else 0, device=device, dtype=weight.dtype)
+            head = (source, source if in_weight is None else in_weight, xs, k, float(in_eps), float(in_offset))
+            head_args = dict(X_IN=x_in, IN_ROUND_FIRST=in_round_first, KEEP_X=keep_x)
+        else:
+            xs = out.new_empty(1, 0, dtype=weight.dtype)
+            head, head_args = (out, out, out, k, 0.0, 0.0), dict(X_IN=0, IN_ROUND_FIRST=False, KEEP_X=False)
+        _gemv_kernel[grid](x if x is not None else head[0], weight, out, n_out, weight.stride(0), out.stride(0),
+                           k // config.split_k, *tail, *head, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILES=tiles,
+                           PDL=pdl, SWIGLU=swiglu, RESIDUAL=residual is not None, **tail_args, **head_args,
+                           num_warps=config.num_warps, **launch)
         if norm is not None:
             return out[0], xn
+        if fused:
+            return out, xs
     else:
         _gemv_rows_kernel[grid](x, weight, out, m, n_out, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
                                 k // config.split_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILES=tiles,
