@@ -729,12 +729,10 @@ def pdl_cases(pdl):
                                        dict(BLOCK_N=2, BLOCK_K=1024, TILES=0, PDL=pdl, SWIGLU=False,
                                             **PLAIN | dict(X_IN=2, RESIDUAL=True))),
             "gemv rows": rows_gemv_case(0, pdl), "gemv rows unrolled": rows_gemv_case(16, pdl),
-            # bf16 activations: the 16-bit unpacking (MAGIC)
-            "w4 1": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one, dict(GROUP=32, BLOCK_N=16, BLOCK_K8=64, PDL=pdl, SPLITS=1,
-                                                                                 MAGIC=True)),
+            "w4 1": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one, dict(GROUP=32, BLOCK_N=16, BLOCK_K8=64, PDL=pdl, SPLITS=1)),
             # 2,560 x 9,216 split 8 ways over K, reduced in the launch (its partial sums fp32)
             "w4 1 split": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one | {"out_ptr": "*fp32"},
-                           dict(GROUP=32, BLOCK_N=8, BLOCK_K8=128, PDL=pdl, SPLITS=8, MAGIC=True)),
+                           dict(GROUP=32, BLOCK_N=8, BLOCK_K8=128, PDL=pdl, SPLITS=8)),
             "w4 rows": ("qdflash.kernels.w4a16", "_w4a16_kernel", w4_rows, dict(GROUP=32, BLOCK_M=16, BLOCK_N=64, BLOCK_K8=16,
                                                                                 K_PER_SPLIT=2560, PDL=pdl, FAST=False)),
             # the fast (BF16_NIBBLES) tile at its largest candidate, 2048 words

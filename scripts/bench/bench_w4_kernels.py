@@ -55,21 +55,13 @@ def main() -> None:
         packed_bytes = n * k // 2 + n * (k // args.group) * 2
         dense_bytes = n * k * 2
         for rows in args.rows:
-            exact = {}
-            if rows == 1:  # our one-row kernel with its exact fp32 unpacking first, then the 16-bit one (w4a16.MAGIC_UNPACK)
-                w4a16.MAGIC_UNPACK = False
-                try:
-                    exact_config, exact_ms, _, _ = w4a16.tune(n, k, args.group, rows=rows, dtype=dtype)
-                finally:
-                    w4a16.MAGIC_UNPACK = True
-                exact = {"ours_exact_ms": round(exact_ms, 4), "ours_exact_config": exact_config.__dict__}
             config, ms, dense_ms, others = w4a16.tune(n, k, args.group, rows=rows, dtype=dtype)
             row = {"n": n, "k": k, "group": args.group, "rows": rows, "packed_bytes": packed_bytes,
                    "ours_ms": round(ms, 4), "ours_gbps": gbps(packed_bytes, ms), "ours_config": config.__dict__,
                    "dense_ms": round(dense_ms, 4), "dense_gbps": gbps(dense_bytes, dense_ms),
                    **{f"{name}_ms": None if t is None else round(t, 4) for name, t in others.items()},
                    **{f"{name}_gbps": gbps(packed_bytes, t) for name, t in others.items()},
-                   "used": w4a16.backend(n, k, args.group, rows, dtype), **exact}
+                   "used": w4a16.backend(n, k, args.group, rows, dtype)}
             rows_out.append(row)
             cell = lambda t, b: "—" if t is None else f"{t * 1e3:6.1f}us {gbps(b, t):>5.0f}"  # noqa: E731
             print(f"{n:>7}x{k:<6} {rows:>4} | {cell(ms, packed_bytes):>14} {cell(dense_ms, dense_bytes):>14} "

@@ -193,15 +193,14 @@ if triton is not None:
     @triton.jit
     def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_os, K_PER_SPLIT, y_ptr, counts_ptr,
                            GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, PDL: tl.constexpr,
-                           SPLITS: tl.constexpr, MAGIC: tl.constexpr):
+                           SPLITS: tl.constexpr):
         """1 row (a decode step): bound by the weight bytes only if unpacking costs few instructions
         per byte. So no reshape (a layout shuffle through shared memory) and no int->float convert
         instruction (a quarter-rate op): nibble j of every word in the [BN, BK8] tile is taken in
         turn, made a float by the exponent trick (nibble | 0x4B000000 is the fp32 2^23 + nibble),
         multiplied with x's columns 8i + j (a strided load from L1), and a word's 8 products are
         scaled once (its 8 columns share a scale group). q * x is exact in fp32, so this is the
-        fp32 dequantized product up to the order of the sums. MAGIC (16-bit x): fewer instructions a weight
-        (`_w4_gemv_part`), the same product to ~2^-16 of each word's partial sum. PDL as in `_w4a16_kernel`. SPLITS > 1: the K splits'
+        fp32 dequantized product up to the order of the sums. PDL as in `_w4a16_kernel`. SPLITS > 1: the K splits'
         partial sums (out_ptr) are reduced in this launch into y_ptr (`reduce_splits_last`), counted on counts_ptr."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -213,11 +212,11 @@ if triton is not None:
         if PDL:
             w, s = _w4_words(w_ptr, s_ptr, rn, ri, n_ok, pid_k * K_PER_SPLIT, stride_wn, stride_sn, GROUP)
             pdl_wait()
-            acc += _w4_gemv_part(x_ptr, w, s, ri, pid_k * K_PER_SPLIT, BLOCK_N, BLOCK_K8, MAGIC)
+            acc += _w4_gemv_part(x_ptr, w, s, ri, pid_k * K_PER_SPLIT, BLOCK_N, BLOCK_K8)
         for step in range(FIRST, K_PER_SPLIT, 8 * BLOCK_K8):
             col0 = pid_k * K_PER_SPLIT + step
             w, s = _w4_words(w_ptr, s_ptr, rn, ri, n_ok, col0, stride_wn, stride_sn, GROUP)
-            acc += _w4_gemv_part(x_ptr, w, s, ri, col0, BLOCK_N, BLOCK_K8, MAGIC)
+            acc += _w4_gemv_part(x_ptr, w, s, ri, col0, BLOCK_N, BLOCK_K8)
         if PDL:
             pdl_release()
         tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
@@ -232,31 +231,12 @@ if triton is not None:
         return w, s
 
     @triton.jit
-    def _w4_gemv_part(x_ptr, w, s, ri, col0, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, MAGIC: tl.constexpr):
+    def _w4_gemv_part(x_ptr, w, s, ri, col0, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr):
         part = tl.zeros((BLOCK_N, BLOCK_K8), dtype=tl.float32)
-        if MAGIC:
-            xsum = tl.zeros((BLOCK_K8,), dtype=tl.float32)
-            for j in tl.static_range(8):
-                # nibble j moved to bits 16-19 and OR-ed into fp32 128.0 (whose mantissa's last bit there is worth 1): the
-                # float 128 + nibble, one shift and one lop3; its 8 significant bits times x's are exact in fp32
-                if j < 4:
-                    b = w << (16 - 4 * j)
-                elif j == 4:
-                    b = w
-                else:
-                    b = w >> (4 * j - 16)
-                f = ((b | 0x43000000) & 0x430F0000).to(tl.float32, bitcast=True)
-                x = tl.load(x_ptr + col0 + 8 * ri + j).to(tl.float32)
-                part += f * x[None, :]
-                xsum += x
-            # sum_j (128 + nibble_j) x_j - 136 sum_j x_j = sum_j (nibble_j - 8) x_j: one FMA a word instead of a subtraction
-            # a weight (8 terms of ~136 |x| cancel: ~2^-16 of the word's sum, far below the 16-bit output's rounding)
-            part -= 136.0 * xsum[None, :]
-        else:
-            for j in tl.static_range(8):
-                q = (((w >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # nibble - 8
-                x = tl.load(x_ptr + col0 + 8 * ri + j).to(tl.float32)
-                part += q * x[None, :]
+        for j in tl.static_range(8):
+            q = (((w >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # nibble - 8
+            x = tl.load(x_ptr + col0 + 8 * ri + j).to(tl.float32)
+            part += q * x[None, :]
         return part * s.to(tl.float32)
 
 
@@ -310,11 +290,6 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
     return out[0] if out.shape[0] == 1 else out.sum(0).to(x.dtype)
 
 
-# the one-row kernel's 16-bit unpacking (`_w4_gemv_part`'s MAGIC) for 16-bit activations; False: the exact fp32 one (what
-# bench_w4_kernels times it against, in one process)
-MAGIC_UNPACK = True
-
-
 def split_counts(n: int, device) -> torch.Tensor:
     """The zeroed counts `w4a16_matmul` reduces a one-row split with, for any one-row config of N columns (its
     narrowest column block is 8): made once per projection, before a graph captures it."""
@@ -334,8 +309,7 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: in
         y = torch.empty(1, 1, n, device=x.device, dtype=x.dtype) if counts is not None else out
         _w4a16_gemv_kernel[grid](x, words, scale, out, n, words.stride(0), scale.stride(0), out.stride(0),
                                  k // config.split_k, y, out if counts is None else counts,
-                                 SPLITS=1 if counts is None else config.split_k, MAGIC=MAGIC_UNPACK and x.dtype != torch.float32,
-                                 **common)
+                                 SPLITS=1 if counts is None else config.split_k, **common)
         if counts is not None:
             return y
     else:
