@@ -251,7 +251,10 @@ def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_q
 
     monkeypatch.setattr(qwen3_5, "gated_delta_step", broken)
     bad = bench_components.gdn_check(engine, "cpu", tokens=24, block=4)
-    assert bad == {"gdn_fused_check.error": "RuntimeError: no such PTX"} and not engine.fuse_gdn
+    # the error and where it was raised, innermost frame first (bench_components.error_text)
+    assert list(bad) == ["gdn_fused_check.error"] and not engine.fuse_gdn
+    assert bad["gdn_fused_check.error"].startswith("RuntimeError: no such PTX (at test_bench_components.py:")
+    assert "broken <- qwen3_5.py:" in bad["gdn_fused_check.error"]
     assert bench_components.unfused_gdn_arm(engine, None, "cpu", None, 1.0)["target16_unfused_gdn"].startswith("skipped: the fused")
 
 

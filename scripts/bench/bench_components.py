@@ -46,8 +46,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import time
+import traceback
 from typing import NamedTuple
 
 import torch
@@ -210,7 +212,7 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
             compiled[f"{label}.verify_compiled_over_decode_compiled"] = round(
                 compiled[f"{label}.verify_compiled_ms"] / compiled[f"{label}.decode_compiled_ms"], 4)
         except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
-            compiled[f"{label}.compile_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            compiled[f"{label}.compile_error"] = error_text(err)
     if args.profile:  # the compiled graphs where they were captured
         step = engine.graph_for(1, None, args.context + 1)
         verify = engine.graph_for(args.block, layer_ids, args.context + args.block)
@@ -218,7 +220,7 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
             try:
                 compiled[f"{label}.{name}_kernels"] = kernel_breakdown(fn, device)
             except Exception as err:  # noqa: BLE001 -- the profile is extra; its failure is reported
-                compiled[f"{label}.{name}_kernels"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+                compiled[f"{label}.{name}_kernels"] = {"error": error_text(err)}
     need = step_bytes(engine, args.context)
     bound_ms = need["total"] / bandwidth * 1e3
     return {
@@ -297,6 +299,14 @@ def unfused_gdn_arm(engine, args, device, layer_ids, bandwidth) -> dict:
         return measure_target(engine, args, device, layer_ids, bandwidth, "target16_unfused_gdn")
     finally:
         engine.fuse_gdn, engine.graphs = True, {}
+
+
+def error_text(err: BaseException) -> str:
+    """An exception for a result file: its type and message, and where it was raised (the innermost three frames), so a
+    failure on the device can be found without rerunning it there."""
+    frames = traceback.extract_tb(err.__traceback__)[-3:]
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+    return f"{type(err).__name__}: {str(err)[:300]}" + (f" (at {where})" if where else "")
 
 
 def gdn_ba_list(text: str) -> list[str]:
@@ -422,7 +432,7 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
                 with inductor_config.patch({"triton.enable_pdl": True}) if inductor else contextlib.nullcontext():
                     out.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
             except Exception as err:  # noqa: BLE001 -- an arm's kernel failing on its first GPU run is a result; the next arm runs
-                out[f"{arm}.error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                out[f"{arm}.error"] = error_text(err)
             finally:
                 set_pdl(False)
             if suffix:
@@ -513,7 +523,7 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
             compiled[f"{label}.compiled_drafts_agree"] = float((fast() == eager_drafts).float().mean())
             compiled[f"{label}.step_compiled_ms"] = round(run(graphed(fast, device), args.reps), 4)
         except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
-            compiled[f"{label}.compile_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            compiled[f"{label}.compile_error"] = error_text(err)
     own = sum(p.numel() * p.element_size() for p in drafter.parameters()) + sum(
         b.numel() * b.element_size() for b in drafter.buffers())
     own += sum(m.projection.nbytes for m in drafter.modules() if hasattr(m, "projection"))
@@ -568,7 +578,7 @@ def gdn_check(engine, device: str, tokens: int = 40, block: int = 8, label: str 
         for flag in flags:
             setattr(engine, flag, False)
         engine.reset()
-        return {f"{label}.error": f"{type(err).__name__}: {str(err)[:300]}"}
+        return {f"{label}.error": error_text(err)}
     # the GDN kernel's gated norm leaves its arrival counts at zero after every launch: what is left over is a bug
     left = int(engine.gdn_arrivals.abs().sum()) if hasattr(engine, "gdn_arrivals") else 0
     engine.reset()
@@ -678,7 +688,7 @@ def main() -> None:
         try:
             result.update(hf_static_generate(target.model, args, device))
         except Exception as err:  # noqa: BLE001 -- transformers failing on this model is a result; the rest is still measured
-            result["hf_static.error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            result["hf_static.error"] = error_text(err)
         for step in ("decode_ms", "decode_compiled_ms"):
             if f"target16.{step}" in result and "hf_static.decode_ms" in result:
                 result[f"hf_static.over_target16.{step}"] = round(result["hf_static.decode_ms"] / result[f"target16.{step}"], 3)

@@ -26,6 +26,8 @@ speed, and the engine runs those shapes on the dequantized weight instead (engin
 
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 from dataclasses import dataclass, replace
 
@@ -440,7 +442,9 @@ def _check_fast(x, words, scale, group: int, configs: list[Config]) -> tuple[lis
             try:
                 error = _relative_error(w4a16_matmul(x, words, scale, group, config).float(), reference)
             except Exception as err:  # noqa: BLE001 -- a tile that does not build or launch here is dropped, not fatal
-                problems.append(f"{config}: raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+                frame = traceback.extract_tb(err.__traceback__)[-1]  # where: a device-only failure is found from the warning
+                problems.append(f"{config}: raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''} "
+                                f"(at {os.path.basename(frame.filename)}:{frame.lineno} {frame.name})")
                 continue
             if error > EXTERNAL_TOLERANCE:
                 problems.append(f"{config}: off the dequantized product by {error:.3g} (relative)")
