@@ -324,13 +324,16 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: in
 @torch.library.custom_op("qdflash::w4a16", mutates_args=("counts",))
 def _w4a16_op(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int, block_n: int, block_k8: int,
               split_k: int, num_warps: int, num_stages: int, fast: bool, pdl: bool,
-              counts: torch.Tensor | None = None) -> torch.Tensor:
-    """`_launch` as one opaque node of a compiled graph (kernels.gemv._gemv_op says why); it leaves `counts` zero."""
+              counts: torch.Tensor | None) -> torch.Tensor:
+    """`_launch` as one opaque node of a compiled graph (kernels.gemv._gemv_op says why); it leaves `counts` zero.
+    `counts` has no default: torch 2.11's dispatcher drops a trailing argument equal to its default, and the
+    in-place bookkeeping of a mutated one then indexed past the arguments (IndexError on the H100, every W4 launch
+    with PDL: results/published/2026-12-05-h100-prologues-pdl)."""
     return _launch(x, words, scale, group, Config(block_n, block_k8, split_k, num_warps, num_stages, fast), pdl, counts=counts)
 
 
 @_w4a16_op.register_fake
-def _(x, words, scale, group, block_n, block_k8, split_k, num_warps, num_stages, fast, pdl, counts=None):
+def _(x, words, scale, group, block_n, block_k8, split_k, num_warps, num_stages, fast, pdl, counts):
     if counts is not None:
         return x.new_empty((1, x.shape[0], words.shape[0]))
     return x.new_empty((split_k, x.shape[0], words.shape[0]), dtype=x.dtype if split_k == 1 else torch.float32)
