@@ -137,7 +137,8 @@ def test_pdl_study_arms_option_names_arms_of_the_targets(capsys):
                                                        "_residual_norm": (("residual_norm",), False)}
     args.each_epilogue, args.prologues = False, True  # --prologues: alone, with the GDN kernel's gated norm, with PDL
     assert [(arm.suffix, arm.epilogues, arm.pdl) for arm in bench_components.study_arms(args) if arm.epilogues] == [
-        ("_prologues", ("prologues",), False), ("_prologues_gdn_norm", ("prologues", "gdn_norm"), False),
+        ("_prologues", ("prologues",), False), ("_prologues_swiglu", ("prologues", "swiglu"), False),
+        ("_prologues_gdn_norm", ("prologues", "gdn_norm"), False),
         ("_pdl_prologues", ("prologues",), True)]
     for bad in ("target16", "target_w4_gdn_fused", "target16_pdl,target16_foo"):
         sys.argv = ["bench_components.py", "--pdl-only", "--epilogues", "--gdn-ba", "dot,fused", "--arms", bad]

@@ -356,14 +356,15 @@ def test_fused_residual_norm_decodes_as_the_residual_add_and_norm_ops(fixture, r
             autoregressive_generate(target, prompt, 10).tokens
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
-def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, request, monkeypatch):
+@pytest.mark.parametrize("fixture, swiglu", [("tiny_llama", False), ("tiny_qwen", False), ("tiny_qwen", True)])
+def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, swiglu, request, monkeypatch):
     """engine.fuse_prologues with the kernels (Triton's interpreter here) and one-split GEMVs tuned at one row for every
     16-bit layer projection: in a decode step each layer's four GEMVs make their own x or take the residual add (the
     mixer's input projection and the gate / up projection the norm of the stream, the o / out projection the add, the
     down projection silu(gate) * up and the add), the GDN kernel reads the x the qkvz GEMV kept; a prompt and a verify
     block stay the ops; the logits are the unfused engine's; greedy speculative decoding stays autoregressive decoding
-    (Llama)."""
+    (Llama). With fuse_swiglu too, the gate / up GEMV makes silu(gate) * up in its epilogue and the down projection reads
+    it as it is."""
     pytest.importorskip("triton")
     from qdflash.kernels import gemv as gemv_module
 
@@ -376,7 +377,8 @@ def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, req
     launched = []
     launch = gemv_module._launch
     monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(
-        ((kw.get("prologue") or (0,))[0], kw.get("residual") is not None)) or launch(*args, **kw))
+        ((kw.get("prologue") or (0,))[0], kw.get("residual") is not None, kw.get("swiglu", False))) or launch(*args, **kw))
+    engine.fuse_swiglu = swiglu
     x = ids(3, 12)
     logits = {}
     for fused in (False, True):
@@ -384,12 +386,14 @@ def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, req
         engine.reset()
         engine.forward(x[:8], 0)
         block = engine.forward(x[8:11], 8)[0]
-        assert not any(any(kind) for kind in launched), "a prompt and a verify block make their inputs with the ops"
+        assert not any(any(kind[:2]) for kind in launched), "a prompt and a verify block make their inputs with the ops"
         launched.clear()
         step = engine.forward(x[11:], 11)[0]
         logits[fused] = torch.cat([block, step])
-        per_layer = [(1, False), (0, True), (1, False), (2, True)]  # norm -> mixer; add; norm -> gate / up; swiglu -> down + add
-        assert [kind for kind in launched if any(kind)] == (per_layer * len(engine.layers) if fused else []), launched
+        # norm -> mixer; add; norm -> gate / up (its epilogue silu(gate) * up with fuse_swiglu); swiglu -> down (or x) + add
+        per_layer = ([(1, False, False), (0, True, False), (1, False, True), (0, True, False)] if swiglu else
+                     [(1, False, False), (0, True, False), (1, False, False), (2, True, False)])
+        assert [kind for kind in launched if any(kind[:2])] == (per_layer * len(engine.layers) if fused else []), launched
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
     if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)
         prompt = x[None, :8]

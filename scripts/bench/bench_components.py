@@ -353,6 +353,7 @@ def study_arms(args) -> list[Arm]:
         arms += [Arm(f"_{name}", base, False, False, False, (name,)) for name in ENDS]
     if getattr(args, "prologues", False):
         arms += [Arm("_prologues", base, False, False, False, ("prologues",)),
+                 Arm("_prologues_swiglu", base, False, False, False, ("prologues", "swiglu")),
                  Arm("_prologues_gdn_norm", base, False, False, False, ("prologues", "gdn_norm"))]
     arms.append(Arm("_pdl", base, False, True, False, ()))
     if args.inductor_pdl:
@@ -637,8 +638,9 @@ def main() -> None:
                              "_residual_norm): which of them costs what (their kernels keep their names in a profile)")
     parser.add_argument("--prologues", action="store_true",
                         help="--pdl-only: arms with each one-row GEMV making its input (the norms, silu(gate) * up) in its "
-                             "prologue and adding the residual in its epilogue (EngineBase.fuse_prologues): alone, with the "
-                             "GDN kernel's gated norm, and with PDL")
+                             "prologue and adding the residual in its epilogue (EngineBase.fuse_prologues): alone, with "
+                             "silu(gate) * up in the gate / up GEMV's epilogue instead, with the GDN kernel's gated norm, and "
+                             "with PDL")
     parser.add_argument("--arms", type=lambda text: text.split(","), default=None,
                         help="--pdl-only: run only these arms (full labels, e.g. target16_pdl,target_w4_pdl_epilogues) beside "
                              "each target's base; the flags above say which arms there are")

@@ -186,22 +186,27 @@ def prologue_config(projection: "Projection | Concat", x: "torch.Tensor | Deferr
     return gemv_config(*p.weight.shape, p.weight.dtype, 1)
 
 
-def project(projection: "Projection | Concat", x: "torch.Tensor | Deferred", keep_x: bool = False):
+def project(projection: "Projection | Concat", x: "torch.Tensor | Deferred", keep_x: bool = False, swiglu: bool = False):
     """projection(x), with a Deferred x made in the projection's GEMV launch where `prologue_config` finds one (with
-    `keep_x`, the x it made is returned too, for a reader of x itself), else with the ops first. Returns (output, x as
-    a tensor where `keep_x`, else None)."""
+    `keep_x`, the x it made is returned too, for a reader of x itself), else with the ops first. `swiglu` (where the
+    GEMV takes it, `swiglu_fits`): silu(gate) * up of the output, in the same launch. Returns (output, x as a tensor
+    where `keep_x`, else None)."""
     config = prologue_config(projection, x)
-    if config is None:
+    if config is None or (swiglu and not swiglu_fits(config, projection.weight.shape[0])):
         x = value(x)
-        return projection(x), (x if keep_x else None)
+        out = projection(x)
+        if swiglu:
+            gate, up = out.chunk(2, dim=-1)
+            out = F.silu(gate) * up
+        return out, (x if keep_x else None)
     p = projection
     if x.h is not None:
         norm = (x.norm.weight, x.norm.eps, x.norm.offset, x.norm.round_first)
-        out, made = gemv_fused(p.weight, config, stream=x.h.reshape(1, -1), norm=norm, keep_x=keep_x)
+        out, made = gemv_fused(p.weight, config, stream=x.h.reshape(1, -1), norm=norm, keep_x=keep_x, swiglu=swiglu)
     else:
-        out, made = gemv_fused(p.weight, config, gate_up=x.gate_up.reshape(1, -1), keep_x=keep_x)
+        out, made = gemv_fused(p.weight, config, gate_up=x.gate_up.reshape(1, -1), keep_x=keep_x, swiglu=swiglu)
     out = out.view(*x.shape[:-1], -1)
-    if p.bias is not None:
+    if p.bias is not None:  # (never with swiglu: `swiglu` asks for it only where swiglu_config found no bias)
         out = out + p.bias
     return out, (made.view(x.shape) if keep_x else None)
 
@@ -209,11 +214,15 @@ def project(projection: "Projection | Concat", x: "torch.Tensor | Deferred", kee
 def swiglu(w13: "Projection | Concat", x: "torch.Tensor | Deferred", fused: bool = False,
            defer: bool = False) -> "torch.Tensor | Deferred":
     """silu(gate) * up of a gate / up projection `w13` (gate rows, then up rows) of x. `defer` (one row): w13's output,
-    the product left to the next projection's launch (a Deferred); else `fused`: for 1-16 rows of
+    the product left to the next projection's launch (a Deferred), or with `fused` made in w13's epilogue where its GEMV
+    makes a Deferred x in its prologue; else `fused`: for 1-16 rows of
     a 16-bit projection whose tuned GEMV (for that row count) runs in one K split, in the GEMV's epilogue
     (kernels.gemv's swiglu, rounded as these ops round); anywhere else, these ops."""
     rows = x.numel() // x.shape[-1]
     if defer and rows == 1:
+        # `fused` too: the product in w13's epilogue (its input in its prologue), else left to the down projection's
+        if fused and isinstance(x, Deferred) and swiglu_config(w13, 1) is not None and prologue_config(w13, x) is not None:
+            return project(w13, x, swiglu=True)[0]
         return Deferred(gate_up=project(w13, x)[0])
     x = value(x)
     config = swiglu_config(w13, rows) if fused else None

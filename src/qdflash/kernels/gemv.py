@@ -78,51 +78,61 @@ if triton is not None:
         program to finish writes the next RMSNorm of that stream (`_residual_norm_tail`). RESIDUAL (one split): that
         residual stream alone, no norm (the next GEMV's prologue computes it).
         X_IN: where x comes from (`_x_tile`, a prologue that replaces the small kernel which made x): 0 x_ptr; 1 the
-        RMSNorm of the fp32 residual stream src_ptr [K] with weight in_w_ptr (each program sums the whole stream's
-        squares itself, while its first weight tile is in flight: no program waits on another); 2 silu(gate) * up of
-        a gate / up projection's output src_ptr [2K]. KEEP_X: the programs of the first column block also store the x
-        they made into xs_ptr (for a consumer that reads x itself, e.g. the GDN kernel's b / a product)."""
+        RMSNorm of the fp32 residual stream src_ptr [K] with weight in_w_ptr (each program sums the stream's squares
+        itself and scales its sums by the norm's scalar at the end: no load waits on it, no program on another); 2
+        silu(gate) * up of a gate / up projection's output src_ptr [2K]. KEEP_X: the programs of the first column block
+        also store the x they made into xs_ptr (for a consumer that reads x itself, e.g. the GDN kernel's b / a
+        product)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn, n_ok = _weight_rows(pid_n, N, BLOCK_N, SWIGLU)
         rk = tl.arange(0, BLOCK_K)
-        k0 = pid_k * TILES * BLOCK_K if TILES > 0 else pid_k * K_PER_SPLIT
+        span = TILES * BLOCK_K if TILES > 0 else K_PER_SPLIT  # the columns this program reads
+        k0 = pid_k * span
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)  # X_IN 1: the stream's squares over this program's columns
         dt = w_ptr.dtype.element_ty  # the model's dtype: what a prologue's x is rounded to, as the ops before round it
         keep = tl.where(pid_n == 0, K, 0)  # with KEEP_X: x's columns below this are stored (the first column block's)
-        PEEL: tl.constexpr = PDL or X_IN == 1  # the first tile's weights loaded before the wait / the stream's norm
-        FIRST: tl.constexpr = 1 if PEEL else 0  # tiles done before the loop
-        if PEEL:
+        FIRST: tl.constexpr = 1 if PDL else 0  # tiles done before the loop
+        if PDL:
             w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok, other=0)
-            if PDL:
-                pdl_wait()
-            rstd = _stream_rstd(src_ptr, K, IN_EPS, X_IN == 1)
-            acc += w.to(tl.float32) * _x_tile(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, k0 + rk, K, rstd, IN_OFFSET, X_IN,
-                                              IN_ROUND_FIRST, KEEP_X, dt)[None, :]
-        else:
-            rstd = _stream_rstd(src_ptr, K, IN_EPS, False)
+            pdl_wait()
+            x, sq = _x_tile(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, k0 + rk, K, IN_OFFSET, X_IN, IN_ROUND_FIRST, KEEP_X, dt)
+            acc += w.to(tl.float32) * x[None, :]
+            squares += sq
         if TILES > 0:
             for tile in tl.static_range(FIRST, TILES):
-                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + tile * BLOCK_K + rk, stride_wn, src_ptr, in_w_ptr, xs_ptr, keep, K,
-                                  rstd, IN_OFFSET, X_IN, IN_ROUND_FIRST, KEEP_X, dt)
+                part, sq = _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + tile * BLOCK_K + rk, stride_wn, src_ptr, in_w_ptr, xs_ptr,
+                                      keep, K, IN_OFFSET, X_IN, IN_ROUND_FIRST, KEEP_X, dt)
+                acc += part
+                squares += sq
         else:
             for step in range(FIRST * BLOCK_K, K_PER_SPLIT, BLOCK_K):
-                acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + step + rk, stride_wn, src_ptr, in_w_ptr, xs_ptr, keep, K,
-                                  rstd, IN_OFFSET, X_IN, IN_ROUND_FIRST, KEEP_X, dt)
+                part, sq = _gemv_tile(x_ptr, w_ptr, rn, n_ok, k0 + step + rk, stride_wn, src_ptr, in_w_ptr, xs_ptr,
+                                      keep, K, IN_OFFSET, X_IN, IN_ROUND_FIRST, KEEP_X, dt)
+                acc += part
+                squares += sq
         if PDL:
             pdl_release()
+        y = tl.sum(acc, axis=1)
+        if X_IN == 1:  # the norm's scalar, applied to the sums: the weight loads never waited on it
+            rstd = _stream_rstd(src_ptr, squares, k0, span, K, IN_EPS)
+            y = y * rstd
+            if KEEP_X:
+                if pid_n == 0:
+                    _keep_normed(src_ptr, in_w_ptr, xs_ptr, k0 + rk, span, rstd, IN_OFFSET, IN_ROUND_FIRST, dt)
         if SWIGLU:
-            gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N // 2, 2)))
+            gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
             cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             _store_swiglu(out_ptr + cols, cols < N, gate, up)
         elif NORM or RESIDUAL:
             # the projection's output rounded as the linear's would be, then added to the fp32 stream (torch's h + y)
-            h = tl.load(res_ptr + rn, mask=rn < N, other=0.0) + tl.sum(acc, axis=1).to(dt).to(tl.float32)
+            h = tl.load(res_ptr + rn, mask=rn < N, other=0.0) + y.to(dt).to(tl.float32)
             tl.store(out_ptr + rn, h, mask=rn < N)
             if NORM:
                 _residual_norm_tail(out_ptr, norm_w_ptr, xn_ptr, arrivals_ptr, N, EPS, W_OFFSET, N_P, ROUND_FIRST, dt)
         else:
-            tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
+            tl.store(out_ptr + pid_k * stride_os + rn, y, mask=rn < N)
 
     @triton.jit
     def _residual_norm_tail(h_ptr, norm_w_ptr, xn_ptr, arrivals_ptr, N, EPS, W_OFFSET, N_P: tl.constexpr,
@@ -211,49 +221,69 @@ if triton is not None:
         return tl.dot(x, tl.trans(w))
 
     @triton.jit
-    def _gemv_tile(x_ptr, w_ptr, rn, n_ok, col, stride_wn, src_ptr, in_w_ptr, xs_ptr, keep, K, rstd, IN_OFFSET,
+    def _gemv_tile(x_ptr, w_ptr, rn, n_ok, col, stride_wn, src_ptr, in_w_ptr, xs_ptr, keep, K, IN_OFFSET,
                    X_IN: tl.constexpr, IN_ROUND_FIRST: tl.constexpr, KEEP_X: tl.constexpr, dt: tl.constexpr):
+        """One [BN, BK] tile's products with x, and the stream's squares over its columns (`_x_tile`)."""
         w = tl.load(w_ptr + rn[:, None] * stride_wn + col[None, :], mask=n_ok, other=0)
-        return w.to(tl.float32) * _x_tile(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, col, K, rstd, IN_OFFSET, X_IN, IN_ROUND_FIRST,
-                                          KEEP_X, dt)[None, :]
+        x, sq = _x_tile(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, col, K, IN_OFFSET, X_IN, IN_ROUND_FIRST, KEEP_X, dt)
+        return w.to(tl.float32) * x[None, :], sq
 
     @triton.jit
-    def _stream_rstd(src_ptr, K, EPS, NORM_IN: tl.constexpr):
-        """rsqrt(mean(h^2) + eps) of the fp32 residual stream h [K] (NORM_IN), summed by this program alone; else 0,
-        never read."""
-        if NORM_IN:
-            rc = tl.arange(0, 1024)
-            squares = tl.zeros((1024,), dtype=tl.float32)
-            for c in range(0, K, 1024):
-                h = tl.load(src_ptr + c + rc, mask=c + rc < K, other=0.0)
-                squares += h * h
-            rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + EPS)
-        else:
-            rstd = 0.0
-        return rstd
-
-    @triton.jit
-    def _x_tile(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, col, K, rstd, IN_OFFSET, X_IN: tl.constexpr,
+    def _x_tile(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, col, K, IN_OFFSET, X_IN: tl.constexpr,
                 IN_ROUND_FIRST: tl.constexpr, KEEP_X: tl.constexpr, dt: tl.constexpr):
-        """x's columns `col` in fp32 (`_gemv_kernel`'s X_IN), rounded to `dt` where the ops that make x apart round: the
-        norm as `_residual_norm_tail` computes it, silu(gate) * up as `_store_swiglu`; with KEEP_X stored into xs_ptr below
-        column `keep`."""
+        """x's columns `col` in fp32 (`_gemv_kernel`'s X_IN), and the squares of the stream there (X_IN 1, else 0).
+        X_IN 1: the norm before its scalar, h * (w + IN_OFFSET) (IN_ROUND_FIRST: w * h), unrounded: the scalar
+        rsqrt(mean(h^2) + eps) needs the whole stream, so it multiplies the sums at the end instead of making every
+        program wait on it before its loads. X_IN 2: silu(gate) * up rounded as `_store_swiglu` rounds it, stored into
+        xs_ptr below column `keep` with KEEP_X."""
+        sq = 0.0
         if X_IN == 1:
-            normed = tl.load(src_ptr + col) * rstd
+            h = tl.load(src_ptr + col)
             w = tl.load(in_w_ptr + col).to(tl.float32)
+            sq = h * h
             if IN_ROUND_FIRST:
-                x = (w * normed.to(dt).to(tl.float32)).to(dt)
+                x = w * h
             else:
-                x = (normed * (w + IN_OFFSET)).to(dt)
+                x = h * (w + IN_OFFSET)
         elif X_IN == 2:
             gate = tl.load(src_ptr + col).to(tl.float32)
             up = tl.load(src_ptr + K + col).to(tl.float32)
-            x = (silu_rounded(gate, dt) * up).to(dt)
+            made = (silu_rounded(gate, dt) * up).to(dt)
+            if KEEP_X:
+                tl.store(xs_ptr + col, made, mask=col < keep)
+            x = made.to(tl.float32)
         else:
-            x = tl.load(x_ptr + col)
-        if KEEP_X:
-            tl.store(xs_ptr + col, x, mask=col < keep)
-        return x.to(tl.float32)
+            x = tl.load(x_ptr + col).to(tl.float32)
+        return x, sq
+
+    @triton.jit
+    def _stream_rstd(src_ptr, squares, k0, span, K, EPS):
+        """rsqrt(mean(h^2) + eps) of the fp32 stream h [K]: this program's own columns' squares summed, plus (a program
+        of a K split) the squares of the columns it did not read."""
+        total = tl.sum(squares, axis=0)
+        if span < K:
+            rc = tl.arange(0, 1024)
+            rest = tl.zeros((1024,), dtype=tl.float32)
+            for c in range(0, K, 1024):
+                cols = c + rc
+                h = tl.load(src_ptr + cols, mask=(cols < K) & ((cols < k0) | (cols >= k0 + span)), other=0.0)
+                rest += h * h
+            total += tl.sum(rest, axis=0)
+        return tl.math.rsqrt(total / K + EPS)
+
+    @triton.jit
+    def _keep_normed(src_ptr, in_w_ptr, xs_ptr, cols, span, rstd, IN_OFFSET, IN_ROUND_FIRST: tl.constexpr, dt: tl.constexpr):
+        """The norm of the stream over this program's columns (from `cols`, `span` of them) into xs_ptr, as
+        `_residual_norm_tail` computes and rounds it (for a reader of x itself)."""
+        for c in range(0, span, cols.shape[0]):
+            h = tl.load(src_ptr + c + cols)
+            w = tl.load(in_w_ptr + c + cols).to(tl.float32)
+            normed = h * rstd
+            if IN_ROUND_FIRST:
+                x = w * normed.to(dt).to(tl.float32)
+            else:
+                x = normed * (w + IN_OFFSET)
+            tl.store(xs_ptr + c + cols, x.to(dt))
 
 
 def fits(config: GemvConfig, k: int) -> bool:
@@ -336,14 +366,16 @@ def residual_norm_fits(config: GemvConfig, n: int) -> bool:
 
 def gemv_fused(weight: torch.Tensor, config: GemvConfig, x: torch.Tensor | None = None, *, stream: torch.Tensor | None = None,
                norm: tuple | None = None, gate_up: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-               keep_x: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               keep_x: bool = False, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One row of x @ weight.T with what makes x and what takes the product in the same launch, where they are
     otherwise kernels of their own (a launch costs a decode step more than the few KB it computes). x comes from one
     of: `x` [1, K] as it is; `stream` [1, K] fp32 (a residual stream) with `norm` (weight [K], eps, offset,
     round_first), x = its RMSNorm as `gemv_residual_norm` computes one; `gate_up` [1, 2K], x = silu(gate) * up,
     rounded as `gemv(..., swiglu=True)` rounds it. `residual` [1, N] fp32 (one K split): the output is
     residual + (x @ weight.T rounded to the weight's dtype), fp32, else the product in the weight's dtype.
-    `keep_x`: x [1, K] too (the weight's dtype), else None. Returns (output [1, N], x)."""
+    `keep_x`: x [1, K] too (the weight's dtype), else None. `swiglu` (one K split, no residual): the weight is a gate /
+    up projection's and the output silu(gate) * up [1, N / 2], as `gemv(..., swiglu=True)` makes it. Returns (output,
+    x)."""
     if triton is None:
         raise QdflashError("gemv_fused needs triton (installed with torch on CUDA machines)")
     n, k = weight.shape
@@ -362,6 +394,8 @@ def gemv_fused(weight: torch.Tensor, config: GemvConfig, x: torch.Tensor | None 
     if norm is not None and (norm[0].shape != (k,) or not norm[0].is_contiguous() or norm[2] is None):
         raise QdflashError(f"gemv_fused: a contiguous norm weight [{k}] and a numeric offset expected, got "
                            f"{tuple(norm[0].shape)}, offset {norm[2]}")
+    if swiglu and (residual is not None or not swiglu_fits(config, n)):
+        raise QdflashError(f"gemv_fused: swiglu takes one K split, an even N, >= 2 rows a tile and no residual; got N={n}, {config}")
     if residual is not None and (tuple(residual.shape) != (1, n) or residual.dtype != torch.float32 or config.split_k != 1):
         raise QdflashError(f"gemv_fused: a residual [1, {n}] fp32 and one K split expected, got {tuple(residual.shape)} "
                            f"{residual.dtype}, {config}")
@@ -372,11 +406,11 @@ def gemv_fused(weight: torch.Tensor, config: GemvConfig, x: torch.Tensor | None 
     keep = keep_x and x_in != 0
     if pdl_for(source):  # as gemv: our op, an opaque node in a compiled step
         out, xs = _fused_op(source, weight, *config.args(), True, x_in, in_weight, float(eps), float(offset), round_first,
-                            keep, residual)
+                            keep, residual, swiglu)
     elif x_in == 0 and residual is None:
-        out, xs = _launch(source, weight, config, False), None
+        out, xs = _launch(source, weight, config, False, swiglu=swiglu), None
     else:
-        out, xs = _launch(source if x_in == 0 else None, weight, config, False,
+        out, xs = _launch(source if x_in == 0 else None, weight, config, False, swiglu=swiglu,
                           prologue=(x_in, source, in_weight, eps, offset, round_first, keep) if x_in else None,
                           residual=residual)
     out = out[0] if config.split_k == 1 else out.sum(0).to(weight.dtype)
@@ -386,21 +420,21 @@ def gemv_fused(weight: torch.Tensor, config: GemvConfig, x: torch.Tensor | None 
 @torch.library.custom_op("qdflash::gemv_fused", mutates_args=())
 def _fused_op(source: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, split_k: int, num_warps: int,
               unrolled: bool, pdl: bool, x_in: int, in_weight: torch.Tensor | None, eps: float, offset: float,
-              round_first: bool, keep_x: bool, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+              round_first: bool, keep_x: bool, residual: torch.Tensor | None, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`gemv_fused`'s launch as one opaque node (`_gemv_op` says why): (raw output, x or an empty tensor)."""
     config = GemvConfig(block_n, block_k, split_k, num_warps, unrolled)
     if x_in == 0 and residual is None:
-        return _launch(source, weight, config, pdl), source.new_empty(1, 0)
-    return _launch(source if x_in == 0 else None, weight, config, pdl, residual=residual,
+        return _launch(source, weight, config, pdl, swiglu=swiglu), source.new_empty(1, 0)
+    return _launch(source if x_in == 0 else None, weight, config, pdl, residual=residual, swiglu=swiglu,
                    prologue=(x_in, source, in_weight, eps, offset, round_first, keep_x) if x_in else None)
 
 
 @_fused_op.register_fake
 def _(source, weight, block_n, block_k, split_k, num_warps, unrolled, pdl, x_in, in_weight, eps, offset, round_first, keep_x,
-      residual):
+      residual, swiglu):
     n, k = weight.shape
     dtype = torch.float32 if residual is not None or split_k > 1 else weight.dtype
-    return weight.new_empty((split_k, 1, n), dtype=dtype), weight.new_empty((1, k if keep_x else 0))
+    return weight.new_empty((split_k, 1, n // 2 if swiglu else n), dtype=dtype), weight.new_empty((1, k if keep_x else 0))
 
 
 def swiglu_fits(config: GemvConfig, n: int) -> bool:
