@@ -277,6 +277,32 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
         "the prompt unfused; the block (two-phase where asked) and the step fused, every GDN layer"
 
 
+def fused_and_unfused(engine, flag: str, launched: list, x: torch.Tensor) -> dict:
+    """With the engine's fusion `flag` off, then on: a prompt (x's first 8 tokens), a verify block (3) and a decode step
+    (1) from a reset engine. {on: (the block's and the step's logits, what `launched` recorded during the prompt and
+    the block, what it recorded during the step)}."""
+    out = {}
+    for on in (False, True):
+        setattr(engine, flag, on)
+        engine.reset()
+        launched.clear()
+        engine.forward(x[:8], 0)
+        block = engine.forward(x[8:11], 8)[0]
+        before = list(launched)
+        launched.clear()
+        step = engine.forward(x[11:], 11)[0]
+        out[on] = (torch.cat([block, step]), before, list(launched))
+    return out
+
+
+def assert_speculative_is_autoregressive(target, engine, prompt: torch.Tensor) -> None:
+    """Greedy speculative decoding through `engine` (with whatever fusions it has on) gives autoregressive decoding's
+    tokens."""
+    fast = dataclasses.replace(target, engine=engine)
+    assert speculative_generate(fast, init_drafter(target, block_size=3, seed=0), prompt, 10).tokens == \
+        autoregressive_generate(target, prompt, 10).tokens
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
 def test_fused_swiglu_decodes_as_the_unfused_mlp(fixture, request, monkeypatch):
     """engine.fuse_swiglu with the kernels (Triton's interpreter here) and a one-split GEMV tuned for the gate / up
@@ -295,23 +321,13 @@ def test_fused_swiglu_decodes_as_the_unfused_mlp(fixture, request, monkeypatch):
     launch = gemv_module._launch
     monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(kw.get("swiglu", False)) or launch(*args, **kw))
     x = ids(3, 12)
-    logits = {}
-    for fused in (False, True):
-        engine.fuse_swiglu = fused
-        engine.reset()
-        launched.clear()
-        engine.forward(x[:8], 0)
-        block = engine.forward(x[8:11], 8)[0]
-        step = engine.forward(x[11:], 11)[0]
-        logits[fused] = torch.cat([block, step])
+    runs = fused_and_unfused(engine, "fuse_swiglu", launched, x)
+    for fused, (_, before, step) in runs.items():
         # the prompt's 8 rows, the block's 3 and the step's 1: the gate / up GEMV of each layer, fused where asked
-        assert launched == [fused] * 3 * len(engine.layers)
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+        assert before + step == [fused] * 3 * len(engine.layers)
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
     if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)
-        prompt = x[None, :8]
-        fast = dataclasses.replace(target, engine=engine)
-        assert speculative_generate(fast, init_drafter(target, block_size=3, seed=0), prompt, 10).tokens == \
-            autoregressive_generate(target, prompt, 10).tokens
+        assert_speculative_is_autoregressive(target, engine, x[None, :8])
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
@@ -337,23 +353,13 @@ def test_fused_residual_norm_decodes_as_the_residual_add_and_norm_ops(fixture, r
     launch = gemv_module._launch
     monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(kw.get("norm") is not None) or launch(*args, **kw))
     x = ids(3, 12)
-    logits = {}
-    for fused in (False, True):
-        engine.fuse_residual_norm = fused
-        engine.reset()
-        engine.forward(x[:8], 0)
-        block = engine.forward(x[8:11], 8)[0]
-        launched.clear()
-        step = engine.forward(x[11:], 11)[0]
-        logits[fused] = torch.cat([block, step])
-        assert sum(launched) == (2 * len(engine.layers) - 1 if fused else 0), launched
-        assert int(engine.norm_arrivals.abs().sum()) == 0
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    runs = fused_and_unfused(engine, "fuse_residual_norm", launched, x)
+    for fused, (_, before, step) in runs.items():
+        assert sum(before) == 0 and sum(step) == (2 * len(engine.layers) - 1 if fused else 0), step
+    assert int(engine.norm_arrivals.abs().sum()) == 0
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
     if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)
-        prompt = x[None, :8]
-        fast = dataclasses.replace(target, engine=engine)
-        assert speculative_generate(fast, init_drafter(target, block_size=3, seed=0), prompt, 10).tokens == \
-            autoregressive_generate(target, prompt, 10).tokens
+        assert_speculative_is_autoregressive(target, engine, x[None, :8])
 
 
 @pytest.mark.parametrize("fixture, swiglu", [("tiny_llama", False), ("tiny_qwen", False), ("tiny_qwen", True)])
@@ -380,26 +386,16 @@ def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, swi
         ((kw.get("prologue") or (0,))[0], kw.get("residual") is not None, kw.get("swiglu", False))) or launch(*args, **kw))
     engine.fuse_swiglu = swiglu
     x = ids(3, 12)
-    logits = {}
-    for fused in (False, True):
-        engine.fuse_prologues = fused
-        engine.reset()
-        engine.forward(x[:8], 0)
-        block = engine.forward(x[8:11], 8)[0]
-        assert not any(any(kind[:2]) for kind in launched), "a prompt and a verify block make their inputs with the ops"
-        launched.clear()
-        step = engine.forward(x[11:], 11)[0]
-        logits[fused] = torch.cat([block, step])
-        # norm -> mixer; add; norm -> gate / up (its epilogue silu(gate) * up with fuse_swiglu); swiglu -> down (or x) + add
-        per_layer = ([(1, False, False), (0, True, False), (1, False, True), (0, True, False)] if swiglu else
-                     [(1, False, False), (0, True, False), (1, False, False), (2, True, False)])
-        assert [kind for kind in launched if any(kind[:2])] == (per_layer * len(engine.layers) if fused else []), launched
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    runs = fused_and_unfused(engine, "fuse_prologues", launched, x)
+    # norm -> mixer; add; norm -> gate / up (its epilogue silu(gate) * up with fuse_swiglu); swiglu -> down (or x) + add
+    per_layer = ([(1, False, False), (0, True, False), (1, False, True), (0, True, False)] if swiglu else
+                 [(1, False, False), (0, True, False), (1, False, False), (2, True, False)])
+    for fused, (_, before, step) in runs.items():
+        assert not any(any(kind[:2]) for kind in before), "a prompt and a verify block make their inputs with the ops"
+        assert [kind for kind in step if any(kind[:2])] == (per_layer * len(engine.layers) if fused else []), step
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
     if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)
-        prompt = x[None, :8]
-        fast = dataclasses.replace(target, engine=engine)
-        assert speculative_generate(fast, init_drafter(target, block_size=3, seed=0), prompt, 10).tokens == \
-            autoregressive_generate(target, prompt, 10).tokens
+        assert_speculative_is_autoregressive(target, engine, x[None, :8])
 
 
 def test_gdn_ba_fused_without_kernels_and_where_it_cannot_fuse(tiny_qwen, tiny_llama):

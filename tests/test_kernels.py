@@ -814,6 +814,21 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("norm" in kind), used
 
 
+def model_norm(norm_weight: torch.Tensor, eps: float, dtype: torch.dtype, zero_centered: bool):
+    """The RMSNorm of an fp32 stream into `dtype` as an engine computes it: transformers' Qwen3.5 module (weight + 1,
+    `zero_centered`) as LeanQwen35.decoder calls it, or the llama engine's `ops.rms_norm` (the normed stream rounded
+    before the weight)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from qdflash.ops import rms_norm
+
+    if zero_centered:
+        module = Qwen3_5RMSNorm(norm_weight.shape[0], eps).to(norm_weight.device, dtype)
+        module.weight.data.copy_(norm_weight)
+        return lambda h: module(h).to(dtype)
+    return lambda h: rms_norm(h, norm_weight, eps, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("zero_centered", [True, False], ids=["qwen3.5 norm", "llama norm"])
 def test_gemv_residual_norm_is_the_residual_add_then_the_models_rmsnorm(dtype, zero_centered):
@@ -822,22 +837,14 @@ def test_gemv_residual_norm_is_the_residual_add_then_the_models_rmsnorm(dtype, z
     (weight + 1) or the llama engine's `ops.rms_norm` (the normed stream rounded before the weight), to the sums' order;
     N not a power of two nor a multiple of a program's rows, the K loop run and unrolled, two launches on one counter
     (each leaves it zero); the op's fake and schema; bad calls fail clearly."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
-
     from qdflash.kernels import gemv as gemv_module
-    from qdflash.ops import rms_norm
 
     n, k, eps = 300, 512, 1e-6
     g = torch.Generator().manual_seed(11)
     weight = (torch.randn(n, k, generator=g) / 8).to(DEVICE, dtype)
     norm_weight = (torch.randn(n, generator=g) * 0.3 + (0.0 if zero_centered else 1.0)).to(DEVICE, dtype)
     arrivals = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-    if zero_centered:
-        module = Qwen3_5RMSNorm(n, eps).to(DEVICE, dtype)
-        module.weight.data.copy_(norm_weight)
-        norm = lambda h: module(h).to(dtype)  # noqa: E731 -- as LeanQwen35.decoder calls it
-    else:
-        norm = lambda h: rms_norm(h, norm_weight, eps, dtype)  # noqa: E731
+    norm = model_norm(norm_weight, eps, dtype, zero_centered)
     for config in (gemv_module.GemvConfig(8, 128), gemv_module.GemvConfig(16, 256, unrolled=True)):
         for step in range(2):
             x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
@@ -864,25 +871,19 @@ def test_gemv_residual_norm_is_the_residual_add_then_the_models_rmsnorm(dtype, z
 def test_gemv_fused_makes_x_in_its_prologue_and_adds_the_residual_in_its_epilogue(dtype, zero_centered):
     """`gemv_fused`: x made in the launch is the x the ops make apart (the residual stream's RMSNorm as transformers'
     Qwen3.5 module or the llama engine's `ops.rms_norm` computes it; silu(gate) * up as torch rounds it), to the sums'
-    order, and the product is the plain GEMV's of that x (the norm's: to x's rounding, its scalar applied to the sums); x kept where asked (all K splits write theirs); the residual
-    epilogue is the residual plus the rounded product exactly; K not a multiple of the norm's 1,024-wide chunks, N not
+    order, and the product is the plain GEMV's of that x (the norm's: to x's rounding, its scalar applied to the sums);
+    x kept where asked (all K splits write theirs); the residual epilogue is the residual plus the rounded product (of
+    a given x: exactly); K not a multiple of the norm's 1,024-wide chunks, N not
     of a program's rows, the K loop run, unrolled and split. The op's fake and schema; bad calls fail clearly."""
     import torch.nn.functional as F
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
 
     from qdflash.kernels import gemv as gemv_module
-    from qdflash.ops import rms_norm
 
     n, k, eps = 44, 1536, 1e-6
     g = torch.Generator().manual_seed(12)
     weight = (torch.randn(n, k, generator=g) / 8).to(DEVICE, dtype)
     norm_weight = (torch.randn(k, generator=g) * 0.3 + (0.0 if zero_centered else 1.0)).to(DEVICE, dtype)
-    if zero_centered:
-        module = Qwen3_5RMSNorm(k, eps).to(DEVICE, dtype)
-        module.weight.data.copy_(norm_weight)
-        norm = lambda h: module(h).to(dtype)  # noqa: E731 -- as LeanQwen35.decoder calls it
-    else:
-        norm = lambda h: rms_norm(h, norm_weight, eps, dtype)  # noqa: E731
+    norm = model_norm(norm_weight, eps, dtype, zero_centered)
     spec = (norm_weight, eps, float(zero_centered), not zero_centered)
     tol = dict(atol=0, rtol=2e-6 if dtype == torch.float32 else 1e-3)
     close = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-3)
