@@ -181,8 +181,9 @@ class EngineBase:
         # with the kernels: a decode step's norms and silu(gate) * up made in the prologue of the 16-bit GEMV that reads
         # them, each residual add in the epilogue of the GEMV before it (linear.Deferred, linear.project): four small
         # kernels a layer fewer, none waiting on a whole row (fuse_residual_norm's last program does). Takes precedence
-        # over fuse_residual_norm and fuse_swiglu for one row. Off until the H200 times it (bench_components
-        # --prologues). Set before capture
+        # over fuse_residual_norm for one row; with fuse_swiglu the gate / up GEMV makes silu(gate) * up in its epilogue.
+        # Off: as first built it was 0.968x the compiled step on an H100 (results/published/2026-12-05-h100-prologues-pdl),
+        # and the rebuilt norm prologue is not timed yet (bench_components --prologues). Set before capture
         self.fuse_prologues = False
 
     def _defer(self, ids: torch.Tensor) -> bool:
