@@ -200,11 +200,7 @@ def project(projection: "Projection | Concat", x: "torch.Tensor | Deferred", kee
             out = F.silu(gate) * up
         return out, (x if keep_x else None)
     p = projection
-    if x.h is not None:
-        norm = (x.norm.weight, x.norm.eps, x.norm.offset, x.norm.round_first)
-        out, made = gemv_fused(p.weight, config, stream=x.h.reshape(1, -1), norm=norm, keep_x=keep_x, swiglu=swiglu)
-    else:
-        out, made = gemv_fused(p.weight, config, gate_up=x.gate_up.reshape(1, -1), keep_x=keep_x, swiglu=swiglu)
+    out, made = _fused(p, config, x, keep_x=keep_x, swiglu=swiglu)
     out = out.view(*x.shape[:-1], -1)
     if p.bias is not None:  # (never with swiglu: `swiglu` asks for it only where swiglu_config found no bias)
         out = out + p.bias
@@ -297,15 +293,17 @@ def _residual_add(projection: "Projection | Concat", x: "torch.Tensor | Deferred
               if isinstance(p, Projection) and p.weight is not None and p.kernels and p.bias is None else None)
     if config is None or config.split_k != 1 or not (isinstance(x, torch.Tensor) or prologue_config(p, x) is not None):
         return h + project(p, x)[0]
-    residual = h.reshape(1, -1)
+    return _fused(p, config, x, residual=h.reshape(1, -1))[0].view(h.shape)
+
+
+def _fused(p: "Projection", config, x: "torch.Tensor | Deferred", **options):
+    """kernels.gemv.gemv_fused of one row through p's 16-bit weight, x as it is or made in the launch (a Deferred)."""
     if isinstance(x, torch.Tensor):
-        out, _ = gemv_fused(p.weight, config, x.reshape(1, -1), residual=residual)
-    elif x.h is not None:
-        out, _ = gemv_fused(p.weight, config, stream=x.h.reshape(1, -1), residual=residual,
-                            norm=(x.norm.weight, x.norm.eps, x.norm.offset, x.norm.round_first))
-    else:
-        out, _ = gemv_fused(p.weight, config, gate_up=x.gate_up.reshape(1, -1), residual=residual)
-    return out.view(h.shape)
+        return gemv_fused(p.weight, config, x.reshape(1, -1), **options)
+    if x.h is not None:
+        norm = (x.norm.weight, x.norm.eps, x.norm.offset, x.norm.round_first)
+        return gemv_fused(p.weight, config, stream=x.h.reshape(1, -1), norm=norm, **options)
+    return gemv_fused(p.weight, config, gate_up=x.gate_up.reshape(1, -1), **options)
 
 
 class Concat:

@@ -370,8 +370,9 @@ def gemv_fused(weight: torch.Tensor, config: GemvConfig, x: torch.Tensor | None 
     """One row of x @ weight.T with what makes x and what takes the product in the same launch, where they are
     otherwise kernels of their own (a launch costs a decode step more than the few KB it computes). x comes from one
     of: `x` [1, K] as it is; `stream` [1, K] fp32 (a residual stream) with `norm` (weight [K], eps, offset,
-    round_first), x = its RMSNorm as `gemv_residual_norm` computes one; `gate_up` [1, 2K], x = silu(gate) * up,
-    rounded as `gemv(..., swiglu=True)` rounds it. `residual` [1, N] fp32 (one K split): the output is
+    round_first), x = its RMSNorm (the product takes it before rounding: the norm's scalar multiplies the sums; the x
+    kept is rounded as `gemv_residual_norm` rounds one); `gate_up` [1, 2K], x = silu(gate) * up, rounded as
+    `gemv(..., swiglu=True)` rounds it. `residual` [1, N] fp32 (one K split): the output is
     residual + (x @ weight.T rounded to the weight's dtype), fp32, else the product in the weight's dtype.
     `keep_x`: x [1, K] too (the weight's dtype), else None. `swiglu` (one K split, no residual): the weight is a gate /
     up projection's and the output silu(gate) * up [1, N / 2], as `gemv(..., swiglu=True)` makes it. Returns (output,
