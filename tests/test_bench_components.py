@@ -118,7 +118,8 @@ def test_pdl_study_runs_each_arm_on_the_cpu(runs):
     # --epilogues: which fusions each arm ran (none without the kernels); an arm after one of the same engine and PDL
     # setting keeps its tuning
     assert r["target16_epilogues.epilogues_in_use"] == {"swiglu@1": 0, "swiglu@16": 0, "gdn_norm": 0,
-                                                           "residual_norm@1": 0, "prologue@1": 0, "residual_add@1": 0}
+                                                           "residual_norm@1": 0, "prologue@1": 0, "residual_add@1": 0,
+                                                           "prologue@16": 0, "residual_add@16": 0}
     assert r["target16_epilogues.tuned"] == "as the arm before (PDL off)" and isinstance(r["target16_pdl.tuned"], dict)
 
 

@@ -362,15 +362,16 @@ def test_fused_residual_norm_decodes_as_the_residual_add_and_norm_ops(fixture, r
         assert_speculative_is_autoregressive(target, engine, x[None, :8])
 
 
-@pytest.mark.parametrize("fixture, swiglu", [("tiny_llama", False), ("tiny_qwen", False), ("tiny_qwen", True)])
-def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, swiglu, request, monkeypatch):
+@pytest.mark.parametrize("fixture, swiglu, rows", [("tiny_llama", False, True), ("tiny_qwen", False, False),
+                                                   ("tiny_qwen", True, True)])
+def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, swiglu, rows, request, monkeypatch):
     """engine.fuse_prologues with the kernels (Triton's interpreter here) and one-split GEMVs tuned at one row for every
     16-bit layer projection: in a decode step each layer's four GEMVs make their own x or take the residual add (the
     mixer's input projection and the gate / up projection the norm of the stream, the o / out projection the add, the
-    down projection silu(gate) * up and the add), the GDN kernel reads the x the qkvz GEMV kept; a prompt and a verify
-    block stay the ops; the logits are the unfused engine's; greedy speculative decoding stays autoregressive decoding
-    (Llama). With fuse_swiglu too, the gate / up GEMV makes silu(gate) * up in its epilogue and the down projection reads
-    it as it is."""
+    down projection silu(gate) * up and the add), the GDN kernel reads the x the qkvz GEMV kept; the logits are the
+    unfused engine's; greedy speculative decoding stays autoregressive decoding (Llama). With fuse_swiglu too, the gate
+    / up GEMV makes silu(gate) * up in its epilogue and the down projection reads it as it is. `rows`: GEMVs tuned for
+    2-16 rows too, so a prompt (8 tokens) and a verify block (3) fuse the same way; else they stay the ops."""
     pytest.importorskip("triton")
     from qdflash.kernels import gemv as gemv_module
 
@@ -380,6 +381,8 @@ def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, swi
         if getattr(p, "weight", None) is not None:
             n, k = p.weight.shape
             monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 1), gemv_module.GemvConfig(8, 16 if k % 32 else 32))
+            if rows:
+                monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 16), gemv_module.GemvConfig(16, 16 if k % 32 else 32))
     launched = []
     launch = gemv_module._launch
     monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(
@@ -391,7 +394,8 @@ def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, swi
     per_layer = ([(1, False, False), (0, True, False), (1, False, True), (0, True, False)] if swiglu else
                  [(1, False, False), (0, True, False), (1, False, False), (2, True, False)])
     for fused, (_, before, step) in runs.items():
-        assert not any(any(kind[:2]) for kind in before), "a prompt and a verify block make their inputs with the ops"
+        # the prompt and the block: fused as the step where tuned for their rows, else the ops
+        assert [kind for kind in before if any(kind[:2])] == (per_layer * 2 * len(engine.layers) if fused and rows else []), before
         assert [kind for kind in step if any(kind[:2])] == (per_layer * len(engine.layers) if fused else []), step
     torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
     if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)

@@ -695,11 +695,16 @@ def attention_case(tree, block=False):
         HAS_START=False, TREE=tree if tree else 0)
 
 
-def rows_gemv_case(tiles, pdl=False, swiglu=False):
-    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
-                 "stride_wn": "i32", "stride_os": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32"}
-    return "qdflash.kernels.gemv", "_gemv_rows_kernel", signature, dict(BLOCK_N=128, BLOCK_K=64, TILES=tiles, IEEE=False, PDL=pdl,
-                                                                       SWIGLU=swiglu)
+def rows_gemv_case(tiles, pdl=False, swiglu=False, prologue=False):
+    """The 2-16-row GEMV at its largest tile; `prologue`: making x as the rows' RMSNorm of the stream and keeping it, its
+    residual added (the verify block's mixer input projection with fuse_prologues)."""
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32" if prologue else "*bf16", "M": "i32", "N": "i32",
+                 "stride_xm": "i32", "stride_wn": "i32", "stride_os": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32",
+                 "src_ptr": "*fp32", "in_w_ptr": "*bf16", "xs_ptr": "*bf16", "res_ptr": "*fp32", "stride_sm": "i32",
+                 "stride_rm": "i32", "K": "i32", "IN_EPS": "fp32", "IN_OFFSET": "fp32"}
+    return "qdflash.kernels.gemv", "_gemv_rows_kernel", signature, dict(
+        BLOCK_N=128, BLOCK_K=64, TILES=tiles, IEEE=False, PDL=pdl, SWIGLU=swiglu, RESIDUAL=prologue, X_IN=1 if prologue else 0,
+        IN_ROUND_FIRST=False, KEEP_X=prologue)
 
 
 def pdl_cases(pdl):
@@ -731,6 +736,7 @@ def pdl_cases(pdl):
                                        dict(BLOCK_N=2, BLOCK_K=1024, TILES=0, PDL=pdl, SWIGLU=False,
                                             **PLAIN | dict(X_IN=2, RESIDUAL=True))),
             "gemv rows": rows_gemv_case(0, pdl), "gemv rows unrolled": rows_gemv_case(16, pdl),
+            "gemv rows prologue": rows_gemv_case(0, pdl, prologue=True),
             "w4 1": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one, dict(GROUP=32, BLOCK_N=16, BLOCK_K8=64, PDL=pdl, SPLITS=1)),
             # 2,560 x 9,216 split 8 ways over K, reduced in the launch (its partial sums fp32)
             "w4 1 split": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", w4_one | {"out_ptr": "*fp32"},
@@ -783,7 +789,8 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
 
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn step norm 1", "gdn step norm 16", "gdn block norm 16", "attention",
-                                  "attention tree 16", "attention block 16", "gemv rows 0", "gemv rows 16", "gemv rows swiglu 16"])
+                                  "attention tree 16", "attention block 16", "gemv rows 0", "gemv rows 16", "gemv rows swiglu 16",
+                                  "gemv rows prologue 16"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
@@ -805,7 +812,8 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
         num_warps = BLOCK_WARPS if "block" in kind else STEP_WARPS
         module, name, signature, constexprs = (gdn_block_case if "block" in kind else gdn_step_case)(int(arg), norm="norm" in kind)
     else:
-        module, name, signature, constexprs = (rows_gemv_case(int(arg), swiglu="swiglu" in kind) if kind.startswith("gemv") else
+        module, name, signature, constexprs = (rows_gemv_case(int(arg), swiglu="swiglu" in kind, prologue="prologue" in kind)
+                                               if kind.startswith("gemv") else
                                                attention_case(int(arg) if "tree" in kind else 0, "block" in kind))
     # the GEMV's launches at the engine's shapes: torch's pointers and these strides are multiples of 16
     aligned = aligned_args(signature) if kind.startswith("gemv") else []
@@ -873,8 +881,8 @@ def test_gemv_fused_makes_x_in_its_prologue_and_adds_the_residual_in_its_epilogu
     Qwen3.5 module or the llama engine's `ops.rms_norm` computes it; silu(gate) * up as torch rounds it), to the sums'
     order, and the product is the plain GEMV's of that x (the norm's: to x's rounding, its scalar applied to the sums);
     x kept where asked (all K splits write theirs); the residual epilogue is the residual plus the rounded product (of
-    a given x: exactly); K not a multiple of the norm's 1,024-wide chunks, N not
-    of a program's rows, the K loop run, unrolled and split. The op's fake and schema; bad calls fail clearly."""
+    a given x: exactly); one row and five (a verify block's kernel), K not a multiple of the norm's 1,024-wide chunks,
+    N not of a program's rows, the K loop run, unrolled and split. The op's fake and schema; bad calls fail clearly."""
     import torch.nn.functional as F
 
     from qdflash.kernels import gemv as gemv_module
@@ -887,9 +895,12 @@ def test_gemv_fused_makes_x_in_its_prologue_and_adds_the_residual_in_its_epilogu
     spec = (norm_weight, eps, float(zero_centered), not zero_centered)
     tol = dict(atol=0, rtol=2e-6 if dtype == torch.float32 else 1e-3)
     close = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-3)
-    for config in (gemv_module.GemvConfig(8, 512), gemv_module.GemvConfig(16, 256, unrolled=True),
-                   gemv_module.GemvConfig(8, 256, 3, 4, True)):
-        stream = torch.randn(1, k, generator=g).to(DEVICE) * 4
+    cases = [(1, c) for c in (gemv_module.GemvConfig(8, 512), gemv_module.GemvConfig(16, 256, unrolled=True),
+                              gemv_module.GemvConfig(8, 256, 3, 4, True))]
+    cases += [(5, c) for c in (gemv_module.GemvConfig(16, 256), gemv_module.GemvConfig(32, 128, unrolled=True),
+                               gemv_module.GemvConfig(16, 128, 3, 4, True))]  # a verify block's rows: the tensor-core kernel
+    for rows, config in cases:
+        stream = torch.randn(rows, k, generator=g).to(DEVICE) * 4
         out, x = gemv_module.gemv_fused(weight, config, stream=stream, norm=spec, keep_x=True)
         torch.testing.assert_close(x, norm(stream), **tol)
         # the norm's scalar multiplies the sums (x unrounded inside): the product of the rounded x to that rounding
@@ -898,29 +909,29 @@ def test_gemv_fused_makes_x_in_its_prologue_and_adds_the_residual_in_its_epilogu
         assert gemv_module.gemv_fused(weight, config, stream=stream, norm=spec)[1] is None
         if config.split_k == 1:  # the norm in the prologue and silu(gate) * up in the epilogue of one launch
             out, x = gemv_module.gemv_fused(weight, config, stream=stream, norm=spec, keep_x=True, swiglu=True)
-            assert out.shape == (1, n // 2)
+            assert out.shape == (rows, n // 2)
             torch.testing.assert_close(out.float(), gemv_module.gemv(x, weight, config, swiglu=True).float(), **close)
-        gate_up = torch.randn(1, 2 * k, generator=g).to(DEVICE, dtype)
+        gate_up = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dtype)
         out, x = gemv_module.gemv_fused(weight, config, gate_up=gate_up, keep_x=True)
         gate, up = gate_up.chunk(2, dim=-1)
         torch.testing.assert_close(x, F.silu(gate) * up, atol=0, rtol=1e-3 if dtype == torch.float16 else 1e-6)
-        assert torch.equal(out, gemv_module.gemv(x, weight, config)), config
+        assert torch.equal(out, gemv_module.gemv(x, weight, config)), (rows, config)
         if config.split_k == 1:
-            residual = torch.randn(1, n, generator=g).to(DEVICE) * 4
+            residual = torch.randn(rows, n, generator=g).to(DEVICE) * 4
             h, kept = gemv_module.gemv_fused(weight, config, x, residual=residual)
             assert h.dtype == torch.float32 and kept is x
             assert torch.equal(h, residual + gemv_module.gemv(x, weight, config).float()), config
             h, x = gemv_module.gemv_fused(weight, config, stream=stream, norm=spec, residual=residual, keep_x=True)
             torch.testing.assert_close(h, residual + gemv_module.gemv(x, weight, config).float(), **close)
-    for swiglu, res in ((False, residual), (True, None)):
-        torch.library.opcheck(gemv_module._fused_op, (stream, weight, 8, 512, 1, 4, False, False, 1, norm_weight, eps, 1.0,
+    for swiglu, res in ((False, residual), (True, None)):  # 5 rows
+        torch.library.opcheck(gemv_module._fused_op, (stream, weight, 16, 256, 1, 4, False, False, 1, norm_weight, eps, 1.0,
                                                       False, True, res, swiglu))
     for bad, match in ((dict(x=x), "exactly one of"), (dict(stream=stream.to(dtype) if dtype != torch.float32 else stream[:, 1:]),
                                                        "stream"),
                        (dict(norm=None), "goes with"), (dict(norm=(norm_weight, eps, None, False)), "numeric offset"),
                        (dict(residual=residual, config=gemv_module.GemvConfig(4, 256, split_k=2)), "one K split"),
                        (dict(swiglu=True, residual=residual), "swiglu takes")):
-        call = dict(weight=weight, config=gemv_module.GemvConfig(8, 512), stream=stream, norm=spec) | bad
+        call = dict(weight=weight, config=gemv_module.GemvConfig(16, 512), stream=stream, norm=spec) | bad
         with pytest.raises(QdflashError, match=match):
             gemv_module.gemv_fused(**call)
 

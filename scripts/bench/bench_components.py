@@ -447,9 +447,8 @@ def epilogues_in_use(engine) -> dict:
     swiglu at 1 row and at 2-16, the GDN kernel's gated norm, and (projections, not layers) the one-row GEMVs that end in
     the residual add and the norm after it (the o / GDN out projection's, the down projection's but the last layer's).
     An arm whose counts are all 0 ran the base's code."""
-    from qdflash.engine.linear import Projection, residual_norm_config, swiglu_config
+    from qdflash.engine.linear import epilogue_config, gemv_config_of, residual_norm_config, swiglu_config
     from qdflash.kernels import MAX_ROWS
-    from qdflash.kernels.gemv import GemvConfig, gemv_config
 
     out = {f"swiglu@{rows}": sum(engine.fuse_swiglu and swiglu_config(w["w13"], rows) is not None for w in engine.layers)
            for rows in (1, MAX_ROWS)}
@@ -457,16 +456,14 @@ def epilogues_in_use(engine) -> dict:
     ends = [w[name] for w in engine.layers for name in ("wo", "o", "out") if name in w] + [w["w2"] for w in engine.layers[:-1]]
     out["residual_norm@1"] = sum(engine.kernels and engine.fuse_residual_norm and residual_norm_config(p, 1) is not None
                                  for p in ends)
-    # fuse_prologues: the one-row 16-bit GEMVs that make their x (the mixer's input projection, gate / up, down) and those
-    # that add the residual (o / GDN out, down: one K split)
+    # fuse_prologues, at 1 row and at 2-16: the 16-bit GEMVs that make their x (the mixer's input projection, gate / up,
+    # down) and those that add the residual (o / GDN out, down: one K split)
     on = engine.kernels and getattr(engine, "fuse_prologues", False)
     readers = [w[name] for w in engine.layers for name in ("wqkv", "qkv", "qkvz", "w13", "w2") if name in w]
-    out["prologue@1"] = sum(on and isinstance(p, Projection) and p.weight is not None and gemv_config(*p.weight.shape, p.weight.dtype, 1)
-                            is not None for p in readers)
     adds = [w[name] for w in engine.layers for name in ("wo", "o", "out", "w2") if name in w]
-    out["residual_add@1"] = sum(on and isinstance(p, Projection) and p.weight is not None and p.bias is None and
-                                (gemv_config(*p.weight.shape, p.weight.dtype, 1) or GemvConfig(split_k=2)).split_k == 1
-                                for p in adds)
+    for rows in (1, MAX_ROWS):
+        out[f"prologue@{rows}"] = sum(on and gemv_config_of(p, rows) is not None for p in readers)
+        out[f"residual_add@{rows}"] = sum(on and epilogue_config(p, rows, lambda c, n: c.split_k == 1) is not None for p in adds)
     return out
 
 
@@ -637,7 +634,8 @@ def main() -> None:
                         help="--pdl-only: an arm for each epilogue fusion alone, without PDL (_gdn_norm, _swiglu, "
                              "_residual_norm): which of them costs what (their kernels keep their names in a profile)")
     parser.add_argument("--prologues", action="store_true",
-                        help="--pdl-only: arms with each one-row GEMV making its input (the norms, silu(gate) * up) in its "
+                        help="--pdl-only: arms with each 16-bit GEMV of a decode step or verify block making its input "
+                             "(the norms, silu(gate) * up) in its "
                              "prologue and adding the residual in its epilogue (EngineBase.fuse_prologues): alone, with "
                              "silu(gate) * up in the gate / up GEMV's epilogue instead, with the GDN kernel's gated norm, and "
                              "with PDL")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..distill import lm_head_weight
 from ..drafter.blocks import tree_depths
 from ..errors import QdflashError
-from ..kernels import kernels_usable
+from ..kernels import MAX_ROWS, kernels_usable
 from ..ops import rope_tables
 from .linear import Concat, Projection, head_projection, residual_norm, tune_projections
 
@@ -178,17 +178,18 @@ class EngineBase:
         # (they never overlap), zero between launches. Set before capture
         self.fuse_residual_norm = False
         self.norm_arrivals = torch.zeros(1, device=self.device, dtype=torch.int32)
-        # with the kernels: a decode step's norms and silu(gate) * up made in the prologue of the 16-bit GEMV that reads
-        # them, each residual add in the epilogue of the GEMV before it (linear.Deferred, linear.project): four small
-        # kernels a layer fewer, none waiting on a whole row (fuse_residual_norm's last program does). Takes precedence
+        # with the kernels: a decode step's or verify block's norms and silu(gate) * up made in the prologue of the 16-bit
+        # GEMV that reads them, each residual add in the epilogue of the GEMV before it (linear.Deferred,
+        # linear.project): four small kernels a layer fewer, none waiting on a whole row (fuse_residual_norm's last program does). Takes precedence
         # over fuse_residual_norm for one row; with fuse_swiglu the gate / up GEMV makes silu(gate) * up in its epilogue.
         # Off: as first built it was 0.968x the compiled step on an H100 (results/published/2026-12-05-h100-prologues-pdl),
         # and the rebuilt norm prologue is not timed yet (bench_components --prologues). Set before capture
         self.fuse_prologues = False
 
     def _defer(self, ids: torch.Tensor) -> bool:
-        """Whether this step's layer inputs are made in the GEMVs that read them (fuse_prologues, one token)."""
-        return self.kernels and self.fuse_prologues and ids.numel() == 1
+        """Whether this step's layer inputs are made in the GEMVs that read them (fuse_prologues; the batch-1 path's 1-16
+        tokens: a decode step, a verify block, a short prompt)."""
+        return self.kernels and self.fuse_prologues and ids.dim() == 1 and ids.numel() <= MAX_ROWS
 
     def _residual_norm(self, projection, x, h, norm, defer: bool = False):
         """linear.residual_norm with this engine's fusion flags: h + projection(x) and `norm` of it (or None; a Deferred

@@ -176,14 +176,19 @@ def value(x: "torch.Tensor | Deferred") -> torch.Tensor:
 
 
 def prologue_config(projection: "Projection | Concat", x: "torch.Tensor | Deferred"):
-    """The GEMV config `project` makes a Deferred x with in `projection`'s launch (one row of a 16-bit projection with a
-    tuned one-row GEMV; a norm the kernel computes), or None where x is made with the ops."""
-    if not isinstance(x, Deferred) or x.numel() != x.shape[-1] or (x.norm is not None and x.norm.offset is None):
+    """The GEMV config `project` makes a Deferred x with in `projection`'s launch (1-16 rows of a 16-bit projection
+    with a GEMV tuned for that row count; a norm the kernel computes), or None where x is made with the ops."""
+    if not isinstance(x, Deferred) or (x.norm is not None and x.norm.offset is None):
         return None
+    return gemv_config_of(projection, x.numel() // x.shape[-1])
+
+
+def gemv_config_of(projection: "Projection | Concat", rows: int):
+    """The tuned GEMV config of a 16-bit projection (kernels on) at `rows` rows (1-16), else None."""
     p = projection
-    if not (isinstance(p, Projection) and p.weight is not None and p.kernels):
+    if rows > MAX_ROWS or not (isinstance(p, Projection) and p.weight is not None and p.kernels):
         return None
-    return gemv_config(*p.weight.shape, p.weight.dtype, 1)
+    return gemv_config(*p.weight.shape, p.weight.dtype, rows)
 
 
 def project(projection: "Projection | Concat", x: "torch.Tensor | Deferred", keep_x: bool = False, swiglu: bool = False):
@@ -209,15 +214,15 @@ def project(projection: "Projection | Concat", x: "torch.Tensor | Deferred", kee
 
 def swiglu(w13: "Projection | Concat", x: "torch.Tensor | Deferred", fused: bool = False,
            defer: bool = False) -> "torch.Tensor | Deferred":
-    """silu(gate) * up of a gate / up projection `w13` (gate rows, then up rows) of x. `defer` (one row): w13's output,
+    """silu(gate) * up of a gate / up projection `w13` (gate rows, then up rows) of x. `defer` (1-16 rows): w13's output,
     the product left to the next projection's launch (a Deferred), or with `fused` made in w13's epilogue where its GEMV
     makes a Deferred x in its prologue; else `fused`: for 1-16 rows of
     a 16-bit projection whose tuned GEMV (for that row count) runs in one K split, in the GEMV's epilogue
     (kernels.gemv's swiglu, rounded as these ops round); anywhere else, these ops."""
     rows = x.numel() // x.shape[-1]
-    if defer and rows == 1:
+    if defer and rows <= MAX_ROWS:
         # `fused` too: the product in w13's epilogue (its input in its prologue), else left to the down projection's
-        if fused and isinstance(x, Deferred) and swiglu_config(w13, 1) is not None and prologue_config(w13, x) is not None:
+        if fused and isinstance(x, Deferred) and swiglu_config(w13, rows) is not None and prologue_config(w13, x) is not None:
             return project(w13, x, swiglu=True)[0]
         return Deferred(gate_up=project(w13, x)[0])
     x = value(x)
@@ -264,14 +269,14 @@ def residual_norm(projection: "Projection | Concat", x: "torch.Tensor | Deferred
                   fused: bool = False, arrivals: torch.Tensor | None = None,
                   defer: bool = False) -> tuple[torch.Tensor, "torch.Tensor | Deferred | None"]:
     """The residual stream after a projection, h + projection(x), and `norm` of it (None: no norm follows). `defer`
-    (one row of the fp32 stream): the norm left to the next projection's launch (a Deferred), x (a Deferred too, maybe)
+    (1-16 rows of the fp32 stream): the norm left to the next projection's launch (a Deferred), x (a Deferred too, maybe)
     made in this one's (`project`), and the residual added in its epilogue where its tuned GEMV runs in one K split.
     Else `fused`
     (with `arrivals`, int32 zeros): for one row of the fp32 stream through a 16-bit projection whose tuned one-row GEMV
     runs in one K split, both in that GEMV's launch (kernels.gemv.gemv_residual_norm: one kernel a residual add
     fewer, rounded as these ops round); anywhere else, these ops."""
     rows = x.numel() // x.shape[-1]
-    if defer and rows == 1 and h.dtype == torch.float32:
+    if defer and rows <= MAX_ROWS and h.dtype == torch.float32:
         h = _residual_add(projection, x, h)
         return h, (Deferred(h, norm) if norm is not None else None)
     x = value(x)
@@ -286,24 +291,25 @@ def residual_norm(projection: "Projection | Concat", x: "torch.Tensor | Deferred
 
 
 def _residual_add(projection: "Projection | Concat", x: "torch.Tensor | Deferred", h: torch.Tensor) -> torch.Tensor:
-    """h + projection(x) for one row of the fp32 stream: x made in the GEMV's prologue where it is Deferred and the GEMV
-    runs, the add in its epilogue where it runs in one K split (no bias), else these ops."""
+    """h + projection(x) for 1-16 rows of the fp32 stream: x made in the GEMV's prologue where it is Deferred and the
+    GEMV runs, the add in its epilogue where it runs in one K split (no bias), else these ops."""
     p = projection
-    config = (gemv_config(*p.weight.shape, p.weight.dtype, 1)
-              if isinstance(p, Projection) and p.weight is not None and p.kernels and p.bias is None else None)
+    rows = h.numel() // h.shape[-1]
+    config = gemv_config_of(p, rows) if p.bias is None else None
     if config is None or config.split_k != 1 or not (isinstance(x, torch.Tensor) or prologue_config(p, x) is not None):
         return h + project(p, x)[0]
-    return _fused(p, config, x, residual=h.reshape(1, -1))[0].view(h.shape)
+    return _fused(p, config, x, residual=h.reshape(rows, -1))[0].view(h.shape)
 
 
 def _fused(p: "Projection", config, x: "torch.Tensor | Deferred", **options):
-    """kernels.gemv.gemv_fused of one row through p's 16-bit weight, x as it is or made in the launch (a Deferred)."""
+    """kernels.gemv.gemv_fused of 1-16 rows through p's 16-bit weight, x as it is or made in the launch (a Deferred)."""
+    rows = x.numel() // x.shape[-1]
     if isinstance(x, torch.Tensor):
-        return gemv_fused(p.weight, config, x.reshape(1, -1), **options)
+        return gemv_fused(p.weight, config, x.reshape(rows, -1), **options)
     if x.h is not None:
         norm = (x.norm.weight, x.norm.eps, x.norm.offset, x.norm.round_first)
-        return gemv_fused(p.weight, config, stream=x.h.reshape(1, -1), norm=norm, **options)
-    return gemv_fused(p.weight, config, gate_up=x.gate_up.reshape(1, -1), **options)
+        return gemv_fused(p.weight, config, stream=x.h.reshape(rows, -1), norm=norm, **options)
+    return gemv_fused(p.weight, config, gate_up=x.gate_up.reshape(rows, -1), **options)
 
 
 class Concat:

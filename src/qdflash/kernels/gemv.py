@@ -175,44 +175,127 @@ if triton is not None:
 
     @triton.jit
     def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_os, stride_om, K_PER_SPLIT,
+                          src_ptr, in_w_ptr, xs_ptr, res_ptr, stride_sm, stride_rm, K, IN_EPS, IN_OFFSET,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, IEEE: tl.constexpr,
-                          PDL: tl.constexpr, SWIGLU: tl.constexpr):
+                          PDL: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, X_IN: tl.constexpr,
+                          IN_ROUND_FIRST: tl.constexpr, KEEP_X: tl.constexpr):
         """2-16 rows: the [BN, BK] weight tile read once and multiplied with all rows by one dot (rows
-        padded to 16 with zeros, never stored). TILES, PDL and SWIGLU as in `_gemv_kernel`."""
+        padded to 16 with zeros, never stored). TILES, PDL, SWIGLU, RESIDUAL, X_IN and KEEP_X as in `_gemv_kernel`, row
+        by row (the norm's scalar is each row's; the sources' and the residual's rows stride_sm and stride_rm apart)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, 16)
         rn, n_ok = _weight_rows(pid_n, N, BLOCK_N, SWIGLU)
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm[:, None] < M
-        k0 = pid_k * TILES * BLOCK_K if TILES > 0 else pid_k * K_PER_SPLIT
+        span = TILES * BLOCK_K if TILES > 0 else K_PER_SPLIT
+        k0 = pid_k * span
         acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        squares = tl.zeros((16, BLOCK_K), dtype=tl.float32)
+        dt = w_ptr.dtype.element_ty
+        keep = tl.where(pid_n == 0, K, 0)
         FIRST: tl.constexpr = 1 if PDL else 0
         if PDL:
             w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok, other=0)
             pdl_wait()
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok, other=0)
+            x, sq = _rows_x(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, rm, m_ok, k0 + rk, stride_xm, stride_sm, K, IN_OFFSET,
+                            X_IN, IN_ROUND_FIRST, KEEP_X, dt)
             acc += _rows_product(x, w, IEEE)
+            squares += sq
         if TILES > 0:
             for tile in tl.static_range(FIRST, TILES):
-                acc += _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k0 + tile * BLOCK_K + rk, stride_xm, stride_wn, IEEE)
+                part, sq = _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k0 + tile * BLOCK_K + rk, stride_xm, stride_wn, IEEE,
+                                      src_ptr, in_w_ptr, xs_ptr, keep, stride_sm, K, IN_OFFSET, X_IN, IN_ROUND_FIRST, KEEP_X, dt)
+                acc += part
+                squares += sq
         else:
             for step in range(FIRST * BLOCK_K, K_PER_SPLIT, BLOCK_K):
-                acc += _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k0 + step + rk, stride_xm, stride_wn, IEEE)
+                part, sq = _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k0 + step + rk, stride_xm, stride_wn, IEEE,
+                                      src_ptr, in_w_ptr, xs_ptr, keep, stride_sm, K, IN_OFFSET, X_IN, IN_ROUND_FIRST, KEEP_X, dt)
+                acc += part
+                squares += sq
         if PDL:
             pdl_release()
+        if X_IN == 1:  # each row's norm scalar, applied to its sums
+            rstd = _rows_rstd(src_ptr, squares, rm, m_ok, stride_sm, k0, span, K, IN_EPS)
+            acc = acc * rstd[:, None]
+            if KEEP_X:
+                if pid_n == 0:
+                    _keep_normed_rows(src_ptr, in_w_ptr, xs_ptr, rm, m_ok, k0 + rk, span, stride_sm, K, rstd, IN_OFFSET,
+                                      IN_ROUND_FIRST, dt)
         if SWIGLU:
             gate, up = tl.split(tl.reshape(acc, (16, BLOCK_N // 2, 2)))
             cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             _store_swiglu(out_ptr + rm[:, None] * stride_om + cols[None, :], m_ok & (cols[None, :] < N), gate, up)
+        elif RESIDUAL:
+            ok = m_ok & (rn[None, :] < N)
+            h = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ok, other=0.0) + acc.to(dt).to(tl.float32)
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], h, mask=ok)
         else:
             tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
 
     @triton.jit
-    def _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, col, stride_xm, stride_wn, IEEE: tl.constexpr):
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :], mask=m_ok, other=0)
+    def _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, col, stride_xm, stride_wn, IEEE: tl.constexpr, src_ptr, in_w_ptr, xs_ptr,
+                   keep, stride_sm, K, IN_OFFSET, X_IN: tl.constexpr, IN_ROUND_FIRST: tl.constexpr, KEEP_X: tl.constexpr,
+                   dt: tl.constexpr):
+        x, sq = _rows_x(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, rm, m_ok, col, stride_xm, stride_sm, K, IN_OFFSET, X_IN,
+                        IN_ROUND_FIRST, KEEP_X, dt)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + col[None, :], mask=n_ok, other=0)
-        return _rows_product(x, w, IEEE)
+        return _rows_product(x, w, IEEE), sq
+
+    @triton.jit
+    def _rows_x(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, rm, m_ok, col, stride_xm, stride_sm, K, IN_OFFSET, X_IN: tl.constexpr,
+                IN_ROUND_FIRST: tl.constexpr, KEEP_X: tl.constexpr, dt: tl.constexpr):
+        """The rows' x [16, BK] at columns `col` in `dt` (the dot's operand) and the stream's squares there (`_x_tile`,
+        row by row)."""
+        sq = 0.0
+        if X_IN == 1:
+            h = tl.load(src_ptr + rm[:, None] * stride_sm + col[None, :], mask=m_ok, other=0.0)
+            w = tl.load(in_w_ptr + col).to(tl.float32)[None, :]
+            sq = h * h
+            if IN_ROUND_FIRST:
+                x = (w * h).to(dt)
+            else:
+                x = (h * (w + IN_OFFSET)).to(dt)
+        elif X_IN == 2:
+            at = src_ptr + rm[:, None] * stride_sm + col[None, :]
+            gate = tl.load(at, mask=m_ok, other=0.0).to(tl.float32)
+            up = tl.load(at + K, mask=m_ok, other=0.0).to(tl.float32)
+            x = (silu_rounded(gate, dt) * up).to(dt)
+            if KEEP_X:
+                tl.store(xs_ptr + rm[:, None] * K + col[None, :], x, mask=m_ok & (col[None, :] < keep))
+        else:
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :], mask=m_ok, other=0)
+        return x, sq
+
+    @triton.jit
+    def _rows_rstd(src_ptr, squares, rm, m_ok, stride_sm, k0, span, K, EPS):
+        """Each row's rsqrt(mean(h^2) + eps) [16] (`_stream_rstd`, row by row)."""
+        total = tl.sum(squares, axis=1)
+        if span < K:
+            rc = tl.arange(0, 256)
+            rest = tl.zeros((16, 256), dtype=tl.float32)
+            for c in range(0, K, 256):
+                cols = c + rc
+                out = (cols < K) & ((cols < k0) | (cols >= k0 + span))
+                h = tl.load(src_ptr + rm[:, None] * stride_sm + cols[None, :], mask=m_ok & out[None, :], other=0.0)
+                rest += h * h
+            total += tl.sum(rest, axis=1)
+        return tl.math.rsqrt(total / K + EPS)
+
+    @triton.jit
+    def _keep_normed_rows(src_ptr, in_w_ptr, xs_ptr, rm, m_ok, cols, span, stride_sm, K, rstd, IN_OFFSET,
+                          IN_ROUND_FIRST: tl.constexpr, dt: tl.constexpr):
+        """`_keep_normed`, row by row: the rows' norm over this program's columns into xs_ptr [M, K]."""
+        for c in range(0, span, cols.shape[0]):
+            h = tl.load(src_ptr + rm[:, None] * stride_sm + (c + cols)[None, :], mask=m_ok, other=0.0)
+            w = tl.load(in_w_ptr + c + cols).to(tl.float32)[None, :]
+            normed = h * rstd[:, None]
+            if IN_ROUND_FIRST:
+                x = w * normed.to(dt).to(tl.float32)
+            else:
+                x = normed * (w + IN_OFFSET)
+            tl.store(xs_ptr + rm[:, None] * K + (c + cols)[None, :], x.to(dt), mask=m_ok)
 
     @triton.jit
     def _rows_product(x, w, IEEE: tl.constexpr):
@@ -232,9 +315,10 @@ if triton is not None:
     def _x_tile(x_ptr, src_ptr, in_w_ptr, xs_ptr, keep, col, K, IN_OFFSET, X_IN: tl.constexpr,
                 IN_ROUND_FIRST: tl.constexpr, KEEP_X: tl.constexpr, dt: tl.constexpr):
         """x's columns `col` in fp32 (`_gemv_kernel`'s X_IN), and the squares of the stream there (X_IN 1, else 0).
-        X_IN 1: the norm before its scalar, h * (w + IN_OFFSET) (IN_ROUND_FIRST: w * h), unrounded: the scalar
-        rsqrt(mean(h^2) + eps) needs the whole stream, so it multiplies the sums at the end instead of making every
-        program wait on it before its loads. X_IN 2: silu(gate) * up rounded as `_store_swiglu` rounds it, stored into
+        X_IN 1: the norm before its scalar, h * (w + IN_OFFSET) (IN_ROUND_FIRST: w * h), rounded to `dt` (as the 2-16-row
+        kernel's dot operand is, so a decode step and a verify block read the same x): the scalar rsqrt(mean(h^2) + eps)
+        needs the whole stream, so it multiplies the sums at the end instead of making every program wait on it before
+        its loads. X_IN 2: silu(gate) * up rounded as `_store_swiglu` rounds it, stored into
         xs_ptr below column `keep` with KEEP_X."""
         sq = 0.0
         if X_IN == 1:
@@ -242,9 +326,9 @@ if triton is not None:
             w = tl.load(in_w_ptr + col).to(tl.float32)
             sq = h * h
             if IN_ROUND_FIRST:
-                x = w * h
+                x = (w * h).to(dt).to(tl.float32)
             else:
-                x = h * (w + IN_OFFSET)
+                x = (h * (w + IN_OFFSET)).to(dt).to(tl.float32)
         elif X_IN == 2:
             gate = tl.load(src_ptr + col).to(tl.float32)
             up = tl.load(src_ptr + K + col).to(tl.float32)
@@ -367,15 +451,15 @@ def residual_norm_fits(config: GemvConfig, n: int) -> bool:
 def gemv_fused(weight: torch.Tensor, config: GemvConfig, x: torch.Tensor | None = None, *, stream: torch.Tensor | None = None,
                norm: tuple | None = None, gate_up: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                keep_x: bool = False, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One row of x @ weight.T with what makes x and what takes the product in the same launch, where they are
+    """1-16 rows (M) of x @ weight.T with what makes x and what takes the product in the same launch, where they are
     otherwise kernels of their own (a launch costs a decode step more than the few KB it computes). x comes from one
-    of: `x` [1, K] as it is; `stream` [1, K] fp32 (a residual stream) with `norm` (weight [K], eps, offset,
-    round_first), x = its RMSNorm (the product takes it before rounding: the norm's scalar multiplies the sums; the x
-    kept is rounded as `gemv_residual_norm` rounds one); `gate_up` [1, 2K], x = silu(gate) * up, rounded as
-    `gemv(..., swiglu=True)` rounds it. `residual` [1, N] fp32 (one K split): the output is
-    residual + (x @ weight.T rounded to the weight's dtype), fp32, else the product in the weight's dtype.
-    `keep_x`: x [1, K] too (the weight's dtype), else None. `swiglu` (one K split, no residual): the weight is a gate /
-    up projection's and the output silu(gate) * up [1, N / 2], as `gemv(..., swiglu=True)` makes it. Returns (output,
+    of: `x` [M, K] as it is; `stream` [M, K] fp32 (a residual stream) with `norm` (weight [K], eps, offset,
+    round_first), x = its RMSNorm, row by row (the product takes the norm before its scalar, h * (w + offset) rounded,
+    and the scalar multiplies the sums; the x kept is rounded as `gemv_residual_norm` rounds one); `gate_up` [M, 2K],
+    x = silu(gate) * up, rounded as `gemv(..., swiglu=True)` rounds it. `residual` [M, N] fp32 (one K split): the
+    output is residual + (x @ weight.T rounded to the weight's dtype), fp32, else the product in the weight's dtype.
+    `keep_x`: x [M, K] too (the weight's dtype), else None. `swiglu` (one K split, no residual): the weight is a gate /
+    up projection's and the output silu(gate) * up [M, N / 2], as `gemv(..., swiglu=True)` makes it. Returns (output,
     x)."""
     if triton is None:
         raise QdflashError("gemv_fused needs triton (installed with torch on CUDA machines)")
@@ -385,11 +469,13 @@ def gemv_fused(weight: torch.Tensor, config: GemvConfig, x: torch.Tensor | None 
         raise QdflashError(f"gemv_fused: exactly one of x, stream, gate_up expected, got {sources or 'none'}")
     if weight.stride(1) != 1 or not fits(config, k):
         raise QdflashError(f"gemv_fused: a contiguous weight [{n}, {k}] that {config} tiles expected, got {tuple(weight.shape)}")
-    expected = {"x": ((1, k), weight.dtype), "stream": ((1, k), torch.float32), "gate_up": ((1, 2 * k), weight.dtype)}
     source = (x, stream, gate_up)[("x", "stream", "gate_up").index(sources[0])]
+    m = source.shape[0] if source.dim() == 2 else 0
+    expected = {"x": ((m, k), weight.dtype), "stream": ((m, k), torch.float32), "gate_up": ((m, 2 * k), weight.dtype)}
     shape, dtype = expected[sources[0]]
-    if tuple(source.shape) != shape or source.dtype != dtype:
-        raise QdflashError(f"gemv_fused: {sources[0]} {list(shape)} {dtype} expected, got {tuple(source.shape)} {source.dtype}")
+    if not 1 <= m <= MAX_ROWS or tuple(source.shape) != shape or source.dtype != dtype:
+        raise QdflashError(f"gemv_fused: {sources[0]} [1..{MAX_ROWS}, {shape[1]}] {dtype} expected, got {tuple(source.shape)} "
+                           f"{source.dtype}")
     if (stream is None) != (norm is None):
         raise QdflashError("gemv_fused: `norm` (weight, eps, offset, round_first) goes with `stream`, and only with it")
     if norm is not None and (norm[0].shape != (k,) or not norm[0].is_contiguous() or norm[2] is None):
@@ -397,8 +483,8 @@ def gemv_fused(weight: torch.Tensor, config: GemvConfig, x: torch.Tensor | None 
                            f"{tuple(norm[0].shape)}, offset {norm[2]}")
     if swiglu and (residual is not None or not swiglu_fits(config, n)):
         raise QdflashError(f"gemv_fused: swiglu takes one K split, an even N, >= 2 rows a tile and no residual; got N={n}, {config}")
-    if residual is not None and (tuple(residual.shape) != (1, n) or residual.dtype != torch.float32 or config.split_k != 1):
-        raise QdflashError(f"gemv_fused: a residual [1, {n}] fp32 and one K split expected, got {tuple(residual.shape)} "
+    if residual is not None and (tuple(residual.shape) != (m, n) or residual.dtype != torch.float32 or config.split_k != 1):
+        raise QdflashError(f"gemv_fused: a residual [{m}, {n}] fp32 and one K split expected, got {tuple(residual.shape)} "
                            f"{residual.dtype}, {config}")
     source = source.contiguous()
     residual = residual.contiguous() if residual is not None else None
@@ -434,8 +520,9 @@ def _fused_op(source: torch.Tensor, weight: torch.Tensor, block_n: int, block_k:
 def _(source, weight, block_n, block_k, split_k, num_warps, unrolled, pdl, x_in, in_weight, eps, offset, round_first, keep_x,
       residual, swiglu):
     n, k = weight.shape
+    m = source.shape[0]
     dtype = torch.float32 if residual is not None or split_k > 1 else weight.dtype
-    return weight.new_empty((split_k, 1, n // 2 if swiglu else n), dtype=dtype), weight.new_empty((1, k if keep_x else 0))
+    return weight.new_empty((split_k, m, n // 2 if swiglu else n), dtype=dtype), weight.new_empty((m, k if keep_x else 0))
 
 
 def swiglu_fits(config: GemvConfig, n: int) -> bool:
@@ -449,11 +536,11 @@ def _launch(x: torch.Tensor | None, weight: torch.Tensor, config: GemvConfig, pd
     """The kernel's raw output [split_k, M, N] (N / 2 with swiglu): x's dtype for one split, else fp32 partial sums.
     `norm` (one row, one split): (residual [1, N] fp32, norm weight [N], arrivals, eps, weight offset, round first);
     then the residual stream after the projection [1, N] fp32 and its RMSNorm [1, N] in x's dtype.
-    `prologue` (one row, x None): (X_IN 1 or 2, its source, norm weight or None, eps, offset, round first, keep x);
-    `residual` (one row, one split): [1, N] fp32, the output is residual + y [1, N] fp32. With either: (output, x
-    [1, K] in the weight's dtype where the prologue keeps it, else an empty tensor)."""
+    `prologue` (x None): (X_IN 1 or 2, its source [M, K or 2K], norm weight or None, eps, offset, round first, keep x);
+    `residual` (one split): [M, N] fp32, the output is residual + y [M, N] fp32. With either: (output, x [M, K] in the
+    weight's dtype where the prologue keeps it, else an empty tensor)."""
     n, k = weight.shape
-    m = x.shape[0] if x is not None else 1
+    m = x.shape[0] if x is not None else prologue[1].shape[0]
     device = weight.device
     n_out = n // 2 if swiglu else n
     fused = prologue is not None or residual is not None
@@ -465,6 +552,14 @@ def _launch(x: torch.Tensor | None, weight: torch.Tensor, config: GemvConfig, pd
     # except where the config unrolls the K loop
     tiles = k // (config.split_k * config.block_k) if config.unrolled else 0
     launch = launch_options(pdl)
+    if prologue is not None:
+        x_in, source, in_weight, in_eps, in_offset, in_round_first, keep_x = prologue
+        xs = torch.empty(m, k if keep_x else 0, device=device, dtype=weight.dtype)
+        head = (source, source if in_weight is None else in_weight, xs, k, float(in_eps), float(in_offset))
+        head_args = dict(X_IN=x_in, IN_ROUND_FIRST=in_round_first, KEEP_X=keep_x)
+    else:  # stand-ins the kernel never reads
+        source, xs = out, out.new_empty(m, 0, dtype=weight.dtype)
+        head, head_args = (out, out, out, k, 0.0, 0.0), dict(X_IN=0, IN_ROUND_FIRST=False, KEEP_X=False)
     if m == 1:
         if norm is not None:
             res, norm_weight, arrivals, eps, offset, round_first = norm
@@ -474,27 +569,20 @@ def _launch(x: torch.Tensor | None, weight: torch.Tensor, config: GemvConfig, pd
         else:  # stand-ins the kernel never reads
             tail = (residual if residual is not None else out, out, out, out, 0.0, 0.0)
             tail_args = dict(NORM=False, N_P=1, ROUND_FIRST=False)
-        if prologue is not None:
-            x_in, source, in_weight, in_eps, in_offset, in_round_first, keep_x = prologue
-            xs = torch.empty(1, k if keep_x else 0, device=device, dtype=weight.dtype)
-            head = (source, source if in_weight is None else in_weight, xs, k, float(in_eps), float(in_offset))
-            head_args = dict(X_IN=x_in, IN_ROUND_FIRST=in_round_first, KEEP_X=keep_x)
-        else:
-            xs = out.new_empty(1, 0, dtype=weight.dtype)
-            head, head_args = (out, out, out, k, 0.0, 0.0), dict(X_IN=0, IN_ROUND_FIRST=False, KEEP_X=False)
         _gemv_kernel[grid](x if x is not None else head[0], weight, out, n_out, weight.stride(0), out.stride(0),
                            k // config.split_k, *tail, *head, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILES=tiles,
                            PDL=pdl, SWIGLU=swiglu, RESIDUAL=residual is not None, **tail_args, **head_args,
                            num_warps=config.num_warps, **launch)
         if norm is not None:
             return out[0], xn
-        if fused:
-            return out, xs
     else:
-        _gemv_rows_kernel[grid](x, weight, out, m, n_out, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
-                                k // config.split_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILES=tiles,
-                                IEEE=x.dtype == torch.float32, PDL=pdl, SWIGLU=swiglu, num_warps=config.num_warps, **launch)
-    return out
+        res = residual if residual is not None else out
+        _gemv_rows_kernel[grid](x if x is not None else source, weight, out, m, n_out, x.stride(0) if x is not None else 0,
+                                weight.stride(0), out.stride(0), out.stride(1), k // config.split_k, *head[:3], res,
+                                source.stride(0), res.stride(-2), *head[3:], BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                TILES=tiles, IEEE=weight.dtype == torch.float32, PDL=pdl, SWIGLU=swiglu,
+                                RESIDUAL=residual is not None, **head_args, num_warps=config.num_warps, **launch)
+    return (out, xs) if fused else out
 
 
 @torch.library.custom_op("qdflash::gemv", mutates_args=())
