@@ -362,21 +362,22 @@ def test_fused_residual_norm_decodes_as_the_residual_add_and_norm_ops(fixture, r
         assert_speculative_is_autoregressive(target, engine, x[None, :8])
 
 
-@pytest.mark.parametrize("fixture, swiglu, rows", [("tiny_llama", False, True), ("tiny_qwen", False, False),
-                                                   ("tiny_qwen", True, True)])
-def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, swiglu, rows, request, monkeypatch):
+@pytest.mark.parametrize("fixture, swiglu, rows, gdn_ba", [("tiny_llama", False, True, None), ("tiny_qwen", False, False, "given"),
+                                                           ("tiny_qwen", True, True, "dot")])
+def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, swiglu, rows, gdn_ba, request, monkeypatch):
     """engine.fuse_prologues with the kernels (Triton's interpreter here) and one-split GEMVs tuned at one row for every
     16-bit layer projection: in a decode step each layer's four GEMVs make their own x or take the residual add (the
     mixer's input projection and the gate / up projection the norm of the stream, the o / out projection the add, the
     down projection silu(gate) * up and the add), the GDN kernel reads the x the qkvz GEMV kept; the logits are the
     unfused engine's; greedy speculative decoding stays autoregressive decoding (Llama). With fuse_swiglu too, the gate
     / up GEMV makes silu(gate) * up in its epilogue and the down projection reads it as it is. `rows`: GEMVs tuned for
-    2-16 rows too, so a prompt (8 tokens) and a verify block (3) fuse the same way; else they stay the ops."""
+    2-16 rows too, so a prompt (8 tokens) and a verify block (3) fuse the same way; else they stay the ops. The GDN
+    kernel reads the x the qkvz GEMV kept whether it computes the b / a product ("dot") or is given it ("given")."""
     pytest.importorskip("triton")
     from qdflash.kernels import gemv as gemv_module
 
     target = request.getfixturevalue(fixture)
-    engine = build_engine(target, max_len=64, kernels=True)
+    engine = build_engine(target, max_len=64, kernels=True, **({"gdn_ba": gdn_ba} if gdn_ba else {}))
     for p in engine.projections():
         if getattr(p, "weight", None) is not None:
             n, k = p.weight.shape

@@ -178,12 +178,13 @@ class EngineBase:
         # (they never overlap), zero between launches. Set before capture
         self.fuse_residual_norm = False
         self.norm_arrivals = torch.zeros(1, device=self.device, dtype=torch.int32)
-        # with the kernels: a decode step's or verify block's norms and silu(gate) * up made in the prologue of the 16-bit
-        # GEMV that reads them, each residual add in the epilogue of the GEMV before it (linear.Deferred,
-        # linear.project): four small kernels a layer fewer, none waiting on a whole row (fuse_residual_norm's last program does). Takes precedence
-        # over fuse_residual_norm for one row; with fuse_swiglu the gate / up GEMV makes silu(gate) * up in its epilogue.
-        # Off: as first built it was 0.968x the compiled step on an H100 (results/published/2026-12-05-h100-prologues-pdl),
-        # and the rebuilt norm prologue is not timed yet (bench_components --prologues). Set before capture
+        # with the kernels: a decode step's or verify block's norms and silu(gate) * up made in the prologue of the
+        # 16-bit GEMV that reads them, each residual add in the epilogue of the GEMV before it (linear.Deferred,
+        # linear.project): four small kernels a layer fewer, none waiting on a whole row (fuse_residual_norm's last
+        # program does). Takes precedence over fuse_residual_norm; with fuse_swiglu the gate / up GEMV makes
+        # silu(gate) * up in its epilogue. Off: as first built it was 0.968x the compiled step on an H100
+        # (results/published/2026-12-05-h100-prologues-pdl); the rebuilt norm prologue and the verify block's are not
+        # timed yet (bench_components --prologues). Set before capture
         self.fuse_prologues = False
 
     def _defer(self, ids: torch.Tensor) -> bool:

@@ -177,7 +177,7 @@ class LeanQwen35(EngineBase):
         la, t = w["la"], x.shape[0]
         if self.kernels and self.fuse_gdn and t <= CHUNK:
             return self._delta_net_fused(i, w, x, positions)
-        qkvz, ba = self._qkvz_ba(w, x)
+        qkvz, ba, _ = self._qkvz_ba(w, x)
         mixed_in, z = qkvz.split([la.conv_dim, la.value_dim], dim=-1)
         self.conv_in[i].index_copy_(0, positions, mixed_in)
         kernel = la.conv_kernel_size
@@ -194,13 +194,13 @@ class LeanQwen35(EngineBase):
 
     def _qkvz_ba(self, w, x):
         """The layer's qkvz projection of x and its b / a product [..., 2 * heads] (b heads, then a heads): the two
-        ends of one matmul's output where gdn_ba "fused" joined them, else two matmuls."""
+        ends of one matmul's output where gdn_ba "fused" joined them, else two matmuls. And x as a tensor (a Deferred x:
+        the one the qkvz GEMV made, for the b / a matmul and the GDN kernel)."""
+        out, x = project(w["qkvz"], x, keep_x=True)
         if w["ba"] is not None:
-            out, x = project(w["qkvz"], x, keep_x=True)
-            return out, w["ba"](x)
-        out = project(w["qkvz"], x)[0]
+            return out, w["ba"](x), x
         n = w["la"].conv_dim + w["la"].value_dim
-        return out[..., :n], out[..., n:]
+        return out[..., :n], out[..., n:], x
 
     def _delta_net_fused(self, i, w, x, positions):
         """`_delta_net` for a decode step or verify block with the kernels on: everything between the qkvz
@@ -213,7 +213,7 @@ class LeanQwen35(EngineBase):
         if dot:  # the kernel computes x @ ba.T
             qkvz, x = project(w["qkvz"], x, keep_x=True)
         else:
-            qkvz, ba = self._qkvz_ba(w, x)
+            qkvz, ba, x = self._qkvz_ba(w, x)
         norm = self.fuses_gdn_norm(w)
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
                                self.state[i], self.block_states[i] if t <= self.max_block else None,
@@ -259,7 +259,7 @@ class LeanQwen35(EngineBase):
         copies). Zeroed, they are a sequence start (the zero history the batch-1 path masks in)."""
         la = w["la"]
         t = x.shape[1]
-        qkvz, ba = self._qkvz_ba(w, x)
+        qkvz, ba, _ = self._qkvz_ba(w, x)
         mixed_in, z = qkvz.split([la.conv_dim, la.value_dim], dim=-1)
         window = torch.cat([conv_state, mixed_in], dim=1)  # [B, kernel-1+T, conv_dim]
         conv_state.copy_(window[:, t:])
