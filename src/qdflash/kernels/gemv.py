@@ -139,21 +139,27 @@ if triton is not None:
                             ROUND_FIRST: tl.constexpr, dt: tl.constexpr):
         """The RMSNorm of the residual stream h [N] (fp32) that the programs of this launch have stored, by the one that
         finishes last (`jit.last_to_arrive`), which sets the counter back to 0. Why: apart it
-        is a launch of its own after every residual add (two a layer) whose work is one 10 KB vector. x (`dt`) =
-        (h * rsqrt(mean(h^2) + eps)) * (w + W_OFFSET) (transformers' Qwen3.5 norm: W_OFFSET 1), or with ROUND_FIRST
-        w * round(h * rsqrt(...)) (the llama engine's `ops.rms_norm`), rounded where those round."""
+        is a launch of its own after every residual add (two a layer) whose work is one 10 KB vector. x (`dt`) is
+        `_weighted` of h * rsqrt(mean(h^2) + eps)."""
         if last_to_arrive(arrivals_ptr, tl.num_programs(0)):
             rh = tl.arange(0, N_P)
             ok = rh < N
             h = tl.load(h_ptr + rh, mask=ok, other=0.0, cache_modifier=".cg")
             normed = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / N + EPS)
             w = tl.load(norm_w_ptr + rh, mask=ok, other=0.0).to(tl.float32)
-            if ROUND_FIRST:
-                x = w * normed.to(dt).to(tl.float32)
-            else:
-                x = normed * (w + W_OFFSET)
-            tl.store(xn_ptr + rh, x.to(dt), mask=ok)
+            tl.store(xn_ptr + rh, _weighted(normed, w, W_OFFSET, ROUND_FIRST, dt), mask=ok)
             tl.store(arrivals_ptr, 0)
+
+    @triton.jit
+    def _weighted(normed, w, W_OFFSET, ROUND_FIRST: tl.constexpr, dt: tl.constexpr):
+        """An RMSNorm's output in `dt` from the normed stream (fp32) and the norm weight `w` (fp32): normed * (w + W_OFFSET)
+        (transformers' Qwen3.5 norm: W_OFFSET 1), or with ROUND_FIRST w * round(normed) (the llama engine's
+        `ops.rms_norm`), rounded where those round."""
+        if ROUND_FIRST:
+            x = w * normed.to(dt).to(tl.float32)
+        else:
+            x = normed * (w + W_OFFSET)
+        return x.to(dt)
 
     @triton.jit
     def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
@@ -290,12 +296,8 @@ if triton is not None:
         for c in range(0, span, cols.shape[0]):
             h = tl.load(src_ptr + rm[:, None] * stride_sm + (c + cols)[None, :], mask=m_ok, other=0.0)
             w = tl.load(in_w_ptr + c + cols).to(tl.float32)[None, :]
-            normed = h * rstd[:, None]
-            if IN_ROUND_FIRST:
-                x = w * normed.to(dt).to(tl.float32)
-            else:
-                x = normed * (w + IN_OFFSET)
-            tl.store(xs_ptr + rm[:, None] * K + (c + cols)[None, :], x.to(dt), mask=m_ok)
+            tl.store(xs_ptr + rm[:, None] * K + (c + cols)[None, :], _weighted(h * rstd[:, None], w, IN_OFFSET, IN_ROUND_FIRST, dt),
+                     mask=m_ok)
 
     @triton.jit
     def _rows_product(x, w, IEEE: tl.constexpr):
@@ -362,12 +364,7 @@ if triton is not None:
         for c in range(0, span, cols.shape[0]):
             h = tl.load(src_ptr + c + cols)
             w = tl.load(in_w_ptr + c + cols).to(tl.float32)
-            normed = h * rstd
-            if IN_ROUND_FIRST:
-                x = w * normed.to(dt).to(tl.float32)
-            else:
-                x = normed * (w + IN_OFFSET)
-            tl.store(xs_ptr + c + cols, x.to(dt))
+            tl.store(xs_ptr + c + cols, _weighted(h * rstd, w, IN_OFFSET, IN_ROUND_FIRST, dt))
 
 
 def fits(config: GemvConfig, k: int) -> bool:
@@ -486,6 +483,8 @@ def gemv_fused(weight: torch.Tensor, config: GemvConfig, x: torch.Tensor | None 
     if residual is not None and (tuple(residual.shape) != (m, n) or residual.dtype != torch.float32 or config.split_k != 1):
         raise QdflashError(f"gemv_fused: a residual [{m}, {n}] fp32 and one K split expected, got {tuple(residual.shape)} "
                            f"{residual.dtype}, {config}")
+    if x is not None and residual is None:  # nothing to fuse: the plain GEMV
+        return gemv(x, weight, config, swiglu=swiglu), x
     source = source.contiguous()
     residual = residual.contiguous() if residual is not None else None
     x_in = 0 if x is not None else 1 if stream is not None else 2
@@ -494,8 +493,6 @@ def gemv_fused(weight: torch.Tensor, config: GemvConfig, x: torch.Tensor | None 
     if pdl_for(source):  # as gemv: our op, an opaque node in a compiled step
         out, xs = _fused_op(source, weight, *config.args(), True, x_in, in_weight, float(eps), float(offset), round_first,
                             keep, residual, swiglu)
-    elif x_in == 0 and residual is None:
-        out, xs = _launch(source, weight, config, False, swiglu=swiglu), None
     else:
         out, xs = _launch(source if x_in == 0 else None, weight, config, False, swiglu=swiglu,
                           prologue=(x_in, source, in_weight, eps, offset, round_first, keep) if x_in else None,
@@ -510,8 +507,6 @@ def _fused_op(source: torch.Tensor, weight: torch.Tensor, block_n: int, block_k:
               round_first: bool, keep_x: bool, residual: torch.Tensor | None, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`gemv_fused`'s launch as one opaque node (`_gemv_op` says why): (raw output, x or an empty tensor)."""
     config = GemvConfig(block_n, block_k, split_k, num_warps, unrolled)
-    if x_in == 0 and residual is None:
-        return _launch(source, weight, config, pdl, swiglu=swiglu), source.new_empty(1, 0)
     return _launch(source if x_in == 0 else None, weight, config, pdl, residual=residual, swiglu=swiglu,
                    prologue=(x_in, source, in_weight, eps, offset, round_first, keep_x) if x_in else None)
 
