@@ -186,28 +186,23 @@ def prologue_config(projection: "Projection | Concat", x: "torch.Tensor | Deferr
 def gemv_config_of(projection: "Projection | Concat", rows: int):
     """The tuned GEMV config of a 16-bit projection (kernels on) at `rows` rows (1-16), else None."""
     p = projection
-    if rows > MAX_ROWS or not (isinstance(p, Projection) and p.weight is not None and p.kernels):
+    if not (isinstance(p, Projection) and p.weight is not None and p.kernels):
         return None
     return gemv_config(*p.weight.shape, p.weight.dtype, rows)
 
 
-def project(projection: "Projection | Concat", x: "torch.Tensor | Deferred", keep_x: bool = False, swiglu: bool = False):
+def project(projection: "Projection | Concat", x: "torch.Tensor | Deferred", keep_x: bool = False):
     """projection(x), with a Deferred x made in the projection's GEMV launch where `prologue_config` finds one (with
-    `keep_x`, the x it made is returned too, for a reader of x itself), else with the ops first. `swiglu` (where the
-    GEMV takes it, `swiglu_fits`): silu(gate) * up of the output, in the same launch. Returns (output, x as a tensor
-    where `keep_x`, else None)."""
+    `keep_x`, the x it made is returned too, for a reader of x itself), else with the ops first. Returns (output, x as
+    a tensor where `keep_x`, else None)."""
     config = prologue_config(projection, x)
-    if config is None or (swiglu and not swiglu_fits(config, projection.weight.shape[0])):
+    if config is None:
         x = value(x)
-        out = projection(x)
-        if swiglu:
-            gate, up = out.chunk(2, dim=-1)
-            out = F.silu(gate) * up
-        return out, (x if keep_x else None)
+        return projection(x), (x if keep_x else None)
     p = projection
-    out, made = _fused(p, config, x, keep_x=keep_x, swiglu=swiglu)
+    out, made = _fused(p, config, x, keep_x=keep_x)
     out = out.view(*x.shape[:-1], -1)
-    if p.bias is not None:  # (never with swiglu: `swiglu` asks for it only where swiglu_config found no bias)
+    if p.bias is not None:
         out = out + p.bias
     return out, (made.view(x.shape) if keep_x else None)
 
@@ -222,8 +217,9 @@ def swiglu(w13: "Projection | Concat", x: "torch.Tensor | Deferred", fused: bool
     rows = x.numel() // x.shape[-1]
     if defer and rows <= MAX_ROWS:
         # `fused` too: the product in w13's epilogue (its input in its prologue), else left to the down projection's
-        if fused and isinstance(x, Deferred) and swiglu_config(w13, rows) is not None and prologue_config(w13, x) is not None:
-            return project(w13, x, swiglu=True)[0]
+        config = swiglu_config(w13, rows) if fused and prologue_config(w13, x) is not None else None
+        if config is not None:
+            return _fused(w13, config, x, swiglu=True)[0].view(*x.shape[:-1], -1)
         return Deferred(gate_up=project(w13, x)[0])
     x = value(x)
     config = swiglu_config(w13, rows) if fused else None
@@ -241,16 +237,18 @@ def swiglu_config(w13: "Projection | Concat", rows: int):
 def epilogue_config(projection: "Projection | Concat", rows: int, fits):
     """The tuned 16-bit GEMV config of `projection` (no bias, kernels on) at `rows` rows where an epilogue can end it
     (`fits(config, n)`), else None."""
-    p = projection
-    if not (isinstance(p, Projection) and p.weight is not None and p.bias is None and p.kernels):
-        return None
-    config = gemv_config(*p.weight.shape, p.weight.dtype, rows)
-    return config if config is not None and fits(config, p.weight.shape[0]) else None
+    config = gemv_config_of(projection, rows)
+    return config if config is not None and projection.bias is None and fits(config, projection.weight.shape[0]) else None
 
 
 def residual_norm_config(projection: "Projection | Concat", rows: int):
     """The GEMV config `residual_norm(fused=True)` runs `projection` with at `rows` rows (one row, one K split), or None."""
     return epilogue_config(projection, 1, residual_norm_fits) if rows == 1 else None
+
+
+def residual_add_config(projection: "Projection | Concat", rows: int):
+    """The GEMV config `residual_norm(defer=True)` adds the residual in at `rows` rows (one K split), or None."""
+    return epilogue_config(projection, rows, lambda config, n: config.split_k == 1)
 
 
 class StreamNorm:
@@ -295,8 +293,8 @@ def _residual_add(projection: "Projection | Concat", x: "torch.Tensor | Deferred
     GEMV runs, the add in its epilogue where it runs in one K split (no bias), else these ops."""
     p = projection
     rows = h.numel() // h.shape[-1]
-    config = gemv_config_of(p, rows) if p.bias is None else None
-    if config is None or config.split_k != 1 or not (isinstance(x, torch.Tensor) or prologue_config(p, x) is not None):
+    config = residual_add_config(p, rows)
+    if config is None or not (isinstance(x, torch.Tensor) or prologue_config(p, x) is not None):
         return h + project(p, x)[0]
     return _fused(p, config, x, residual=h.reshape(rows, -1))[0].view(h.shape)
 
