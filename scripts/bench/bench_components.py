@@ -46,10 +46,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import time
-import traceback
 from typing import NamedTuple
 
 import torch
@@ -63,6 +61,7 @@ from qdflash.engine import build_engine
 from qdflash.engine.base import allow_compiles, compiled_step
 from qdflash.engine.graphs import restore, snapshot
 from qdflash.engine.linear import pack_linears, tune_projections
+from qdflash.errors import raised_at
 from qdflash.kernels.pdl import set_pdl
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
 from qdflash.quant.apply import replace_linears, select_linears
@@ -302,10 +301,8 @@ def unfused_gdn_arm(engine, args, device, layer_ids, bandwidth) -> dict:
 
 
 def error_text(err: BaseException) -> str:
-    """An exception for a result file: its type and message, and where it was raised (the innermost three frames), so a
-    failure on the device can be found without rerunning it there."""
-    frames = traceback.extract_tb(err.__traceback__)[-3:]
-    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+    """An exception for a result file: its type and message, and where it was raised (the innermost three frames)."""
+    where = raised_at(err, 3)
     return f"{type(err).__name__}: {str(err)[:300]}" + (f" (at {where})" if where else "")
 
 
@@ -447,7 +444,7 @@ def epilogues_in_use(engine) -> dict:
     swiglu at 1 row and at 2-16, the GDN kernel's gated norm, and (projections, not layers) the one-row GEMVs that end in
     the residual add and the norm after it (the o / GDN out projection's, the down projection's but the last layer's).
     An arm whose counts are all 0 ran the base's code."""
-    from qdflash.engine.linear import epilogue_config, gemv_config_of, residual_norm_config, swiglu_config
+    from qdflash.engine.linear import gemv_config_of, residual_add_config, residual_norm_config, swiglu_config
     from qdflash.kernels import MAX_ROWS
 
     out = {f"swiglu@{rows}": sum(engine.fuse_swiglu and swiglu_config(w["w13"], rows) is not None for w in engine.layers)
@@ -457,13 +454,19 @@ def epilogues_in_use(engine) -> dict:
     out["residual_norm@1"] = sum(engine.kernels and engine.fuse_residual_norm and residual_norm_config(p, 1) is not None
                                  for p in ends)
     # fuse_prologues, at 1 row and at 2-16: the 16-bit GEMVs that make their x (the mixer's input projection, gate / up,
-    # down) and those that add the residual (o / GDN out, down: one K split)
+    # and down where the gate / up GEMV did not make silu(gate) * up in its epilogue) and those that add the residual
+    # (o / GDN out, down: one K split)
     on = engine.kernels and getattr(engine, "fuse_prologues", False)
-    readers = [w[name] for w in engine.layers for name in ("wqkv", "qkv", "qkvz", "w13", "w2") if name in w]
     adds = [w[name] for w in engine.layers for name in ("wo", "o", "out", "w2") if name in w]
     for rows in (1, MAX_ROWS):
-        out[f"prologue@{rows}"] = sum(on and gemv_config_of(p, rows) is not None for p in readers)
-        out[f"residual_add@{rows}"] = sum(on and epilogue_config(p, rows, lambda c, n: c.split_k == 1) is not None for p in adds)
+        made = 0
+        for w in engine.layers:
+            readers = [w[name] for name in ("wqkv", "qkv", "qkvz", "w13") if name in w]
+            if not (engine.fuse_swiglu and swiglu_config(w["w13"], rows) is not None):
+                readers.append(w["w2"])  # silu(gate) * up made in its prologue, not in the gate / up GEMV's epilogue
+            made += sum(gemv_config_of(p, rows) is not None for p in readers)
+        out[f"prologue@{rows}"] = made if on else 0
+        out[f"residual_add@{rows}"] = sum(on and residual_add_config(p, rows) is not None for p in adds)
     return out
 
 

@@ -26,15 +26,13 @@ speed, and the engine runs those shapes on the dequantized weight instead (engin
 
 from __future__ import annotations
 
-import os
-import traceback
 import warnings
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import QdflashError
+from ..errors import QdflashError, raised_at
 from ..quant.grid import GridSpec, dequantize
 from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, row_bucket, tinygemm
 from .pdl import launch_options, pdl_for
@@ -445,9 +443,8 @@ def _check_fast(x, words, scale, group: int, configs: list[Config]) -> tuple[lis
             try:
                 error = _relative_error(w4a16_matmul(x, words, scale, group, config).float(), reference)
             except Exception as err:  # noqa: BLE001 -- a tile that does not build or launch here is dropped, not fatal
-                frame = traceback.extract_tb(err.__traceback__)[-1]  # where: a device-only failure is found from the warning
                 problems.append(f"{config}: raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''} "
-                                f"(at {os.path.basename(frame.filename)}:{frame.lineno} {frame.name})")
+                                f"(at {raised_at(err)})")
                 continue
             if error > EXTERNAL_TOLERANCE:
                 problems.append(f"{config}: off the dequantized product by {error:.3g} (relative)")
