@@ -329,7 +329,7 @@ class Arm(NamedTuple):
 # up GEMV, each residual add and the norm after it in the one-row GEMV before them)
 EPILOGUES = {"gdn_norm": "gdn_fuse_norm", "swiglu": "fuse_swiglu", "residual_norm": "fuse_residual_norm",
              "prologues": "fuse_prologues"}
-# `--epilogues`' arms: the fusions at the end of a kernel (fuse_prologues replaces the GEMV ones at one row: its own arms)
+# `--epilogues`' arms: the fusions at the end of a kernel (fuse_prologues, which takes over the residual norm, has arms of its own)
 ENDS = ("gdn_norm", "swiglu", "residual_norm")
 
 
