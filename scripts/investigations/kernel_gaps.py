@@ -1,7 +1,7 @@
 """Where do the gaps between a decode step's kernels come from? Chains of launches captured in one CUDA graph, each
 timed two ways: wall time per launch (graph replays, CUDA events) and the kernels' own time (torch.profiler); the
 difference per launch is the gap. Why: on the H100 (results/published/2026-12-05-h100-prologues-pdl) the compiled
-W4 step had 1.23 µs of gap per kernel against 0.58 µs for the 16-bit step, and the 16-bit step with the prologue
+W4 step had 1.22 µs of gap per kernel against 0.58 µs for the 16-bit step, and the 16-bit step with the prologue
 fusions 1.13 µs: ~480 µs of a 3.1 ms W4 step is time in which no kernel runs. If chains of one kind of kernel show
 small gaps and chains that alternate kinds (our Triton GEMVs, inductor-sized elementwise kernels, torch's tinygemm,
 vLLM's Marlin) large ones, the switch between kernels is what costs (e.g. a different shared-memory carveout to set
