@@ -85,6 +85,9 @@ def test_component_bench_runs_on_the_cpu(runs):
         assert r[f"{label}.decode_compiled_ms"] > 0 and r[f"{label}.verify_compiled_ms"] > 0, r.get(f"{label}.compile_error")
     for label in ("drafter16", "drafter_w4"):
         assert r[f"{label}.step_compiled_ms"] > 0 and r[f"{label}.compiled_drafts_agree"] == 1.0, r.get(f"{label}.compile_error")
+    for key, label in (("w4", "target_w4"), ("w4_head", "target_w4_head")):
+        assert r[f"{key}_compiled_decode_speedup_over_16bit_compiled"] == pytest.approx(
+            r["target16.decode_compiled_ms"] / r[f"{label}.decode_compiled_ms"], abs=1e-3)
     assert r["compiled.drafter_w4_step_over_target_w4_decode"] == pytest.approx(
         r["drafter_w4.step_compiled_ms"] / r["target_w4.decode_compiled_ms"], abs=1e-4)
     assert r["compiled.implied_speedup.tau3.0.target16+drafter16.vs_ar16"] == pytest.approx(
