@@ -666,7 +666,7 @@ def gdn_step_case(tokens, pdl=False, norm=False):
                  "out_ptr": "*fp32", "states_ptr": "*fp32", **GDN_NORM_ARGS, "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32",
                  "SCALE": "fp32", "EPS": "fp32"}
     return "qdflash.kernels.gated_delta", "_gated_delta_step_kernel", signature, dict(
-        HIDDEN=2560, HIDDEN_P=4096, T=tokens, T_P=tokens, REP=2, KW=4, KW_P=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, BA_DOT=True,
+        HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512, T=tokens, T_P=tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, BA_DOT=True,
         STORE_STATES=True, PDL=pdl, NORM=norm, ROUND_PRODUCT=norm)
 
 
@@ -761,7 +761,7 @@ def aligned_args(signature):
 def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
     """With PDL (kernels.pdl.set_pdl) each matmul kernel and the GDN kernels lower for sm_90 with one grid-dependency
     wait, loads issued before it (a matmul's first weight tile: a weight is no kernel's output; the GDN kernels'
-    weights and recurrent state), no global write before it, the next kernel released after it, and no spill;
+    recurrent state), no global write before it, the next kernel released after it, and no spill;
     without PDL (checked on one case), neither instruction. The fast W4
     tile carries BF16_NIBBLES's bf16x2 FMAs (8 a word) into its PTX, the others none. The kernels ending in a norm of
     values other programs wrote (the GDN kernels' gated norm; the one-row GEMV's residual norm, at the down projection's

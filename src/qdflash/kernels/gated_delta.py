@@ -70,41 +70,24 @@ if triton is not None:
     @triton.jit
     def _gated_delta_step_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, x_ptr, ba_ptr, ba_stride, decay_ptr, dt_bias_ptr,
                                  state_ptr, out_ptr, states_ptr, norm_w_ptr, y_ptr, arrivals_ptr, HV, KEY_DIM, CONV_DIM, SCALE,
-                                 EPS, HIDDEN: tl.constexpr, HIDDEN_P: tl.constexpr, T: tl.constexpr, T_P: tl.constexpr,
-                                 REP: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                                 EPS, HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr, T: tl.constexpr,
+                                 T_P: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                  BLOCK_V: tl.constexpr, BA_DOT: tl.constexpr, STORE_STATES: tl.constexpr, PDL: tl.constexpr,
                                  NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
-        """PDL (kernels.pdl.set_pdl): the weights and the recurrent state are loaded before `pdl_wait`; the next kernel is
-        released after the last token's update (`pdl_release`).
-        Only the kernel right before this one may still be running (kernels.pdl), and it writes neither: the state
-        is written only by this layer's GDN kernel (or a rollback between steps). NORM: `_gated_norm_tail` after
-        the last token."""
+        """PDL (kernels.pdl.set_pdl): the recurrent state is loaded before `pdl_wait`; the next kernel is released
+        after the last token's update (`pdl_release`). Only the kernel right before this one may still be running
+        (kernels.pdl), and it writes no state: the state is written only by this layer's GDN kernel (or a rollback
+        between steps). NORM: `_gated_norm_tail` after the last token."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         rk = tl.arange(0, DK)
-        rj = tl.arange(0, KW_P)  # conv taps (padded to a power of two)
-        rh = tl.arange(0, HIDDEN_P)
         qc = (h // REP) * DK + rk  # this value head's query channels (key heads are shared by REP value heads)
         kc = KEY_DIM + qc
         vc = 2 * KEY_DIM + h * DV + rv
         dt = qkvz_ptr.dtype.element_ty
         if not PDL:
             start = tl.load(pos_ptr)  # the block's first position (positions are consecutive)
-        # what every token uses alike, loaded once: the conv taps' weights, this head's a / b projection rows,
-        # dt_bias and the decay
-        tap = (rj < KW)[:, None]
-        wq = tl.load(conv_w_ptr + qc[None, :] * KW + rj[:, None], mask=tap, other=0.0).to(tl.float32)
-        wk = tl.load(conv_w_ptr + kc[None, :] * KW + rj[:, None], mask=tap, other=0.0).to(tl.float32)
-        wv = tl.load(conv_w_ptr + vc[None, :] * KW + rj[:, None], mask=tap, other=0.0).to(tl.float32)
-        if BA_DOT:
-            wb = tl.load(ba_ptr + h * HIDDEN + rh, mask=rh < HIDDEN, other=0.0).to(tl.float32)
-            wa = tl.load(ba_ptr + (HV + h) * HIDDEN + rh, mask=rh < HIDDEN, other=0.0).to(tl.float32)
-        else:
-            wb = tl.zeros([2], dtype=tl.float32)  # unused: the product is given
-            wa = wb
-        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        decay = tl.load(decay_ptr + h)
         tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
         s = tl.load(state_ptr + tile)
         if PDL:
@@ -113,23 +96,22 @@ if triton is not None:
         if STORE_STATES:
             tl.store(states_ptr + tile, s)
         # Token by token, only the state update depends on the token before. A token's inputs (conv, silu,
-        # l2norm, gates) do not: token t + 1's loads are issued before token t's recurrence, and computed after
-        # it, so they are in flight while the recurrence runs (a reduction across warps is a barrier, which
-        # no load or use moves across: computed before it, they would wait there). The last token is peeled
-        # off the loop so a decode step (T = 1) loads nothing it does not use.
-        xq, xk, xv, xh, here_q, here_k, here_v = _load_inputs(start, 0, qkvz_ptr, qkvz_stride, conv_in_ptr, x_ptr, ba_ptr, ba_stride,
-                                                              qc, kc, vc, rj, rh, h, vb, HV, CONV_DIM, REP, KW, HIDDEN, BA_DOT)
-        qq, kk, vv, kq, g, beta = _inputs(start, 0, conv_in_ptr, xq, xk, xv, xh, here_q, here_k, here_v, wq, wk, wv, wb, wa,
-                                          dt_bias, decay, qc, kc, vc, rk, h, vb, CONV_DIM, SCALE, dt, REP, BA_DOT)
+        # l2norm, gates) do not, so token t + 1's are loaded and computed while token t's recurrence runs: a
+        # verify block does not wait on memory once per token. The last token is peeled off the loop so a
+        # decode step (T = 1) computes no inputs it does not use. (Holding the conv and a / b weights in
+        # registers for the whole launch, with each token's conv taps as one [taps, channels] tile, took ~18%
+        # longer a decode step and ~25% a verify block on the H200: results/published/2026-12-05-h200-components-gaps.)
+        qq, kk, vv, kq, g, beta = _step_inputs(start, 0, qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, x_ptr, ba_ptr, ba_stride,
+                                               decay_ptr, dt_bias_ptr, qc, kc, vc, rk, rv, h, vb, HV, CONV_DIM, SCALE, dt, REP,
+                                               KW, HIDDEN, H_CHUNKS, BLOCK_H, BA_DOT)
         for t in range(T - 1):
-            xq, xk, xv, xh, here_q, here_k, here_v = _load_inputs(start, t + 1, qkvz_ptr, qkvz_stride, conv_in_ptr, x_ptr, ba_ptr,
-                                                                  ba_stride, qc, kc, vc, rj, rh, h, vb, HV, CONV_DIM, REP, KW,
-                                                                  HIDDEN, BA_DOT)
+            nq, nk, nv, nkq, ng, nbeta = _step_inputs(start, t + 1, qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, x_ptr, ba_ptr,
+                                                      ba_stride, decay_ptr, dt_bias_ptr, qc, kc, vc, rk, rv, h, vb, HV, CONV_DIM,
+                                                      SCALE, dt, REP, KW, HIDDEN, H_CHUNKS, BLOCK_H, BA_DOT)
             s = _step_state(s, qq, kk, vv, kq, g, beta, out_ptr + (t * HV + h) * DV + rv)
             if STORE_STATES:
                 tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
-            qq, kk, vv, kq, g, beta = _inputs(start, t + 1, conv_in_ptr, xq, xk, xv, xh, here_q, here_k, here_v, wq, wk, wv, wb,
-                                              wa, dt_bias, decay, qc, kc, vc, rk, h, vb, CONV_DIM, SCALE, dt, REP, BA_DOT)
+            qq, kk, vv, kq, g, beta = nq, nk, nv, nkq, ng, nbeta
         s = _step_state(s, qq, kk, vv, kq, g, beta, out_ptr + ((T - 1) * HV + h) * DV + rv)
         if PDL:
             pdl_release()
@@ -241,50 +223,57 @@ if triton is not None:
         return a0 + a1, b0 + b1
 
     @triton.jit
-    def _load_inputs(start, t, qkvz_ptr, qkvz_stride, conv_in_ptr, x_ptr, ba_ptr, ba_stride, qc, kc, vc, rj, rh, h, vb, HV,
-                     CONV_DIM, REP: tl.constexpr, KW: tl.constexpr, HIDDEN: tl.constexpr, BA_DOT: tl.constexpr):
-        """Token t's loads, nothing computed from them: the conv's input rows p-KW+1..p as [taps, channels]
-        tiles (this block's rows from qkvz, earlier ones from the conv-input buffer, zero before the sequence
-        start), its hidden state (for the a / b dot; else its a / b projection, as [HIDDEN_P] with b, a first),
-        and its own conv inputs again, which `_inputs` writes to the buffer."""
-        row = start + t - (KW - 1) + rj  # [taps]
-        cur = ((rj < KW) & (row >= start))[:, None]
-        old = ((rj < KW) & (row >= 0) & (row < start))[:, None]
-        src = qkvz_ptr + (row - start)[:, None] * qkvz_stride
-        buf = conv_in_ptr + row[:, None] * CONV_DIM
-        xq = tl.load(tl.where(cur, src + qc[None, :], buf + qc[None, :]), mask=cur | old, other=0.0)
-        xk = tl.load(tl.where(cur, src + kc[None, :], buf + kc[None, :]), mask=cur | old, other=0.0)
-        xv = tl.load(tl.where(cur, src + vc[None, :], buf + vc[None, :]), mask=cur | old, other=0.0)
+    def _step_inputs(start, t, qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, x_ptr, ba_ptr, ba_stride, decay_ptr, dt_bias_ptr,
+                     qc, kc, vc, rk, rv, h, vb, HV, CONV_DIM, SCALE, dt: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr,
+                     HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr, BA_DOT: tl.constexpr):
+        """Token t's q, k (l2-normed; q / sqrt(dk)), v, k . q, decay g and beta: what its recurrence step
+        reads, none of it from the state. Also writes the token's conv inputs to the buffer (a later step
+        reads them as history): each program its value channels, the first program of a key head its query
+        and key channels. The same arithmetic for a token whatever the block's length."""
+        p = start + t
+        # the gates: b, a = x @ in_proj_b / a (this head's rows), rounded as the 16-bit projection's output
+        # would be. The hidden chunks unrolled: all their loads are issued at once (a loop over them waited on
+        # memory once per chunk, ~15 us a layer on the H200 at hidden 2,560). A token's sum runs over the same
+        # chunks in the same order whatever the block's length.
         if BA_DOT:
-            xh = tl.load(x_ptr + t * HIDDEN + rh, mask=rh < HIDDEN, other=0.0)
-        else:  # ba_ptr: the projection's output [T, 2 * HV] (b heads, then a heads; rows ba_stride apart): this head's b, a
-            xh = tl.load(ba_ptr + t * ba_stride + h + HV * tl.arange(0, 2))
-        own = (qc * 0 + h % REP + vb) == 0  # the first program of a key head writes its query and key channels
-        here = qkvz_ptr + t * qkvz_stride
-        return xq, xk, xv, xh, tl.load(here + qc, mask=own, other=0.0), tl.load(here + kc, mask=own, other=0.0), tl.load(here + vc)
-
-    @triton.jit
-    def _inputs(start, t, conv_in_ptr, xq, xk, xv, xh, here_q, here_k, here_v, wq, wk, wv, wb, wa, dt_bias, decay, qc, kc, vc, rk,
-                h, vb, CONV_DIM, SCALE, dt: tl.constexpr, REP: tl.constexpr, BA_DOT: tl.constexpr):
-        """Token t's q, k (l2-normed; q / sqrt(dk)), v, k . q, decay g and beta from its loads: what its
-        recurrence step reads, none of it from the state. Also writes the token's conv inputs to the buffer (a
-        later step reads them as history): each program its value channels, the first program of a key head
-        its query and key channels. The same arithmetic for a token whatever the block's length."""
-        # the gates: b, a = x @ in_proj_b / a (this head's rows), rounded as the 16-bit projection's output would be
-        if BA_DOT:
-            xf = xh.to(tl.float32)
-            b, a = tl.reduce((xf * wb, xf * wa), 0, _add2)
-            b = b.to(dt).to(tl.float32)
-            a = a.to(dt).to(tl.float32)
-        else:
-            xf = xh.to(tl.float32)
-            b = tl.sum(tl.where(tl.arange(0, 2) == 0, xf, 0.0), axis=0)
-            a = tl.sum(tl.where(tl.arange(0, 2) == 1, xf, 0.0), axis=0)
-        g, beta = _gates(a, b, dt_bias, decay)
-        # the causal conv over the taps, then silu
-        qq = silu_rounded(tl.sum(xq.to(tl.float32) * wq, axis=0), dt)
-        kk = silu_rounded(tl.sum(xk.to(tl.float32) * wk, axis=0), dt)
-        vv = silu_rounded(tl.sum(xv.to(tl.float32) * wv, axis=0), dt)
+            acc_b = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc_a = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for c in tl.static_range(H_CHUNKS):
+                rh = c * BLOCK_H + tl.arange(0, BLOCK_H)
+                mh = rh < HIDDEN
+                xt = tl.load(x_ptr + t * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+                acc_b += xt * tl.load(ba_ptr + h * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+                acc_a += xt * tl.load(ba_ptr + (HV + h) * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+            b = tl.sum(acc_b, axis=0).to(dt).to(tl.float32)
+            a = tl.sum(acc_a, axis=0).to(dt).to(tl.float32)
+        else:  # ba_ptr: the projection's output [T, 2 * HV] (b heads, then a heads; rows ba_stride apart)
+            b = tl.load(ba_ptr + t * ba_stride + h).to(tl.float32)
+            a = tl.load(ba_ptr + t * ba_stride + HV + h).to(tl.float32)
+        g, beta = _gates(a, b, tl.load(dt_bias_ptr + h).to(tl.float32), tl.load(decay_ptr + h))
+        # the causal conv at p over inputs p-KW+1..p: this block's rows from qkvz, earlier ones from the
+        # conv-input buffer (zero before the sequence start); each tap accumulated in place, so no sum over
+        # the taps crosses threads
+        aq = tl.zeros(rk.shape, dtype=tl.float32)
+        ak = tl.zeros(rk.shape, dtype=tl.float32)
+        av = tl.zeros(rv.shape, dtype=tl.float32)
+        for j in tl.static_range(KW):
+            row = p - (KW - 1) + j
+            row_k = rk * 0 + row  # the row as vectors: the masks of the two sources
+            row_v = rv * 0 + row
+            src = qkvz_ptr + (row - start) * qkvz_stride
+            buf = conv_in_ptr + row * CONV_DIM
+            cur_k, old_k = row_k >= start, (row_k >= 0) & (row_k < start)
+            cur_v, old_v = row_v >= start, (row_v >= 0) & (row_v < start)
+            xq = tl.load(src + qc, mask=cur_k, other=0.0) + tl.load(buf + qc, mask=old_k, other=0.0)
+            xk = tl.load(src + kc, mask=cur_k, other=0.0) + tl.load(buf + kc, mask=old_k, other=0.0)
+            xv = tl.load(src + vc, mask=cur_v, other=0.0) + tl.load(buf + vc, mask=old_v, other=0.0)
+            aq += xq.to(tl.float32) * tl.load(conv_w_ptr + qc * KW + j).to(tl.float32)
+            ak += xk.to(tl.float32) * tl.load(conv_w_ptr + kc * KW + j).to(tl.float32)
+            av += xv.to(tl.float32) * tl.load(conv_w_ptr + vc * KW + j).to(tl.float32)
+        # silu, rounded where the unfused layer rounds (the conv's and the silu's 16-bit outputs)
+        qq = silu_rounded(aq, dt)
+        kk = silu_rounded(ak, dt)
+        vv = silu_rounded(av, dt)
         # l2norm (then q / sqrt(dk)) and k . q from one reduction over the key dimension
         q2, k2, kq = tl.reduce((qq * qq, kk * kk, kk * qq), 0, _add3)
         rq = 1.0 / tl.sqrt(q2 + 1e-6)
@@ -292,11 +281,11 @@ if triton is not None:
         qq = qq * rq / SCALE
         kk = kk * rk2
         kq = kq * rk2 * rq / SCALE
-        p = start + t
         own = (rk * 0 + h % REP + vb) == 0
-        tl.store(conv_in_ptr + p * CONV_DIM + vc, here_v)
-        tl.store(conv_in_ptr + p * CONV_DIM + qc, here_q, mask=own)
-        tl.store(conv_in_ptr + p * CONV_DIM + kc, here_k, mask=own)
+        here = qkvz_ptr + t * qkvz_stride
+        tl.store(conv_in_ptr + p * CONV_DIM + vc, tl.load(here + vc))
+        tl.store(conv_in_ptr + p * CONV_DIM + qc, tl.load(here + qc, mask=own, other=0.0), mask=own)
+        tl.store(conv_in_ptr + p * CONV_DIM + kc, tl.load(here + kc, mask=own, other=0.0), mask=own)
         return qq, kk, vv, kq, g, beta
 
     @triton.jit
@@ -353,6 +342,7 @@ CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs 
 # 16-token block keeps 32 columns x 4 warps in registers only without the next token's inputs in flight;
 # 16 x 4 holds both (tests/test_kernels.py compiles it for sm_90 and checks it does not spill).
 STEP_BLOCK_V, STEP_WARPS = 16, 4
+STEP_BLOCK_H = 512  # the a / b dot's hidden chunk: Qwen3.5-4B's 2,560 in 5 whole chunks (a power of two pads 2,560 to 4,096)
 # the two-phase block kernel's warps at that value block: its [T, dk] input tiles (and their 64-bit address tiles)
 # take 168 registers a thread at 4 warps and 100 at 8 (sm_90 compile at 16 tokens with a launch's alignment,
 # tests' sm90_resources; neither spills). 8 for the lighter programs until the H200 times both (bench_gdn_step)
@@ -476,8 +466,8 @@ def _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, s
         _gated_delta_step_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
             state if states is None else states, *tail, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), norm_eps,
-            HIDDEN=hidden, HIDDEN_P=triton.next_power_of_2(hidden), T=t, T_P=t_p, REP=heads // key_heads, KW=kw,
-            KW_P=triton.next_power_of_2(kw), DK=dk, DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None,
+            HIDDEN=hidden, H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, T=t, T_P=t_p, REP=heads // key_heads, KW=kw,
+            DK=dk, DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None,
             PDL=pdl, **tail_args, num_warps=num_warps, **launch)
     return y if norm else out
 
