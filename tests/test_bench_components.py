@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
                # plumbing: each arm retuned, checked, measured and set against the first (not compiled here: the
                # components run above covers --compile, and a compile per arm would double this test's time)
                "pdl": Started(folder, "pdl", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
-                              "--pdl-only", "--inductor-pdl", "--gdn-ba", "dot,fused", "--gdn-two-phase", "--epilogues"),
+                              "--pdl-only", "--inductor-pdl", "--gdn-ba", "dot,fused", "--gdn-two-phase", "--gdn-chunked", "--epilogues"),
                "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
                                "--attention", "sdpa,kernel", "--kernels", "on"),
                # --compile (traced with aot_eager: Triton's interpreter does not run under dynamo, so sdpa here)
@@ -108,9 +108,10 @@ def test_pdl_study_runs_each_arm_on_the_cpu(runs):
     r = runs["pdl"].result()
     assert r["target_w4_gdn_fused"].startswith("skipped: the W4 target's qkvz is 4-bit")
     assert r["target_w4_gdn_fused_two_phase"].startswith("skipped: the W4 target's qkvz is 4-bit")
+    assert r["target_w4_gdn_fused_chunked"].startswith("skipped: the W4 target's qkvz is 4-bit")
     for label in ("target16", "target_w4"):
         for suffix in ("", "_pdl", "_pdl_inductor", "_epilogues", "_pdl_epilogues") + (
-                ("_gdn_fused", "_gdn_fused_two_phase") if label == "target16" else ()):
+                ("_gdn_fused", "_gdn_fused_two_phase", "_gdn_fused_chunked") if label == "target16" else ()):
             arm = label + suffix
             assert r[f"{arm}.decode_ms"] > 0 and r[f"{arm}.verify_ms"] > 0, r.get(f"{arm}.error")
             assert r[f"{arm}.graph_vs_eager_max_abs"] == 0.0
@@ -265,8 +266,8 @@ def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_q
 
 def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
     """bench_gdn_step.py's variants on one tiny layer through the kernels (Triton's interpreter here; the script
-    itself needs CUDA for its timings): dot, given and two_phase give the same outputs for a 4-token block and a
-    decode step (to fp32 rounding), so a device run times the same computation three ways, and norm gives
+    itself needs CUDA for its timings): dot, given, two_phase and chunked give the same outputs for a 4-token block and a
+    decode step (to fp32 rounding), so a device run times the same computation four ways, and norm gives
     transformers' gated norm of that output (what the script checks a device run against); bad --variants and
     --launches values are clear errors."""
     import argparse
@@ -283,10 +284,10 @@ def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
         layer = {k: v.float() if v is not None and v.is_floating_point() else v for k, v in layer.items()}
         layer["ba_product"] = layer["x"] @ layer["ba"].T  # from the fp32 copies, as the dot computes it
         start, outs = layer["state"].clone(), {}
-        for variant in ("dot", "given", "two_phase"):
+        for variant in ("dot", "given", "two_phase", "chunked"):
             layer["state"].copy_(start)
             outs[variant] = bench_gdn_step.run(layer, 16, 4, tokens > 1, variant)
-        for variant in ("given", "two_phase"):
+        for variant in ("given", "two_phase", "chunked"):
             torch.testing.assert_close(outs[variant], outs["dot"], atol=1e-5, rtol=1e-5)
         layer["state"].copy_(start)
         y = bench_gdn_step.run(layer, 16, 4, tokens > 1, "norm")  # the gated norm's tail: transformers' norm of dot's o

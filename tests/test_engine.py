@@ -239,14 +239,16 @@ def test_a_quantized_lm_head_runs_in_the_engine_the_drafter_and_the_loop(family,
 
 
 @pytest.mark.parametrize("gdn_ba,two_phase,fuse_norm", [("dot", False, False), ("given", False, False), ("fused", False, False),
-                                                        ("fused", True, False), ("dot", False, True), ("fused", True, True)])
+                                                        ("fused", True, False), ("dot", False, True), ("fused", True, True),
+                                                        ("given", "chunked", False)])
 def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phase, fuse_norm, monkeypatch):
     """kernels=True: the Gated DeltaNet recurrence runs in the Triton kernels (their interpreter here): a
     20-token prompt through the unfused layer and the recurrence kernel, a verify block and a decode step
     through the fused layer middle (gated_delta_step). Both keep per-position states, and a rollback into
     a block still predicts what a fresh forward does. Whichever way the gates get their b / a projection
     (`gdn_ba`: in the kernel, its own matmul, or the tail of the qkvz matmul), and with the block through the
-    two-phase kernel (`gdn_two_phase`), and with the gated norm in the same launch (`gdn_fuse_norm`)."""
+    two-phase kernel (`gdn_two_phase`) or in the chunked form (`gdn_chunked`), and with the gated norm in the same launch
+    (`gdn_fuse_norm`)."""
     pytest.importorskip("triton")
     import qdflash.engine.qwen3_5 as qwen3_5
     from qdflash.kernels.gated_delta import gated_delta_step
@@ -254,12 +256,12 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
     calls = []
 
     def counted(qkvz, *args, **kwargs):
-        calls.append((qkvz.shape[0], kwargs["two_phase"], kwargs["norm_weight"] is not None))
+        calls.append((qkvz.shape[0], "chunked" if kwargs["chunked"] else kwargs["two_phase"], kwargs["norm_weight"] is not None))
         return gated_delta_step(qkvz, *args, **kwargs)
 
     monkeypatch.setattr(qwen3_5, "gated_delta_step", counted)
     engine = build_engine(tiny_qwen, max_len=64, kernels=True, gdn_ba=gdn_ba)
-    engine.gdn_two_phase, engine.gdn_fuse_norm = two_phase, fuse_norm
+    engine.gdn_two_phase, engine.gdn_chunked, engine.gdn_fuse_norm = two_phase is True, two_phase == "chunked", fuse_norm
     assert engine.kernels and engine.fuse_gdn
     gdn = [w for w in engine.layers if "la" in w]
     assert all((w["ba"] is None) == (gdn_ba == "fused") for w in gdn)  # fused: one projection fewer a layer

@@ -350,16 +350,16 @@ def test_pdl_launches_compute_what_plain_launches_do(pdl_interpreter):
     decay, dt_bias = -torch.rand(heads, generator=g), torch.randn(heads, generator=g)
     history, state0 = torch.randn(8, conv_dim, generator=g), torch.randn(heads, dk, dv, generator=g) * 0.1
     norm_weight = torch.rand(dv, generator=g) + 0.5
-    for two_phase, norm in ((False, False), (True, False), (False, True)):
+    for two_phase, chunked, norm in ((False, False, False), (True, False, False), (False, True, False), (False, False, True)):
         results = []
         for pdl in (True, False):
             conv_in, state, states = history.clone(), state0.clone(), torch.zeros(tokens + 1, heads, dk, dv)
             arrivals = torch.zeros(heads, dtype=torch.int32)
             out = gdn_module._launch_step(qkvz, conv_in, conv_w, torch.arange(3, 3 + tokens), torch.zeros(tokens, hidden), ba, decay,
-                                          dt_bias, state, states, key_heads, key_dim, False, 16, 4, two_phase,
+                                          dt_bias, state, states, key_heads, key_dim, False, 16, 4, two_phase, chunked,
                                           norm_weight if norm else None, 1e-6, arrivals, pdl)
             results.append((out, conv_in, state, states, arrivals))
-        assert all(torch.equal(a, b) for a, b in zip(*results)), (two_phase, norm)
+        assert all(torch.equal(a, b) for a, b in zip(*results)), (two_phase, chunked, norm)
 
 
 def test_w4a16_matmul_refuses_what_it_cannot_do():
@@ -428,7 +428,8 @@ def gdn_middle_reference(qkvz, x, conv_w, ba_w, decay, dt_bias, key_heads, dk, s
 
 
 @pytest.mark.parametrize("ba_weight,through_op,two_phase", [(True, False, False), (False, False, False), (True, True, False),
-                                                             (False, False, True), (False, True, True)])
+                                                             (False, False, True), (False, True, True), (False, False, "chunked"),
+                                                             (False, True, "chunked")])
 def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two_phase, monkeypatch):
     """gated_delta_step (conv + silu + l2norm + gates + recurrence in one launch) fed a sequence in pieces
     (a prompt from position 0, a decode step, verify blocks; history from its buffer and from the block)
@@ -437,7 +438,8 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two
     the same through `qdflash::gated_delta_step`, the op it launches through with PDL (kernels.pdl.set_pdl; here
     without PDL, which the CPU has not), its buffers written in place by the op, a compiled step's way
     (test_the_gated_delta_op_compiles_as_one_node). `two_phase`: the block kernel that computes every token's
-    inputs first (its sums in another order: blocks and steps then agree to fp32 rounding)."""
+    inputs first (its sums in another order: blocks and steps then agree to fp32 rounding); "chunked": that kernel
+    with the block's recurrence as matmuls (the chunked form), likewise to fp32 rounding."""
     from qdflash.kernels import gated_delta as gdn_module
     from qdflash.kernels.gated_delta import gated_delta_step
 
@@ -467,7 +469,8 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two
             outs.append(gated_delta_step(qkvz[start:end].to(DEVICE), conv_in, conv_w.to(DEVICE),
                                          torch.arange(start, end, device=DEVICE), x[start:end].to(DEVICE), ba.to(DEVICE),
                                          decay.to(DEVICE), dt_bias.to(DEVICE), state, states, key_heads=key_heads,
-                                         key_dim=key_dim, ba_weight=ba_weight, two_phase=two_phase))
+                                         key_dim=key_dim, ba_weight=ba_weight, two_phase=two_phase is True,
+                                         chunked=two_phase == "chunked"))
             torch.testing.assert_close(states.cpu(), ref_states[start:end + 1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(state.cpu(), ref_states[-1], atol=1e-5, rtol=1e-5)
         assert torch.equal(conv_in[:tokens].cpu(), qkvz[:, :conv_dim]) and not conv_in[tokens:].any()
@@ -483,12 +486,44 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two
     with pytest.raises(QdflashError, match="1..16"):
         gated_delta_step(torch.zeros(17, qkvz.shape[1]), torch.zeros(32, conv_dim), conv_w, torch.arange(17), torch.zeros(17, hidden),
                          ba_w, decay, dt_bias, state0.clone(), key_heads=key_heads, key_dim=key_dim)
-    with pytest.raises(QdflashError, match="two_phase takes the b / a product given"):
-        gated_delta_step(qkvz[:2], torch.zeros(32, conv_dim), conv_w, torch.arange(2), x[:2], ba_w, decay, dt_bias, state0.clone(),
-                         key_heads=key_heads, key_dim=key_dim, two_phase=True)
+    for flag in ("two_phase", "chunked"):
+        with pytest.raises(QdflashError, match="two_phase and chunked take the b / a product given"):
+            gated_delta_step(qkvz[:2], torch.zeros(32, conv_dim), conv_w, torch.arange(2), x[:2], ba_w, decay, dt_bias,
+                             state0.clone(), key_heads=key_heads, key_dim=key_dim, **{flag: True})
     with pytest.raises(QdflashError, match="contiguous fp32"):
         gated_delta_step(qkvz[:1], torch.zeros(32, conv_dim), conv_w, torch.arange(1), x[:1], ba_w, decay, dt_bias,
                          state0.double(), key_heads=key_heads, key_dim=key_dim)
+
+
+def test_a_chunked_verify_block_is_its_sixteen_one_token_steps():
+    """A 16-token block (a verify block's length) in the chunked form (`_chunk_state`: the block's products as matmuls, a
+    16 x 16 lower-triangular inverse) gives the outputs, per-position states and final state of 16 one-token steps of
+    the step kernel to fp32 rounding, with strongly correlated keys (large k . k', where the triangular system is far
+    from the identity), large gates and a state of unit scale."""
+    from qdflash.kernels.gated_delta import gated_delta_step
+
+    g = torch.Generator().manual_seed(1)
+    key_heads, heads, dk, dv, kw, tokens = 1, 2, 32, 32, 4, 16
+    key_dim, conv_dim = key_heads * dk, 2 * key_heads * dk + heads * dv
+    conv_w = torch.randn(conv_dim, 1, kw, generator=g) * 0.5
+    decay, dt_bias = -torch.rand(heads, generator=g) * 2, torch.randn(heads, generator=g)
+    qkvz = torch.randn(tokens, conv_dim + heads * dv, generator=g) * 4
+    qkvz[:, dk:2 * dk] = qkvz[:1, dk:2 * dk] + 0.1 * qkvz[:, dk:2 * dk]  # every key near the first one
+    ba, state0, x = torch.randn(tokens, 2 * heads, generator=g) * 2, torch.randn(heads, dk, dv, generator=g), torch.zeros(tokens, 8)
+    common = dict(key_heads=key_heads, key_dim=key_dim, ba_weight=False)
+    conv_in, state, states = torch.zeros(32, conv_dim, device=DEVICE), state0.clone().to(DEVICE), torch.zeros(tokens + 1, heads, dk, dv, device=DEVICE)
+    block = gated_delta_step(qkvz.to(DEVICE), conv_in, conv_w.to(DEVICE), torch.arange(tokens, device=DEVICE), x.to(DEVICE),
+                             ba.to(DEVICE), decay.to(DEVICE), dt_bias.to(DEVICE), state, states, chunked=True, **common).cpu()
+    conv_in, step_state, outs, step_states = torch.zeros(32, conv_dim, device=DEVICE), state0.clone().to(DEVICE), [], [state0]
+    for t in range(tokens):
+        kept = torch.zeros(2, heads, dk, dv, device=DEVICE)
+        outs.append(gated_delta_step(qkvz[t:t + 1].to(DEVICE), conv_in, conv_w.to(DEVICE), torch.arange(t, t + 1, device=DEVICE),
+                                     x[t:t + 1].to(DEVICE), ba[t:t + 1].to(DEVICE), decay.to(DEVICE), dt_bias.to(DEVICE), step_state,
+                                     kept, **common).cpu())
+        step_states.append(kept[1].cpu())
+    torch.testing.assert_close(block, torch.cat(outs), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(states.cpu(), torch.stack(step_states), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.cpu(), step_state.cpu(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,weight_dtype,two_phase,block_v", [(torch.float32, torch.float32, False, 16),
@@ -587,7 +622,7 @@ def test_the_gated_delta_op_compiles_as_one_node(monkeypatch):
     conv_w, x, ba_w, decay, dt_bias = weights
     for norm in (None, (torch.rand(dv) + 0.5, 1e-6, torch.zeros(heads, dtype=torch.int32))):  # with the gated norm: y, counts kept
         torch.library.opcheck(gdn_module._step_op, (qkvz, *buffers()[:1], conv_w, torch.arange(2, 2 + tokens), x, ba_w, decay,
-                                                    dt_bias, *buffers()[1:], key_heads, key_dim, True, 16, 4, False,
+                                                    dt_bias, *buffers()[1:], key_heads, key_dim, True, 16, 4, False, False,
                                                     *(norm or (None, 1e-6, None)), False))
 
 
@@ -670,8 +705,9 @@ def gdn_step_case(tokens, pdl=False, norm=False):
         STORE_STATES=True, PDL=pdl, NORM=norm, ROUND_PRODUCT=norm)
 
 
-def gdn_block_case(tokens, pdl=False, norm=False):
-    """The two-phase GDN block kernel at Qwen3.5-4B's heads, its default value block (with BLOCK_WARPS)."""
+def gdn_block_case(tokens, pdl=False, norm=False, chunked=False):
+    """The two-phase GDN block kernel at Qwen3.5-4B's heads, its default value block (with BLOCK_WARPS); `chunked`: its
+    recurrence in the chunked form."""
     from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
@@ -679,8 +715,8 @@ def gdn_block_case(tokens, pdl=False, norm=False):
                  "out_ptr": "*fp32", "states_ptr": "*fp32", "scratch_ptr": "*fp32", **GDN_NORM_ARGS, "HV": "i32", "KEY_DIM": "i32",
                  "CONV_DIM": "i32", "SCALE": "fp32", "EPS": "fp32"}
     return "qdflash.kernels.gated_delta", "_gated_delta_block_kernel", signature, dict(
-        T=tokens, T_P=tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True, PDL=pdl, NORM=norm,
-        ROUND_PRODUCT=norm)
+        T=tokens, T_P=max(tokens, 16) if chunked else tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True,
+        PDL=pdl, NORM=norm, ROUND_PRODUCT=norm, CHUNKED=chunked, CHUNK_K=32)
 
 
 def attention_case(tree, block=False):
@@ -747,7 +783,8 @@ def pdl_cases(pdl):
             "w4 rows fast": ("qdflash.kernels.w4a16", "_w4a16_kernel", w4_rows, dict(GROUP=32, BLOCK_M=16, BLOCK_N=64, BLOCK_K8=32,
                                                                                      K_PER_SPLIT=2560, PDL=pdl, FAST=True)),
             "gdn step 16": gdn_step_case(16, pdl), "gdn block 16": gdn_block_case(16, pdl),
-            "gdn step norm 16": gdn_step_case(16, pdl, norm=True), "gdn block norm 16": gdn_block_case(16, pdl, norm=True)}
+            "gdn step norm 16": gdn_step_case(16, pdl, norm=True), "gdn block norm 16": gdn_block_case(16, pdl, norm=True),
+            "gdn block chunked 16": gdn_block_case(16, pdl, chunked=True)}
 
 
 def aligned_args(signature):
@@ -773,7 +810,7 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
     for pdl in (True, False) if case == "gemv 1" else (True,):
         module, name, signature, constexprs = pdl_cases(pdl)[case]
         warps = {"gdn step 16": STEP_WARPS, "gdn step norm 16": STEP_WARPS, "gdn block 16": BLOCK_WARPS,
-                 "gdn block norm 16": BLOCK_WARPS}.get(case, 4)
+                 "gdn block norm 16": BLOCK_WARPS, "gdn block chunked 16": BLOCK_WARPS}.get(case, 4)
         used = sm90_resources(module, name, signature, constexprs, warps, aligned_args(signature))
         assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
         assert (used["BF16X2_FMAS"] > 0) == case.endswith("fast"), used
@@ -788,7 +825,8 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
             assert used["WAITS"] == used["LAUNCHES"] == 0, used
 
 
-@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn step norm 1", "gdn step norm 16", "gdn block norm 16", "attention",
+@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn step norm 1", "gdn step norm 16", "gdn block norm 16",
+                                  "gdn block chunked 5", "gdn block chunked 16", "attention",
                                   "attention tree 16", "attention block 16", "gemv rows 0", "gemv rows 16", "gemv rows swiglu 16",
                                   "gemv rows prologue 16"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
@@ -810,13 +848,15 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     num_warps = 4
     if kind.startswith("gdn"):
         num_warps = BLOCK_WARPS if "block" in kind else STEP_WARPS
-        module, name, signature, constexprs = (gdn_block_case if "block" in kind else gdn_step_case)(int(arg), norm="norm" in kind)
+        case_of = (lambda t, norm: gdn_block_case(t, norm=norm, chunked="chunked" in kind)) if "block" in kind else gdn_step_case
+        module, name, signature, constexprs = case_of(int(arg), norm="norm" in kind)
     else:
         module, name, signature, constexprs = (rows_gemv_case(int(arg), swiglu="swiglu" in kind, prologue="prologue" in kind)
                                                if kind.startswith("gemv") else
                                                attention_case(int(arg) if "tree" in kind else 0, "block" in kind))
-    # the GEMV's launches at the engine's shapes: torch's pointers and these strides are multiples of 16
-    aligned = aligned_args(signature) if kind.startswith("gemv") else []
+    # the GEMV's and the chunked GDN block's launches at the engine's shapes: torch's pointers and these strides are
+    # multiples of 16 (the chunked block spilled only so)
+    aligned = aligned_args(signature) if kind.startswith("gemv") or "chunked" in kind else []
     used = sm90_resources(module, name, signature, constexprs, num_warps, aligned)
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
     assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("norm" in kind), used

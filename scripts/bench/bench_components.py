@@ -323,6 +323,7 @@ class Arm(NamedTuple):
     pdl: bool  # our kernels launched with PDL
     inductor_pdl: bool  # inductor's kernels too
     epilogues: tuple[str, ...]  # the epilogue fusions it runs (EPILOGUES' names)
+    chunked: bool = False  # verify blocks' GDN recurrence in the chunked form
 
 
 # the epilogue fusions by name: the engine flag each turns on (the GDN kernel's gated norm, silu(gate) * up in the gate /
@@ -336,7 +337,7 @@ ENDS = ("gdn_norm", "swiglu", "residual_norm")
 def study_arms(args) -> list[Arm]:
     """`--pdl-only`'s arms (`Arm`). The first is the base the others are set against; the PDL arms keep its gdn_ba,
     every other `--gdn-ba` mode is an arm without PDL, with `--gdn-two-phase` each mode but dot (the base's too) also through the
-    two-phase GDN block kernel, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
+    two-phase GDN block kernel, with `--gdn-chunked` each mode but dot also with the block's recurrence in the chunked form, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
     LeanQwen35.gdn_fuse_norm; the gate / up GEMV's swiglu, EngineBase.fuse_swiglu; the residual add and the norm after it
     in the one-row GEMV before them, EngineBase.fuse_residual_norm), without PDL and with it; with `--each-epilogue` each
     of those alone (without PDL), as `_<name>` (EPILOGUES): the fused kernels keep their names in a profile, so only
@@ -364,6 +365,8 @@ def study_arms(args) -> list[Arm]:
             arms.append(Arm(f"_gdn_{mode}", mode, False, False, False, ()))
         if args.gdn_two_phase and mode != "dot":
             arms.append(Arm(f"_gdn_{mode}_two_phase", mode, True, False, False, ()))
+        if getattr(args, "gdn_chunked", False) and mode != "dot":
+            arms.append(Arm(f"_gdn_{mode}_chunked", mode, False, False, False, (), True))
     return arms
 
 
@@ -398,7 +401,7 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
             out["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
         engine = engine16 if label == "target16" else None
         tuned_for = None  # (engine, PDL) the kernels were last tuned for: an arm with both the same keeps that tuning
-        for suffix, gdn_ba, two_phase, ours, inductor, epilogues in study_arms(args):
+        for suffix, gdn_ba, two_phase, ours, inductor, epilogues, chunked in study_arms(args):
             arm = label + suffix
             if suffix and args.arms and arm not in args.arms:  # --arms: only these beside each target's base
                 continue
@@ -411,7 +414,7 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
             if engine is None or engine.gdn_ba != gdn_ba:
                 engine = None  # an arm's own engine is freed before the next is built (each copies the weights)
                 engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=gdn_ba)
-            engine.gdn_two_phase, engine.graphs = two_phase, {}
+            engine.gdn_two_phase, engine.gdn_chunked, engine.graphs = two_phase, chunked, {}
             for name, flag in EPILOGUES.items():
                 setattr(engine, flag, name in epilogues)
             set_pdl(ours)
@@ -628,6 +631,9 @@ def main() -> None:
     parser.add_argument("--gdn-two-phase", action="store_true",
                         help="--pdl-only: each --gdn-ba arm other than dot again with its verify block's GDN middle through "
                              "the two-phase kernel (LeanQwen35.gdn_two_phase)")
+    parser.add_argument("--gdn-chunked", action="store_true",
+                        help="--pdl-only: each --gdn-ba arm other than dot again with its verify block's GDN recurrence in the "
+                             "chunked form (LeanQwen35.gdn_chunked: the block's products as matmuls)")
     parser.add_argument("--epilogues", action="store_true",
                         help="--pdl-only: two arms more, the base with its epilogue fusions (each GDN layer's gated norm in "
                              "its fused kernel, LeanQwen35.gdn_fuse_norm; silu(gate) * up in the gate / up GEMV, "

@@ -76,6 +76,9 @@ class LeanQwen35(EngineBase):
         # speculative token may differ from the autoregressive one where two logits nearly tie. Set before
         # capture, like fuse_gdn
         self.gdn_two_phase = False
+        # likewise, a verify block's recurrence in the chunked form (gated_delta_step's chunked: the block's products as
+        # matmuls, no state reduction per token), to fp32 rounding too. Set before capture
+        self.gdn_chunked = False
         # with the kernels: the fused GDN middle ends in the layer's gated RMSNorm too (gated_delta_step's norm_weight:
         # the last program of each head to finish normalizes it), two small kernels a layer fewer. Off until the H200
         # times it (bench_components --epilogues). The arrival counts it needs: one buffer for every layer (their
@@ -218,7 +221,7 @@ class LeanQwen35(EngineBase):
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
                                self.state[i], self.block_states[i] if t <= self.max_block else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
-                               two_phase=self.gdn_two_phase and not dot, norm_weight=la.norm.weight.detach() if norm else None,
+                               two_phase=self.gdn_two_phase and not dot, chunked=self.gdn_chunked and not dot, norm_weight=la.norm.weight.detach() if norm else None,
                                norm_eps=la.norm.variance_epsilon if norm else 1e-6, arrivals=self.gdn_arrivals if norm else None)
         if norm:
             return out

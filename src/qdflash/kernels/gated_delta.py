@@ -13,8 +13,9 @@ layer instead of ~10 small kernels per token. With `states` given, the state aft
 written to states[t + 1] (states[0] = the state before the block): a rejected draft is rolled back by
 copying one of them, with no token fed again (docs/recipe.md: "keep per-position states during verify").
 A decode step (T = 1) and a verify block run the same per-token arithmetic, so their outputs agree
-bit for bit (except through the two-phase block kernel, `gated_delta_step(two_phase=True)`, whose sums run in
-another order: there they agree to fp32 rounding, and a greedy token may flip where two logits nearly tie).
+bit for bit (except through the two-phase block kernel, `gated_delta_step(two_phase=True)`, or with the block's
+recurrence in the chunked form, `chunked=True`, whose sums run in another order: there they agree to fp32 rounding,
+and a greedy token may flip where two logits nearly tie).
 
 `gated_delta_step` is the same recurrence with what feeds it in the same launch: the causal conv over the
 projected inputs (reading earlier positions from the layer's conv-input buffer and writing this block's
@@ -128,14 +129,15 @@ if triton is not None:
                                   KEY_DIM, CONV_DIM, SCALE, EPS, T: tl.constexpr, T_P: tl.constexpr, REP: tl.constexpr,
                                   KW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
                                   STORE_STATES: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
-                                  ROUND_PRODUCT: tl.constexpr):
+                                  ROUND_PRODUCT: tl.constexpr, CHUNKED: tl.constexpr, CHUNK_K: tl.constexpr):
         """`_gated_delta_step_kernel` for a block with its b / a product given, in two phases. First every token's
         inputs at once ([T, channels] tiles: the conv's taps as shifted loads, silu, the l2norms' reductions over
         the key dimension for all tokens in one, the gates), written to this program's rows of `scratch`; then the
         recurrence token by token, reading them back: a token's chain is its state update alone (one reduction
         of the state over the key dimension), its inputs' loads free to be issued ahead of it. The same formulas
         as the one-token kernel, summed in another order (the conv over its taps, the l2norms), so a block and
-        one-token steps agree to fp32 rounding, not bit for bit. PDL and NORM as in that kernel."""
+        one-token steps agree to fp32 rounding, not bit for bit. PDL and NORM as in that kernel.
+        CHUNKED (T_P >= 16, a tensor-core tile): phase 2 as `_chunk_state` instead of token by token."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -148,7 +150,8 @@ if triton is not None:
         vc = 2 * KEY_DIM + h * DV + rv
         dt = qkvz_ptr.dtype.element_ty
         tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
-        s = tl.load(state_ptr + tile)  # in flight through phase 1
+        if not CHUNKED:  # (_chunk_state reads the state a key chunk at a time)
+            s = tl.load(state_ptr + tile)  # in flight through phase 1
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         decay = tl.load(decay_ptr + h)
         if PDL:
@@ -188,31 +191,107 @@ if triton is not None:
         own = t_ok[:, None] & ((qc * 0 + h % REP + vb) == 0)[None, :]
         tl.store(dst + qc[None, :], tl.load(here + qc[None, :], mask=own), mask=own)
         tl.store(dst + kc[None, :], tl.load(here + kc[None, :], mask=own), mask=own)
-        # phase 2: the tokens' inputs through this program's scratch rows
-        SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
-        base = scratch_ptr + (h * tl.num_programs(1) + vb) * (T_P * SCR)
-        tl.store(base + rt[:, None] * SCR + rk[None, :], qq)
-        tl.store(base + rt[:, None] * SCR + DK + rk[None, :], kk)
-        tl.store(base + rt[:, None] * SCR + 2 * DK + rb[None, :], vv)
-        tl.store(base + rt * SCR + 2 * DK + BLOCK_V, kq)
-        tl.store(base + rt * SCR + 2 * DK + BLOCK_V + 1, g)
-        tl.store(base + rt * SCR + 2 * DK + BLOCK_V + 2, beta)
-        tl.debug_barrier()  # the rows are read back by other threads of this program
-        if STORE_STATES:
-            tl.store(states_ptr + tile, s)
-        for t in range(T):
-            row_t = base + t * SCR
-            s = _step_state(s, tl.load(row_t + rk), tl.load(row_t + DK + rk), tl.load(row_t + 2 * DK + rb),
-                            tl.load(row_t + 2 * DK + BLOCK_V), tl.load(row_t + 2 * DK + BLOCK_V + 1),
-                            tl.load(row_t + 2 * DK + BLOCK_V + 2), out_ptr + (t * HV + h) * DV + rv)
+        if CHUNKED:  # q and k through this program's scratch rows, read back a key chunk at a time
+            base = scratch_ptr + (h * tl.num_programs(1) + vb) * (T_P * 2 * DK)
+            tl.store(base + rt[:, None] * (2 * DK) + rk[None, :], qq)
+            tl.store(base + rt[:, None] * (2 * DK) + DK + rk[None, :], kk)
+            tl.debug_barrier()  # the rows are read back by other threads of this program
+            _chunk_state(base, state_ptr, states_ptr, out_ptr + (rt[:, None] * HV + h) * DV + rv[None, :], vv, g, beta, t_ok, rt, rv,
+                         h * DK * DV, HV * DK * DV, T, DK, DV, CHUNK_K, STORE_STATES)
+        else:  # phase 2: the tokens' inputs through this program's scratch rows, token by token
+            SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
+            base = scratch_ptr + (h * tl.num_programs(1) + vb) * (T_P * SCR)
+            tl.store(base + rt[:, None] * SCR + rk[None, :], qq)
+            tl.store(base + rt[:, None] * SCR + DK + rk[None, :], kk)
+            tl.store(base + rt[:, None] * SCR + 2 * DK + rb[None, :], vv)
+            tl.store(base + rt * SCR + 2 * DK + BLOCK_V, kq)
+            tl.store(base + rt * SCR + 2 * DK + BLOCK_V + 1, g)
+            tl.store(base + rt * SCR + 2 * DK + BLOCK_V + 2, beta)
+            tl.debug_barrier()  # the rows are read back by other threads of this program
             if STORE_STATES:
-                tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
+                tl.store(states_ptr + tile, s)
+            for t in range(T):
+                row_t = base + t * SCR
+                s = _step_state(s, tl.load(row_t + rk), tl.load(row_t + DK + rk), tl.load(row_t + 2 * DK + rb),
+                                tl.load(row_t + 2 * DK + BLOCK_V), tl.load(row_t + 2 * DK + BLOCK_V + 1),
+                                tl.load(row_t + 2 * DK + BLOCK_V + 2), out_ptr + (t * HV + h) * DV + rv)
+                if STORE_STATES:
+                    tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
         if PDL:
             pdl_release()
-        tl.store(state_ptr + tile, s)
+        if not CHUNKED:  # (_chunk_state wrote it)
+            tl.store(state_ptr + tile, s)
         if NORM:
             _gated_norm_tail(out_ptr, qkvz_ptr, qkvz_stride, norm_w_ptr, y_ptr, arrivals_ptr, h, HV, CONV_DIM, EPS, T, T_P, DV, dt,
                              ROUND_PRODUCT)
+
+    # _chunk_state's matmuls in fp32 FMAs: its tiles are small, and for sm_90 at 8 warps and 32-key chunks this compiles
+    # to 128 registers with no spill, where tf32 / tf32x3 tensor-core operands did not fit (tests' sm90_resources)
+    PRECISION: tl.constexpr = tl.constexpr("ieee")
+
+    @triton.jit
+    def _chunk_state(base, state_ptr, states_ptr, out_ptrs, vv, g, beta, t_ok, rt, rv, tile0, STATE_SIZE, T: tl.constexpr,
+                     DK: tl.constexpr, DV: tl.constexpr, CHUNK_K: tl.constexpr, STORE_STATES: tl.constexpr):
+        """A block's recurrence in the chunked (WY) form. With G the cumulative sum of the log decays g and u_t the
+        delta-rule write of token t, S_t = e^G_t S_0 + sum_{i <= t} e^(G_t - G_i) k_i u_i^T, so u solves the unit
+        lower-triangular system (I + N) u = beta (v - e^G K S_0), N[t, i] = beta_t e^(G_t - G_i) k_t . k_i (i < t), and
+        o_t = e^G_t q_t S_0 + sum_{i <= t} e^(G_t - G_i) (q_t . k_i) u_i. Why: token by token, each token waits on a
+        reduction of the state over dk (a CTA barrier) before the next; here the products are matmuls of the whole block
+        and only the [T_P, T_P] inverse runs row by row. The sums run in another order than a step's, so a block agrees
+        with one-token steps to fp32 rounding. q, k [T_P, dk] come from `base` (q, then k, in each row) and the state
+        slice [dk, BLOCK_V] from state_ptr + tile0, CHUNK_K keys at a time (a whole [T_P, dk] operand in every warp
+        spilled). Stores o (out_ptrs [T_P, BLOCK_V]), with STORE_STATES the state before the block and after each
+        position (states[0], states[t + 1]), and the state after the block in place."""
+        lower = rt[:, None] > rt[None, :]
+        incl = rt[:, None] >= rt[None, :]
+        rc = tl.arange(0, CHUNK_K)
+        gm = tl.where(t_ok, g, 0.0)  # rows past the block: no decay, no write
+        bm = tl.where(t_ok, beta, 0.0)
+        gc = tl.cumsum(gm, axis=0)
+        eg = tl.exp(gc)
+        # e^(G_t - G_i) where i <= t (g <= 0: at most 1); the exponent zeroed elsewhere so nothing overflows
+        dec = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        kkt = tl.zeros(dec.shape, dtype=tl.float32)
+        qkt = tl.zeros(dec.shape, dtype=tl.float32)
+        ks = tl.zeros(vv.shape, dtype=tl.float32)
+        qs = tl.zeros(vv.shape, dtype=tl.float32)
+        for c in tl.static_range(DK // CHUNK_K):
+            cols = c * CHUNK_K + rc
+            kc = tl.load(base + rt[:, None] * (2 * DK) + DK + cols[None, :])
+            qc = tl.load(base + rt[:, None] * (2 * DK) + cols[None, :])
+            sc = tl.load(state_ptr + tile0 + cols[:, None] * DV + rv[None, :])
+            kkt += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
+            qkt += tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
+            ks += tl.dot(kc, sc, input_precision=PRECISION)
+            qs += tl.dot(qc, sc, input_precision=PRECISION)
+        n = tl.where(lower, bm[:, None] * dec * kkt, 0.0)
+        rhs = bm[:, None] * (vv - eg[:, None] * ks)
+        # (I + N)^-1 row by row: row t = e_t - N[t, :] (I + N)^-1 (its rows before t are done). Unrolled: as a loop
+        # at run time, with the launch's aligned pointers, sm_90 spilled 768 bytes a thread (tests' sm90_resources)
+        inv = tl.zeros(n.shape, dtype=tl.float32)
+        for t in tl.static_range(T):
+            row = tl.sum(tl.where(rt[:, None] == t, n, 0.0), axis=0)
+            inv = tl.where(rt[:, None] == t, tl.where(rt == t, 1.0, 0.0)[None, :] - tl.sum(row[:, None] * inv, axis=0)[None, :],
+                           inv)
+        u = tl.dot(inv, rhs, input_precision=PRECISION)
+        tl.store(out_ptrs, eg[:, None] * qs + tl.dot(dec * qkt, u, input_precision=PRECISION), mask=t_ok[:, None])
+        last = tl.sum(tl.where(rt == T - 1, gc, 0.0), axis=0)
+        w_last = tl.where(t_ok, tl.exp(tl.where(t_ok, last - gc, 0.0)), 0.0)
+        for c in tl.static_range(DK // CHUNK_K):
+            cols = c * CHUNK_K + rc
+            at = tile0 + cols[:, None] * DV + rv[None, :]
+            kc = tl.load(base + rt[:, None] * (2 * DK) + DK + cols[None, :])
+            sc = tl.load(state_ptr + at)
+            if STORE_STATES:
+                tl.store(states_ptr + at, sc)
+                for t in range(T):
+                    gt = tl.sum(tl.where(rt == t, gc, 0.0), axis=0)
+                    w = tl.where(rt <= t, tl.exp(tl.where(rt <= t, gt - gc, 0.0)), 0.0)
+                    tl.store(states_ptr + (t + 1) * STATE_SIZE + at,
+                             sc * tl.exp(gt) + tl.dot(tl.trans(kc * w[:, None]), u, input_precision=PRECISION))
+            new = sc * tl.exp(last) + tl.dot(tl.trans(kc * w_last[:, None]), u, input_precision=PRECISION)
+            tl.debug_barrier()  # every thread has read this chunk of the state before any overwrites it
+            tl.store(state_ptr + at, new)
 
     @triton.jit
     def _add3(a0, b0, c0, a1, b1, c1):
@@ -342,6 +421,7 @@ CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs 
 # 16-token block keeps 32 columns x 4 warps in registers only without the next token's inputs in flight;
 # 16 x 4 holds both (tests/test_kernels.py compiles it for sm_90 and checks it does not spill).
 STEP_BLOCK_V, STEP_WARPS = 16, 4
+CHUNK_K = 32  # the chunked block's key chunk (_chunk_state)
 STEP_BLOCK_H = 512  # the a / b dot's hidden chunk: Qwen3.5-4B's 2,560 in 5 whole chunks (a power of two pads 2,560 to 4,096)
 # the two-phase block kernel's warps at that value block: its [T, dk] input tiles (and their 64-bit address tiles)
 # take 168 registers a thread at 4 warps and 100 at 8 (sm_90 compile at 16 tokens with a launch's alignment,
@@ -383,8 +463,8 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
 
 def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states=None, *,
                      key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = STEP_BLOCK_V,
-                     num_warps: int | None = None, two_phase: bool = False, norm_weight: torch.Tensor | None = None,
-                     norm_eps: float = 1e-6, arrivals: torch.Tensor | None = None):
+                     num_warps: int | None = None, two_phase: bool = False, chunked: bool = False,
+                     norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6, arrivals: torch.Tensor | None = None):
     """A Gated DeltaNet layer's middle for a decode step or verify block (T <= CHUNK tokens) in one launch:
     the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
     (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
@@ -395,7 +475,9 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     What it replaces per layer (engine.qwen3_5's unfused path: the buffer write, the window gather, the conv,
     silu / l2norm, the gates and the a / b matmul) is about eight launches, each a few microseconds at batch 1.
     `two_phase` (the product given): a block of T > 1 tokens through `_gated_delta_block_kernel`, every token's
-    inputs first, then the recurrence alone token by token (one token keeps the step kernel). `num_warps`:
+    inputs first, then the recurrence alone token by token (one token keeps the step kernel). `chunked` (the product
+    given): the same block kernel with the recurrence in the chunked form (`_chunk_state`: matmuls over the block instead
+    of a state reduction per token), its block padded to 16 rows. `num_warps`:
     STEP_WARPS, or BLOCK_WARPS for the block kernel, unless given.
     `norm_weight` [dv] (the model's dtype or fp32): the layer's gated RMSNorm too, in the same launch
     (`_gated_norm_tail`), z being the qkvz rows' tail [T, H * dv] after the conv part; then it returns y
@@ -417,8 +499,8 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
                            "contiguous")
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise QdflashError(f"gated_delta_step: the state must be contiguous fp32 (got {state.dtype})")
-    if two_phase and ba_weight:
-        raise QdflashError("gated_delta_step: two_phase takes the b / a product given (ba_weight=False)")
+    if (two_phase or chunked) and ba_weight:
+        raise QdflashError("gated_delta_step: two_phase and chunked take the b / a product given (ba_weight=False)")
     if norm_weight is not None:
         if dv & (dv - 1):
             raise QdflashError(f"gated_delta_step: the gated norm takes a head's dv={dv} values in one tile: a power of two")
@@ -432,18 +514,22 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
         if qkvz.shape[1] < conv_dim + heads * dv:
             raise QdflashError(f"gated_delta_step: with norm_weight, qkvz's rows end in z ({heads} x {dv} after the conv's "
                                f"{conv_dim}); got {qkvz.shape[1]} columns")
-    two_phase = two_phase and t > 1
+    chunked = chunked and t > 1
+    two_phase = two_phase and t > 1 and not chunked
     block_v = _value_block("gated_delta_step", dk, dv, block_v, states, t)
-    num_warps = num_warps or (BLOCK_WARPS if two_phase else STEP_WARPS)
+    if chunked and (block_v < 16 or dk < 16):
+        raise QdflashError(f"gated_delta_step: chunked multiplies [16, dk] x [dk, value block] tiles: dk={dk} and the value "
+                           f"block {block_v} must be >= 16")
+    num_warps = num_warps or (BLOCK_WARPS if two_phase or chunked else STEP_WARPS)
     args = (qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
-            num_warps, two_phase, norm_weight, float(norm_eps), arrivals)
+            num_warps, two_phase, chunked, norm_weight, float(norm_eps), arrivals)
     if pdl_for(qkvz):  # a launch option torch.compile does not trace through (kernels.gemv._gemv_op)
         return _step_op(*args, True)
     return _launch_step(*args, False)
 
 
 def _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight,
-                 block_v, num_warps, two_phase, norm_weight, norm_eps, arrivals, pdl):
+                 block_v, num_warps, two_phase, chunked, norm_weight, norm_eps, arrivals, pdl):
     t, hidden = qkvz.shape[0], x.shape[-1]
     heads, dk, dv = state.shape
     kw = conv_weight.shape[-1]
@@ -455,13 +541,15 @@ def _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, s
     tail_args = dict(NORM=norm, ROUND_PRODUCT=norm and norm_weight.dtype == qkvz.dtype)
     t_p = triton.next_power_of_2(t)
     launch = launch_options(pdl)
-    if two_phase:
-        scratch = torch.empty(heads * (dv // block_v), t_p, 2 * dk + block_v + 3, device=qkvz.device, dtype=torch.float32)
+    if two_phase or chunked:
+        t_p = max(t_p, 16) if chunked else t_p  # a tensor-core tile's least rows
+        scratch = torch.empty(heads * (dv // block_v), t_p, 2 * dk + (0 if chunked else block_v + 3), device=qkvz.device,
+                              dtype=torch.float32)
         _gated_delta_block_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, ba, ba.stride(0), decay, dt_bias, state, out,
             state if states is None else states, scratch, *tail, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), norm_eps,
             T=t, T_P=t_p, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None, PDL=pdl,
-            **tail_args, num_warps=num_warps, **launch)
+            **tail_args, CHUNKED=chunked, CHUNK_K=min(CHUNK_K, dk), num_warps=num_warps, **launch)
     else:
         _gated_delta_step_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
@@ -475,17 +563,17 @@ def _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, s
 @torch.library.custom_op("qdflash::gated_delta_step", mutates_args=("conv_in", "state", "states", "arrivals"))
 def _step_op(qkvz: torch.Tensor, conv_in: torch.Tensor, conv_weight: torch.Tensor, positions: torch.Tensor, x: torch.Tensor,
              ba: torch.Tensor, decay: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, states: torch.Tensor | None,
-             key_heads: int, key_dim: int, ba_weight: bool, block_v: int, num_warps: int, two_phase: bool,
+             key_heads: int, key_dim: int, ba_weight: bool, block_v: int, num_warps: int, two_phase: bool, chunked: bool,
              norm_weight: torch.Tensor | None, norm_eps: float, arrivals: torch.Tensor | None, pdl: bool) -> torch.Tensor:
     """`_launch_step` as one node of a compiled graph, writing the conv-input buffer and the states in place (and the
     arrival counts, which it leaves as it found them)."""
     return _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim,
-                        ba_weight, block_v, num_warps, two_phase, norm_weight, norm_eps, arrivals, pdl)
+                        ba_weight, block_v, num_warps, two_phase, chunked, norm_weight, norm_eps, arrivals, pdl)
 
 
 @_step_op.register_fake
 def _(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
-      num_warps, two_phase, norm_weight, norm_eps, arrivals, pdl):
+      num_warps, two_phase, chunked, norm_weight, norm_eps, arrivals, pdl):
     heads, _, dv = state.shape
     if norm_weight is not None:
         return qkvz.new_empty((qkvz.shape[0], heads * dv))
