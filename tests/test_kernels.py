@@ -528,7 +528,8 @@ def test_a_chunked_verify_block_is_its_sixteen_one_token_steps():
 
 @pytest.mark.parametrize("dtype,weight_dtype,two_phase,block_v", [(torch.float32, torch.float32, False, 16),
                                                                    (torch.float16, torch.float16, False, 8),
-                                                                   (torch.float16, torch.float32, True, 8)])
+                                                                   (torch.float16, torch.float32, True, 8),
+                                                                   (torch.float16, torch.float32, "chunked", 16)])
 def test_gated_delta_step_with_the_gated_norm_is_transformers_norm_of_its_output(dtype, weight_dtype, two_phase, block_v):
     """`norm_weight`: the same launch ends in the layer's gated RMSNorm (the last program of each head to finish
     normalizes the head's outputs): a decode step and a verify block give what transformers' Qwen3_5RMSNormGated
@@ -557,7 +558,8 @@ def test_gated_delta_step_with_the_gated_norm_is_transformers_norm_of_its_output
         x = torch.randn(t, hidden, generator=g).to(DEVICE, dtype)
         given = (x.float() @ ba.float().T).to(dtype) if two_phase else ba
         args = (qkvz, conv_in, conv_w, torch.arange(start, end, device=DEVICE), x, given, decay, dt_bias)
-        common = dict(key_heads=key_heads, key_dim=key_dim, ba_weight=not two_phase, two_phase=two_phase, block_v=block_v)
+        common = dict(key_heads=key_heads, key_dim=key_dim, ba_weight=not two_phase, two_phase=two_phase is True,
+                      chunked=two_phase == "chunked", block_v=block_v)
         saved = conv_in.clone(), state.clone()
         o = gated_delta_step(*args, state, **common)
         conv_in.copy_(saved[0])
