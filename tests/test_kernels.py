@@ -511,7 +511,8 @@ def test_a_chunked_verify_block_is_its_sixteen_one_token_steps():
     qkvz[:, dk:2 * dk] = qkvz[:1, dk:2 * dk] + 0.1 * qkvz[:, dk:2 * dk]  # every key near the first one
     ba, state0, x = torch.randn(tokens, 2 * heads, generator=g) * 2, torch.randn(heads, dk, dv, generator=g), torch.zeros(tokens, 8)
     common = dict(key_heads=key_heads, key_dim=key_dim, ba_weight=False)
-    conv_in, state, states = torch.zeros(32, conv_dim, device=DEVICE), state0.clone().to(DEVICE), torch.zeros(tokens + 1, heads, dk, dv, device=DEVICE)
+    conv_in, state = torch.zeros(32, conv_dim, device=DEVICE), state0.clone().to(DEVICE)
+    states = torch.zeros(tokens + 1, heads, dk, dv, device=DEVICE)
     block = gated_delta_step(qkvz.to(DEVICE), conv_in, conv_w.to(DEVICE), torch.arange(tokens, device=DEVICE), x.to(DEVICE),
                              ba.to(DEVICE), decay.to(DEVICE), dt_bias.to(DEVICE), state, states, chunked=True, **common).cpu()
     conv_in, step_state, outs, step_states = torch.zeros(32, conv_dim, device=DEVICE), state0.clone().to(DEVICE), [], [state0]

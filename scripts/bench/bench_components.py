@@ -337,7 +337,8 @@ ENDS = ("gdn_norm", "swiglu", "residual_norm")
 def study_arms(args) -> list[Arm]:
     """`--pdl-only`'s arms (`Arm`). The first is the base the others are set against; the PDL arms keep its gdn_ba,
     every other `--gdn-ba` mode is an arm without PDL, with `--gdn-two-phase` each mode but dot (the base's too) also through the
-    two-phase GDN block kernel, with `--gdn-chunked` each mode but dot also with the block's recurrence in the chunked form, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
+    two-phase GDN block kernel, with `--gdn-chunked` each mode but dot also with the block's recurrence in the chunked
+    form, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
     LeanQwen35.gdn_fuse_norm; the gate / up GEMV's swiglu, EngineBase.fuse_swiglu; the residual add and the norm after it
     in the one-row GEMV before them, EngineBase.fuse_residual_norm), without PDL and with it; with `--each-epilogue` each
     of those alone (without PDL), as `_<name>` (EPILOGUES): the fused kernels keep their names in a profile, so only

@@ -18,10 +18,11 @@ hidden row itself, a HIDDEN-wide dot and cross-warp reduction per token), `given
 as a fused qkvz + ba projection would give it: the kernel reads 2 values a token), `two_phase` (`given` through the
 block kernel that computes every token's inputs first, then runs the recurrence alone; a decode step, one token,
 keeps the step kernel), `chunked` (that block kernel with the block's recurrence as matmuls, the chunked form:
-`kernels.gated_delta._chunk_state`; one token keeps the step kernel), `pdl` (`dot` launched with programmatic dependent launch, kernels.pdl.set_pdl: weights and
-state loaded before waiting on the kernel before) and `norm` (`dot` ending in the layer's gated RMSNorm, the last
-program of each head normalizing it: what that tail costs the kernel, against the two inductor kernels it replaces in
-a step; its output is compared with transformers' norm of the first launch's).
+`kernels.gated_delta._chunk_state`; one token keeps the step kernel), `pdl` (`dot` launched with programmatic
+dependent launch, kernels.pdl.set_pdl: the state loaded before waiting on the kernel before) and `norm`
+(`dot` ending in the layer's gated RMSNorm, the last program of each head normalizing it: what that tail costs the
+kernel, against the two inductor kernels it replaces in a step; its output is compared with transformers' norm of the
+first launch's).
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def run(layer: dict, block_v: int, num_warps: int, keep_states: bool, variant: s
                             layer["ba_product"] if given else layer["ba"], layer["decay"], layer["dt_bias"], layer["state"],
                             layer["states"] if keep_states else None, key_heads=SHAPE["key_heads"],
                             key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps,
-                            two_phase=variant == "two_phase", chunked=variant == "chunked", norm_weight=layer["norm_weight"] if variant == "norm" else None,
-                            arrivals=layer["arrivals"])
+                            two_phase=variant == "two_phase", chunked=variant == "chunked",
+                            norm_weight=layer["norm_weight"] if variant == "norm" else None, arrivals=layer["arrivals"])
 
 
 def normed(layer: dict, o: torch.Tensor) -> torch.Tensor:

@@ -221,8 +221,8 @@ class LeanQwen35(EngineBase):
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
                                self.state[i], self.block_states[i] if t <= self.max_block else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
-                               two_phase=self.gdn_two_phase and not dot, chunked=self.gdn_chunked and not dot, norm_weight=la.norm.weight.detach() if norm else None,
-                               norm_eps=la.norm.variance_epsilon if norm else 1e-6, arrivals=self.gdn_arrivals if norm else None)
+                               two_phase=self.gdn_two_phase and not dot, chunked=self.gdn_chunked and not dot,
+                               norm_weight=la.norm.weight.detach() if norm else None, norm_eps=la.norm.variance_epsilon if norm else 1e-6, arrivals=self.gdn_arrivals if norm else None)
         if norm:
             return out
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
