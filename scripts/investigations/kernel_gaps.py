@@ -5,7 +5,8 @@ W4 step had 1.22 µs of gap per kernel against 0.58 µs for the 16-bit step, and
 fusions 1.13 µs: ~480 µs of a 3.1 ms W4 step is time in which no kernel runs. If chains of one kind of kernel show
 small gaps and chains that alternate kinds (our Triton GEMVs, inductor-sized elementwise kernels, torch's tinygemm,
 vLLM's Marlin) large ones, the switch between kernels is what costs (e.g. a different shared-memory carveout to set
-up), not the launch itself.
+up), not the launch itself. Answered on the H200 (results/published/2026-12-05-h200-components-gaps): no. Every chain,
+one kind or two alternating, has ~0.7 us of gap after a matmul-sized kernel, and a chain of tiny kernels 0.2 us.
 
 Chains (N launches each, weights cycled over copies past L2 as in a step; all at Qwen3.5-4B's 2,560 x 4,096 o / out
 projection, bf16, group 32):
