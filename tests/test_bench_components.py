@@ -38,7 +38,7 @@ def runs(tmp_path_factory):
     """The two scripts are independent: side by side on 2 cores, one thread each (each test reads its own)."""
     folder = tmp_path_factory.mktemp("bench-scripts")
     started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
-                                     "--w4-head", "--compile", "aot_eager", "--unfused-gdn",
+                                     "--w4-head", "--compile", "aot_eager", "--unfused-gdn", "--profile",
                                      "--hf-generate", "--hf-tokens", "8", "--hf-reps", "1"),
                # --pdl-only: on the CPU there is no PDL, so the arms run one code path; what is tested is the study's
                # plumbing: each arm retuned, checked, measured and set against the first (not compiled here: the
@@ -64,6 +64,9 @@ def test_component_bench_runs_on_the_cpu(runs):
         assert r[f"{label}.decode_ms"] > 0 and r[f"{label}.verify_ms"] > 0 and r[f"{label}.bound_ms"] > 0
         assert r[f"{label}.graph_vs_eager_max_abs"] == 0.0
     assert r["drafter16.step_ms"] > 0 and r["drafter_w4.step_ms"] > 0
+    # --profile: each decode step, verify block and drafter step by kernel (the GPU's profiler; on the CPU, nothing)
+    assert all(r[f"{label}.{part}_kernels"] == {} for label in ("target16", "target_w4") for part in ("decode", "verify"))
+    assert all(r[f"{label}.step_kernels"] == {} for label in ("drafter16", "drafter_w4", "drafter_w4_head"))
     # --hf-generate: transformers' static generate on the same model, compiled (here traced with aot_eager)
     # (its step time is a difference of two wall times: no sign asserted, a loaded machine may stall either run)
     assert set(r["hf_static.generate_ms"]) == {"8", "16"} and r["hf_static.graphs_compiled"] >= 1 and r["hf_static.compile"] == "aot_eager"

@@ -518,7 +518,8 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
                 layer.context_kv(new_ctx, new_pos)
             return drafter.forward_block(ids, q_pos, keys, values, pos, head=head)[0, 1:].argmax(-1)
 
-    ms = run(graphed(step, device), args.reps)
+    profiled = graphed(step, device)
+    ms = run(profiled, args.reps)
     compiled = {}
     if args.compile:  # the same step through torch.compile, then captured (as the target's compiled steps)
         try:
@@ -526,9 +527,16 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
             fast = compiled_step(step, args.compile)
             eager_drafts = step()
             compiled[f"{label}.compiled_drafts_agree"] = float((fast() == eager_drafts).float().mean())
-            compiled[f"{label}.step_compiled_ms"] = round(run(graphed(fast, device), args.reps), 4)
+            fast_graph = graphed(fast, device)
+            compiled[f"{label}.step_compiled_ms"] = round(run(fast_graph, args.reps), 4)
+            profiled = fast_graph
         except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
             compiled[f"{label}.compile_error"] = error_text(err)
+    if args.profile:  # the step as timed last (compiled where it compiled): what bounds its ratio to a decode step
+        try:
+            compiled[f"{label}.step_kernels"] = kernel_breakdown(profiled, device)
+        except Exception as err:  # noqa: BLE001 -- the profile is extra; its failure is reported
+            compiled[f"{label}.step_kernels"] = {"error": error_text(err)}
     own = sum(p.numel() * p.element_size() for p in drafter.parameters()) + sum(
         b.numel() * b.element_size() for b in drafter.buffers())
     own += sum(m.projection.nbytes for m in drafter.modules() if hasattr(m, "projection"))
@@ -602,7 +610,8 @@ def main() -> None:
     parser.add_argument("--compile", nargs="?", const=True, default=False,
                         help="also time the decode step, verify block and drafter step compiled by torch.compile "
                              "(a value: the torch.compile backend; the CPU test traces with aot_eager)")
-    parser.add_argument("--profile", action="store_true", help="also break each decode step and verify block down by kernel")
+    parser.add_argument("--profile", action="store_true",
+                        help="also break each decode step, verify block and drafter step down by kernel")
     parser.add_argument("--w4-head", action="store_true",
                         help="then also the W4 target with its LM head quantized (target_w4_head; issue 23: a 16-bit head "
                              "is ~40%% of a W4 step's bytes at 4B)")
