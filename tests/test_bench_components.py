@@ -113,7 +113,7 @@ def test_pdl_study_runs_each_arm_on_the_cpu(runs):
     assert r["target_w4_gdn_fused_two_phase"].startswith("skipped: the W4 target's qkvz is 4-bit")
     assert r["target_w4_gdn_fused_chunked"].startswith("skipped: the W4 target's qkvz is 4-bit")
     for label in ("target16", "target_w4"):
-        for suffix in ("", "_pdl", "_pdl_inductor", "_epilogues", "_pdl_epilogues") + (
+        for suffix in ("", "_pdl", "_pdl_inductor", "_epilogues", "_pdl_epilogues", "_gdn_dot_two_phase", "_gdn_dot_chunked") + (
                 ("_gdn_fused", "_gdn_fused_two_phase", "_gdn_fused_chunked") if label == "target16" else ()):
             arm = label + suffix
             assert r[f"{arm}.decode_ms"] > 0 and r[f"{arm}.verify_ms"] > 0, r.get(f"{arm}.error")

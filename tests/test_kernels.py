@@ -428,8 +428,9 @@ def gdn_middle_reference(qkvz, x, conv_w, ba_w, decay, dt_bias, key_heads, dk, s
 
 
 @pytest.mark.parametrize("ba_weight,through_op,two_phase", [(True, False, False), (False, False, False), (True, True, False),
-                                                             (False, False, True), (False, True, True), (False, False, "chunked"),
-                                                             (False, True, "chunked")])
+                                                             (False, False, True), (False, True, True), (True, False, True),
+                                                             (False, False, "chunked"), (False, True, "chunked"),
+                                                             (True, False, "chunked")])
 def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two_phase, monkeypatch):
     """gated_delta_step (conv + silu + l2norm + gates + recurrence in one launch) fed a sequence in pieces
     (a prompt from position 0, a decode step, verify blocks; history from its buffer and from the block)
@@ -486,10 +487,6 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two
     with pytest.raises(QdflashError, match="1..16"):
         gated_delta_step(torch.zeros(17, qkvz.shape[1]), torch.zeros(32, conv_dim), conv_w, torch.arange(17), torch.zeros(17, hidden),
                          ba_w, decay, dt_bias, state0.clone(), key_heads=key_heads, key_dim=key_dim)
-    for flag in ("two_phase", "chunked"):
-        with pytest.raises(QdflashError, match="two_phase and chunked take the b / a product given"):
-            gated_delta_step(qkvz[:2], torch.zeros(32, conv_dim), conv_w, torch.arange(2), x[:2], ba_w, decay, dt_bias,
-                             state0.clone(), key_heads=key_heads, key_dim=key_dim, **{flag: True})
     with pytest.raises(QdflashError, match="contiguous fp32"):
         gated_delta_step(qkvz[:1], torch.zeros(32, conv_dim), conv_w, torch.arange(1), x[:1], ba_w, decay, dt_bias,
                          state0.double(), key_heads=key_heads, key_dim=key_dim)
@@ -709,17 +706,19 @@ def gdn_step_case(tokens, pdl=False, norm=False):
 
 
 def gdn_block_case(tokens, pdl=False, norm=False, chunked=False):
-    """The two-phase GDN block kernel at Qwen3.5-4B's heads, its default value block (with BLOCK_WARPS); `chunked`: its
-    recurrence in the chunked form."""
+    """The two-phase GDN block kernel at Qwen3.5-4B's heads, its default value block (with BLOCK_WARPS), the b / a product
+    given; `chunked`: its recurrence in the chunked form, the b / a dot in the kernel (as the engine's default gdn_ba
+    runs it)."""
     from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
-                 "ba_ptr": "*bf16", "ba_stride": "i32", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16", "state_ptr": "*fp32",
-                 "out_ptr": "*fp32", "states_ptr": "*fp32", "scratch_ptr": "*fp32", **GDN_NORM_ARGS, "HV": "i32", "KEY_DIM": "i32",
-                 "CONV_DIM": "i32", "SCALE": "fp32", "EPS": "fp32"}
+                 "x_ptr": "*bf16", "ba_ptr": "*bf16", "ba_stride": "i32", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16",
+                 "state_ptr": "*fp32", "out_ptr": "*fp32", "states_ptr": "*fp32", "scratch_ptr": "*fp32", **GDN_NORM_ARGS, "HV": "i32",
+                 "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32", "EPS": "fp32"}
     return "qdflash.kernels.gated_delta", "_gated_delta_block_kernel", signature, dict(
         T=tokens, T_P=max(tokens, 16) if chunked else tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True,
-        PDL=pdl, NORM=norm, ROUND_PRODUCT=norm, CHUNKED=chunked, CHUNK_K=32)
+        PDL=pdl, NORM=norm, ROUND_PRODUCT=norm, CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked, HIDDEN=2560, H_CHUNKS=5,
+        BLOCK_H=512)
 
 
 def attention_case(tree, block=False):

@@ -336,9 +336,8 @@ ENDS = ("gdn_norm", "swiglu", "residual_norm")
 
 def study_arms(args) -> list[Arm]:
     """`--pdl-only`'s arms (`Arm`). The first is the base the others are set against; the PDL arms keep its gdn_ba,
-    every other `--gdn-ba` mode is an arm without PDL, with `--gdn-two-phase` each mode but dot (the base's too) also through the
-    two-phase GDN block kernel, with `--gdn-chunked` each mode but dot also with the block's recurrence in the chunked
-    form, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
+    every other `--gdn-ba` mode is an arm without PDL, with `--gdn-two-phase` each mode (the base's too) also through the
+    two-phase GDN block kernel, with `--gdn-chunked` each mode also with the block's recurrence in the chunked form, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
     LeanQwen35.gdn_fuse_norm; the gate / up GEMV's swiglu, EngineBase.fuse_swiglu; the residual add and the norm after it
     in the one-row GEMV before them, EngineBase.fuse_residual_norm), without PDL and with it; with `--each-epilogue` each
     of those alone (without PDL), as `_<name>` (EPILOGUES): the fused kernels keep their names in a profile, so only
@@ -364,9 +363,9 @@ def study_arms(args) -> list[Arm]:
     for mode in args.gdn_ba:
         if mode != base:
             arms.append(Arm(f"_gdn_{mode}", mode, False, False, False, ()))
-        if args.gdn_two_phase and mode != "dot":
+        if args.gdn_two_phase:
             arms.append(Arm(f"_gdn_{mode}_two_phase", mode, True, False, False, ()))
-        if getattr(args, "gdn_chunked", False) and mode != "dot":
+        if getattr(args, "gdn_chunked", False):
             arms.append(Arm(f"_gdn_{mode}_chunked", mode, False, False, False, (), True))
     return arms
 
@@ -639,10 +638,10 @@ def main() -> None:
                         help="--pdl-only: which targets' arms, in order (16: the 16-bit target; w4: the W4 one; the W4 arms "
                              "quantize the model in place, so 16 after w4 is refused)")
     parser.add_argument("--gdn-two-phase", action="store_true",
-                        help="--pdl-only: each --gdn-ba arm other than dot again with its verify block's GDN middle through "
+                        help="--pdl-only: each --gdn-ba mode again with its verify block's GDN middle through "
                              "the two-phase kernel (LeanQwen35.gdn_two_phase)")
     parser.add_argument("--gdn-chunked", action="store_true",
-                        help="--pdl-only: each --gdn-ba arm other than dot again with its verify block's GDN recurrence in the "
+                        help="--pdl-only: each --gdn-ba mode again with its verify block's GDN recurrence in the "
                              "chunked form (LeanQwen35.gdn_chunked: the block's products as matmuls)")
     parser.add_argument("--epilogues", action="store_true",
                         help="--pdl-only: two arms more, the base with its epilogue fusions (each GDN layer's gated norm in "

@@ -70,9 +70,8 @@ class LeanQwen35(EngineBase):
         if gdn_ba not in GDN_BA:
             raise QdflashError(f"gdn_ba={gdn_ba!r}: expected one of {', '.join(GDN_BA)}")
         self.gdn_ba = gdn_ba
-        # with the b / a product given (gdn_ba "given" / "fused"; "dot" ignores it): a verify block's GDN middle
-        # through the two-phase kernel (every token's inputs first, then the recurrence alone; gated_delta_step's
-        # two_phase). Its block then agrees with one-token steps to fp32 rounding, not bit for bit, so a greedy
+        # a verify block's GDN middle through the two-phase kernel (every token's inputs first, then the recurrence
+        # alone; gated_delta_step's two_phase). Its block then agrees with one-token steps to fp32 rounding, not bit for bit, so a greedy
         # speculative token may differ from the autoregressive one where two logits nearly tie. Set before
         # capture, like fuse_gdn
         self.gdn_two_phase = False
@@ -221,8 +220,9 @@ class LeanQwen35(EngineBase):
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
                                self.state[i], self.block_states[i] if t <= self.max_block else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
-                               two_phase=self.gdn_two_phase and not dot, chunked=self.gdn_chunked and not dot,
-                               norm_weight=la.norm.weight.detach() if norm else None, norm_eps=la.norm.variance_epsilon if norm else 1e-6, arrivals=self.gdn_arrivals if norm else None)
+                               two_phase=self.gdn_two_phase, chunked=self.gdn_chunked,
+                               norm_weight=la.norm.weight.detach() if norm else None,
+                               norm_eps=la.norm.variance_epsilon if norm else 1e-6, arrivals=self.gdn_arrivals if norm else None)
         if norm:
             return out
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])

@@ -124,18 +124,19 @@ if triton is not None:
                              ROUND_PRODUCT)
 
     @triton.jit
-    def _gated_delta_block_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, ba_ptr, ba_stride, decay_ptr,
+    def _gated_delta_block_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, x_ptr, ba_ptr, ba_stride, decay_ptr,
                                   dt_bias_ptr, state_ptr, out_ptr, states_ptr, scratch_ptr, norm_w_ptr, y_ptr, arrivals_ptr, HV,
                                   KEY_DIM, CONV_DIM, SCALE, EPS, T: tl.constexpr, T_P: tl.constexpr, REP: tl.constexpr,
                                   KW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
                                   STORE_STATES: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
-                                  ROUND_PRODUCT: tl.constexpr, CHUNKED: tl.constexpr, CHUNK_K: tl.constexpr):
-        """`_gated_delta_step_kernel` for a block with its b / a product given, in two phases. First every token's
-        inputs at once ([T, channels] tiles: the conv's taps as shifted loads, silu, the l2norms' reductions over
-        the key dimension for all tokens in one, the gates), written to this program's rows of `scratch`; then the
+                                  ROUND_PRODUCT: tl.constexpr, CHUNKED: tl.constexpr, CHUNK_K: tl.constexpr,
+                                  BA_DOT: tl.constexpr, HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr):
+        """`_gated_delta_step_kernel` for a block, in two phases. First every token's inputs at once ([T, channels]
+        tiles: the conv's taps as shifted loads, silu, the l2norms' reductions over the key dimension for all tokens
+        in one, the gates from the b / a product given or, BA_DOT, computed here from x), written to this program's rows of `scratch`; then the
         recurrence token by token, reading them back: a token's chain is its state update alone (one reduction
         of the state over the key dimension), its inputs' loads free to be issued ahead of it. The same formulas
-        as the one-token kernel, summed in another order (the conv over its taps, the l2norms), so a block and
+        as the one-token kernel, summed in another order (the conv over its taps, the l2norms, the b / a dot), so a block and
         one-token steps agree to fp32 rounding, not bit for bit. PDL and NORM as in that kernel.
         CHUNKED (T_P >= 16, a tensor-core tile): phase 2 as `_chunk_state` instead of token by token."""
         h = tl.program_id(0)
@@ -180,8 +181,23 @@ if triton is not None:
         kq = tl.sum(kk * qq, axis=1) * rk2 * rq / SCALE
         qq = qq * rq[:, None] / SCALE
         kk = kk * rk2[:, None]
-        b = tl.load(ba_ptr + rt * ba_stride + h, mask=t_ok, other=0.0).to(tl.float32)
-        a = tl.load(ba_ptr + rt * ba_stride + HV + h, mask=t_ok, other=0.0).to(tl.float32)
+        if BA_DOT:  # b, a = x @ in_proj_b / a (this head's rows) for every token, rounded as the step kernel rounds them
+            b = tl.zeros([T_P], dtype=tl.float32)
+            a = tl.zeros([T_P], dtype=tl.float32)
+            for c in tl.static_range(H_CHUNKS):
+                rh = c * BLOCK_H + tl.arange(0, BLOCK_H)
+                mh = rh < HIDDEN
+                xt = tl.load(x_ptr + rt[:, None] * HIDDEN + rh[None, :], mask=t_ok[:, None] & mh[None, :], other=0.0).to(tl.float32)
+                wb = tl.load(ba_ptr + h * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+                wa = tl.load(ba_ptr + (HV + h) * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+                db, da = tl.reduce((xt * wb[None, :], xt * wa[None, :]), 1, _add2)
+                b += db
+                a += da
+            b = b.to(dt).to(tl.float32)
+            a = a.to(dt).to(tl.float32)
+        else:  # the product given, rows ba_stride apart
+            b = tl.load(ba_ptr + rt * ba_stride + h, mask=t_ok, other=0.0).to(tl.float32)
+            a = tl.load(ba_ptr + rt * ba_stride + HV + h, mask=t_ok, other=0.0).to(tl.float32)
         g, beta = _gates(a, b, dt_bias, decay)
         # this block's conv inputs to the buffer (later steps read them as history): each program its value
         # channels, the first program of a key head its query and key channels
@@ -474,9 +490,9 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     `positions` [T]: consecutive, read on the device (a captured step's input). Returns o [T, H, dv] fp32.
     What it replaces per layer (engine.qwen3_5's unfused path: the buffer write, the window gather, the conv,
     silu / l2norm, the gates and the a / b matmul) is about eight launches, each a few microseconds at batch 1.
-    `two_phase` (the product given): a block of T > 1 tokens through `_gated_delta_block_kernel`, every token's
-    inputs first, then the recurrence alone token by token (one token keeps the step kernel). `chunked` (the product
-    given): the same block kernel with the recurrence in the chunked form (`_chunk_state`: matmuls over the block instead
+    `two_phase`: a block of T > 1 tokens through `_gated_delta_block_kernel`, every token's
+    inputs first, then the recurrence alone token by token (one token keeps the step kernel). `chunked`: the same
+    block kernel with the recurrence in the chunked form (`_chunk_state`: matmuls over the block instead
     of a state reduction per token), its block padded to 16 rows. `num_warps`:
     STEP_WARPS, or BLOCK_WARPS for the block kernel, unless given.
     `norm_weight` [dv] (the model's dtype or fp32): the layer's gated RMSNorm too, in the same launch
@@ -499,8 +515,6 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
                            "contiguous")
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise QdflashError(f"gated_delta_step: the state must be contiguous fp32 (got {state.dtype})")
-    if (two_phase or chunked) and ba_weight:
-        raise QdflashError("gated_delta_step: two_phase and chunked take the b / a product given (ba_weight=False)")
     if norm_weight is not None:
         if dv & (dv - 1):
             raise QdflashError(f"gated_delta_step: the gated norm takes a head's dv={dv} values in one tile: a power of two")
@@ -546,10 +560,11 @@ def _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, s
         scratch = torch.empty(heads * (dv // block_v), t_p, 2 * dk + (0 if chunked else block_v + 3), device=qkvz.device,
                               dtype=torch.float32)
         _gated_delta_block_kernel[(heads, dv // block_v)](
-            qkvz, qkvz.stride(0), conv_in, conv_weight, positions, ba, ba.stride(0), decay, dt_bias, state, out,
+            qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
             state if states is None else states, scratch, *tail, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), norm_eps,
             T=t, T_P=t_p, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None, PDL=pdl,
-            **tail_args, CHUNKED=chunked, CHUNK_K=min(CHUNK_K, dk), num_warps=num_warps, **launch)
+            **tail_args, CHUNKED=chunked, CHUNK_K=min(CHUNK_K, dk), BA_DOT=ba_weight, HIDDEN=hidden,
+            H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, num_warps=num_warps, **launch)
     else:
         _gated_delta_step_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
