@@ -71,9 +71,9 @@ class LeanQwen35(EngineBase):
             raise QdflashError(f"gdn_ba={gdn_ba!r}: expected one of {', '.join(GDN_BA)}")
         self.gdn_ba = gdn_ba
         # a verify block's GDN middle through the two-phase kernel (every token's inputs first, then the recurrence
-        # alone; gated_delta_step's two_phase). Its block then agrees with one-token steps to fp32 rounding, not bit for bit, so a greedy
-        # speculative token may differ from the autoregressive one where two logits nearly tie. Set before
-        # capture, like fuse_gdn
+        # alone; gated_delta_step's two_phase). Its block then agrees with one-token steps to fp32 rounding, not bit
+        # for bit, so a greedy speculative token may differ from the autoregressive one where two logits nearly tie.
+        # Set before capture, like fuse_gdn
         self.gdn_two_phase = False
         # likewise, a verify block's recurrence in the chunked form (gated_delta_step's chunked: the block's products as
         # matmuls, no state reduction per token), to fp32 rounding too. Set before capture

@@ -133,11 +133,11 @@ if triton is not None:
                                   BA_DOT: tl.constexpr, HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr):
         """`_gated_delta_step_kernel` for a block, in two phases. First every token's inputs at once ([T, channels]
         tiles: the conv's taps as shifted loads, silu, the l2norms' reductions over the key dimension for all tokens
-        in one, the gates from the b / a product given or, BA_DOT, computed here from x), written to this program's rows of `scratch`; then the
-        recurrence token by token, reading them back: a token's chain is its state update alone (one reduction
-        of the state over the key dimension), its inputs' loads free to be issued ahead of it. The same formulas
-        as the one-token kernel, summed in another order (the conv over its taps, the l2norms, the b / a dot), so a block and
-        one-token steps agree to fp32 rounding, not bit for bit. PDL and NORM as in that kernel.
+        in one, the gates from the b / a product given or, BA_DOT, computed here from x), written to this program's
+        rows of `scratch`; then the recurrence token by token, reading them back: a token's chain is its state update
+        alone (one reduction of the state over the key dimension), its inputs' loads free to be issued ahead of it.
+        The same formulas as the one-token kernel, summed in another order (the conv over its taps, the l2norms, the
+        b / a dot), so a block and one-token steps agree to fp32 rounding, not bit for bit. PDL and NORM as in that kernel.
         CHUNKED (T_P >= 16, a tensor-core tile): phase 2 as `_chunk_state` instead of token by token."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
@@ -187,7 +187,8 @@ if triton is not None:
             for c in tl.static_range(H_CHUNKS):
                 rh = c * BLOCK_H + tl.arange(0, BLOCK_H)
                 mh = rh < HIDDEN
-                xt = tl.load(x_ptr + rt[:, None] * HIDDEN + rh[None, :], mask=t_ok[:, None] & mh[None, :], other=0.0).to(tl.float32)
+                xt = tl.load(x_ptr + rt[:, None] * HIDDEN + rh[None, :], mask=t_ok[:, None] & mh[None, :],
+                             other=0.0).to(tl.float32)
                 wb = tl.load(ba_ptr + h * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
                 wa = tl.load(ba_ptr + (HV + h) * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
                 db, da = tl.reduce((xt * wb[None, :], xt * wa[None, :]), 1, _add2)
@@ -212,8 +213,8 @@ if triton is not None:
             tl.store(base + rt[:, None] * (2 * DK) + rk[None, :], qq)
             tl.store(base + rt[:, None] * (2 * DK) + DK + rk[None, :], kk)
             tl.debug_barrier()  # the rows are read back by other threads of this program
-            _chunk_state(base, state_ptr, states_ptr, out_ptr + (rt[:, None] * HV + h) * DV + rv[None, :], vv, g, beta, t_ok, rt, rv,
-                         h * DK * DV, HV * DK * DV, T, DK, DV, CHUNK_K, STORE_STATES)
+            _chunk_state(base, state_ptr, states_ptr, out_ptr + (rt[:, None] * HV + h) * DV + rv[None, :], vv, g, beta, t_ok,
+                         rt, rv, h * DK * DV, HV * DK * DV, T, DK, DV, CHUNK_K, STORE_STATES)
         else:  # phase 2: the tokens' inputs through this program's scratch rows, token by token
             SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
             base = scratch_ptr + (h * tl.num_programs(1) + vb) * (T_P * SCR)
@@ -265,8 +266,7 @@ if triton is not None:
         bm = tl.where(t_ok, beta, 0.0)
         gc = tl.cumsum(gm, axis=0)
         eg = tl.exp(gc)
-        # e^(G_t - G_i) where i <= t (g <= 0: at most 1); the exponent zeroed elsewhere so nothing overflows
-        dec = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        dec = _decay_where(incl, gc[:, None] - gc[None, :])  # e^(G_t - G_i) where i <= t
         kkt = tl.zeros(dec.shape, dtype=tl.float32)
         qkt = tl.zeros(dec.shape, dtype=tl.float32)
         ks = tl.zeros(vv.shape, dtype=tl.float32)
@@ -292,22 +292,30 @@ if triton is not None:
         u = tl.dot(inv, rhs, input_precision=PRECISION)
         tl.store(out_ptrs, eg[:, None] * qs + tl.dot(dec * qkt, u, input_precision=PRECISION), mask=t_ok[:, None])
         last = tl.sum(tl.where(rt == T - 1, gc, 0.0), axis=0)
-        w_last = tl.where(t_ok, tl.exp(tl.where(t_ok, last - gc, 0.0)), 0.0)
+        w_last = _decay_where(t_ok, last - gc)
         for c in tl.static_range(DK // CHUNK_K):
             cols = c * CHUNK_K + rc
             at = tile0 + cols[:, None] * DV + rv[None, :]
             kc = tl.load(base + rt[:, None] * (2 * DK) + DK + cols[None, :])
             sc = tl.load(state_ptr + at)
+            # the state after the block: states[T] too (the loop below stops before it)
+            new = sc * tl.exp(last) + tl.dot(tl.trans(kc * w_last[:, None]), u, input_precision=PRECISION)
             if STORE_STATES:
                 tl.store(states_ptr + at, sc)
-                for t in range(T):
+                for t in range(T - 1):
                     gt = tl.sum(tl.where(rt == t, gc, 0.0), axis=0)
-                    w = tl.where(rt <= t, tl.exp(tl.where(rt <= t, gt - gc, 0.0)), 0.0)
                     tl.store(states_ptr + (t + 1) * STATE_SIZE + at,
-                             sc * tl.exp(gt) + tl.dot(tl.trans(kc * w[:, None]), u, input_precision=PRECISION))
-            new = sc * tl.exp(last) + tl.dot(tl.trans(kc * w_last[:, None]), u, input_precision=PRECISION)
+                             sc * tl.exp(gt) + tl.dot(tl.trans(kc * _decay_where(rt <= t, gt - gc)[:, None]), u,
+                                                      input_precision=PRECISION))
+                tl.store(states_ptr + T * STATE_SIZE + at, new)
             tl.debug_barrier()  # every thread has read this chunk of the state before any overwrites it
             tl.store(state_ptr + at, new)
+
+    @triton.jit
+    def _decay_where(mask, log_decay):
+        """e^log_decay where `mask`, else 0: the exponent is zeroed outside the mask first, so nothing overflows there
+        (the chunked form's masked exponents G_t - G_i are <= 0 inside it, g being <= 0)."""
+        return tl.where(mask, tl.exp(tl.where(mask, log_decay, 0.0)), 0.0)
 
     @triton.jit
     def _add3(a0, b0, c0, a1, b1, c1):
