@@ -806,13 +806,13 @@ def test_pdl_kernels_load_weights_before_waiting_on_the_previous_kernel(case):
     values other programs wrote (the GDN kernels' gated norm; the one-row GEMV's residual norm, at the down projection's
     tile; the one-row W4 GEMV reducing its K splits in its launch) count their arrival with one atomic each, acq_rel at gpu
     scope, by one thread after a CTA barrier."""
-    from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_WARPS
+    from qdflash.kernels.gated_delta import BLOCK_WARPS, CHUNKED_WARPS, STEP_WARPS
 
     # without PDL on one case only: the others' plain compiles are what the other compile test and every GPU run build
     for pdl in (True, False) if case == "gemv 1" else (True,):
         module, name, signature, constexprs = pdl_cases(pdl)[case]
         warps = {"gdn step 16": STEP_WARPS, "gdn step norm 16": STEP_WARPS, "gdn block 16": BLOCK_WARPS,
-                 "gdn block norm 16": BLOCK_WARPS, "gdn block chunked 16": BLOCK_WARPS}.get(case, 4)
+                 "gdn block norm 16": BLOCK_WARPS, "gdn block chunked 16": CHUNKED_WARPS}.get(case, 4)
         used = sm90_resources(module, name, signature, constexprs, warps, aligned_args(signature))
         assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
         assert (used["BF16X2_FMAS"] > 0) == case.endswith("fast"), used
@@ -844,12 +844,12 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     and the last global store before it (the pattern that makes every thread's stores visible to the program that
     counts last; Triton puts a barrier of its own before a scalar atomic too, so this checks the emitted order, not
     which line emits the barrier); without it, no atomic."""
-    from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_WARPS
+    from qdflash.kernels.gated_delta import BLOCK_WARPS, CHUNKED_WARPS, STEP_WARPS
 
     kind, _, arg = case.rpartition(" ")
     num_warps = 4
     if kind.startswith("gdn"):
-        num_warps = BLOCK_WARPS if "block" in kind else STEP_WARPS
+        num_warps = (CHUNKED_WARPS if "chunked" in kind else BLOCK_WARPS) if "block" in kind else STEP_WARPS
         case_of = (lambda t, norm: gdn_block_case(t, norm=norm, chunked="chunked" in kind)) if "block" in kind else gdn_step_case
         module, name, signature, constexprs = case_of(int(arg), norm="norm" in kind)
     else:

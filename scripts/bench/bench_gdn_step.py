@@ -17,8 +17,10 @@ outputs against the default one's.
 hidden row itself, a HIDDEN-wide dot and cross-warp reduction per token), `given` (that product computed before,
 as a fused qkvz + ba projection would give it: the kernel reads 2 values a token), `two_phase` (`given` through the
 block kernel that computes every token's inputs first, then runs the recurrence alone; a decode step, one token,
-keeps the step kernel), `chunked` (that block kernel with the block's recurrence as matmuls, the chunked form:
-`kernels.gated_delta._chunk_state`; one token keeps the step kernel), `pdl` (`dot` launched with programmatic
+keeps the step kernel), `two_phase_dot` (that block kernel computing the a / b projection itself, as the engine's
+default gdn_ba='dot' runs it), `chunked` (that block kernel with the block's recurrence as matmuls, the chunked form:
+`kernels.gated_delta._chunk_state`; one token keeps the step kernel), `chunked_dot` (with the projection in the
+kernel), `pdl` (`dot` launched with programmatic
 dependent launch, kernels.pdl.set_pdl: the state loaded before waiting on the kernel before) and `norm`
 (`dot` ending in the layer's gated RMSNorm, the last program of each head normalizing it: what that tail costs the
 kernel, against the two inductor kernels it replaces in a step; its output is compared with transformers' norm of the
@@ -39,9 +41,9 @@ from qdflash.kernels.gated_delta import gated_delta_step
 
 # Qwen3.5-4B's linear-attention layers: 16 key heads, 32 value heads, head dims 128, conv kernel 4, hidden 2560
 SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
-# (block_v, num_warps); the default first, then the two-phase block kernel's (16 x BLOCK_WARPS)
+# (block_v, num_warps); the default first (the step kernel's, and the two-phase block kernel's: BLOCK_WARPS)
 LAUNCHES = [(16, 4), (16, 8), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]
-VARIANTS = ("dot", "given", "two_phase", "chunked", "pdl", "norm")
+VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "chunked", "chunked_dot", "pdl", "norm")
 
 
 def launch_list(text: str) -> list[tuple[int, int]]:
@@ -79,12 +81,12 @@ def layer_inputs(t: int, position: int, device, g: torch.Generator) -> dict:
 
 
 def run(layer: dict, block_v: int, num_warps: int, keep_states: bool, variant: str = "dot"):
-    given = variant in ("given", "two_phase", "chunked")
+    given = variant in ("given", "two_phase", "chunked")  # the _dot block variants compute b / a in the kernel (BA_DOT)
     return gated_delta_step(layer["qkvz"], layer["conv_in"], layer["conv_weight"], layer["positions"], layer["x"],
                             layer["ba_product"] if given else layer["ba"], layer["decay"], layer["dt_bias"], layer["state"],
                             layer["states"] if keep_states else None, key_heads=SHAPE["key_heads"],
                             key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps,
-                            two_phase=variant == "two_phase", chunked=variant == "chunked",
+                            two_phase=variant.startswith("two_phase"), chunked=variant.startswith("chunked"),
                             norm_weight=layer["norm_weight"] if variant == "norm" else None, arrivals=layer["arrivals"])
 
 

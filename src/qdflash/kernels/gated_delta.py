@@ -447,10 +447,10 @@ CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs 
 STEP_BLOCK_V, STEP_WARPS = 16, 4
 CHUNK_K = 32  # the chunked block's key chunk (_chunk_state)
 STEP_BLOCK_H = 512  # the a / b dot's hidden chunk: Qwen3.5-4B's 2,560 in 5 whole chunks (a power of two pads 2,560 to 4,096)
-# the two-phase block kernel's warps at that value block: its [T, dk] input tiles (and their 64-bit address tiles)
-# take 168 registers a thread at 4 warps and 100 at 8 (sm_90 compile at 16 tokens with a launch's alignment,
-# tests' sm90_resources; neither spills). 8 for the lighter programs until the H200 times both (bench_gdn_step)
-BLOCK_WARPS = 8
+# the block kernel's warps at that value block. Two-phase: 4, which the H200 timed 1.4x faster than 8 at 16 tokens
+# (results/published/2026-12-05-h200-gdn-warps); its [T, dk] input tiles fit 4 warps' registers without a spill (tests'
+# sm90_resources). Chunked: 8, as at 4 its [T_P, dk] operands spill under the device's Triton
+BLOCK_WARPS, CHUNKED_WARPS = 4, 8
 
 
 def _value_block(name: str, dk: int, dv: int, block_v: int, states, t: int) -> int:
@@ -502,7 +502,7 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     inputs first, then the recurrence alone token by token (one token keeps the step kernel). `chunked`: the same
     block kernel with the recurrence in the chunked form (`_chunk_state`: matmuls over the block instead
     of a state reduction per token), its block padded to 16 rows. `num_warps`:
-    STEP_WARPS, or BLOCK_WARPS for the block kernel, unless given.
+    STEP_WARPS, or BLOCK_WARPS (two-phase) or CHUNKED_WARPS for the block kernel, unless given.
     `norm_weight` [dv] (the model's dtype or fp32): the layer's gated RMSNorm too, in the same launch
     (`_gated_norm_tail`), z being the qkvz rows' tail [T, H * dv] after the conv part; then it returns y
     [T, H * dv] in qkvz's dtype, what the out projection reads. `arrivals`: int32 [>= H] zeros, a count per head
@@ -542,7 +542,7 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     if chunked and (block_v < 16 or dk < 16):
         raise QdflashError(f"gated_delta_step: chunked multiplies [16, dk] x [dk, value block] tiles: dk={dk} and the value "
                            f"block {block_v} must be >= 16")
-    num_warps = num_warps or (BLOCK_WARPS if two_phase or chunked else STEP_WARPS)
+    num_warps = num_warps or (CHUNKED_WARPS if chunked else BLOCK_WARPS if two_phase else STEP_WARPS)
     args = (qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
             num_warps, two_phase, chunked, norm_weight, float(norm_eps), arrivals)
     if pdl_for(qkvz):  # a launch option torch.compile does not trace through (kernels.gemv._gemv_op)
