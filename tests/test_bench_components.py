@@ -155,6 +155,21 @@ def test_pdl_study_arms_option_names_arms_of_the_targets(capsys):
         assert "--arms: with --pdl-only, labels of" in capsys.readouterr().err
 
 
+def test_drafter_step_through_the_attention_kernel_drafts_what_sdpa_drafts():
+    """bench_components' drafter step with --attention kernel runs as the speed stage drafts (DrafterEngine's kernel
+    path: the round's append, the block's K/V after the context, kernels.decode_attention through Triton's interpreter
+    here) and drafts the masked-SDPA step's tokens on the same context and block (fp32); the 16-bit and W4 drafters."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_components
+
+    target = bench_components.build_target("tiny", "cpu", torch.float32)
+    args = argparse.Namespace(shape="tiny", block=4, context=20, reps=1, compile=False, profile=False, attention="kernel")
+    for label, group in (("drafter16", None), ("drafter_w4", 32)):
+        out = bench_components.measure_drafter(target, args, "cpu", torch.float32, 1e11, label, group)
+        assert out[f"{label}.attention"] == "kernel" and out[f"{label}.kernel_drafts_agree_with_sdpa"] == 1.0, out
+
+
 def test_round_bench_runs_on_the_cpu(runs):
     """scripts/bench/bench_round.py (a speculative round's parts, eager vs static drafter) on a 2-layer
     SmolLM2-shaped target: every part timed, and the static drafter drafts the eager one's tokens."""
@@ -269,8 +284,9 @@ def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_q
 
 def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
     """bench_gdn_step.py's variants on one tiny layer through the kernels (Triton's interpreter here; the script
-    itself needs CUDA for its timings): dot, given, two_phase and chunked give the same outputs for a 4-token block and a
-    decode step (to fp32 rounding), so a device run times the same computation four ways, and norm gives
+    itself needs CUDA for its timings): dot, given, two_phase and chunked (the block kernels also with the b / a dot in
+    the kernel) give the same outputs for a 4-token block and a decode step (to fp32 rounding), so a device run times
+    the same computation six ways, and norm gives
     transformers' gated norm of that output (what the script checks a device run against); bad --variants and
     --launches values are clear errors."""
     import argparse
@@ -287,10 +303,10 @@ def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
         layer = {k: v.float() if v is not None and v.is_floating_point() else v for k, v in layer.items()}
         layer["ba_product"] = layer["x"] @ layer["ba"].T  # from the fp32 copies, as the dot computes it
         start, outs = layer["state"].clone(), {}
-        for variant in ("dot", "given", "two_phase", "chunked"):
+        for variant in ("dot", "given", "two_phase", "two_phase_dot", "chunked", "chunked_dot"):
             layer["state"].copy_(start)
             outs[variant] = bench_gdn_step.run(layer, 16, 4, tokens > 1, variant)
-        for variant in ("given", "two_phase", "chunked"):
+        for variant in ("given", "two_phase", "two_phase_dot", "chunked", "chunked_dot"):
             torch.testing.assert_close(outs[variant], outs["dot"], atol=1e-5, rtol=1e-5)
         layer["state"].copy_(start)
         y = bench_gdn_step.run(layer, 16, 4, tokens > 1, "norm")  # the gated norm's tail: transformers' norm of dot's o

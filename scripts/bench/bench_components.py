@@ -12,7 +12,9 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
   runs on the W4 backend tuning picks for its shape);
 - the drafter's step (5 layers, the recipe's shape, 16-bit and W4 group 128): the context features of
   `--block` newly accepted positions (fc + their K/V in every layer) + the block forward over the cached
-  context + the target's LM head on the block + argmax; with `--w4-head` the W4 drafter again with its
+  context + the target's LM head on the block + argmax (with `--attention kernel` as the speed stage drafts:
+  the accepted positions' K/V written into DrafterEngine's buffers, the block's after them, and
+  kernels.decode_attention instead of a masked SDPA; `--drafter-only`: both, side by side); with `--w4-head` the W4 drafter again with its
   block's logits through the target's 4-bit head (`drafter_w4_head`, paired with `target_w4_head`), as
   DrafterEngine runs a quantized head;
 - the matmuls alone (every projection and the LM head at 1 row, in one graph): what the rest of a decode
@@ -56,7 +58,7 @@ import torch.nn.functional as F
 from qdflash.bench import copy_bandwidth, device_timer as timer
 from qdflash.cudagraph import capture
 from qdflash.drafter import init_drafter
-from qdflash.drafter.static import target_head
+from qdflash.drafter.static import DrafterEngine, target_head
 from qdflash.engine import build_engine
 from qdflash.engine.base import allow_compiles, compiled_step
 from qdflash.engine.graphs import restore, snapshot
@@ -510,13 +512,33 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
     ids = torch.full((1, args.block), drafter.mask_id, device=device)
     q_pos = torch.arange(args.context, args.context + args.block, device=device)[None]
 
-    def step():
+    def sdpa_step():
         with torch.no_grad():
             new_ctx = drafter.context_features(new_feats)
             for layer in drafter.layers:
                 layer.context_kv(new_ctx, new_pos)
             return drafter.forward_block(ids, q_pos, keys, values, pos, head=head)[0, 1:].argmax(-1)
 
+    step, agree = sdpa_step, {}
+    if args.attention == "kernel":
+        # as the speed stage drafts (bench_speedup: DrafterEngine(attention=) as the target's): a round's B accepted
+        # positions written as context K/V (the append), then the block's K/V after the context and each block row's
+        # attention through kernels.decode_attention, instead of a masked SDPA over a copy of the context
+        engine = DrafterEngine(drafter, max_len=args.context, cuda_graphs=False, attention="kernel",
+                               kernels=device == "cuda")
+        engine.append(feats[0], 0)  # the prompt's context, eagerly
+        engine.ids.copy_(ids)
+        engine.q_pos.copy_(q_pos)
+        engine.context_len.fill_(args.context)
+        engine.features.copy_(new_feats[0])  # positions 0..B-1 again: the same K/V as the prompt wrote there
+        engine.append_pos.copy_(new_pos[0])
+
+        def step():
+            with torch.no_grad():
+                engine._append_step(args.block)
+                return engine._step(args.context, None)[1]
+
+        agree[f"{label}.kernel_drafts_agree_with_sdpa"] = float((step() == sdpa_step()).float().mean())
     profiled = graphed(step, device)
     ms = run(profiled, args.reps)
     compiled = {}
@@ -544,7 +566,8 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
     return {f"{label}.step_ms": round(ms, 4), f"{label}.bound_ms": round(need / bandwidth * 1e3, 4),
             f"{label}.of_bound": round(need / bandwidth * 1e3 / ms, 4),
             f"{label}.bytes": {"drafter": own, "lm_head": head.nbytes, "context_kv": kv_bytes},
-            f"{label}.layers": c.num_layers, **({f"{label}.tuned": tuned} if w4_group else {}), **compiled}
+            f"{label}.layers": c.num_layers, f"{label}.attention": args.attention, **agree,
+            **({f"{label}.tuned": tuned} if w4_group else {}), **compiled}
 
 
 def kernel_check(engine, device) -> dict:
@@ -660,6 +683,10 @@ def main() -> None:
     parser.add_argument("--arms", type=lambda text: text.split(","), default=None,
                         help="--pdl-only: run only these arms (full labels, e.g. target16_pdl,target_w4_pdl_epilogues) beside "
                              "each target's base; the flags above say which arms there are")
+    parser.add_argument("--drafter-only", action="store_true",
+                        help="the 16-bit and W4 drafter steps alone, each with the masked SDPA and with --attention's kernel "
+                             "path (drafter*_sdpa, drafter*_kernel), same process: what the drafter's attention costs, in a "
+                             "few minutes of device time; no target steps")
     parser.add_argument("--hf-generate", action="store_true",
                         help="then transformers' static compiled generate on the same 16-bit model (hf_static.*, issue 23)")
     parser.add_argument("--hf-tokens", type=int, default=64, help="--hf-generate: decode steps timed (beyond 8)")
@@ -687,6 +714,14 @@ def main() -> None:
     result["target.parameters"] = sum(p.numel() for p in target.model.parameters())
     max_len = args.context + 4 * args.block
     layer_ids = init_drafter(target, block_size=args.block, **DRAFTERS[args.shape]).config.target_layer_ids
+    if args.drafter_only:
+        for label, group in (("drafter16", None), ("drafter_w4", args.drafter_group)):
+            for attention in ("sdpa", "kernel"):
+                arm = argparse.Namespace(**{**vars(args), "attention": attention})
+                result.update(measure_drafter(target, arm, device, dtype, bandwidth, f"{label}_{attention}", group))
+                report(result, f"{label}_{attention}", args.out)
+        report(result, None, args.out)
+        return
     engine16 = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
     result.update(gdn_check(engine16, device))
     fuse_gdn = engine16.fuse_gdn  # False where the fused path failed its check: every engine of the run then runs unfused
