@@ -533,11 +533,12 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
         engine.features.copy_(new_feats[0])  # positions 0..B-1 again: the same K/V as the prompt wrote there
         engine.append_pos.copy_(new_pos[0])
 
-        def step():
+        def kernel_step():
             with torch.no_grad():
                 engine._append_step(args.block)
                 return engine._step(args.context, None)[1]
 
+        step = kernel_step
         agree[f"{label}.kernel_drafts_agree_with_sdpa"] = float((step() == sdpa_step()).float().mean())
     profiled = graphed(step, device)
     ms = run(profiled, args.reps)
