@@ -321,6 +321,27 @@ def counting_backend():
     return backend, traced
 
 
+def test_rows_argmax_is_torchs_argmax_in_two_stages_where_compiled():
+    """ops.rows_argmax, which a drafted block's greedy tokens go through: eager, torch.argmax itself; traced by
+    torch.compile (the counting backend), the two-stage form for rows longer than its chunk, and either way torch.argmax's
+    index: the first maximum among ties, the first NaN, 0 for a row of -inf, a vocabulary no multiple of the chunk."""
+    from qdflash.ops import rows_argmax, two_stage_argmax
+
+    backend, traced = counting_backend()
+    compiled = torch.compile(lambda x: rows_argmax(x, 64), backend=backend)
+    g = torch.Generator().manual_seed(0)
+    for v in (50, 1000):
+        x = torch.randn(5, v, generator=g).to(torch.bfloat16)
+        x[1, ::3] = x[1].max()  # ties: the first one
+        x[2, v // 2: v // 2 + 2] = float("nan")
+        x[3] = float("-inf")
+        want = x.argmax(-1)
+        assert want[1] == 0 and want[2] == v // 2 and want[3] == 0
+        for got in (rows_argmax(x, 64), compiled(x), two_stage_argmax(x, 64)):
+            assert torch.equal(got, want), (v, got, want)
+        assert ("gather" in traced[-1].code) == (v > 64)
+
+
 def test_compiled_static_drafter_drafts_what_the_eager_session_drafts(tiny_llama):
     """DrafterEngine(compile=backend): the draft step goes through torch.compile (here a backend that counts
     the graphs it is given and runs them as traced), once per (bucket, window), and drafts as before."""

@@ -64,6 +64,7 @@ from qdflash.engine.base import allow_compiles, compiled_step
 from qdflash.engine.graphs import restore, snapshot
 from qdflash.engine.linear import pack_linears, tune_projections
 from qdflash.errors import raised_at
+from qdflash.ops import rows_argmax
 from qdflash.kernels.pdl import set_pdl
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
 from qdflash.quant.apply import replace_linears, select_linears
@@ -517,7 +518,7 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
             new_ctx = drafter.context_features(new_feats)
             for layer in drafter.layers:
                 layer.context_kv(new_ctx, new_pos)
-            return drafter.forward_block(ids, q_pos, keys, values, pos, head=head)[0, 1:].argmax(-1)
+            return rows_argmax(drafter.forward_block(ids, q_pos, keys, values, pos, head=head)[0, 1:])  # as DrafterEngine
 
     step, agree = sdpa_step, {}
     if args.attention == "kernel":

@@ -1,5 +1,5 @@
-"""The transformer math every model here shares, written once: RMSNorm, rotary embeddings, and the
-layer-feature taps the drafter reads. The lean engine (`qdflash.engine`), the drafter
+"""The transformer math every model here shares, written once: RMSNorm, rotary embeddings, the
+layer-feature taps the drafter reads, and the greedy pick over a vocabulary. The lean engine (`qdflash.engine`), the drafter
 (`qdflash.drafter.model`) and the training / speculative paths that read transformers' hidden states
 all use these, so a convention (rounding, rotate-half, which hidden state is "layer i") has one home.
 """
@@ -7,6 +7,7 @@ all use these, so a convention (rounding, rotate-half, which hidden state is "la
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -43,3 +44,24 @@ def tap_features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
     if isinstance(hidden_states, dict):
         return torch.cat([hidden_states[i] for i in layer_ids], dim=-1)
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def rows_argmax(logits: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
+    """argmax over the last dim of logits [R, V]: torch.argmax's index (the first maximum), in two stages where
+    torch.compile traces it. Why: inductor compiles a one-stage argmax as one program a row, so a drafted block's
+    few rows over a 248K vocabulary run on a handful of SMs (the drafter step's profile in
+    results/published/2026-12-05-h200-gdn-warps); the max of each `chunk`-wide slice, then the best slice, gives it
+    R x V / chunk programs. Eager torch's own kernel already splits long rows: it keeps that."""
+    if not torch.compiler.is_compiling() or logits.shape[-1] <= chunk:
+        return logits.argmax(-1)
+    return two_stage_argmax(logits, chunk)
+
+
+def two_stage_argmax(logits: torch.Tensor, chunk: int) -> torch.Tensor:
+    """rows_argmax's compiled form: each stage keeps its first maximum, so the pick is torch.argmax's (NaN too: the
+    first NaN, as torch treats NaN as the maximum). The padding is -inf, never picked over a real entry."""
+    r, v = logits.shape
+    padded = F.pad(logits, (0, -v % chunk), value=float("-inf"))
+    values, within = padded.view(r, -1, chunk).max(-1)
+    best = values.argmax(-1, keepdim=True)
+    return (within.gather(-1, best) + best * chunk)[:, 0]

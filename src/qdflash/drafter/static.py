@@ -27,6 +27,7 @@ from ..engine.base import allow_compiles, cache_buckets, compiled_step
 from ..engine.linear import head_projection
 from ..errors import QdflashError
 from ..kernels import kernels_usable
+from ..ops import rows_argmax
 
 
 def target_head(model, kernels: bool):
@@ -167,7 +168,7 @@ class DrafterEngine:
     def _drafts(self, h):
         """The block's logits [B, V] through the target's head, and its greedy drafts [B-1]."""
         logits = self.head(self.drafter.norm(h).to(self.head.dtype))[0]
-        return logits, logits[1:].argmax(-1)
+        return logits, rows_argmax(logits[1:])
 
     def _bucket(self) -> int:
         return next(n for n in self.buckets if n >= max(self.length, 1))
