@@ -48,10 +48,11 @@ def tap_features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
 
 def rows_argmax(logits: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
     """argmax over the last dim of logits [R, V]: torch.argmax's index (the first maximum), in two stages where
-    torch.compile traces it. Why: inductor compiles a one-stage argmax as one program a row, so a drafted block's
-    few rows over a 248K vocabulary run on a handful of SMs (the drafter step's profile in
-    results/published/2026-12-05-h200-gdn-warps); the max of each `chunk`-wide slice, then the best slice, gives it
-    R x V / chunk programs. Eager torch's own kernel already splits long rows: it keeps that."""
+    torch.compile traces it. Why: inductor's one-stage argmax of a drafted block's few rows over a 248K vocabulary was
+    one of the compiled drafter step's slowest kernels for the bytes it reads (the profile in
+    results/published/2026-12-05-h200-gdn-warps), as a reduction over so few rows gets few programs; the max of each
+    `chunk`-wide slice, then the best slice, gives it R x V / chunk of them. Eager torch's own kernel already splits
+    long rows: it keeps that."""
     if not torch.compiler.is_compiling() or logits.shape[-1] <= chunk:
         return logits.argmax(-1)
     return two_stage_argmax(logits, chunk)
