@@ -240,7 +240,7 @@ def test_a_quantized_lm_head_runs_in_the_engine_the_drafter_and_the_loop(family,
 
 @pytest.mark.parametrize("gdn_ba,two_phase,fuse_norm", [("dot", False, False), ("given", False, False), ("fused", False, False),
                                                         ("fused", True, False), ("dot", False, True), ("fused", True, True),
-                                                        ("given", "chunked", False), ("dot", "chunked", False)])
+                                                        ("dot", True, False), ("given", "chunked", False), ("dot", "chunked", False)])
 def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phase, fuse_norm, monkeypatch):
     """kernels=True: the Gated DeltaNet recurrence runs in the Triton kernels (their interpreter here): a
     20-token prompt through the unfused layer and the recurrence kernel, a verify block and a decode step

@@ -490,6 +490,9 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, through_op, two
     with pytest.raises(QdflashError, match="contiguous fp32"):
         gated_delta_step(qkvz[:1], torch.zeros(32, conv_dim), conv_w, torch.arange(1), x[:1], ba_w, decay, dt_bias,
                          state0.double(), key_heads=key_heads, key_dim=key_dim)
+    with pytest.raises(QdflashError, match="ask for one"):  # two forms of the block kernel: neither silently wins
+        gated_delta_step(qkvz[:2], torch.zeros(32, conv_dim), conv_w, torch.arange(2), x[:2], ba_w, decay, dt_bias,
+                         state0.clone(), key_heads=key_heads, key_dim=key_dim, two_phase=True, chunked=True)
 
 
 def test_a_chunked_verify_block_is_its_sixteen_one_token_steps():

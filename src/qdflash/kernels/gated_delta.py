@@ -536,8 +536,10 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
         if qkvz.shape[1] < conv_dim + heads * dv:
             raise QdflashError(f"gated_delta_step: with norm_weight, qkvz's rows end in z ({heads} x {dv} after the conv's "
                                f"{conv_dim}); got {qkvz.shape[1]} columns")
+    if two_phase and chunked:
+        raise QdflashError("gated_delta_step: two_phase and chunked are two forms of the block kernel; ask for one")
     chunked = chunked and t > 1
-    two_phase = two_phase and t > 1 and not chunked
+    two_phase = two_phase and t > 1
     block_v = _value_block("gated_delta_step", dk, dv, block_v, states, t)
     if chunked and (block_v < 16 or dk < 16):
         raise QdflashError(f"gated_delta_step: chunked multiplies [16, dk] x [dk, value block] tiles: dk={dk} and the value "
