@@ -242,6 +242,13 @@ def test_selected_variant_reads_the_summary(tmp_path):
                                                     "no_repeat": 1, "tree_nodes": 15}))
     assert selected_variant(tmp_path) == {**chosen, "verify_tokens": 6, "verify_adaptive": True, "no_repeat": True,
                                           "tree_nodes": 15}
+    # and the engines it ran: their attention (the QAD target's) and what went through torch.compile
+    for compile_flags, mode in (({"bench.compile": 1, "bench.compile_drafter": 1}, "all"),
+                                ({"bench.compile": 0, "bench.compile_drafter": 1}, "drafter"), ({"bench.compile": 0}, "none")):
+        (bench / "metrics.json").write_text(json.dumps({"verify_tokens": 16, "block_size": 16, "engine.qad.attention": "kernel",
+                                                        **compile_flags}))
+        assert selected_variant(tmp_path) == {**chosen, "verify_tokens": None, "verify_adaptive": False, "attention": "kernel",
+                                              "compile": mode}
     (tmp_path / "tables" / "summary.csv").write_text(header + "c,qad_x,4,stage2,16,,0,0\n")
     with pytest.raises(QdflashError, match="found 0"):
         selected_variant(tmp_path)
@@ -259,6 +266,21 @@ def test_serve_command_says_what_is_wrong(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["nope"])
     assert exit.value.code == 2 and "usage: qdflash" in capsys.readouterr().err
+
+
+def test_engine_options_are_checked_and_the_attention_kernel_needs_the_engines_kernels(varied_llama):
+    """--attention / --compile take their choices only (a clear error naming the flag); --engine with the attention kernel
+    where the engine runs no Triton kernels (the CPU without the interpreter's opt-in) is an error, not a quiet SDPA."""
+    from qdflash.errors import QdflashError
+    from qdflash.serve import _build_engines
+
+    with pytest.raises(QdflashError, match="--attention 'flash': expected one of sdpa, kernel"):
+        Stack("x", varied_llama, mode="ar", context=64, attention="flash")
+    with pytest.raises(QdflashError, match="--compile 'yes': expected one of none, drafter, all"):
+        Stack("x", varied_llama, mode="ar", context=64, compile="yes")
+    with pytest.raises(QdflashError, match="needs the engine's Triton kernels"):
+        _build_engines(Stack("x", varied_llama, mode="ar", context=64, attention="kernel"))
+    varied_llama.engine = None  # a session fixture: leave it as found
 
 
 def test_adaptive_verify_without_a_shorter_verify_is_refused(varied_llama):

@@ -49,6 +49,8 @@ from .variants import window_name
 log = logging.getLogger("qdflash.serve")
 
 MODES = ("spec", "ar", "hf")  # speculative (with the drafter), the target alone, transformers' generate
+ATTENTION = ("sdpa", "kernel")  # the engines' attention in decode steps, verify blocks and drafts (EngineBase.set_attention)
+COMPILE = ("none", "drafter", "all")  # --engine on a GPU: which captured steps go through torch.compile
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,8 +60,8 @@ MODES = ("spec", "ar", "hf")  # speculative (with the drafter), the target alone
 def selected_variant(results) -> dict:
     """The `selected` row of results/<experiment>/tables/summary.csv (qdflash.report), with the folders
     of its target and drafter as the DAG writes them, and the verify length (`verify_tokens`, None for
-    the whole block; `verify_adaptive`) and drafts' rules (`no_repeat`, `tree_nodes`) its benchmark job ran, where
-    that job's metrics.json says."""
+    the whole block; `verify_adaptive`), drafts' rules (`no_repeat`, `tree_nodes`) and engines (`attention`,
+    `compile`) its benchmark job ran, where that job's metrics.json says."""
     results = Path(results)
     path = results / "tables" / "summary.csv"
     if not path.is_file():
@@ -87,6 +89,12 @@ def selected_variant(results) -> dict:
             chosen["no_repeat"] = bool(measured["no_repeat"])
         if measured.get("tree_nodes"):  # a tree a round (0, or benchmarks before it: a chain)
             chosen["tree_nodes"] = int(measured["tree_nodes"])
+        # how its engines ran (the served target is the QAD one): so that --engine serves at the speed measured
+        if measured.get("engine.qad.attention") in ATTENTION:
+            chosen["attention"] = measured["engine.qad.attention"]
+        if "bench.compile" in measured:
+            chosen["compile"] = ("all" if measured["bench.compile"] else "drafter" if measured.get("bench.compile_drafter")
+                                 else "none")
     return chosen
 
 
@@ -105,10 +113,16 @@ class Stack:
     verify_adaptive: bool = False     # the whole block after a round that accepted as far as verify_tokens reaches
     no_repeat: bool = False           # no draft repeats the draft before it (qdflash.drafter.blocks.distinct_drafts)
     tree_nodes: int | None = None     # greedy requests: a tree of this many drafts a round (qdflash.spec); sampled ones: a chain
+    attention: str = "sdpa"           # with the engines: how their steps attend (ATTENTION; kernel needs Triton on the GPU)
+    compile: str = "none"             # with the engines on a GPU: which steps go through torch.compile (COMPILE)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise QdflashError(f"serve: mode {self.mode!r} is not one of {MODES}")
+        if self.attention not in ATTENTION:
+            raise QdflashError(f"serve: --attention {self.attention!r}: expected one of {', '.join(ATTENTION)}")
+        if self.compile not in COMPILE:
+            raise QdflashError(f"serve: --compile {self.compile!r}: expected one of {', '.join(COMPILE)}")
         if self.mode == "spec" and self.drafter is None:
             raise QdflashError("serve: mode 'spec' needs a drafter (--drafter or --results); use --mode ar or hf without one")
         if self.context <= 0:
@@ -160,12 +174,16 @@ class Stack:
 
 def load_stack(*, results=None, target=None, drafter=None, window=None, mode="spec", name=None, device=None,
                dtype=None, context=0, engine=False, verify_tokens=None, verify_adaptive=False, no_repeat=None,
-               tree_nodes=None) -> Stack:
+               tree_nodes=None, attention=None, compile_mode=None) -> Stack:
     """A Stack from a results folder's selected variant or from a target (+ drafter + window). `no_repeat` /
-    `tree_nodes` None: the rule the variant's benchmark ran (with `results`), else off (`tree_nodes` 0: off)."""
+    `tree_nodes` None: the rule the variant's benchmark ran (with `results`), else off (`tree_nodes` 0: off).
+    `attention` / `compile_mode` None: on a GPU, what the variant's benchmark ran its engines with (with `results`), else
+    sdpa and none (the attention kernel off the GPU only runs in Triton's interpreter, and a compile pays off only
+    where steps replay CUDA graphs)."""
     from .drafter import load_drafter
     from .models import load_target
 
+    chosen = {}
     if results is not None:
         if target is not None or drafter is not None:
             raise QdflashError("serve: give --results or --target/--drafter, not both")
@@ -184,30 +202,42 @@ def load_stack(*, results=None, target=None, drafter=None, window=None, mode="sp
         raise QdflashError("serve: mode 'spec' needs a drafter (--drafter or --results); use --mode ar or hf without one")
     loaded = load_target(str(target), dtype=dtype, device=device)
     draft = load_drafter(drafter, loaded).eval() if drafter is not None and mode == "spec" else None
+    gpu = loaded.device.type == "cuda"
+    attention = attention or (chosen.get("attention", "sdpa") if gpu else "sdpa")
+    compile_mode = compile_mode or (chosen.get("compile", "none") if gpu else "none")
     stack = Stack(name or Path(str(target)).name, loaded, draft, window, mode, context, verify_tokens, verify_adaptive,
-                  bool(no_repeat), tree_nodes or None)
+                  bool(no_repeat), tree_nodes or None, attention, compile_mode)
     if engine:
         _build_engines(stack)
     return stack
 
 
 def _build_engines(stack: Stack) -> None:
-    """The lean target engine and the drafter's static engine (as the speed benchmark runs them)."""
+    """The lean target engine and the drafter's static engine, as the speed benchmark (stages.bench_speedup) runs
+    them: `stack.attention` in both, and on a GPU the kernels tuned for this model's shapes and the steps captured
+    (`stack.compile`: none, the drafts, or every step through torch.compile)."""
     from .drafter.static import DrafterEngine
     from .engine import build_engine
 
     target, drafter = stack.target, stack.drafter
     extra = max(drafter.block_size, stack.tree_nodes or 0) + 1 if drafter is not None else 1
     target.engine = build_engine(target, max_len=stack.context + extra)
-    if target.device.type == "cuda":
-        target.engine.capture([1], None)
+    target.engine.set_attention(stack.attention)  # kernel without the engine's kernels: an error, not a fallback
+    gpu = target.device.type == "cuda"
+    steps, drafts = gpu and stack.compile == "all", gpu and stack.compile != "none"
+    if gpu:
+        started = time.perf_counter()
+        target.engine.tune_kernels()  # before capture: a graph keeps the kernels it was captured with
+        target.engine.capture([1], None, compile=steps)
         if drafter is not None:
             target.engine.capture([1, *verify_sizes(drafter, stack.verify_tokens, stack.verify_adaptive)],
-                                  drafter.config.target_layer_ids)
+                                  drafter.config.target_layer_ids, compile=steps)
         if drafter is not None and stack.tree_nodes:
-            target.engine.capture([stack.tree_nodes + 1], drafter.config.target_layer_ids, tree=True)
+            target.engine.capture([stack.tree_nodes + 1], drafter.config.target_layer_ids, compile=steps, tree=True)
+        log.info("target engine: kernels tuned, %d graphs captured%s in %.1f s", len(target.engine.graphs),
+                 " (compiled)" if steps else "", time.perf_counter() - started)
     if drafter is not None:
-        drafter.engine = DrafterEngine(drafter, max_len=stack.context + extra)
+        drafter.engine = DrafterEngine(drafter, max_len=stack.context + extra, attention=stack.attention, compile=drafts)
         drafter.engine.capture(stack.window)
 
 
@@ -630,6 +660,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default=None, help="bfloat16 / float16 / float32 (default: the loader's)")
     run.add_argument("--context", type=int, default=0, help="max prompt + new tokens (default: the target's max positions)")
     run.add_argument("--engine", action="store_true", help="decode on the lean engine + static drafter (GPU speed path)")
+    run.add_argument("--attention", choices=ATTENTION, default=None,
+                     help="--engine: the engines' attention (kernel: the Triton decode attention, GPU; default: on a GPU with "
+                          "--results, what the variant's benchmark ran; else sdpa)")
+    run.add_argument("--compile", choices=COMPILE, default=None,
+                     help="--engine on a GPU: the drafter's draft steps (drafter) or every captured step (all) through "
+                          "torch.compile, minutes at start (default: with --results, what the variant's benchmark ran; else none)")
     run.add_argument("--max-queue", type=int, default=8, help="requests admitted at once, the decoding one included (more: 503)")
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--port", type=int, default=8000)
@@ -649,7 +685,7 @@ def main(argv: list[str] | None = None) -> None:
                            context=args.context, engine=args.engine, verify_tokens=args.verify_tokens,
                            verify_adaptive=args.verify_adaptive,
                            no_repeat=None if args.drafts is None else args.drafts == "no-repeat",
-                           tree_nodes=args.tree_nodes)
+                           tree_nodes=args.tree_nodes, attention=args.attention, compile_mode=args.compile)
         app = build_app(stack, args.max_queue)
     except QdflashError as err:
         print(f"\nqdflash serve failed: {err}", file=sys.stderr)
@@ -657,7 +693,9 @@ def main(argv: list[str] | None = None) -> None:
     log.info("serving %s (%s, window %s, verify %s%s%s, context %d) on http://%s:%d/v1", stack.name, stack.mode, stack.window,
              stack.verify_tokens or "block", ", the block after a full accept" if stack.verify_adaptive else "",
              (", no-repeat drafts" if stack.no_repeat else "")
-             + (f", trees of {stack.tree_nodes} drafts (greedy)" if stack.tree_nodes else ""), stack.context, args.host, args.port)
+             + (f", trees of {stack.tree_nodes} drafts (greedy)" if stack.tree_nodes else "")
+             + (f", engines: {stack.attention} attention, compiled: {stack.compile}" if args.engine else ""),
+             stack.context, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 
