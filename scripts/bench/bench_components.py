@@ -14,9 +14,9 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
   `--block` newly accepted positions (fc + their K/V in every layer) + the block forward over the cached
   context + the target's LM head on the block + argmax (with `--attention kernel` as the speed stage drafts:
   the accepted positions' K/V written into DrafterEngine's buffers, the block's after them, and
-  kernels.decode_attention instead of a masked SDPA; `--drafter-only`: both, side by side); with `--w4-head` the W4 drafter again with its
-  block's logits through the target's 4-bit head (`drafter_w4_head`, paired with `target_w4_head`), as
-  DrafterEngine runs a quantized head;
+  kernels.decode_attention instead of a masked SDPA; `--drafter-only`: both, side by side); with
+  `--w4-head` the W4 drafter again with its block's logits through the target's 4-bit head
+  (`drafter_w4_head`, paired with `target_w4_head`), as DrafterEngine runs a quantized head;
 - the matmuls alone (every projection and the LM head at 1 row, in one graph): what the rest of a decode
   step (norms, rotary, conv, recurrence, attention) costs on top of reading the weights;
 - the 16-bit target twice: with cuBLAS for every matmul (`target16_cublas`), then after
@@ -64,9 +64,9 @@ from qdflash.engine.base import allow_compiles, compiled_step
 from qdflash.engine.graphs import restore, snapshot
 from qdflash.engine.linear import pack_linears, tune_projections
 from qdflash.errors import raised_at
-from qdflash.ops import rows_argmax
 from qdflash.kernels.pdl import set_pdl
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
+from qdflash.ops import rows_argmax
 from qdflash.quant.apply import replace_linears, select_linears
 from qdflash.quant.gptq import rtn_quantize
 from qdflash.quant.grid import GridSpec
