@@ -531,12 +531,11 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
         engine.ids.copy_(ids)
         engine.q_pos.copy_(q_pos)
         engine.context_len.fill_(args.context)
-        engine.features.copy_(new_feats[0])  # positions 0..B-1 again: the same K/V as the prompt wrote there
-        engine.append_pos.copy_(new_pos[0])
+        engine.features.copy_(new_feats[0])  # the round's append (a draft writes it first): positions 0..B-1 again,
+        engine.append_pos.copy_(new_pos[0])  # the same K/V as the prompt wrote there
 
         def kernel_step():
             with torch.no_grad():
-                engine._append_step(args.block)
                 return engine._step(args.context, None)[1]
 
         step = kernel_step

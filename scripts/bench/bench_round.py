@@ -15,8 +15,9 @@ Each is timed with the context holding `--context` positions (median of `--reps`
   (DrafterEngine: K/V in place, one CUDA graph per context bucket), checked to give the same drafts;
   beside it the target's LM head alone on the block's positions (the drafter shares it: for
   Qwen2.5's 151,936 x 896 head that read is a large part of a draft);
-- appending the features of 2 accepted positions to the drafter's context, eager and static (one
-  graph per count); then five rounds accepting 1..5 positions, checked to draft the same both ways.
+- appending the features of 2 accepted positions to the drafter's context, eager and static (static: the
+  features stored, their K/V written by the next draft's graph, so the static draft's time includes
+  them); then five rounds accepting 1..5 positions, checked to draft the same both ways.
 `--compile`: every captured step (decode, verify, draft) through torch.compile first, as bench.compile.
 `--profile` (CUDA): where each part's device time goes, kernel by kernel (bench_components.kernel_breakdown:
 torch.profiler over replays, grouped into matmuls, attention, ...): the decode step, the whole block's verify and
@@ -274,15 +275,15 @@ def main() -> None:
         eager.append(two, args.context)
         eager.keys, eager.values, eager.positions = keys, values, positions
 
-    def append_static():
+    def append_static():  # what a round's append costs: its rows are written by the next draft, timed with it
         static.append(two, args.context)
-        static.length = args.context
+        static.length, static.pending = args.context, False
 
     result["append2_eager_ms"] = timed(append_eager, device, args.reps)
     result["append2_static_ms"] = timed(append_static, device, args.reps)
     if args.profile and cuda:
         result["profile"] = profile_parts(engine, static, one, block, verify_counts, layer_ids, args.context, append_static)
-    # five rounds that accept 1..5 positions each, through the append graphs captured on first use:
+    # five rounds that accept 1..5 positions each, each append written by the next draft's graph:
     # the static drafts must stay the eager ones
     agree, position = [], args.context
     for accepted in range(1, 6):

@@ -8,8 +8,14 @@ made a speculative round cost several autoregressive decode steps
 of `max_len` positions, written in place as tokens are accepted. A draft attends to the first
 `bucket` positions: the smallest of powers of two that holds the context, as the target's graphs do.
 Positions past the context, and outside the sliding window, are masked. So one graph per (bucket,
-window) serves every round. The accepted positions' K/V are written by one graph per count (1..B),
-at positions held in a tensor (`index_copy_`). As a graph a draft costs a fraction of the eager one
+window) serves every round. The accepted positions' K/V are written by the next draft's graph, first:
+an append only stores the round's features and positions, and every draft writes the K/V of the last
+append's B rows (`index_copy_` at positions held in a tensor). Rows past the append's count are stale
+and land past the context, where the mask hides them and the block's own K/V (the attention kernel)
+or a later append overwrite them; rewriting a round's rows is idempotent. So the append costs no
+launch of its own and compiles with the draft: as a graph of its own it cost about two thirds of a
+draft (bench_speedup's round parts, results/published/2026-12-04-h200-qwen-block9). As a graph a
+draft costs a fraction of the eager one
 (scripts/bench/bench_round.py; results/published/2026-11-30-h200-smollm2-round). On CUDA each graph is captured on first use, or up
 front with `capture`. Elsewhere the same static step runs eagerly, which is how the CPU tests check
 the graph path.
@@ -52,8 +58,8 @@ class DrafterEngine:
         length). The kernel needs Triton on CUDA, or its interpreter (tests).
         `compile`: the draft step through torch.compile (True: inductor; else that backend, e.g. the
         tests' "aot_eager"), as the target engine's `capture(compile=...)`: its elementwise work
-        fused, one compile per (bucket, window) graph (one with the kernel). Appends stay eager: a
-        compile per count 1..B would cost more than their ~0.2 ms a round. Drafts only propose tokens,
+        fused, one compile per (bucket, window) graph (one with the kernel), the round's append in it.
+        Drafts only propose tokens,
         so a compiled draft's rounding changes τ at most, never what the target emits.
         `kernels`: whether a quantized target head runs packed through the W4 kernels ("auto": on CUDA)."""
         c = drafter.config
@@ -65,8 +71,9 @@ class DrafterEngine:
         if attention == "kernel":
             kernels_usable(self.device, True)  # raises, saying why, where Triton cannot run
         self.attention = attention
-        # the block's own K/V are written at positions length..length+B-1 in the kernel path
-        shape = (1, c.num_kv_heads, max_len + (self.block if attention == "kernel" else 0), c.head_dim)
+        # B positions past max_len: the kernel path writes the block's own K/V at length..length+B-1, and a
+        # draft rewrites the last append's B rows, its stale ones past the context
+        shape = (1, c.num_kv_heads, max_len + self.block, c.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
         self.buckets = [max_len] if attention == "kernel" else cache_buckets(max_len, smallest_bucket)
@@ -77,9 +84,11 @@ class DrafterEngine:
         self.context_len = torch.zeros((), dtype=torch.long, device=self.device)
         self.offsets = torch.arange(self.block, device=self.device)
         self.k_pos = torch.arange(max_len, device=self.device)
-        # an append of up to B accepted positions: their features and positions (a graph per count)
+        # the last append's B rows (its features first, then stale ones) and their positions: what a draft
+        # writes as context K/V before the block runs
         self.features = torch.zeros(self.block, len(c.target_layer_ids) * c.hidden_size, dtype=self.dtype, device=self.device)
-        self.append_pos = torch.zeros(self.block, dtype=torch.long, device=self.device)
+        self.append_pos = self.offsets.clone()
+        self.pending = False  # rows appended that no draft has written yet
         self.graphs: dict[tuple, tuple] = {}
         self.length, self.window = 0, None
         self._compiled_step = compiled_step(self._step, compile) if compile else None
@@ -90,6 +99,8 @@ class DrafterEngine:
         """A new generation: the context is empty again (the buffers are overwritten as it grows)."""
         self._check_window(window)
         self.length, self.window = 0, window
+        self.append_pos.copy_(self.offsets)  # the last session's rows land in the empty context: masked, overwritten
+        self.pending = False
         return self
 
     def _check_window(self, window: int | None) -> None:
@@ -99,28 +110,22 @@ class DrafterEngine:
 
     @torch.no_grad()
     def append(self, features: torch.Tensor, start: int) -> None:
-        """Target features [n, k*H] of positions start..start+n-1 become context K/V in every layer.
-        Up to B positions (a round's accepted tokens) go through the graph for n; more (the prompt) eagerly."""
+        """Target features [n, k*H] of positions start..start+n-1 become context K/V in every layer: the last
+        B of them (a round's accepted tokens: all) in the next draft's graph, any before those (a prompt) now."""
         n = features.shape[0]
         if start != self.length:
             raise ValueError(f"context holds {self.length} positions; features for {start}.. must follow them")
         if start + n > self.max_len:
             raise QdflashError(f"drafter context holds {self.max_len} positions; asked for {start + n} (DrafterEngine(max_len=...))")
-        if n <= self.block:
-            self.features[:n].copy_(features)
-            torch.add(self.offsets[:n], start, out=self.append_pos[:n])
-            if self.cuda_graphs:  # capturing runs it for real on these inputs first: idempotent
-                graph, _ = self._graph(("append", n), lambda: self._append_step(n))
-                graph.replay()
-            else:
-                self._append_step(n)
-        else:
-            self._write_context(features.to(self.device), torch.arange(start, start + n, device=self.device))
+        if self.pending:  # two appends with no draft between: the first one's rows now, eagerly
+            self._write_context(self.features, self.append_pos)
+        kept = min(n, self.block)
+        if n > kept:
+            self._write_context(features[:n - kept].to(self.device), torch.arange(start, start + n - kept, device=self.device))
+        self.features[:kept].copy_(features[n - kept:])
+        torch.add(self.offsets, start + n - kept, out=self.append_pos)
         self.length += n
-
-    def _append_step(self, n: int) -> None:
-        """The append of n positions from the static buffers (what an append graph records)."""
-        self._write_context(self.features[:n], self.append_pos[:n])
+        self.pending = True
 
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Context K/V of target features [n, k*H] at `positions` [n], written in place in every layer."""
@@ -132,8 +137,10 @@ class DrafterEngine:
 
     def _step(self, attend: int, window: int | None):
         """Logits [B, V] and greedy drafts [B-1] of the block in `self.ids` over the first `attend`
-        context positions (those >= context_len, or outside the window, masked)."""
+        context positions (those >= context_len, or outside the window, masked), after the last
+        append's rows are written as context K/V."""
         d, b = self.drafter, self.block
+        self._write_context(self.features, self.append_pos)
         h = d.embed_block(self.ids).to(self.dtype)
         if self.attention == "kernel":
             return self._kernel_step(h, window)
@@ -175,24 +182,23 @@ class DrafterEngine:
 
     def capture(self, window: int | None = None) -> int:
         """Capture now (not during a measured generation) the draft graph of every bucket for this
-        window and the append graph of every count 1..B. Before a generation: the appends' warm-up
-        writes the first B positions, which the prompt then overwrites. Returns how many graphs
-        this engine holds."""
+        window. Before a generation: the warm-up drafts write context K/V (the append rows, and with the
+        kernel the block's) at the first positions, which the prompt then overwrites. Returns how many
+        graphs this engine holds."""
         self._check_window(window)
         if self.cuda_graphs:
             if self.length:
-                raise ValueError("capture before a generation (the append graphs write positions 0..B-1)")
+                raise ValueError("capture before a generation (a draft's warm-up writes K/V at positions 0..B-1)")
+            self.q_pos[0].copy_(self.offsets)
+            self.context_len.fill_(0)
             for attend in self.buckets:
                 self._graph((attend, window), lambda attend=attend: self._draft_step(attend, window))
-            for n in range(1, self.block + 1):
-                torch.add(self.offsets[:n], 0, out=self.append_pos[:n])
-                self._graph(("append", n), lambda n=n: self._append_step(n))
         return len(self.graphs)
 
     def _graph(self, key: tuple, step) -> tuple:
-        """(graph, its output buffers) of `step` under `key`, captured on first use: a draft writes no
-        buffer it reads, and an append's warm-up writes what its replay writes, so capturing in the
-        middle of a generation is safe."""
+        """(graph, its output buffers) of `step` under `key`, captured on first use: a draft's warm-up
+        writes what its replay writes (the last append's rows, the block's K/V at its own positions), so
+        capturing in the middle of a generation is safe."""
         if key not in self.graphs:
             self.graphs[key] = capture_graph(step, 2, self.device)
         return self.graphs[key]
@@ -209,6 +215,7 @@ class DrafterEngine:
         torch.add(self.offsets, position, out=self.q_pos[0])
         self.context_len.fill_(self.length)
         attend = self._bucket()
+        self.pending = False  # the draft writes them first
         if self.cuda_graphs:
             window = self.window
             graph, out = self._graph((attend, window), lambda: self._draft_step(attend, window))
