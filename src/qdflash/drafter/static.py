@@ -59,8 +59,8 @@ class DrafterEngine:
         `compile`: the draft step through torch.compile (True: inductor; else that backend, e.g. the
         tests' "aot_eager"), as the target engine's `capture(compile=...)`: its elementwise work
         fused, one compile per (bucket, window) graph (one with the kernel), the round's append in it.
-        Drafts only propose tokens,
-        so a compiled draft's rounding changes τ at most, never what the target emits.
+        Drafts only propose tokens, so a compiled draft's rounding (its context K/V's too) changes τ at
+        most, never what the target emits.
         `kernels`: whether a quantized target head runs packed through the W4 kernels ("auto": on CUDA)."""
         c = drafter.config
         self.drafter, self.max_len, self.block = drafter, max_len, c.block_size
