@@ -374,7 +374,7 @@ class RoundTimer:
     """Where a speculative round's time goes: `speculative_generate(..., phases=RoundTimer(device))`
     adds the synchronized wall time of each part of every round: draft (the drafter's block), verify
     (the target's forward of the block and its choice), append (a rollback and the drafter's context
-    update) and host (the stop checks and the rest). The synchronizations themselves cost time, so
+    update; DrafterEngine only stores the features there, its next draft writes their K/V) and host (the stop checks and the rest). The synchronizations themselves cost time, so
     this is a profiling run beside the timed ones, never the timed one."""
 
     PARTS = ("draft", "verify", "append", "host")
