@@ -283,6 +283,26 @@ def test_engine_options_are_checked_and_the_attention_kernel_needs_the_engines_k
     varied_llama.engine = None  # a session fixture: leave it as found
 
 
+def test_served_engines_default_to_what_the_variant_was_benchmarked_with_on_a_gpu(monkeypatch, tmp_path):
+    """load_stack with --results: on a GPU the engines take the attention and compile settings the variant's benchmark
+    recorded (selected_variant), unless --attention / --compile say otherwise; off the GPU sdpa and none, where the
+    attention kernel runs only in Triton's interpreter and a compile pays off in no CUDA graph."""
+    import types
+
+    from qdflash import models, serve
+
+    monkeypatch.setattr(serve, "selected_variant", lambda results: {
+        "variant": "v", "window": None, "target": tmp_path / "t", "drafter": tmp_path / "d", "attention": "kernel",
+        "compile": "drafter"})
+    for device, want in (("cuda", ("kernel", "drafter")), ("cpu", ("sdpa", "none"))):
+        loaded = types.SimpleNamespace(device=torch.device(device), config=None)
+        monkeypatch.setattr(models, "load_target", lambda *a, loaded=loaded, **k: loaded)
+        stack = serve.load_stack(results=tmp_path, mode="ar", context=64)
+        assert (stack.attention, stack.compile) == want
+    stack = serve.load_stack(results=tmp_path, mode="ar", context=64, attention="kernel", compile_mode="all")
+    assert (stack.attention, stack.compile) == ("kernel", "all")  # asked for: taken as given (an engine checks it)
+
+
 def test_adaptive_verify_without_a_shorter_verify_is_refused(varied_llama):
     from qdflash.errors import QdflashError
 
