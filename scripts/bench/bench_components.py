@@ -527,12 +527,9 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
         # attention through kernels.decode_attention, instead of a masked SDPA over a copy of the context
         engine = DrafterEngine(drafter, max_len=args.context, cuda_graphs=False, attention="kernel",
                                kernels=device == "cuda")
-        engine.append(feats[0], 0)  # the prompt's context, eagerly
-        engine.ids.copy_(ids)
-        engine.q_pos.copy_(q_pos)
-        engine.context_len.fill_(args.context)
-        engine.features.copy_(new_feats[0])  # the round's append (a draft writes it first): positions 0..B-1 again,
-        engine.append_pos.copy_(new_pos[0])  # the same K/V as the prompt wrote there
+        # the prompt: its last B positions stand for the round's append, whose K/V every draft writes first
+        engine.append(feats[0], 0)
+        engine.draft_logits(drafter.mask_id, args.context)  # the step's inputs as a draft sets them: the block `ids`
 
         def kernel_step():
             with torch.no_grad():
