@@ -13,8 +13,8 @@ an append only stores the round's features and positions, and every draft writes
 append's B rows (`index_copy_` at positions held in a tensor). Rows past the append's count are stale
 and land past the context, where the mask hides them and the block's own K/V (the attention kernel)
 or a later append overwrite them; rewriting a round's rows is idempotent. So the append costs no
-launch of its own and compiles with the draft: as a graph of its own it cost about two thirds of a
-draft (bench_speedup's round parts, results/published/2026-12-04-h200-qwen-block9). As a graph a
+launch of its own and compiles with the draft: as a graph of its own it cost most of what a draft
+cost (bench_speedup's round parts, results/published/2026-12-04-h200-qwen-block9). As a graph a
 draft costs a fraction of the eager one
 (scripts/bench/bench_round.py; results/published/2026-11-30-h200-smollm2-round). On CUDA each graph is captured on first use, or up
 front with `capture`. Elsewhere the same static step runs eagerly, which is how the CPU tests check
