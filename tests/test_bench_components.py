@@ -40,11 +40,11 @@ def runs(tmp_path_factory):
     started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
                                      "--w4-head", "--compile", "aot_eager", "--unfused-gdn", "--profile",
                                      "--hf-generate", "--hf-tokens", "8", "--hf-reps", "1"),
-               # --pdl-only: on the CPU there is no PDL, so the arms run one code path; what is tested is the study's
-               # plumbing: each arm retuned, checked, measured and set against the first (not compiled here: the
-               # components run above covers --compile, and a compile per arm would double this test's time)
-               "pdl": Started(folder, "pdl", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
-                              "--pdl-only", "--inductor-pdl", "--gdn-ba", "dot,fused", "--gdn-two-phase", "--gdn-chunked", "--epilogues"),
+               # --study: on the CPU (no kernels) the arms run one code path; what is tested is the study's plumbing:
+               # each arm tuned, checked, measured and set against the first (not compiled here: the components run
+               # above covers --compile, and a compile per arm would double this test's time)
+               "study": Started(folder, "study", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context",
+                                "32", "--study", "--gdn-ba", "dot,fused", "--gdn-two-phase", "--gdn-chunked"),
                "round": Started(folder, "round", "bench_round.py", "--layers", "2", "--context", "40", "--block", "4", "--reps", "1",
                                "--attention", "sdpa,kernel", "--kernels", "on"),
                # --compile (traced with aot_eager: Triton's interpreter does not run under dynamo, so sdpa here)
@@ -107,13 +107,13 @@ def test_component_bench_runs_on_the_cpu(runs):
     assert r["reference.implied_speedup.tau3.0.target16+drafter16.vs_ar16"] == pytest.approx(3.0 * bound, abs=2e-3)
 
 
-def test_pdl_study_runs_each_arm_on_the_cpu(runs):
-    r = runs["pdl"].result()
+def test_study_runs_each_arm_on_the_cpu(runs):
+    r = runs["study"].result()
     assert r["target_w4_gdn_fused"].startswith("skipped: the W4 target's qkvz is 4-bit")
     assert r["target_w4_gdn_fused_two_phase"].startswith("skipped: the W4 target's qkvz is 4-bit")
     assert r["target_w4_gdn_fused_chunked"].startswith("skipped: the W4 target's qkvz is 4-bit")
     for label in ("target16", "target_w4"):
-        for suffix in ("", "_pdl", "_pdl_inductor", "_epilogues", "_pdl_epilogues", "_gdn_dot_two_phase", "_gdn_dot_chunked") + (
+        for suffix in ("", "_gdn_dot_two_phase", "_gdn_dot_chunked") + (
                 ("_gdn_fused", "_gdn_fused_two_phase", "_gdn_fused_chunked") if label == "target16" else ()):
             arm = label + suffix
             assert r[f"{arm}.decode_ms"] > 0 and r[f"{arm}.verify_ms"] > 0, r.get(f"{arm}.error")
@@ -122,37 +122,25 @@ def test_pdl_study_runs_each_arm_on_the_cpu(runs):
                 assert r[f"vs_base.{arm}.decode_speedup"] == pytest.approx(r[f"{label}.decode_ms"] / r[f"{arm}.decode_ms"], abs=2e-3)
                 assert r[f"{arm}.gdn_check"] == "kernels off: one torch path"  # the GPU compares the arm's GDN path
     assert r["target_w4.quantized_layers"] > 0 and not any(k.startswith("drafter") for k in r)
-    # --epilogues: which fusions each arm ran (none without the kernels); an arm after one of the same engine and PDL
-    # setting keeps its tuning
-    assert r["target16_epilogues.epilogues_in_use"] == {"swiglu@1": 0, "swiglu@16": 0, "gdn_norm": 0,
-                                                           "residual_norm@1": 0, "prologue@1": 0, "residual_add@1": 0,
-                                                           "prologue@16": 0, "residual_add@16": 0}
-    assert r["target16_epilogues.tuned"] == "as the arm before (PDL off)" and isinstance(r["target16_pdl.tuned"], dict)
+    # an arm after one of the same engine keeps its tuning; an engine of its own is tuned again
+    assert r["target16_gdn_dot_two_phase.tuned"] == "as the arm before"
+    assert isinstance(r["target16_gdn_fused.tuned"], dict)
 
 
-def test_pdl_study_arms_option_names_arms_of_the_targets(capsys):
+def test_study_arms_option_names_arms_of_the_targets(capsys):
     """--arms takes the study's arm labels (not a base, not an arm the W4 target always skips) and fails clearly
-    otherwise; study_arms lists an engine's arms without PDL before those with it, with --each-epilogue an arm of
-    each epilogue fusion alone, and with --prologues the prologue fusions' arms."""
+    otherwise; study_arms lists the base first, then each --gdn-ba mode's arms."""
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
     import bench_components
 
-    args = argparse.Namespace(gdn_ba=["dot", "fused"], inductor_pdl=False, epilogues=True, gdn_two_phase=False)
-    assert [arm[0] for arm in bench_components.study_arms(args)] == ["", "_epilogues", "_pdl", "_pdl_epilogues", "_gdn_fused"]
-    args.epilogues, args.each_epilogue = False, True
-    each = {arm.suffix: (arm.epilogues, arm.pdl) for arm in bench_components.study_arms(args)}
-    assert {k: v for k, v in each.items() if v[0]} == {"_gdn_norm": (("gdn_norm",), False), "_swiglu": (("swiglu",), False),
-                                                       "_residual_norm": (("residual_norm",), False)}
-    args.each_epilogue, args.prologues = False, True  # --prologues: alone, with the GDN kernel's gated norm, with PDL
-    assert [(arm.suffix, arm.epilogues, arm.pdl) for arm in bench_components.study_arms(args) if arm.epilogues] == [
-        ("_prologues", ("prologues",), False), ("_prologues_swiglu", ("prologues", "swiglu"), False),
-        ("_prologues_gdn_norm", ("prologues", "gdn_norm"), False),
-        ("_pdl_prologues", ("prologues",), True)]
-    for bad in ("target16", "target_w4_gdn_fused", "target16_pdl,target16_foo"):
-        sys.argv = ["bench_components.py", "--pdl-only", "--epilogues", "--gdn-ba", "dot,fused", "--arms", bad]
+    args = argparse.Namespace(gdn_ba=["dot", "fused"], gdn_two_phase=True, gdn_chunked=False)
+    assert [arm.suffix for arm in bench_components.study_arms(args)] == ["", "_gdn_dot_two_phase", "_gdn_fused",
+                                                                         "_gdn_fused_two_phase"]
+    for bad in ("target16", "target_w4_gdn_fused", "target16_gdn_fused,target16_foo"):
+        sys.argv = ["bench_components.py", "--study", "--gdn-ba", "dot,fused", "--arms", bad]
         with pytest.raises(SystemExit):
             bench_components.main()
-        assert "--arms: with --pdl-only, labels of" in capsys.readouterr().err
+        assert "--arms: with --study, labels of" in capsys.readouterr().err
 
 
 def test_drafter_step_through_the_attention_kernel_drafts_what_sdpa_drafts():
@@ -252,8 +240,7 @@ def test_drafter_step_block_variants_parse_or_name_the_bad_item():
 
 def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_qwen, monkeypatch):
     """bench_components.gdn_check, before any timing: the fused GDN layer middle against the unfused one on the same
-    prompt (the kernels under Triton's interpreter here; also with the GDN kernel's gated norm, whose arrival counts
-    it reports), and where the fused path raises, the error recorded and
+    prompt (the kernels under Triton's interpreter here), and where the fused path raises, the error recorded and
     the engine left unfused, so that one broken kernel does not cost the rest of a device run."""
     pytest.importorskip("triton")
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
@@ -265,10 +252,6 @@ def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_q
     engine = build_engine(tiny_qwen, max_len=64, kernels=True)
     good = bench_components.gdn_check(engine, "cpu", tokens=24, block=4)
     assert good["gdn_fused_check.max_abs"] < 1e-4 * good["gdn_fused_check.logit_scale"] and engine.fuse_gdn
-    engine.gdn_fuse_norm = True  # the GDN kernel's gated norm too: the same logits, no arrival count left behind
-    normed = bench_components.gdn_check(engine, "cpu", tokens=24, block=4)
-    assert normed["gdn_fused_check.max_abs"] < 1e-4 * normed["gdn_fused_check.logit_scale"]
-    assert normed["gdn_fused_check.arrivals_left"] == 0
 
     def broken(*args, **kwargs):
         raise RuntimeError("no such PTX")
@@ -286,9 +269,7 @@ def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
     """bench_gdn_step.py's variants on one tiny layer through the kernels (Triton's interpreter here; the script
     itself needs CUDA for its timings): dot, given, two_phase and chunked (the block kernels also with the b / a dot in
     the kernel) give the same outputs for a 4-token block and a decode step (to fp32 rounding), so a device run times
-    the same computation six ways, and norm gives
-    transformers' gated norm of that output (what the script checks a device run against); bad --variants and
-    --launches values are clear errors."""
+    the same computation six ways; bad --variants and --launches values are clear errors."""
     import argparse
 
     pytest.importorskip("triton")
@@ -308,9 +289,6 @@ def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
             outs[variant] = bench_gdn_step.run(layer, 16, 4, tokens > 1, variant)
         for variant in ("given", "two_phase", "two_phase_dot", "chunked", "chunked_dot"):
             torch.testing.assert_close(outs[variant], outs["dot"], atol=1e-5, rtol=1e-5)
-        layer["state"].copy_(start)
-        y = bench_gdn_step.run(layer, 16, 4, tokens > 1, "norm")  # the gated norm's tail: transformers' norm of dot's o
-        torch.testing.assert_close(y, bench_gdn_step.normed(layer, outs["dot"]), atol=1e-5, rtol=1e-5)
     assert bench_gdn_step.variant_list("dot,two_phase") == ["dot", "two_phase"]
     for bad in ("dot,dot", "dot,fast", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="--variants"):

@@ -238,17 +238,15 @@ def test_a_quantized_lm_head_runs_in_the_engine_the_drafter_and_the_loop(family,
     assert speculative_generate(fast, drafter, prompt, 16).tokens == reference
 
 
-@pytest.mark.parametrize("gdn_ba,two_phase,fuse_norm", [("dot", False, False), ("given", False, False), ("fused", False, False),
-                                                        ("fused", True, False), ("dot", False, True), ("fused", True, True),
-                                                        ("dot", True, False), ("given", "chunked", False), ("dot", "chunked", False)])
-def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phase, fuse_norm, monkeypatch):
+@pytest.mark.parametrize("gdn_ba,two_phase", [("dot", False), ("given", False), ("fused", False), ("fused", True),
+                                              ("dot", True), ("given", "chunked"), ("dot", "chunked")])
+def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phase, monkeypatch):
     """kernels=True: the Gated DeltaNet recurrence runs in the Triton kernels (their interpreter here): a
     20-token prompt through the unfused layer and the recurrence kernel, a verify block and a decode step
     through the fused layer middle (gated_delta_step). Both keep per-position states, and a rollback into
     a block still predicts what a fresh forward does. Whichever way the gates get their b / a projection
     (`gdn_ba`: in the kernel, its own matmul, or the tail of the qkvz matmul), and with the block through the
-    two-phase kernel (`gdn_two_phase`) or in the chunked form (`gdn_chunked`), and with the gated norm in the same launch
-    (`gdn_fuse_norm`)."""
+    two-phase kernel (`gdn_two_phase`) or in the chunked form (`gdn_chunked`)."""
     pytest.importorskip("triton")
     import qdflash.engine.qwen3_5 as qwen3_5
     from qdflash.kernels.gated_delta import gated_delta_step
@@ -256,12 +254,12 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
     calls = []
 
     def counted(qkvz, *args, **kwargs):
-        calls.append((qkvz.shape[0], "chunked" if kwargs["chunked"] else kwargs["two_phase"], kwargs["norm_weight"] is not None))
+        calls.append((qkvz.shape[0], "chunked" if kwargs["chunked"] else kwargs["two_phase"]))
         return gated_delta_step(qkvz, *args, **kwargs)
 
     monkeypatch.setattr(qwen3_5, "gated_delta_step", counted)
     engine = build_engine(tiny_qwen, max_len=64, kernels=True, gdn_ba=gdn_ba)
-    engine.gdn_two_phase, engine.gdn_chunked, engine.gdn_fuse_norm = two_phase is True, two_phase == "chunked", fuse_norm
+    engine.gdn_two_phase, engine.gdn_chunked = two_phase is True, two_phase == "chunked"
     assert engine.kernels and engine.fuse_gdn
     gdn = [w for w in engine.layers if "la" in w]
     assert all((w["ba"] is None) == (gdn_ba == "fused") for w in gdn)  # fused: one projection fewer a layer
@@ -275,134 +273,8 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
     torch.testing.assert_close(after[-1], expected, atol=1e-4, rtol=1e-4)
     layers = tiny_qwen.model.config.layer_types.count("linear_attention")
     # two_phase asked for both: gated_delta_step runs one token through the step kernel whatever it says
-    assert calls == [(4, two_phase, fuse_norm)] * layers + [(1, two_phase, fuse_norm)] * layers, \
+    assert calls == [(4, two_phase)] * layers + [(1, two_phase)] * layers, \
         "the prompt unfused; the block (two-phase where asked) and the step fused, every GDN layer"
-
-
-def fused_and_unfused(engine, flag: str, launched: list, x: torch.Tensor) -> dict:
-    """With the engine's fusion `flag` off, then on: a prompt (x's first 8 tokens), a verify block (3) and a decode step
-    (1) from a reset engine. {on: (the block's and the step's logits, what `launched` recorded during the prompt and
-    the block, what it recorded during the step)}."""
-    out = {}
-    for on in (False, True):
-        setattr(engine, flag, on)
-        engine.reset()
-        launched.clear()
-        engine.forward(x[:8], 0)
-        block = engine.forward(x[8:11], 8)[0]
-        before = list(launched)
-        launched.clear()
-        step = engine.forward(x[11:], 11)[0]
-        out[on] = (torch.cat([block, step]), before, list(launched))
-    return out
-
-
-def assert_speculative_is_autoregressive(target, engine, prompt: torch.Tensor) -> None:
-    """Greedy speculative decoding through `engine` (with whatever fusions it has on) gives autoregressive decoding's
-    tokens."""
-    fast = dataclasses.replace(target, engine=engine)
-    assert speculative_generate(fast, init_drafter(target, block_size=3, seed=0), prompt, 10).tokens == \
-        autoregressive_generate(target, prompt, 10).tokens
-
-
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
-def test_fused_swiglu_decodes_as_the_unfused_mlp(fixture, request, monkeypatch):
-    """engine.fuse_swiglu with the kernels (Triton's interpreter here) and a one-split GEMV tuned for the gate / up
-    shape at one row and at 2-16: a decode step's, a verify block's (and a short prompt's) silu(gate) * up come from that GEMV's
-    epilogue (every layer), and the logits are the unfused engine's; greedy speculative decoding stays autoregressive decoding (Llama)."""
-    pytest.importorskip("triton")
-    from qdflash.kernels import gemv as gemv_module
-
-    target = request.getfixturevalue(fixture)
-    engine = build_engine(target, max_len=64, kernels=True)
-    n, k = engine.layers[0]["w13"].weight.shape
-    block_k = 16 if k % 32 else 32
-    monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 1), gemv_module.GemvConfig(8, block_k))
-    monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 16), gemv_module.GemvConfig(16, block_k))
-    launched = []
-    launch = gemv_module._launch
-    monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(kw.get("swiglu", False)) or launch(*args, **kw))
-    x = ids(3, 12)
-    runs = fused_and_unfused(engine, "fuse_swiglu", launched, x)
-    for fused, (_, before, step) in runs.items():
-        # the prompt's 8 rows, the block's 3 and the step's 1: the gate / up GEMV of each layer, fused where asked
-        assert before + step == [fused] * 3 * len(engine.layers)
-    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
-    if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)
-        assert_speculative_is_autoregressive(target, engine, x[None, :8])
-
-
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
-def test_fused_residual_norm_decodes_as_the_residual_add_and_norm_ops(fixture, request, monkeypatch):
-    """engine.fuse_residual_norm with the kernels (Triton's interpreter here) and one-split GEMVs tuned at one row for
-    the projections that end in the residual stream (o / GDN out, down): a decode step's residual adds and the norms after
-    them come from those GEMVs' launches (all but the last layer's down projection, which no norm follows in the
-    decoder), a prompt and a verify block stay the ops, the logits are the unfused engine's, the arrival count is left
-    zero; greedy speculative decoding stays autoregressive decoding (Llama)."""
-    pytest.importorskip("triton")
-    from qdflash.kernels import gemv as gemv_module
-
-    target = request.getfixturevalue(fixture)
-    engine = build_engine(target, max_len=64, kernels=True)
-    hidden = engine.embed.shape[1]
-    for w in engine.layers:
-        for name in ("wo", "o", "out", "w2"):
-            if name in w:
-                n, k = w[name].weight.shape
-                assert n == hidden
-                monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 1), gemv_module.GemvConfig(8, 16 if k % 32 else 32))
-    launched = []
-    launch = gemv_module._launch
-    monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(kw.get("norm") is not None) or launch(*args, **kw))
-    x = ids(3, 12)
-    runs = fused_and_unfused(engine, "fuse_residual_norm", launched, x)
-    for fused, (_, before, step) in runs.items():
-        assert sum(before) == 0 and sum(step) == (2 * len(engine.layers) - 1 if fused else 0), step
-    assert int(engine.norm_arrivals.abs().sum()) == 0
-    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
-    if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)
-        assert_speculative_is_autoregressive(target, engine, x[None, :8])
-
-
-@pytest.mark.parametrize("fixture, swiglu, rows, gdn_ba", [("tiny_llama", False, True, None), ("tiny_qwen", False, False, "given"),
-                                                           ("tiny_qwen", True, True, "dot")])
-def test_fused_prologues_decode_as_the_norm_swiglu_and_residual_ops(fixture, swiglu, rows, gdn_ba, request, monkeypatch):
-    """engine.fuse_prologues with the kernels (Triton's interpreter here) and one-split GEMVs tuned at one row for every
-    16-bit layer projection: in a decode step each layer's four GEMVs make their own x or take the residual add (the
-    mixer's input projection and the gate / up projection the norm of the stream, the o / out projection the add, the
-    down projection silu(gate) * up and the add), the GDN kernel reads the x the qkvz GEMV kept; the logits are the
-    unfused engine's; greedy speculative decoding stays autoregressive decoding (Llama). With fuse_swiglu too, the gate
-    / up GEMV makes silu(gate) * up in its epilogue and the down projection reads it as it is. `rows`: GEMVs tuned for
-    2-16 rows too, so a prompt (8 tokens) and a verify block (3) fuse the same way; else they stay the ops. The GDN
-    kernel reads the x the qkvz GEMV kept whether it computes the b / a product ("dot") or is given it ("given")."""
-    pytest.importorskip("triton")
-    from qdflash.kernels import gemv as gemv_module
-
-    target = request.getfixturevalue(fixture)
-    engine = build_engine(target, max_len=64, kernels=True, **({"gdn_ba": gdn_ba} if gdn_ba else {}))
-    for p in engine.projections():
-        if getattr(p, "weight", None) is not None:
-            n, k = p.weight.shape
-            monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 1), gemv_module.GemvConfig(8, 16 if k % 32 else 32))
-            if rows:
-                monkeypatch.setitem(gemv_module._TUNED, (n, k, engine.dtype, 16), gemv_module.GemvConfig(16, 16 if k % 32 else 32))
-    launched = []
-    launch = gemv_module._launch
-    monkeypatch.setattr(gemv_module, "_launch", lambda *args, **kw: launched.append(
-        ((kw.get("prologue") or (0,))[0], kw.get("residual") is not None, kw.get("swiglu", False))) or launch(*args, **kw))
-    engine.fuse_swiglu = swiglu
-    x = ids(3, 12)
-    runs = fused_and_unfused(engine, "fuse_prologues", launched, x)
-    # norm -> mixer; add; norm -> gate / up (its epilogue silu(gate) * up with fuse_swiglu); swiglu -> down (or x) + add
-    per_layer = ([(1, False, False), (0, True, False), (1, False, True), (0, True, False)] if swiglu else
-                 [(1, False, False), (0, True, False), (1, False, False), (2, True, False)])
-    for fused, (_, before, step) in runs.items():
-        # the prompt and the block: fused as the step where tuned for their rows, else the ops
-        assert [kind for kind in before if any(kind[:2])] == (per_layer * 2 * len(engine.layers) if fused and rows else []), before
-        assert [kind for kind in step if any(kind[:2])] == (per_layer * len(engine.layers) if fused else []), step
-    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
-    if fixture == "tiny_llama":  # (the hybrid's GDN kernels make a generation ~10x slower in the interpreter)
-        assert_speculative_is_autoregressive(target, engine, x[None, :8])
 
 
 def test_gdn_ba_fused_without_kernels_and_where_it_cannot_fuse(tiny_qwen, tiny_llama):

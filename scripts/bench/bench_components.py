@@ -27,9 +27,9 @@ after a prefill of `--context` tokens (median of `--reps` replays, CUDA events):
   `kernels.gated_delta.gated_delta_step` fused them into one launch), and `fused_gdn.*_speedup` (unfused over fused);
 - `--hf-generate`: transformers' own static compiled `generate` on the same 16-bit model at batch 1, its
   decode step's time from two generation lengths (`hf_static_generate`), and over this engine's steps;
-- `--pdl-only`: the tuned 16-bit target and the W4 target, each without and with programmatic dependent launch
-  of the matmul kernels and the fused GDN step (`kernels.pdl.set_pdl`; `--inductor-pdl`: inductor's kernels too), and
-  with each further `--gdn-ba` mode (how the GDN gates get their b / a projection), side by side (`pdl_study`);
+- `--study`: the tuned 16-bit target and the W4 target, each with each further `--gdn-ba` mode (how the GDN gates get
+  their b / a projection), and with `--gdn-two-phase` / `--gdn-chunked` each mode's verify block through the two-phase
+  or chunked GDN block kernel, side by side (`study`);
 - `--profile`: where a decode step's and a verify block's time goes, kernel by kernel (torch.profiler over graph
   replays), grouped into matmuls, recurrence, attention, fused elementwise (inductor) and the rest.
 Each time is set against its bound: bytes it must read (weights, recurrent states read and written,
@@ -46,7 +46,6 @@ The JSON is rewritten after each part, so a run cut off by a time limit keeps wh
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import time
@@ -64,7 +63,6 @@ from qdflash.engine.base import allow_compiles, compiled_step
 from qdflash.engine.graphs import restore, snapshot
 from qdflash.engine.linear import pack_linears, tune_projections
 from qdflash.errors import raised_at
-from qdflash.kernels.pdl import set_pdl
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
 from qdflash.ops import rows_argmax
 from qdflash.quant.apply import replace_linears, select_linears
@@ -319,97 +317,56 @@ def gdn_ba_list(text: str) -> list[str]:
 
 
 class Arm(NamedTuple):
-    """One arm of the `--pdl-only` study."""
+    """One arm of the `--study`."""
     suffix: str  # of the target's label ("" for its base)
     gdn_ba: str
     two_phase: bool  # verify blocks' GDN middle through the two-phase kernel
-    pdl: bool  # our kernels launched with PDL
-    inductor_pdl: bool  # inductor's kernels too
-    epilogues: tuple[str, ...]  # the epilogue fusions it runs (EPILOGUES' names)
     chunked: bool = False  # verify blocks' GDN recurrence in the chunked form
 
 
-# the epilogue fusions by name: the engine flag each turns on (the GDN kernel's gated norm, silu(gate) * up in the gate /
-# up GEMV, each residual add and the norm after it in the one-row GEMV before them)
-EPILOGUES = {"gdn_norm": "gdn_fuse_norm", "swiglu": "fuse_swiglu", "residual_norm": "fuse_residual_norm",
-             "prologues": "fuse_prologues"}
-# `--epilogues`' arms: the fusions at the end of a kernel (fuse_prologues, which takes over the residual norm, has arms of its own)
-ENDS = ("gdn_norm", "swiglu", "residual_norm")
-
-
 def study_arms(args) -> list[Arm]:
-    """`--pdl-only`'s arms (`Arm`). The first is the base the others are set against; the PDL arms keep its gdn_ba,
-    every other `--gdn-ba` mode is an arm without PDL, with `--gdn-two-phase` each mode (the base's too) also through the
-    two-phase GDN block kernel, with `--gdn-chunked` each mode also with the block's recurrence in the chunked form, and with `--epilogues` the base with its epilogue fusions (the GDN kernel's gated norm,
-    LeanQwen35.gdn_fuse_norm; the gate / up GEMV's swiglu, EngineBase.fuse_swiglu; the residual add and the norm after it
-    in the one-row GEMV before them, EngineBase.fuse_residual_norm), without PDL and with it; with `--each-epilogue` each
-    of those alone (without PDL), as `_<name>` (EPILOGUES): the fused kernels keep their names in a profile, so only
-    arms of one fusion each say which one costs what."""
+    """`--study`'s arms (`Arm`). The first is the base the others are set against; every other `--gdn-ba` mode is an
+    arm, with `--gdn-two-phase` each mode (the base's too) also through the two-phase GDN block kernel, and with
+    `--gdn-chunked` each mode also with the block's recurrence in the chunked form."""
     base = args.gdn_ba[0]
-    # the base's engine without PDL, then with it: arms of one engine and one PDL setting in a row share a tuning
-    arms = [Arm("", base, False, False, False, ())]
-    if args.epilogues:
-        arms.append(Arm("_epilogues", base, False, False, False, ENDS))
-    if getattr(args, "each_epilogue", False):
-        arms += [Arm(f"_{name}", base, False, False, False, (name,)) for name in ENDS]
-    if getattr(args, "prologues", False):
-        arms += [Arm("_prologues", base, False, False, False, ("prologues",)),
-                 Arm("_prologues_swiglu", base, False, False, False, ("prologues", "swiglu")),
-                 Arm("_prologues_gdn_norm", base, False, False, False, ("prologues", "gdn_norm"))]
-    arms.append(Arm("_pdl", base, False, True, False, ()))
-    if args.inductor_pdl:
-        arms.append(Arm("_pdl_inductor", base, False, True, True, ()))
-    if args.epilogues:
-        arms.append(Arm("_pdl_epilogues", base, False, True, False, ENDS))
-    if getattr(args, "prologues", False):
-        arms.append(Arm("_pdl_prologues", base, False, True, False, ("prologues",)))
+    arms = [Arm("", base, False)]
     for mode in args.gdn_ba:
         if mode != base:
-            arms.append(Arm(f"_gdn_{mode}", mode, False, False, False, ()))
+            arms.append(Arm(f"_gdn_{mode}", mode, False))
         if args.gdn_two_phase:
-            arms.append(Arm(f"_gdn_{mode}_two_phase", mode, True, False, False, ()))
+            arms.append(Arm(f"_gdn_{mode}_two_phase", mode, True))
         if getattr(args, "gdn_chunked", False):
-            arms.append(Arm(f"_gdn_{mode}_chunked", mode, False, False, False, (), True))
+            arms.append(Arm(f"_gdn_{mode}_chunked", mode, False, True))
     return arms
 
 
-TARGET_LABELS = {"16": "target16", "w4": "target_w4"}  # --pdl-targets' names -> the study's result labels
+TARGET_LABELS = {"16": "target16", "w4": "target_w4"}  # --study-targets' names -> the study's result labels
 
 
-def pdl_targets(text: str) -> list[str]:
+def study_targets(text: str) -> list[str]:
     out = text.split(",")
     if out not in (["16"], ["w4"], ["16", "w4"]):
-        raise argparse.ArgumentTypeError(f"--pdl-targets: expected 16, w4 or 16,w4 (the W4 arms quantize the model in place), "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(f"--study-targets: expected 16, w4 or 16,w4 (the W4 arms quantize the model "
+                                         f"in place), got {text!r}")
     return out
 
 
-def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, result) -> dict:
-    """`--pdl-only`: the tuned 16-bit target, then the W4 target (RTN, `--group`), each measured per `study_arms` in
-    turn: without PDL, with the matmul kernels and the fused GDN step launched with it (kernels.pdl.set_pdl; retuned,
-    since PDL changes what a kernel costs beside the others: tuning times a kernel back to back with itself), with
-    `--inductor-pdl` inductor's kernels too, with `--epilogues` the epilogue fusions (without PDL and with it), and
-    each further `--gdn-ba` mode (an engine of its own; "fused" needs 16-bit b / a and qkvz, so the W4 target skips
-    it). Each arm compiles afresh (dynamo's cache does not key on inductor's config). `vs_base.<target><arm>.<step>_speedup`: the arm's time over the first arm's (> 1: faster).
-    Our kernels wait for the kernel before them in every program, so the stream's order holds whatever launches
-    around them; inductor's own PDL waits only where its kernel reads the previous kernel's output, so its arm's
-    logits check (`compiled_vs_eager_max_abs`) is the evidence that it stayed correct here, not a proof."""
-    import torch._inductor.config as inductor_config
-
+def study(target, engine16, args, device, layer_ids, bandwidth, max_len, result) -> dict:
+    """`--study`: the tuned 16-bit target, then the W4 target (RTN, `--group`), each measured per `study_arms` in turn:
+    each further `--gdn-ba` mode (an engine of its own; "fused" needs 16-bit b / a and qkvz, so the W4 target skips it),
+    with `--gdn-two-phase` / `--gdn-chunked` each mode's verify blocks through that form of the GDN block kernel. Each
+    arm compiles afresh. `vs_base.<target><arm>.<step>_speedup`: the arm's time over the first arm's (> 1: faster)."""
     out = {}
-    for label in [TARGET_LABELS[name] for name in args.pdl_targets]:
+    for label in [TARGET_LABELS[name] for name in args.study_targets]:
         if args.arms and not any(arm.startswith(label + "_") for arm in args.arms):
             continue  # --arms names none of this target's arms: not even its base
         if label == "target_w4":
             out["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
         engine = engine16 if label == "target16" else None
-        tuned_for = None  # (engine, PDL) the kernels were last tuned for: an arm with both the same keeps that tuning
-        for suffix, gdn_ba, two_phase, ours, inductor, epilogues, chunked in study_arms(args):
+        tuned_for = None  # the engine the kernels were last tuned for: an arm of the same engine keeps that tuning
+        for suffix, gdn_ba, two_phase, chunked in study_arms(args):
             arm = label + suffix
             if suffix and args.arms and arm not in args.arms:  # --arms: only these beside each target's base
-                continue
-            if inductor and not hasattr(inductor_config.triton, "enable_pdl"):
-                out[arm] = f"skipped: torch {torch.__version__}'s inductor has no triton.enable_pdl"
                 continue
             if label == "target_w4" and gdn_ba == "fused":
                 out[arm] = "skipped: the W4 target's qkvz is 4-bit, its b / a 16-bit: they do not fuse"
@@ -418,61 +375,23 @@ def pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, res
                 engine = None  # an arm's own engine is freed before the next is built (each copies the weights)
                 engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=gdn_ba)
             engine.gdn_two_phase, engine.gdn_chunked, engine.graphs = two_phase, chunked, {}
-            for name, flag in EPILOGUES.items():
-                setattr(engine, flag, name in epilogues)
-            set_pdl(ours)
             try:
-                if suffix:  # the arm's GDN path (its kernel, PDL or not) against the unfused layer, as main() checks the base's
+                if suffix:  # the arm's GDN path against the unfused layer, as main() checks the base's
                     out.update(gdn_check(engine, device, label=f"{arm}.gdn_check"))
-                if tuned_for == (engine, ours):  # the same kernels, the same launches: retuning would only add noise
-                    out[f"{arm}.tuned"] = f"as the arm before (PDL {'on' if ours else 'off'})"
+                if tuned_for is engine:  # the same kernels, the same launches: retuning would only add noise
+                    out[f"{arm}.tuned"] = "as the arm before"
                 else:
                     t0 = time.perf_counter()
                     out[f"{arm}.tuned"] = engine.tune_kernels()
                     out[f"{arm}.tune_s"] = round(time.perf_counter() - t0, 1)
-                    tuned_for = (engine, ours)
-                out[f"{arm}.epilogues_in_use"] = epilogues_in_use(engine)
+                    tuned_for = engine
                 torch._dynamo.reset()
-                with inductor_config.patch({"triton.enable_pdl": True}) if inductor else contextlib.nullcontext():
-                    out.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
+                out.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
             except Exception as err:  # noqa: BLE001 -- an arm's kernel failing on its first GPU run is a result; the next arm runs
                 out[f"{arm}.error"] = error_text(err)
-            finally:
-                set_pdl(False)
             if suffix:
                 out.update(step_speedups(out, label, arm, f"vs_base.{arm}"))
             report(result | out, arm, args.out)
-    return out
-
-
-def epilogues_in_use(engine) -> dict:
-    """How many layers run each epilogue fusion in this arm (its flags and its tuning decide): the gate / up GEMV's
-    swiglu at 1 row and at 2-16, the GDN kernel's gated norm, and (projections, not layers) the one-row GEMVs that end in
-    the residual add and the norm after it (the o / GDN out projection's, the down projection's but the last layer's).
-    An arm whose counts are all 0 ran the base's code."""
-    from qdflash.engine.linear import gemv_config_of, residual_add_config, residual_norm_config, swiglu_config
-    from qdflash.kernels import MAX_ROWS
-
-    out = {f"swiglu@{rows}": sum(engine.fuse_swiglu and swiglu_config(w["w13"], rows) is not None for w in engine.layers)
-           for rows in (1, MAX_ROWS)}
-    out["gdn_norm"] = sum(bool(getattr(engine, "fuses_gdn_norm", lambda w: False)(w)) for w in engine.layers)
-    ends = [w[name] for w in engine.layers for name in ("wo", "o", "out") if name in w] + [w["w2"] for w in engine.layers[:-1]]
-    out["residual_norm@1"] = sum(engine.kernels and engine.fuse_residual_norm and residual_norm_config(p, 1) is not None
-                                 for p in ends)
-    # fuse_prologues, at 1 row and at 2-16: the 16-bit GEMVs that make their x (the mixer's input projection, gate / up,
-    # and down where the gate / up GEMV did not make silu(gate) * up in its epilogue) and those that add the residual
-    # (o / GDN out, down: one K split)
-    on = engine.kernels and getattr(engine, "fuse_prologues", False)
-    adds = [w[name] for w in engine.layers for name in ("wo", "o", "out", "w2") if name in w]
-    for rows in (1, MAX_ROWS):
-        made = 0
-        for w in engine.layers:
-            readers = [w[name] for name in ("wqkv", "qkv", "qkvz", "w13") if name in w]
-            if not (engine.fuse_swiglu and swiglu_config(w["w13"], rows) is not None):
-                readers.append(w["w2"])  # silu(gate) * up made in its prologue, not in the gate / up GEMV's epilogue
-            made += sum(gemv_config_of(p, rows) is not None for p in readers)
-        out[f"prologue@{rows}"] = made if on else 0
-        out[f"residual_add@{rows}"] = sum(on and residual_add_config(p, rows) is not None for p in adds)
     return out
 
 
@@ -584,22 +503,18 @@ def kernel_check(engine, device) -> dict:
 
 
 def gdn_check(engine, device: str, tokens: int = 40, block: int = 8, label: str = "gdn_fused_check") -> dict:
-    """Before any timing: the fused GDN layer middle (with the epilogue and prologue fusions the engine has on) against
-    the unfused ops on the same prompt (a prefill of `tokens` - `block`, then a `block`-token step and a 1-token step,
-    eager), logits compared. Where the fused path raises (a kernel that does not build on this device), the engine
-    runs unfused for the whole run and the error is recorded, so that the rest is still measured. Without the
-    kernels there is one path: nothing to check.
+    """Before any timing: the fused GDN layer middle against the unfused one on the same prompt (a prefill of
+    `tokens` - `block`, then a `block`-token step and a 1-token step, eager), logits compared. Where the fused path
+    raises (a kernel that does not build on this device), the engine runs unfused for the whole run and the error
+    is recorded, so that the rest is still measured. Without the kernels there is one path: nothing to check.
     `label`: the keys' prefix."""
     if not engine.kernels:
         return {label: "kernels off: one torch path"}
     prompt = torch.randint(0, engine.lm_head.shape[0], (tokens,), device=device)
     logits = {}
-    flags = {flag: getattr(engine, flag) for flag in ("fuse_swiglu", "fuse_residual_norm", "fuse_prologues")}
     try:
-        for fused in (False, True):  # unfused: the epilogue and prologue fusions off too (the reference is the unfused ops)
+        for fused in (False, True):
             engine.fuse_gdn = fused
-            for flag, on in flags.items():
-                setattr(engine, flag, on and fused)
             engine.reset()
             with torch.no_grad():
                 engine.forward(prompt[: tokens - block - 1], 0)
@@ -608,15 +523,11 @@ def gdn_check(engine, device: str, tokens: int = 40, block: int = 8, label: str 
             logits[fused] = torch.cat([verify, step]).float()
     except Exception as err:  # noqa: BLE001 -- a fused kernel that fails here is a result; the run goes on unfused
         engine.fuse_gdn = False
-        for flag in flags:
-            setattr(engine, flag, False)
         engine.reset()
         return {f"{label}.error": error_text(err)}
-    # the GDN kernel's gated norm leaves its arrival counts at zero after every launch: what is left over is a bug
-    left = int(engine.gdn_arrivals.abs().sum()) if hasattr(engine, "gdn_arrivals") else 0
     engine.reset()
     return {f"{label}.max_abs": float((logits[True] - logits[False]).abs().max()),
-            f"{label}.logit_scale": float(logits[False].abs().max()), f"{label}.arrivals_left": left}
+            f"{label}.logit_scale": float(logits[False].abs().max())}
 
 
 def main() -> None:
@@ -646,41 +557,27 @@ def main() -> None:
     parser.add_argument("--gdn-only", action="store_true",
                         help="the 16-bit target alone (tuned, no cuBLAS-only arm), with --unfused-gdn beside it: what the "
                              "fused GDN layer middle saves, in a few minutes of device time; no drafters, no W4")
-    parser.add_argument("--pdl-only", action="store_true",
-                        help="the 16-bit target (tuned) and the W4 target, each without and then with programmatic dependent "
-                             "launch of the matmul kernels (kernels.pdl.set_pdl; retuned per arm), same process; no drafters")
-    parser.add_argument("--inductor-pdl", action="store_true",
-                        help="--pdl-only: a third arm with inductor's own kernels launched with PDL too "
-                             "(torch._inductor.config.triton.enable_pdl)")
+    parser.add_argument("--study", action="store_true",
+                        help="the 16-bit target (tuned) and the W4 target, each as its base and in the arms the flags "
+                             "below add (other --gdn-ba modes, two-phase and chunked GDN blocks), same process; no "
+                             "drafters")
     parser.add_argument("--gdn-ba", type=gdn_ba_list, default=["dot"],
-                        help="how the GDN gates get their b / a projection (LeanQwen35's gdn_ba: dot, given, fused), comma-"
-                             "separated: the first for every engine of the run; with --pdl-only each other one is an arm too")
-    parser.add_argument("--pdl-targets", type=pdl_targets, default=["16", "w4"],
-                        help="--pdl-only: which targets' arms, in order (16: the 16-bit target; w4: the W4 one; the W4 arms "
-                             "quantize the model in place, so 16 after w4 is refused)")
+                        help="how the GDN gates get their b / a projection (LeanQwen35's gdn_ba: dot, given, fused), "
+                             "comma-separated: the first for every engine of the run; with --study each other one is "
+                             "an arm too")
+    parser.add_argument("--study-targets", type=study_targets, default=["16", "w4"],
+                        help="--study: which targets' arms, in order (16: the 16-bit target; w4: the W4 one; the W4 "
+                             "arms quantize the model in place, so 16 after w4 is refused)")
     parser.add_argument("--gdn-two-phase", action="store_true",
-                        help="--pdl-only: each --gdn-ba mode again with its verify block's GDN middle through "
+                        help="--study: each --gdn-ba mode again with its verify block's GDN middle through "
                              "the two-phase kernel (LeanQwen35.gdn_two_phase)")
     parser.add_argument("--gdn-chunked", action="store_true",
-                        help="--pdl-only: each --gdn-ba mode again with its verify block's GDN recurrence in the "
+                        help="--study: each --gdn-ba mode again with its verify block's GDN recurrence in the "
                              "chunked form (LeanQwen35.gdn_chunked: the block's products as matmuls)")
-    parser.add_argument("--epilogues", action="store_true",
-                        help="--pdl-only: two arms more, the base with its epilogue fusions (each GDN layer's gated norm in "
-                             "its fused kernel, LeanQwen35.gdn_fuse_norm; silu(gate) * up in the gate / up GEMV, "
-                             "EngineBase.fuse_swiglu; a decode step's residual adds and the norms after them in the one-row "
-                             "GEMVs before them, EngineBase.fuse_residual_norm), without PDL and with it")
-    parser.add_argument("--each-epilogue", action="store_true",
-                        help="--pdl-only: an arm for each epilogue fusion alone, without PDL (_gdn_norm, _swiglu, "
-                             "_residual_norm): which of them costs what (their kernels keep their names in a profile)")
-    parser.add_argument("--prologues", action="store_true",
-                        help="--pdl-only: arms with each 16-bit GEMV of a decode step or verify block making its input "
-                             "(the norms, silu(gate) * up) in its "
-                             "prologue and adding the residual in its epilogue (EngineBase.fuse_prologues): alone, with "
-                             "silu(gate) * up in the gate / up GEMV's epilogue instead, with the GDN kernel's gated norm, and "
-                             "with PDL")
     parser.add_argument("--arms", type=lambda text: text.split(","), default=None,
-                        help="--pdl-only: run only these arms (full labels, e.g. target16_pdl,target_w4_pdl_epilogues) beside "
-                             "each target's base; the flags above say which arms there are")
+                        help="--study: run only these arms (full labels, e.g. "
+                             "target16_gdn_given,target_w4_gdn_dot_two_phase) beside each target's base; the flags "
+                             "above say which arms there are")
     parser.add_argument("--drafter-only", action="store_true",
                         help="the 16-bit and W4 drafter steps alone, each with the masked SDPA and with --attention's kernel "
                              "path (drafter*_sdpa, drafter*_kernel), same process: what the drafter's attention costs, in a "
@@ -693,11 +590,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.arms:
         # an arm the study would skip whatever the device (W4 with a fused qkvz + b / a) is no arm to ask for
-        known = {TARGET_LABELS[name] + arm.suffix for name in args.pdl_targets for arm in study_arms(args)[1:]
+        known = {TARGET_LABELS[name] + arm.suffix for name in args.study_targets for arm in study_arms(args)[1:]
                  if not (name == "w4" and arm.gdn_ba == "fused")}
-        if not args.pdl_only or not set(args.arms) <= known:
-            parser.error(f"--arms: with --pdl-only, labels of {', '.join(sorted(known))} (as --pdl-targets and the arm flags "
-                         f"give them), got {','.join(args.arms)}")
+        if not args.study or not set(args.arms) <= known:
+            parser.error(f"--arms: with --study, labels of {', '.join(sorted(known))} (as --study-targets and the arm "
+                         f"flags give them), got {','.join(args.arms)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     result = {"config": vars(args) | {"device": device, "dtype": str(dtype)}, **environment()}
@@ -724,8 +621,8 @@ def main() -> None:
     result.update(gdn_check(engine16, device))
     fuse_gdn = engine16.fuse_gdn  # False where the fused path failed its check: every engine of the run then runs unfused
     report(result, "gdn_fused_check", args.out)
-    if args.pdl_only:
-        result.update(pdl_study(target, engine16, args, device, layer_ids, bandwidth, max_len, result))
+    if args.study:
+        result.update(study(target, engine16, args, device, layer_ids, bandwidth, max_len, result))
         report(result, None, args.out)
         return
     plain = argparse.Namespace(**{**vars(args), "compile": False, "profile": False})

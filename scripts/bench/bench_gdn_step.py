@@ -19,12 +19,8 @@ as a fused qkvz + ba projection would give it: the kernel reads 2 values a token
 block kernel that computes every token's inputs first, then runs the recurrence alone; a decode step, one token,
 keeps the step kernel), `two_phase_dot` (that block kernel computing the a / b projection itself, as the engine's
 default gdn_ba='dot' runs it), `chunked` (that block kernel with the block's recurrence as matmuls, the chunked form:
-`kernels.gated_delta._chunk_state`; one token keeps the step kernel), `chunked_dot` (with the projection in the
-kernel), `pdl` (`dot` launched with programmatic
-dependent launch, kernels.pdl.set_pdl: the state loaded before waiting on the kernel before) and `norm`
-(`dot` ending in the layer's gated RMSNorm, the last program of each head normalizing it: what that tail costs the
-kernel, against the two inductor kernels it replaces in a step; its output is compared with transformers' norm of the
-first launch's).
+`kernels.gated_delta._chunk_state`; one token keeps the step kernel) and `chunked_dot` (with the projection in the
+kernel).
 """
 
 from __future__ import annotations
@@ -36,14 +32,13 @@ import platform
 import torch
 
 from qdflash.kernels import copies_past_l2, graph_ms
-from qdflash.kernels.pdl import set_pdl
 from qdflash.kernels.gated_delta import gated_delta_step
 
 # Qwen3.5-4B's linear-attention layers: 16 key heads, 32 value heads, head dims 128, conv kernel 4, hidden 2560
 SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
 # (block_v, num_warps); the default first (the step kernel's, and the two-phase block kernel's: BLOCK_WARPS)
 LAUNCHES = [(16, 4), (16, 8), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]
-VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "chunked", "chunked_dot", "pdl", "norm")
+VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "chunked", "chunked_dot")
 
 
 def launch_list(text: str) -> list[tuple[int, int]]:
@@ -75,8 +70,6 @@ def layer_inputs(t: int, position: int, device, g: torch.Generator) -> dict:
         dt_bias=torch.randn(s["heads"], generator=g).to(**bf16),
         state=(torch.randn(s["heads"], s["dk"], s["dv"], generator=g) * 0.1).to(device),
         states=torch.zeros(t + 1, s["heads"], s["dk"], s["dv"], device=device) if t > 1 else None,
-        norm_weight=(1 + 0.1 * torch.randn(s["dv"], generator=g)).to(**bf16),
-        arrivals=torch.zeros(s["heads"], device=device, dtype=torch.int32),
     )
 
 
@@ -86,20 +79,7 @@ def run(layer: dict, block_v: int, num_warps: int, keep_states: bool, variant: s
                             layer["ba_product"] if given else layer["ba"], layer["decay"], layer["dt_bias"], layer["state"],
                             layer["states"] if keep_states else None, key_heads=SHAPE["key_heads"],
                             key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps,
-                            two_phase=variant.startswith("two_phase"), chunked=variant.startswith("chunked"),
-                            norm_weight=layer["norm_weight"] if variant == "norm" else None, arrivals=layer["arrivals"])
-
-
-def normed(layer: dict, o: torch.Tensor) -> torch.Tensor:
-    """transformers' gated RMSNorm of the kernel's o with the layer's z: what the `norm` variant returns."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
-
-    norm = Qwen3_5RMSNormGated(SHAPE["dv"]).to(o.device, layer["norm_weight"].dtype)
-    norm.weight.data.copy_(layer["norm_weight"])
-    conv_dim = layer["conv_weight"].shape[0]
-    z = layer["qkvz"][:, conv_dim:].reshape(o.shape)
-    with torch.no_grad():
-        return norm(o.to(z.dtype), z).reshape(o.shape[0], -1)
+                            two_phase=variant.startswith("two_phase"), chunked=variant.startswith("chunked"))
 
 
 def variant_list(text: str) -> list[str]:
@@ -128,23 +108,18 @@ def main() -> None:
         snapshot = [layer["state"].clone() for layer in layers]
         reference = None
         for variant in args.variants:
-            set_pdl(variant == "pdl")
             for block_v, num_warps in args.launches:
                 for layer, state in zip(layers, snapshot):
                     layer["state"].copy_(state)
                 out = run(layers[0], block_v, num_warps, keep_states, variant)  # compiles; from the same state each time
-                if reference is None:  # the first launch's o (for a norm variant, the same launch without the norm)
-                    if variant == "norm":
-                        layers[0]["state"].copy_(snapshot[0])
-                    reference = out.float() if variant != "norm" else run(layers[0], block_v, num_warps, keep_states).float()
-                want = normed(layers[0], reference) if variant == "norm" else reference
-                diff = float((out.float() - want.float()).abs().max())
+                if reference is None:
+                    reference = out
+                diff = float((out - reference).abs().max())
                 us = graph_ms(lambda: [run(layer, block_v, num_warps, keep_states, variant) for layer in layers]) / len(layers) * 1e3
                 row = {"tokens": t, "per_position_states": keep_states, "variant": variant, "block_v": block_v,
                        "num_warps": num_warps, "us_per_layer": round(us, 2), "max_abs_vs_first": diff}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            set_pdl(False)
     result = {"shape": SHAPE, "position": args.position, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "rows": rows}
     if args.out:

@@ -1,11 +1,11 @@
 """Is the fused GDN step kernel of one source tree the same machine code as another's? Compiles
 `qdflash.kernels.gated_delta._gated_delta_step_kernel` from each tree for the H200 (sm_90) on this machine, with no
 GPU (Triton's own compiler and its bundled cuobjdump), at Qwen3.5-4B's layer shape and the default launch (16 value
-columns, 4 warps, the a / b dot in the kernel, per-position states kept, no PDL, no norm), and prints per tree and
-block length: registers, SASS instruction count and a hash of the instructions with constant-bank offsets blanked
-(a kernel with more parameters addresses them elsewhere). Why: on the H200 the kernel took 152 us a decode step at
-d0dc17c and 180 us from 639ca92 on (results/published/2026-12-05-h200-components-gaps); 0f4f112 restored the older
-input loads, and this shows its decode-step SASS equals d0dc17c's.
+columns, 4 warps, the a / b dot in the kernel, per-position states kept; no PDL, no norm in trees that had them), and
+prints per tree and block length: registers, SASS instruction count and a hash of the instructions with constant-bank
+offsets blanked (a kernel with more parameters addresses them elsewhere). Why: on the H200 the kernel took 152 us a
+decode step at d0dc17c and 180 us from 639ca92 on (results/published/2026-12-05-h200-components-gaps); 0f4f112
+restored the older input loads, and this shows its decode-step SASS equals d0dc17c's.
 
     git worktree add /tmp/old d0dc17c
     python scripts/investigations/gdn_sass.py /tmp/old/src src --tokens 1,16

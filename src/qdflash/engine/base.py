@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from ..distill import lm_head_weight
 from ..drafter.blocks import tree_depths
 from ..errors import QdflashError
-from ..kernels import MAX_ROWS, kernels_usable
+from ..kernels import kernels_usable
 from ..ops import rope_tables
-from .linear import Concat, Projection, head_projection, residual_norm, tune_projections
+from .linear import Concat, Projection, head_projection, tune_projections
 
 
 KERNEL_TOKENS = 16  # tokens per step that the attention kernel takes (a verify block); a prefill runs SDPA
@@ -168,34 +168,6 @@ class EngineBase:
         self.head_proj = head_projection(model, self.lm_head, self.dtype, self.kernels)  # what computes the logits
         self.graphs = {}  # (tokens per step, layer ids, cache length read, a tree's step) -> CapturedStep
         self.attention = "sdpa"  # set_attention
-        # with the kernels: a decode step's or verify block's silu(gate) * up in the epilogue of the gate / up
-        # projection's GEMV where it runs for that shape and row count (linear.swiglu), one small kernel a layer
-        # fewer. Off until the H200 times it (bench_components --epilogues). Set before capture
-        self.fuse_swiglu = False
-        # with the kernels: a decode step's residual add after a 16-bit projection and the RMSNorm that follows it in
-        # that projection's GEMV launch (linear.residual_norm), two small kernels a layer fewer. Off until the H200
-        # times it (bench_components --epilogues). The arrival count its last program needs: one for every launch
-        # (they never overlap), zero between launches. Set before capture
-        self.fuse_residual_norm = False
-        self.norm_arrivals = torch.zeros(1, device=self.device, dtype=torch.int32)
-        # with the kernels: a decode step's or verify block's norms and silu(gate) * up made in the prologue of the
-        # 16-bit GEMV that reads them, each residual add in the epilogue of the GEMV before it (linear.Deferred,
-        # linear.project): four small kernels a layer fewer, none waiting on a whole row (fuse_residual_norm's last
-        # program does). Takes precedence over fuse_residual_norm; with fuse_swiglu the gate / up GEMV makes
-        # silu(gate) * up in its epilogue. Off: as first built it was 0.968x the compiled step on an H100
-        # (results/published/2026-12-05-h100-prologues-pdl); the rebuilt norm prologue and the verify block's are not
-        # timed yet (bench_components --prologues). Set before capture
-        self.fuse_prologues = False
-
-    def _defer(self, ids: torch.Tensor) -> bool:
-        """Whether this step's layer inputs are made in the GEMVs that read them (fuse_prologues; the batch-1 path's 1-16
-        tokens: a decode step, a verify block, a short prompt)."""
-        return self.kernels and self.fuse_prologues and ids.dim() == 1 and ids.numel() <= MAX_ROWS
-
-    def _residual_norm(self, projection, x, h, norm, defer: bool = False):
-        """linear.residual_norm with this engine's fusion flags: h + projection(x) and `norm` of it (or None; a Deferred
-        where `defer`)."""
-        return residual_norm(projection, x, h, norm, self.kernels and self.fuse_residual_norm, self.norm_arrivals, defer)
 
     def set_attention(self, attention: str) -> None:
         """How decode steps and verify blocks attend over the cache: "sdpa" (torch's attention over

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import gemv as gemv_kernel
-from ..kernels.gemv import gemv, gemv_config, gemv_fused, gemv_residual_norm, residual_norm_fits, swiglu_fits
+from ..kernels.gemv import gemv, gemv_config
 from ..kernels.w4a16 import (EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, pack_int4, split_counts, tune,
                              w4a16_matmul)
 from ..quant.grid import dequantize
@@ -137,177 +137,27 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, kernels: bool) -> torch.
     return gemv(x.reshape(rows, -1), weight, config).view(*x.shape[:-1], -1)
 
 
-class Deferred:
-    """A projection's input not made yet, so that the GEMV which reads it can make it in its own launch (`project`):
-    the RMSNorm `norm` (a StreamNorm) of the fp32 residual stream `h`, or silu(gate) * up of a gate / up projection's
-    output `gate_up` (gate half, then up half). Why: made apart, each is a kernel launch of its own whose work is one
-    10 KB vector, and a decode step has two of each a layer; made in a GEMV's prologue, every program makes the part it
-    reads while its first weights are in flight, and waits on no other program (unlike an epilogue over the whole row).
-    `value()` makes it with the ops (once) for any reader that cannot."""
-
-    def __init__(self, h: torch.Tensor | None = None, norm: "StreamNorm | None" = None, gate_up: torch.Tensor | None = None):
-        if (h is None) == (gate_up is None) or (h is None) != (norm is None):
-            raise TypeError("Deferred takes a stream h with its norm, or gate_up")
-        self.h, self.norm, self.gate_up = h, norm, gate_up
-        self._value: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        if self.h is not None:
-            return self.h.shape
-        return self.gate_up.shape[:-1] + (self.gate_up.shape[-1] // 2,)
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    def value(self) -> torch.Tensor:
-        if self._value is None:
-            if self.h is not None:
-                self._value = self.norm(self.h)
-            else:
-                gate, up = self.gate_up.chunk(2, dim=-1)
-                self._value = F.silu(gate) * up
-        return self._value
-
-
-def value(x: "torch.Tensor | Deferred") -> torch.Tensor:
-    """x itself, or a Deferred input made with the ops."""
-    return x.value() if isinstance(x, Deferred) else x
-
-
-def prologue_config(projection: "Projection | Concat", x: "torch.Tensor | Deferred"):
-    """The GEMV config `project` makes a Deferred x with in `projection`'s launch (1-16 rows of a 16-bit projection
-    with a GEMV tuned for that row count; a norm the kernel computes), or None where x is made with the ops."""
-    if not isinstance(x, Deferred) or (x.norm is not None and x.norm.offset is None):
-        return None
-    return gemv_config_of(projection, x.numel() // x.shape[-1])
-
-
-def gemv_config_of(projection: "Projection | Concat", rows: int):
-    """The tuned GEMV config of a 16-bit projection (kernels on) at `rows` rows (1-16), else None."""
-    p = projection
-    if not (isinstance(p, Projection) and p.weight is not None and p.kernels):
-        return None
-    return gemv_config(*p.weight.shape, p.weight.dtype, rows)
-
-
-def project(projection: "Projection | Concat", x: "torch.Tensor | Deferred", keep_x: bool = False):
-    """projection(x), with a Deferred x made in the projection's GEMV launch where `prologue_config` finds one (with
-    `keep_x`, the x it made is returned too, for a reader of x itself), else with the ops first. Returns (output, x as
-    a tensor where `keep_x`, else None)."""
-    config = prologue_config(projection, x)
-    if config is None:
-        x = value(x)
-        return projection(x), (x if keep_x else None)
-    p = projection
-    out, made = _fused(p, config, x, keep_x=keep_x)
-    out = out.view(*x.shape[:-1], -1)
-    if p.bias is not None:
-        out = out + p.bias
-    return out, (made.view(x.shape) if keep_x else None)
-
-
-def swiglu(w13: "Projection | Concat", x: "torch.Tensor | Deferred", fused: bool = False,
-           defer: bool = False) -> "torch.Tensor | Deferred":
-    """silu(gate) * up of a gate / up projection `w13` (gate rows, then up rows) of x. `defer` (1-16 rows): w13's output,
-    the product left to the next projection's launch (a Deferred), or with `fused` made in w13's epilogue where its GEMV
-    makes a Deferred x in its prologue; else `fused`: for 1-16 rows of
-    a 16-bit projection whose tuned GEMV (for that row count) runs in one K split, in the GEMV's epilogue
-    (kernels.gemv's swiglu, rounded as these ops round); anywhere else, these ops."""
-    rows = x.numel() // x.shape[-1]
-    if defer and rows <= MAX_ROWS:
-        # `fused` too: the product in w13's epilogue (its input in its prologue), else left to the down projection's
-        config = swiglu_config(w13, rows) if fused and prologue_config(w13, x) is not None else None
-        if config is not None:
-            return _fused(w13, config, x, swiglu=True)[0].view(*x.shape[:-1], -1)
-        return Deferred(gate_up=project(w13, x)[0])
-    x = value(x)
-    config = swiglu_config(w13, rows) if fused else None
-    if config is not None:
-        return gemv(x.reshape(rows, -1), w13.weight, config, swiglu=True).view(*x.shape[:-1], -1)
+def swiglu(w13: "Projection | Concat", x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a gate / up projection `w13` (gate rows, then up rows) of x."""
     gate, up = w13(x).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def swiglu_config(w13: "Projection | Concat", rows: int):
-    """The GEMV config `swiglu(fused=True)` runs w13's epilogue with at `rows` rows, or None where it runs the ops."""
-    return epilogue_config(w13, rows, swiglu_fits)
-
-
-def epilogue_config(projection: "Projection | Concat", rows: int, fits):
-    """The tuned 16-bit GEMV config of `projection` (no bias, kernels on) at `rows` rows where an epilogue can end it
-    (`fits(config, n)`), else None."""
-    config = gemv_config_of(projection, rows)
-    return config if config is not None and projection.bias is None and fits(config, projection.weight.shape[0]) else None
-
-
-def residual_norm_config(projection: "Projection | Concat", rows: int):
-    """The GEMV config `residual_norm(fused=True)` runs `projection` with at `rows` rows (one row, one K split), or None."""
-    return epilogue_config(projection, 1, residual_norm_fits) if rows == 1 else None
-
-
-def residual_add_config(projection: "Projection | Concat", rows: int):
-    """The GEMV config `residual_norm(defer=True)` adds the residual in at `rows` rows (one K split), or None."""
-    return epilogue_config(projection, rows, lambda config, n: config.split_k == 1)
-
-
 class StreamNorm:
-    """An RMSNorm of the residual stream into the model's dtype, the next matmul's input: `__call__` with torch ops
-    as the engine computes it, and (`weight`, `eps`, `offset`, `round_first`) the same formula for
-    `kernels.gemv.gemv_residual_norm` (`offset` None: a norm it does not compute; always the ops)."""
+    """An RMSNorm of the residual stream into the model's dtype, the next matmul's input, as the engine computes it."""
 
-    def __init__(self, fn, weight: torch.Tensor, eps: float, offset: float | None, round_first: bool = False):
-        self.fn, self.weight, self.eps, self.offset, self.round_first = fn, weight, eps, offset, round_first
+    def __init__(self, fn):
+        self.fn = fn
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         return self.fn(h)
 
 
-def residual_norm(projection: "Projection | Concat", x: "torch.Tensor | Deferred", h: torch.Tensor, norm: StreamNorm | None,
-                  fused: bool = False, arrivals: torch.Tensor | None = None,
-                  defer: bool = False) -> tuple[torch.Tensor, "torch.Tensor | Deferred | None"]:
-    """The residual stream after a projection, h + projection(x), and `norm` of it (None: no norm follows). `defer`
-    (1-16 rows of the fp32 stream): the norm left to the next projection's launch (a Deferred), x (a Deferred too, maybe)
-    made in this one's (`project`), and the residual added in its epilogue where its tuned GEMV runs in one K split.
-    Else `fused`
-    (with `arrivals`, int32 zeros): for one row of the fp32 stream through a 16-bit projection whose tuned one-row GEMV
-    runs in one K split, both in that GEMV's launch (kernels.gemv.gemv_residual_norm: one kernel a residual add
-    fewer, rounded as these ops round); anywhere else, these ops."""
-    rows = x.numel() // x.shape[-1]
-    if defer and rows <= MAX_ROWS and h.dtype == torch.float32:
-        h = _residual_add(projection, x, h)
-        return h, (Deferred(h, norm) if norm is not None else None)
-    x = value(x)
-    config = (residual_norm_config(projection, rows)
-              if fused and norm is not None and norm.offset is not None and h.dtype == torch.float32 else None)
-    if config is None:
-        h = h + projection(x)
-        return h, (norm(h) if norm is not None else None)
-    hn, xn = gemv_residual_norm(x.reshape(1, -1), projection.weight, config, h.reshape(1, -1), norm.weight, norm.eps,
-                                norm.offset, norm.round_first, arrivals)
-    return hn.view(h.shape), xn.view(h.shape)
-
-
-def _residual_add(projection: "Projection | Concat", x: "torch.Tensor | Deferred", h: torch.Tensor) -> torch.Tensor:
-    """h + projection(x) for 1-16 rows of the fp32 stream: x made in the GEMV's prologue where it is Deferred and the
-    GEMV runs, the add in its epilogue where it runs in one K split (no bias), else these ops."""
-    p = projection
-    rows = h.numel() // h.shape[-1]
-    config = residual_add_config(p, rows)
-    if config is None or not (isinstance(x, torch.Tensor) or prologue_config(p, x) is not None):
-        return h + project(p, x)[0]
-    return _fused(p, config, x, residual=h.reshape(rows, -1))[0].view(h.shape)
-
-
-def _fused(p: "Projection", config, x: "torch.Tensor | Deferred", **options):
-    """kernels.gemv.gemv_fused of 1-16 rows through p's 16-bit weight, x as it is or made in the launch (a Deferred)."""
-    rows = x.numel() // x.shape[-1]
-    if isinstance(x, torch.Tensor):
-        return gemv_fused(p.weight, config, x.reshape(rows, -1), **options)
-    if x.h is not None:
-        norm = (x.norm.weight, x.norm.eps, x.norm.offset, x.norm.round_first)
-        return gemv_fused(p.weight, config, stream=x.h.reshape(rows, -1), norm=norm, **options)
-    return gemv_fused(p.weight, config, gate_up=x.gate_up.reshape(rows, -1), **options)
+def residual_norm(projection: "Projection | Concat", x: torch.Tensor, h: torch.Tensor,
+                  norm: StreamNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual stream after a projection, h + projection(x), and `norm` of it (None: no norm follows)."""
+    h = h + projection(x)
+    return h, (norm(h) if norm is not None else None)
 
 
 class Concat:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..ops import apply_rope, rms_norm, tap_features
 from .base import EngineBase, cached_attention
-from .linear import Deferred, Projection, StreamNorm, project, swiglu
+from .linear import Projection, StreamNorm, residual_norm, swiglu
 
 
 class LeanLlama(EngineBase):
@@ -38,7 +38,7 @@ class LeanLlama(EngineBase):
 
     def _norm(self, weight: torch.Tensor) -> StreamNorm:
         """`ops.rms_norm` with `weight` into the model's dtype (the normed stream rounded before the weight's product)."""
-        return StreamNorm(lambda h: rms_norm(h, weight, self.eps, self.dtype), weight.detach(), self.eps, 0.0, round_first=True)
+        return StreamNorm(lambda h: rms_norm(h, weight, self.eps, self.dtype))
 
     # reset / rollback: nothing to do. The cache is written before it is read, and positions at or
     # past the current one are masked until they are written again (a rollback is a new length).
@@ -65,17 +65,16 @@ class LeanLlama(EngineBase):
         h = F.embedding(ids, self.embed).to(self.residual_dtype)
         features = {}
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        defer = self._defer(ids)  # each layer input made in the GEMV that reads it (linear.Deferred)
-        x = (Deferred(h, self.layers[0]["norm1"]) if defer else self.layers[0]["norm1"](h)) if self.layers else None
+        x = self.layers[0]["norm1"](h) if self.layers else None
         for i, w in enumerate(self.layers):
-            q, k, v = project(w["wqkv"], x)[0].split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = w["wqkv"](x).split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rope(q.view(*lead, t, self.heads, self.head_dim).transpose(-3, -2), cos, sin)
             k = apply_rope(k.view(*lead, t, self.kv_heads, self.head_dim).transpose(-3, -2), cos, sin)
             v = v.view(*lead, t, self.kv_heads, self.head_dim).transpose(-3, -2)
-            # each residual add and the norm after it (the next layer's input norm after the MLP), one launch where fused
-            h, x = self._residual_norm(w["wo"], attend(i, q, k, v), h, w["norm2"], defer)
+            # each residual add and the norm after it (the next layer's input norm after the MLP)
+            h, x = residual_norm(w["wo"], attend(i, q, k, v), h, w["norm2"])
             after = self.layers[i + 1]["norm1"] if i + 1 < len(self.layers) else None
-            h, x = self._residual_norm(w["w2"], swiglu(w["w13"], x, self.fuse_swiglu, defer), h, after, defer)
+            h, x = residual_norm(w["w2"], swiglu(w["w13"], x), h, after)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
         return h, (tap_features(features, layer_ids) if layer_ids is not None else None)

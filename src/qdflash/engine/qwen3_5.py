@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import QdflashError
 from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_step
-from .linear import Deferred, Projection, StreamNorm, project, swiglu
+from .linear import Projection, StreamNorm, residual_norm, swiglu
 from ..ops import apply_rope, tap_features
 from .base import EngineBase, cached_attention
 
@@ -50,13 +50,6 @@ def recurrence_torch(q, k, v, g, beta, state, states=None):
     return out
 
 
-def _gated_rms_norm(norm: nn.Module) -> bool:
-    """Whether a GDN layer's norm computes what the GDN kernel's gated norm does (transformers' RMSNormGated:
-    weight * rmsnorm(o) * silu(z) per head); another one runs as itself after the kernel."""
-    return (type(norm).__name__.endswith("RMSNormGated") and getattr(norm, "activation", None) == "silu"
-            and hasattr(norm, "variance_epsilon"))
-
-
 class LeanQwen35(EngineBase):
     def __init__(self, model, max_len: int, kernels: bool | str = "auto", max_block: int = 16, fp32_residual: bool = True,
                  gdn_ba: str = "dot"):
@@ -78,11 +71,6 @@ class LeanQwen35(EngineBase):
         # likewise, a verify block's recurrence in the chunked form (gated_delta_step's chunked: the block's products as
         # matmuls, no state reduction per token), to fp32 rounding too. Set before capture
         self.gdn_chunked = False
-        # with the kernels: the fused GDN middle ends in the layer's gated RMSNorm too (gated_delta_step's norm_weight:
-        # the last program of each head to finish normalizes it), two small kernels a layer fewer. Off until the H200
-        # times it (bench_components --epilogues). The arrival counts it needs: one buffer for every layer (their
-        # launches never overlap), zero between launches. Set before capture, like fuse_gdn
-        self.gdn_fuse_norm = False
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
         # False runs the unfused layer (the benchmark's side-by-side arm)
         self.fuse_gdn = True
@@ -121,25 +109,17 @@ class LeanQwen35(EngineBase):
             self.layers.append(w)
         kernel = max((w["la"].conv_kernel_size for w in self.layers if "la" in w), default=1)
         self.conv_offsets = torch.arange(-(kernel - 1), max_len, device=device)
-        self.gdn_arrivals = torch.zeros(max((w["la"].num_v_heads for w in self.layers if "la" in w), default=0), device=device,
-                                        dtype=torch.int32)
         self.length = 0
         self.block_start = 0  # the last block fed: states of positions block_start..length are kept
 
     def _norm(self, module: nn.Module) -> StreamNorm:
-        """The model's own norm module into the model's dtype (it computes in fp32 and returns its input's dtype), which
-        the GEMV's residual norm computes too where it is transformers' Qwen3.5 RMSNorm (x * (1 + w))."""
-        known = type(module).__name__ == "Qwen3_5RMSNorm" and hasattr(module, "eps")
-        return StreamNorm(lambda h: module(h).to(self.dtype), module.weight.detach(), getattr(module, "eps", 0.0),
-                          1.0 if known else None)
+        """The model's own norm module into the model's dtype (it computes in fp32 and returns its input's dtype)."""
+        return StreamNorm(lambda h: module(h).to(self.dtype))
 
     def reset(self) -> None:
         """An empty sequence (a new generation): zero recurrent states, length 0."""
         for state in self.state.values():
             state.zero_()
-        # zero after every launch anyway; a launch cut short must not leave a count behind
-        self.gdn_arrivals.zero_()
-        self.norm_arrivals.zero_()
         self.length = self.block_start = 0
 
     def rollback(self, keep: int) -> None:
@@ -166,7 +146,7 @@ class LeanQwen35(EngineBase):
     def _attention(self, i, w, x, cos, sin, attend):
         *lead, t, _ = x.shape
         q_size, kv_size = self.heads * 2 * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = project(w["qkv"], x)[0].split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = w["qkv"](x).split([q_size, kv_size, kv_size], dim=-1)
         q, gate = q.view(*lead, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self._rope(w["q_norm"](q).transpose(-3, -2), cos, sin)
         k = self._rope(w["k_norm"](k.view(*lead, t, self.kv_heads, self.head_dim)).transpose(-3, -2), cos, sin)
@@ -179,7 +159,7 @@ class LeanQwen35(EngineBase):
         la, t = w["la"], x.shape[0]
         if self.kernels and self.fuse_gdn and t <= CHUNK:
             return self._delta_net_fused(i, w, x, positions)
-        qkvz, ba, _ = self._qkvz_ba(w, x)
+        qkvz, ba = self._qkvz_ba(w, x)
         mixed_in, z = qkvz.split([la.conv_dim, la.value_dim], dim=-1)
         self.conv_in[i].index_copy_(0, positions, mixed_in)
         kernel = la.conv_kernel_size
@@ -196,44 +176,29 @@ class LeanQwen35(EngineBase):
 
     def _qkvz_ba(self, w, x):
         """The layer's qkvz projection of x and its b / a product [..., 2 * heads] (b heads, then a heads): the two
-        ends of one matmul's output where gdn_ba "fused" joined them, else two matmuls. And x as a tensor (a Deferred x:
-        the one the qkvz GEMV made, for the b / a matmul and the GDN kernel)."""
-        out, x = project(w["qkvz"], x, keep_x=True)
+        ends of one matmul's output where gdn_ba "fused" joined them, else two matmuls."""
+        out = w["qkvz"](x)
         if w["ba"] is not None:
-            return out, w["ba"](x), x
+            return out, w["ba"](x)
         n = w["la"].conv_dim + w["la"].value_dim
-        return out[..., :n], out[..., n:], x
+        return out[..., :n], out[..., n:]
 
     def _delta_net_fused(self, i, w, x, positions):
         """`_delta_net` for a decode step or verify block with the kernels on: everything between the qkvz
-        and out projections in one launch (kernels.gated_delta.gated_delta_step), the gated norm too where
-        `gdn_fuse_norm` says so and the layer's norm is transformers' gated RMSNorm, the gates' b / a product as
+        and out projections in one launch (kernels.gated_delta.gated_delta_step), the gates' b / a product as
         `gdn_ba` says (a b / a projection with a bias is always computed apart)."""
         la, t = w["la"], x.shape[0]
         ba = w["ba"]
         dot = self.gdn_ba == "dot" and isinstance(ba, Projection) and ba.weight is not None and ba.bias is None
         if dot:  # the kernel computes x @ ba.T
-            qkvz, x = project(w["qkvz"], x, keep_x=True)
+            qkvz = w["qkvz"](x)
         else:
-            qkvz, ba, x = self._qkvz_ba(w, x)
-        norm = self.fuses_gdn_norm(w)
+            qkvz, ba = self._qkvz_ba(w, x)
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
                                self.state[i], self.block_states[i] if t <= self.max_block else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
-                               two_phase=self.gdn_two_phase, chunked=self.gdn_chunked,
-                               norm_weight=la.norm.weight.detach() if norm else None,
-                               norm_eps=la.norm.variance_epsilon if norm else 1e-6, arrivals=self.gdn_arrivals if norm else None)
-        if norm:
-            return out
+                               two_phase=self.gdn_two_phase, chunked=self.gdn_chunked)
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
-
-    def fuses_gdn_norm(self, w) -> bool:
-        """Whether a decode step's / verify block's GDN kernel of layer weights `w` ends in the layer's gated norm:
-        the fused kernel runs (kernels, fuse_gdn), the norm is asked for (gdn_fuse_norm) and is transformers' gated
-        RMSNorm, and a head's dv values make one tile (a power of two)."""
-        la = w.get("la")
-        return (self.kernels and self.fuse_gdn and self.gdn_fuse_norm and la is not None and _gated_rms_norm(la.norm)
-                and not la.head_v_dim & (la.head_v_dim - 1))
 
     def _gdn_inputs(self, w, mixed, ba):
         """q, k, v [..., T, heads, d] (fp32; q scaled), decay g and beta [..., T, heads] of the conv output and the
@@ -262,7 +227,7 @@ class LeanQwen35(EngineBase):
         copies). Zeroed, they are a sequence start (the zero history the batch-1 path masks in)."""
         la = w["la"]
         t = x.shape[1]
-        qkvz, ba, _ = self._qkvz_ba(w, x)
+        qkvz, ba = self._qkvz_ba(w, x)
         mixed_in, z = qkvz.split([la.conv_dim, la.value_dim], dim=-1)
         window = torch.cat([conv_state, mixed_in], dim=1)  # [B, kernel-1+T, conv_dim]
         conv_state.copy_(window[:, t:])
@@ -289,17 +254,16 @@ class LeanQwen35(EngineBase):
         cos, sin = self.cos[positions].unsqueeze(-3), self.sin[positions].unsqueeze(-3)  # broadcast over heads
         h = F.embedding(ids, self.embed).to(self.residual_dtype)  # fp32 residual stream: EngineBase says why
         features = {}
-        defer = self._defer(ids)  # each layer input made in the GEMV that reads it (linear.Deferred)
-        x = (Deferred(h, self.layers[0]["norm1"]) if defer else self.layers[0]["norm1"](h)) if self.layers else None
+        x = self.layers[0]["norm1"](h) if self.layers else None
         for i, w in enumerate(self.layers):
             if self.types[i] == "linear_attention":
                 mixed, out = mix(i, w, x), w["out"]
             else:
                 mixed, out = self._attention(i, w, x, cos, sin, attend), w["o"]
-            # each residual add and the norm after it (the next layer's input norm after the MLP), one launch where fused
-            h, x = self._residual_norm(out, mixed, h, w["norm2"], defer)
+            # each residual add and the norm after it (the next layer's input norm after the MLP)
+            h, x = residual_norm(out, mixed, h, w["norm2"])
             after = self.layers[i + 1]["norm1"] if i + 1 < len(self.layers) else None
-            h, x = self._residual_norm(w["w2"], swiglu(w["w13"], x, self.fuse_swiglu, defer), h, after, defer)
+            h, x = residual_norm(w["w2"], swiglu(w["w13"], x), h, after)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
         return h, (tap_features(features, layer_ids) if layer_ids is not None else None)

@@ -5,10 +5,6 @@ verify block, alone or with the rest of a step's layer middle fused around it (`
 Both run wherever Triton does: on a CUDA device, and on the CPU under Triton's interpreter
 (`TRITON_INTERPRET=1`, set before triton is first imported), which is how the tests check them
 against the plain-torch reference on a machine without a GPU.
-
-`pdl.set_pdl(True)` launches the matmul kernels and the fused GDN step with programmatic dependent launch on
-Hopper and later (each then goes through a custom op of ours, since torch.compile drops a Triton launch's
-options): `pdl` says what it is for and why it keeps the stream's order.
 """
 
 from __future__ import annotations

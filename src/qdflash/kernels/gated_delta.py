@@ -23,8 +23,7 @@ rows there), silu, the l2norm of q and k, and the gates from the a / b projectio
 computes itself (a 2 x heads-row matmul is a whole kernel launch otherwise). At batch 1 each of those was
 its own kernel of a few microseconds, launch-bound (results/published/2026-12-04-h200-components-marlin:
 ~500 non-matmul kernels per Qwen3.5-4B decode step). It rounds to the model's dtype where the unfused
-layer's 16-bit outputs round, so the two paths differ only by summation order. With `norm_weight` the launch also
-ends in the layer's gated RMSNorm (`_gated_norm_tail`: the last program of each head to finish normalizes it).
+layer's 16-bit outputs round, so the two paths differ only by summation order.
 """
 
 from __future__ import annotations
@@ -32,14 +31,12 @@ from __future__ import annotations
 import torch
 
 from ..errors import QdflashError
-from .pdl import launch_options, pdl_for
 
 try:
     import triton
     import triton.language as tl
 
-    from .jit import last_to_arrive, silu_rounded
-    from .pdl import pdl_release, pdl_wait
+    from .jit import silu_rounded
 except ImportError:
     triton = tl = None
 
@@ -70,15 +67,10 @@ if triton is not None:
 
     @triton.jit
     def _gated_delta_step_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, x_ptr, ba_ptr, ba_stride, decay_ptr, dt_bias_ptr,
-                                 state_ptr, out_ptr, states_ptr, norm_w_ptr, y_ptr, arrivals_ptr, HV, KEY_DIM, CONV_DIM, SCALE,
-                                 EPS, HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr, T: tl.constexpr,
-                                 T_P: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                                 BLOCK_V: tl.constexpr, BA_DOT: tl.constexpr, STORE_STATES: tl.constexpr, PDL: tl.constexpr,
-                                 NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
-        """PDL (kernels.pdl.set_pdl): the recurrent state is loaded before `pdl_wait`; the next kernel is released
-        after the last token's update (`pdl_release`). Only the kernel right before this one may still be running
-        (kernels.pdl), and it writes no state: the state is written only by this layer's GDN kernel (or a rollback
-        between steps). NORM: `_gated_norm_tail` after the last token."""
+                                 state_ptr, out_ptr, states_ptr, HV, KEY_DIM, CONV_DIM, SCALE, HIDDEN: tl.constexpr,
+                                 H_CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr, T: tl.constexpr, REP: tl.constexpr,
+                                 KW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                                 BA_DOT: tl.constexpr, STORE_STATES: tl.constexpr):
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -87,13 +79,9 @@ if triton is not None:
         kc = KEY_DIM + qc
         vc = 2 * KEY_DIM + h * DV + rv
         dt = qkvz_ptr.dtype.element_ty
-        if not PDL:
-            start = tl.load(pos_ptr)  # the block's first position (positions are consecutive)
+        start = tl.load(pos_ptr)  # the block's first position (positions are consecutive)
         tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
         s = tl.load(state_ptr + tile)
-        if PDL:
-            pdl_wait()
-            start = tl.load(pos_ptr)
         if STORE_STATES:
             tl.store(states_ptr + tile, s)
         # Token by token, only the state update depends on the token before. A token's inputs (conv, silu,
@@ -114,30 +102,25 @@ if triton is not None:
                 tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
             qq, kk, vv, kq, g, beta = nq, nk, nv, nkq, ng, nbeta
         s = _step_state(s, qq, kk, vv, kq, g, beta, out_ptr + ((T - 1) * HV + h) * DV + rv)
-        if PDL:
-            pdl_release()
         if STORE_STATES:
             tl.store(states_ptr + T * HV * DK * DV + tile, s)
         tl.store(state_ptr + tile, s)
-        if NORM:
-            _gated_norm_tail(out_ptr, qkvz_ptr, qkvz_stride, norm_w_ptr, y_ptr, arrivals_ptr, h, HV, CONV_DIM, EPS, T, T_P, DV, dt,
-                             ROUND_PRODUCT)
 
     @triton.jit
     def _gated_delta_block_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, x_ptr, ba_ptr, ba_stride, decay_ptr,
-                                  dt_bias_ptr, state_ptr, out_ptr, states_ptr, scratch_ptr, norm_w_ptr, y_ptr, arrivals_ptr, HV,
-                                  KEY_DIM, CONV_DIM, SCALE, EPS, T: tl.constexpr, T_P: tl.constexpr, REP: tl.constexpr,
-                                  KW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                                  STORE_STATES: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
-                                  ROUND_PRODUCT: tl.constexpr, CHUNKED: tl.constexpr, CHUNK_K: tl.constexpr,
-                                  BA_DOT: tl.constexpr, HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr):
+                                  dt_bias_ptr, state_ptr, out_ptr, states_ptr, scratch_ptr, HV, KEY_DIM, CONV_DIM,
+                                  SCALE, T: tl.constexpr, T_P: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr,
+                                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                                  STORE_STATES: tl.constexpr, CHUNKED: tl.constexpr, CHUNK_K: tl.constexpr,
+                                  BA_DOT: tl.constexpr, HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr,
+                                  BLOCK_H: tl.constexpr):
         """`_gated_delta_step_kernel` for a block, in two phases. First every token's inputs at once ([T, channels]
         tiles: the conv's taps as shifted loads, silu, the l2norms' reductions over the key dimension for all tokens
         in one, the gates from the b / a product given or, BA_DOT, computed here from x), written to this program's
         rows of `scratch`; then the recurrence token by token, reading them back: a token's chain is its state update
         alone (one reduction of the state over the key dimension), its inputs' loads free to be issued ahead of it.
         The same formulas as the one-token kernel, summed in another order (the conv over its taps, the l2norms, the
-        b / a dot), so a block and one-token steps agree to fp32 rounding, not bit for bit. PDL and NORM as in that kernel.
+        b / a dot), so a block and one-token steps agree to fp32 rounding, not bit for bit.
         CHUNKED (T_P >= 16, a tensor-core tile): phase 2 as `_chunk_state` instead of token by token."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
@@ -155,8 +138,6 @@ if triton is not None:
             s = tl.load(state_ptr + tile)  # in flight through phase 1
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         decay = tl.load(decay_ptr + h)
-        if PDL:
-            pdl_wait()
         start = tl.load(pos_ptr)
         aq = tl.zeros((T_P, DK), dtype=tl.float32)
         ak = tl.zeros((T_P, DK), dtype=tl.float32)
@@ -234,13 +215,8 @@ if triton is not None:
                                 tl.load(row_t + 2 * DK + BLOCK_V + 2), out_ptr + (t * HV + h) * DV + rv)
                 if STORE_STATES:
                     tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
-        if PDL:
-            pdl_release()
         if not CHUNKED:  # (_chunk_state wrote it)
             tl.store(state_ptr + tile, s)
-        if NORM:
-            _gated_norm_tail(out_ptr, qkvz_ptr, qkvz_stride, norm_w_ptr, y_ptr, arrivals_ptr, h, HV, CONV_DIM, EPS, T, T_P, DV, dt,
-                             ROUND_PRODUCT)
 
     # _chunk_state's matmuls in fp32 FMAs: its tiles are small, and for sm_90 at 8 warps and 32-key chunks this compiles
     # to 128 registers with no spill, where tf32 / tf32x3 tensor-core operands did not fit (tests' sm90_resources)
@@ -413,31 +389,6 @@ if triton is not None:
         tl.store(out_ptrs, decay * sq + kq * delta)
         return s * decay + kk[:, None] * delta[None, :]
 
-    @triton.jit
-    def _gated_norm_tail(out_ptr, qkvz_ptr, qkvz_stride, norm_w_ptr, y_ptr, arrivals_ptr, h, HV, Z_OFF, EPS, T: tl.constexpr,
-                         T_P: tl.constexpr, DV: tl.constexpr, dt: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
-        """The layer's gated RMSNorm of head h's outputs (transformers' Qwen3_5RMSNormGated: per head over dv,
-        weight * norm(o) * silu(z), z the tail of the qkvz rows from Z_OFF), by the last of the head's programs to
-        finish. Each program has stored its o [T, BLOCK_V] (out_ptr) and counts itself on the head's arrival
-        counter; the one that counts last reads the head's whole o [T, dv] back and writes y (the model's dtype),
-        then sets the counter back to 0 for the next launch. Why: the norm's reduction spans the head's programs,
-        and apart it was two small kernels a layer (inductor's), each a launch and a round trip through memory.
-        Rounded where the module's 16-bit results round: o to the dtype, the normed o, the weight's product (where
-        the weight is the model's dtype, ROUND_PRODUCT), the gated output."""
-        if last_to_arrive(arrivals_ptr + h, tl.num_programs(1)):
-            rt = tl.arange(0, T_P)
-            rd = tl.arange(0, DV)
-            ok = (rt < T)[:, None]
-            rows = (rt[:, None] * HV + h) * DV + rd[None, :]
-            o = tl.load(out_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg").to(dt).to(tl.float32)
-            normed = (o * tl.math.rsqrt(tl.sum(o * o, axis=1) / DV + EPS)[:, None]).to(dt).to(tl.float32)
-            y = tl.load(norm_w_ptr + rd).to(tl.float32)[None, :] * normed
-            if ROUND_PRODUCT:
-                y = y.to(dt).to(tl.float32)
-            z = tl.load(qkvz_ptr + rt[:, None] * qkvz_stride + Z_OFF + h * DV + rd[None, :], mask=ok, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rows, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=ok)
-            tl.store(arrivals_ptr + h, 0)
-
 
 CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs (a prefill) go in chunks
 # gated_delta_step's launch: value columns a program owns and its warps, one for every block length (a decode
@@ -487,8 +438,7 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
 
 def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states=None, *,
                      key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = STEP_BLOCK_V,
-                     num_warps: int | None = None, two_phase: bool = False, chunked: bool = False,
-                     norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6, arrivals: torch.Tensor | None = None):
+                     num_warps: int | None = None, two_phase: bool = False, chunked: bool = False):
     """A Gated DeltaNet layer's middle for a decode step or verify block (T <= CHUNK tokens) in one launch:
     the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
     (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
@@ -502,11 +452,7 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     inputs first, then the recurrence alone token by token (one token keeps the step kernel). `chunked`: the same
     block kernel with the recurrence in the chunked form (`_chunk_state`: matmuls over the block instead
     of a state reduction per token), its block padded to 16 rows. `num_warps`:
-    STEP_WARPS, or BLOCK_WARPS (two-phase) or CHUNKED_WARPS for the block kernel, unless given.
-    `norm_weight` [dv] (the model's dtype or fp32): the layer's gated RMSNorm too, in the same launch
-    (`_gated_norm_tail`), z being the qkvz rows' tail [T, H * dv] after the conv part; then it returns y
-    [T, H * dv] in qkvz's dtype, what the out projection reads. `arrivals`: int32 [>= H] zeros, a count per head
-    that every launch leaves zero again (one buffer serves every layer: their launches never overlap)."""
+    STEP_WARPS, or BLOCK_WARPS (two-phase) or CHUNKED_WARPS for the block kernel, unless given."""
     if triton is None:
         raise QdflashError("gated_delta_step needs triton")
     t = qkvz.shape[0]
@@ -523,19 +469,6 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
                            "contiguous")
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise QdflashError(f"gated_delta_step: the state must be contiguous fp32 (got {state.dtype})")
-    if norm_weight is not None:
-        if dv & (dv - 1):
-            raise QdflashError(f"gated_delta_step: the gated norm takes a head's dv={dv} values in one tile: a power of two")
-        if norm_weight.shape != (dv,) or norm_weight.dtype not in (qkvz.dtype, torch.float32) or not norm_weight.is_contiguous():
-            raise QdflashError(f"gated_delta_step: norm_weight must be contiguous [{dv}] in {qkvz.dtype} or fp32, got "
-                               f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
-        if arrivals is None or arrivals.dtype != torch.int32 or arrivals.numel() < heads or not arrivals.is_contiguous():
-            got = None if arrivals is None else f"{tuple(arrivals.shape)} {arrivals.dtype}"
-            raise QdflashError(f"gated_delta_step: norm_weight needs arrivals, a contiguous int32 tensor of >= {heads} zeros "
-                               f"(got {got})")
-        if qkvz.shape[1] < conv_dim + heads * dv:
-            raise QdflashError(f"gated_delta_step: with norm_weight, qkvz's rows end in z ({heads} x {dv} after the conv's "
-                               f"{conv_dim}); got {qkvz.shape[1]} columns")
     if two_phase and chunked:
         raise QdflashError("gated_delta_step: two_phase and chunked are two forms of the block kernel; ask for one")
     chunked = chunked and t > 1
@@ -545,61 +478,24 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
         raise QdflashError(f"gated_delta_step: chunked multiplies [16, dk] x [dk, value block] tiles: dk={dk} and the value "
                            f"block {block_v} must be >= 16")
     num_warps = num_warps or (CHUNKED_WARPS if chunked else BLOCK_WARPS if two_phase else STEP_WARPS)
-    args = (qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
-            num_warps, two_phase, chunked, norm_weight, float(norm_eps), arrivals)
-    if pdl_for(qkvz):  # a launch option torch.compile does not trace through (kernels.gemv._gemv_op)
-        return _step_op(*args, True)
-    return _launch_step(*args, False)
-
-
-def _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight,
-                 block_v, num_warps, two_phase, chunked, norm_weight, norm_eps, arrivals, pdl):
-    t, hidden = qkvz.shape[0], x.shape[-1]
-    heads, dk, dv = state.shape
-    kw = conv_weight.shape[-1]
+    hidden, kw = x.shape[-1], conv_weight.shape[-1]
     out = torch.empty(t, heads, dv, device=qkvz.device, dtype=torch.float32)
-    norm = norm_weight is not None
-    y = torch.empty(t, heads * dv, device=qkvz.device, dtype=qkvz.dtype) if norm else out
-    # the norm's operands, or stand-ins a launch without it never reads
-    tail = (norm_weight, y, arrivals) if norm else (out, out, out)
-    tail_args = dict(NORM=norm, ROUND_PRODUCT=norm and norm_weight.dtype == qkvz.dtype)
-    t_p = triton.next_power_of_2(t)
-    launch = launch_options(pdl)
     if two_phase or chunked:
+        t_p = triton.next_power_of_2(t)
         t_p = max(t_p, 16) if chunked else t_p  # a tensor-core tile's least rows
         scratch = torch.empty(heads * (dv // block_v), t_p, 2 * dk + (0 if chunked else block_v + 3), device=qkvz.device,
                               dtype=torch.float32)
         _gated_delta_block_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
-            state if states is None else states, scratch, *tail, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), norm_eps,
-            T=t, T_P=t_p, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None, PDL=pdl,
-            **tail_args, CHUNKED=chunked, CHUNK_K=min(CHUNK_K, dk), BA_DOT=ba_weight, HIDDEN=hidden,
-            H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, num_warps=num_warps, **launch)
+            state if states is None else states, scratch, heads, key_dim, conv_dim, float(dk ** 0.5),
+            T=t, T_P=t_p, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None,
+            CHUNKED=chunked, CHUNK_K=min(CHUNK_K, dk), BA_DOT=ba_weight, HIDDEN=hidden,
+            H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, num_warps=num_warps)
     else:
         _gated_delta_step_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
-            state if states is None else states, *tail, heads, key_dim, conv_weight.shape[0], float(dk ** 0.5), norm_eps,
-            HIDDEN=hidden, H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, T=t, T_P=t_p, REP=heads // key_heads, KW=kw,
-            DK=dk, DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None,
-            PDL=pdl, **tail_args, num_warps=num_warps, **launch)
-    return y if norm else out
-
-
-@torch.library.custom_op("qdflash::gated_delta_step", mutates_args=("conv_in", "state", "states", "arrivals"))
-def _step_op(qkvz: torch.Tensor, conv_in: torch.Tensor, conv_weight: torch.Tensor, positions: torch.Tensor, x: torch.Tensor,
-             ba: torch.Tensor, decay: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, states: torch.Tensor | None,
-             key_heads: int, key_dim: int, ba_weight: bool, block_v: int, num_warps: int, two_phase: bool, chunked: bool,
-             norm_weight: torch.Tensor | None, norm_eps: float, arrivals: torch.Tensor | None, pdl: bool) -> torch.Tensor:
-    """`_launch_step` as one node of a compiled graph, writing the conv-input buffer and the states in place (and the
-    arrival counts, which it leaves as it found them)."""
-    return _launch_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim,
-                        ba_weight, block_v, num_warps, two_phase, chunked, norm_weight, norm_eps, arrivals, pdl)
-
-
-@_step_op.register_fake
-def _(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states, key_heads, key_dim, ba_weight, block_v,
-      num_warps, two_phase, chunked, norm_weight, norm_eps, arrivals, pdl):
-    heads, _, dv = state.shape
-    if norm_weight is not None:
-        return qkvz.new_empty((qkvz.shape[0], heads * dv))
-    return qkvz.new_empty((qkvz.shape[0], heads, dv), dtype=torch.float32)
+            state if states is None else states, heads, key_dim, conv_dim, float(dk ** 0.5),
+            HIDDEN=hidden, H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, T=t, REP=heads // key_heads,
+            KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None,
+            num_warps=num_warps)
+    return out

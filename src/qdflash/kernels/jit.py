@@ -11,24 +11,17 @@ except ImportError:  # the CPU install
 if triton is not None:
 
     @triton.jit
-    def last_to_arrive(counter_ptr, programs):
-        """Whether this program is the last of `programs` to count itself on the counter: an epilogue over what other
-        programs of the launch stored runs in that one, which then reads their stores from L2 (`.cg`: its SM's L1 is not
-        coherent with theirs) and sets the counter back to 0 for the next launch. A CTA barrier first (every thread's
-        stores done), then one atomic by one thread, acq_rel at gpu scope: a release of this program's stores, an
-        acquire of the others'."""
-        tl.debug_barrier()
-        return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1
-
-    @triton.jit
     def reduce_splits_last(part_ptr, y_ptr, counts_ptr, block, cols, N, stride_split, SPLITS: tl.constexpr):
         """A split-K GEMV's reduction by the last of a column block's SPLITS programs to finish, in its launch: each has
         stored its partial sums of columns `cols` (fp32, split s at part_ptr + s * stride_split) and counts itself on the
-        block's counter (`last_to_arrive`); the one that counts last sums the block's SPLITS partials in a fixed order
-        (deterministic), writes them in y's dtype and sets the counter back to 0. Why: reduced apart, the partial sums
-        are a launch of their own (torch's sum), which at batch 1 costs about what the split saves. SPLITS: a power of
-        two."""
-        if last_to_arrive(counts_ptr + block, SPLITS):
+        block's counter: a CTA barrier first (every thread's stores done), then one atomic by one thread, acq_rel at gpu
+        scope (a release of this program's stores, an acquire of the others'). The one that counts last sums the block's
+        SPLITS partials in a fixed order (deterministic), reading them from L2 (`.cg`: its SM's L1 is not coherent with
+        the other programs'), writes them in y's dtype and sets the counter back to 0 for the next launch. Why: reduced
+        apart, the partial sums are a launch of their own (torch's sum), which at batch 1 costs about what the split
+        saves. SPLITS: a power of two."""
+        tl.debug_barrier()
+        if tl.atomic_add(counts_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
             rs = tl.arange(0, SPLITS)
             ok = cols < N
             parts = tl.load(part_ptr + rs[:, None] * stride_split + cols[None, :], mask=ok[None, :], other=0.0, cache_modifier=".cg")

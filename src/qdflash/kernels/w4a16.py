@@ -35,14 +35,12 @@ import torch.nn.functional as F
 from ..errors import QdflashError, raised_at
 from ..quant.grid import GridSpec, dequantize
 from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, row_bucket, tinygemm
-from .pdl import launch_options, pdl_for
 
 try:
     import triton
     import triton.language as tl
 
     from .jit import reduce_splits_last
-    from .pdl import pdl_release, pdl_wait
 except ImportError:  # the CPU install: kernels are optional, the dense path remains
     triton = tl = None
 
@@ -76,10 +74,6 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     fast: bool = False  # bf16 on a GPU: the tensor-core kernel (also for 1 row) with its nibbles made bf16 by bit tricks (BF16_NIBBLES)
-
-    def args(self) -> tuple:
-        """The fields in order, as the op takes them (not dataclasses.astuple: kernels.gemv.GemvConfig.args says why)."""
-        return self.block_n, self.block_k8, self.split_k, self.num_warps, self.num_stages, self.fast
 
 
 # One int32 word of 8 nibbles and its scale s (bf16) -> the 8 weights round_bf16((nibble_j - 8) * s), column j in
@@ -123,9 +117,8 @@ if triton is not None:
     @triton.jit
     def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr,
-                      K_PER_SPLIT: tl.constexpr, PDL: tl.constexpr, FAST: tl.constexpr):
-        """2-16 rows: the [BN, BK] weight tile unpacked once, one tensor-core dot with all rows. PDL: the
-        first tile's words and scales are loaded before `pdl_wait` (they are no kernel's output). FAST (bf16):
+                      K_PER_SPLIT: tl.constexpr, FAST: tl.constexpr):
+        """2-16 rows: the [BN, BK] weight tile unpacked once, one tensor-core dot with all rows. FAST (bf16):
         the nibbles made bf16 by BF16_NIBBLES, each word's scale loaded beside it, and the tile's 8 columns of
         every word multiplied as 8 dots of [BN, BK8] (no reshape of the weights)."""
         BLOCK_K: tl.constexpr = 8 * BLOCK_K8
@@ -136,17 +129,10 @@ if triton is not None:
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm[:, None] < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        FIRST: tl.constexpr = BLOCK_K if PDL else 0  # columns done before the loop
-        if PDL:
-            w, s = _w4_tile(w_ptr, s_ptr, rn, n_ok, pid_k * K_PER_SPLIT, stride_wn, stride_sn, GROUP, BLOCK_K8, FAST)
-            pdl_wait()
-            acc += _w4_dot(x_ptr, w, s, rm, m_ok, pid_k * K_PER_SPLIT, stride_xm, GROUP, BLOCK_N, BLOCK_K8, FAST)
-        for step in range(FIRST, K_PER_SPLIT, BLOCK_K):
+        for step in range(0, K_PER_SPLIT, BLOCK_K):
             col0 = pid_k * K_PER_SPLIT + step  # first column of this tile
             w, s = _w4_tile(w_ptr, s_ptr, rn, n_ok, col0, stride_wn, stride_sn, GROUP, BLOCK_K8, FAST)
             acc += _w4_dot(x_ptr, w, s, rm, m_ok, col0, stride_xm, GROUP, BLOCK_N, BLOCK_K8, FAST)
-        if PDL:  # the next kernel's programs start once this one's loop is done (kernels.pdl.pdl_release)
-            pdl_release()
         tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
 
     @triton.jit
@@ -192,15 +178,14 @@ if triton is not None:
 
     @triton.jit
     def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_os, K_PER_SPLIT, y_ptr, counts_ptr,
-                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, PDL: tl.constexpr,
-                           SPLITS: tl.constexpr):
+                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, SPLITS: tl.constexpr):
         """1 row (a decode step): bound by the weight bytes only if unpacking costs few instructions
         per byte. So no reshape (a layout shuffle through shared memory) and no int->float convert
         instruction (a quarter-rate op): nibble j of every word in the [BN, BK8] tile is taken in
         turn, made a float by the exponent trick (nibble | 0x4B000000 is the fp32 2^23 + nibble),
         multiplied with x's columns 8i + j (a strided load from L1), and a word's 8 products are
         scaled once (its 8 columns share a scale group). q * x is exact in fp32, so this is the
-        fp32 dequantized product up to the order of the sums. PDL as in `_w4a16_kernel`. SPLITS > 1: the K splits'
+        fp32 dequantized product up to the order of the sums. SPLITS > 1: the K splits'
         partial sums (out_ptr) are reduced in this launch into y_ptr (`reduce_splits_last`), counted on counts_ptr."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -208,17 +193,10 @@ if triton is not None:
         ri = tl.arange(0, BLOCK_K8)
         n_ok = rn[:, None] < N
         acc = tl.zeros((BLOCK_N, BLOCK_K8), dtype=tl.float32)
-        FIRST: tl.constexpr = 8 * BLOCK_K8 if PDL else 0
-        if PDL:
-            w, s = _w4_words(w_ptr, s_ptr, rn, ri, n_ok, pid_k * K_PER_SPLIT, stride_wn, stride_sn, GROUP)
-            pdl_wait()
-            acc += _w4_gemv_part(x_ptr, w, s, ri, pid_k * K_PER_SPLIT, BLOCK_N, BLOCK_K8)
-        for step in range(FIRST, K_PER_SPLIT, 8 * BLOCK_K8):
+        for step in range(0, K_PER_SPLIT, 8 * BLOCK_K8):
             col0 = pid_k * K_PER_SPLIT + step
             w, s = _w4_words(w_ptr, s_ptr, rn, ri, n_ok, col0, stride_wn, stride_sn, GROUP)
             acc += _w4_gemv_part(x_ptr, w, s, ri, col0, BLOCK_N, BLOCK_K8)
-        if PDL:
-            pdl_release()
         tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
         if SPLITS > 1:
             reduce_splits_last(out_ptr, y_ptr, counts_ptr, pid_n, rn, N, stride_os, SPLITS)
@@ -283,10 +261,7 @@ def w4a16_matmul(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, grou
         raise QdflashError(f"w4a16_matmul: counts must be contiguous int32 zeros, one per column block ({-(-n // config.block_n)} "
                            f"for {config} at N={n}), got {tuple(counts.shape)} {counts.dtype}")
     counts = counts if in_launch else None
-    if pdl_for(x):  # a launch option torch.compile does not trace through: our op, an opaque node in a compiled step
-        out = _w4a16_op(x, words, scale, group, *config.args(), True, counts)
-    else:
-        out = _launch(x, words, scale, group, config, False, counts=counts)
+    out = _launch(x, words, scale, group, config, counts=counts)
     return out[0] if out.shape[0] == 1 else out.sum(0).to(x.dtype)
 
 
@@ -296,15 +271,15 @@ def split_counts(n: int, device) -> torch.Tensor:
     return torch.zeros(-(-n // 8), device=device, dtype=torch.int32)
 
 
-def _launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int, config: Config, pdl: bool,
+def _launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int, config: Config,
             counts: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's raw output [split_k, M, N]: x's dtype for one split, else fp32 partial sums (reduced by the caller);
     with `counts` (one row, split over K) the splits reduced in the launch, [1, 1, N] in x's dtype."""
     m, n, k = x.shape[0], words.shape[0], x.shape[1]
     out = torch.empty(config.split_k, m, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
-    common = dict(GROUP=group, BLOCK_N=config.block_n, BLOCK_K8=config.block_k8, PDL=pdl, num_warps=config.num_warps,
-                  num_stages=config.num_stages, **launch_options(pdl))
+    common = dict(GROUP=group, BLOCK_N=config.block_n, BLOCK_K8=config.block_k8, num_warps=config.num_warps,
+                  num_stages=config.num_stages)
     if m == 1 and not config.fast:  # K_PER_SPLIT at run time: one compile per tile serves every shape (tuning is compile-bound)
         y = torch.empty(1, 1, n, device=x.device, dtype=x.dtype) if counts is not None else out
         _w4a16_gemv_kernel[grid](x, words, scale, out, n, words.stride(0), scale.stride(0), out.stride(0),
@@ -317,24 +292,6 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: in
                             out.stride(0), out.stride(1), BLOCK_M=MAX_ROWS, K_PER_SPLIT=k // config.split_k, FAST=config.fast,
                             **common)
     return out
-
-
-@torch.library.custom_op("qdflash::w4a16", mutates_args=("counts",))
-def _w4a16_op(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, group: int, block_n: int, block_k8: int,
-              split_k: int, num_warps: int, num_stages: int, fast: bool, pdl: bool,
-              counts: torch.Tensor | None) -> torch.Tensor:
-    """`_launch` as one opaque node of a compiled graph (kernels.gemv._gemv_op says why); it leaves `counts` zero.
-    `counts` has no default: torch 2.11's dispatcher drops a trailing argument equal to its default, and the
-    in-place bookkeeping of a mutated one then indexed past the arguments (IndexError on the H100, every W4 launch
-    with PDL: results/published/2026-12-05-h100-prologues-pdl)."""
-    return _launch(x, words, scale, group, Config(block_n, block_k8, split_k, num_warps, num_stages, fast), pdl, counts=counts)
-
-
-@_w4a16_op.register_fake
-def _(x, words, scale, group, block_n, block_k8, split_k, num_warps, num_stages, fast, pdl, counts):
-    if counts is not None:
-        return x.new_empty((1, x.shape[0], words.shape[0]))
-    return x.new_empty((split_k, x.shape[0], words.shape[0]), dtype=x.dtype if split_k == 1 else torch.float32)
 
 
 def candidate_configs(k: int, group: int, n: int | None = None, rows: int = MAX_ROWS, fast: bool = False) -> list[Config]:
