@@ -38,7 +38,7 @@ def runs(tmp_path_factory):
     """The two scripts are independent: side by side on 2 cores, one thread each (each test reads its own)."""
     folder = tmp_path_factory.mktemp("bench-scripts")
     started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
-                                     "--w4-head", "--compile", "aot_eager", "--unfused-gdn", "--profile",
+                                     "--w4-head", "--compile", "aot_eager", "--unfused-gdn", "--profile", "--gdn-two-phase",
                                      "--hf-generate", "--hf-tokens", "8", "--hf-reps", "1"),
                # --study: on the CPU (no kernels) the arms run one code path; what is tested is the study's plumbing:
                # each arm tuned, checked, measured and set against the first (not compiled here: the components run

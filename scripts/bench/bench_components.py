@@ -340,6 +340,14 @@ def study_arms(args) -> list[Arm]:
     return arms
 
 
+def target_engine(target, args, max_len):
+    """The main run's engine for `target` (16-bit, W4, W4 head): --attention, the first --gdn-ba mode, and with
+    --gdn-two-phase its verify block's GDN middle through the two-phase kernel (decode steps are the same either way)."""
+    engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
+    engine.gdn_two_phase = args.gdn_two_phase
+    return engine
+
+
 TARGET_LABELS = {"16": "target16", "w4": "target_w4"}  # --study-targets' names -> the study's result labels
 
 
@@ -569,8 +577,8 @@ def main() -> None:
                         help="--study: which targets' arms, in order (16: the 16-bit target; w4: the W4 one; the W4 "
                              "arms quantize the model in place, so 16 after w4 is refused)")
     parser.add_argument("--gdn-two-phase", action="store_true",
-                        help="--study: each --gdn-ba mode again with its verify block's GDN middle through "
-                             "the two-phase kernel (LeanQwen35.gdn_two_phase)")
+                        help="the verify block's GDN middle through the two-phase kernel (LeanQwen35.gdn_two_phase): "
+                             "in every target engine of the main run; with --study each --gdn-ba mode again as an arm")
     parser.add_argument("--gdn-chunked", action="store_true",
                         help="--study: each --gdn-ba mode again with its verify block's GDN recurrence in the "
                              "chunked form (LeanQwen35.gdn_chunked: the block's products as matmuls)")
@@ -617,7 +625,7 @@ def main() -> None:
                 report(result, f"{label}_{attention}", args.out)
         report(result, None, args.out)
         return
-    engine16 = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
+    engine16 = target_engine(target, args, max_len)
     result.update(gdn_check(engine16, device))
     fuse_gdn = engine16.fuse_gdn  # False where the fused path failed its check: every engine of the run then runs unfused
     report(result, "gdn_fused_check", args.out)
@@ -653,7 +661,7 @@ def main() -> None:
     report(result, "drafter", args.out)
     del engine16
     result["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
-    engine4 = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
+    engine4 = target_engine(target, args, max_len)
     engine4.fuse_gdn = fuse_gdn
     result["w4a16.tuned"] = engine4.tune_kernels()
     result.update(kernel_check(engine4, device))
@@ -665,7 +673,7 @@ def main() -> None:
     if args.w4_head:  # the same W4 target with its LM head on the W4 grid too, in this process (side by side)
         del engine4
         quantize_in_place(target.model, args.group, ["lm_head"])
-        engine4h = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
+        engine4h = target_engine(target, args, max_len)
         engine4h.fuse_gdn = fuse_gdn
         result["w4a16_head.tuned"] = engine4h.tune_kernels()
         result.update(measure_target(engine4h, args, device, layer_ids, bandwidth, "target_w4_head"))
