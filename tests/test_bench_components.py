@@ -295,3 +295,16 @@ def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
             bench_gdn_step.variant_list(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="--launches"):
         bench_gdn_step.launch_list("16x4,16")
+
+
+def test_kernel_groups_put_inductors_kernels_named_after_a_fused_int4_op_with_inductor():
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_components
+
+    group = bench_components.kernel_group
+    # names as the H200 profile of 2026-12-05-h200-gdn-warps recorded them
+    assert group("triton_red_fused__to_copy_add_marlin_w4_mm_mean_mul_pow_rsqrt_8") == bench_components.INDUCTOR
+    assert group("void marlin::Marlin<1125899906909960l, 256, 1, 8, 8, true, 4, 2, false>(int4 const*)").startswith("int4")
+    assert group("void at::native::tinygemm_m16n8k16_chunk_kernel<at::native::ALayout_RM<>>").startswith("int4")
+    assert group("_gemv_kernel") == "gemv (ours)" and group("_gated_delta_step_kernel") == "gated delta (ours)"
+    assert group("nvjet_hsh_64x32_64x16_2x1_v_bz_splitK_TNN") == "cuBLAS matmul" and group("Memset (Device)") == "memcpy / memset"

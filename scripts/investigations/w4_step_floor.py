@@ -1,0 +1,142 @@
+"""How fast could the W4A16 decode step be with the int4 kernels we have, and with an ideal one? Issue 23 asks for a
+W4 step >= 1.8x the 16-bit one; this reads a published component run (`bench_components.py --w4-head`'s JSON, no GPU)
+and says what that target needs of the int4 matmuls.
+
+Each kernel's one-row time at the model's layer shapes (the run's own tuning tables, `w4a16_head.tuned` at @1: cuBLAS
+on the dequantized bf16 weight, tinygemm, Marlin, ours) is fitted as `fixed + bytes / bandwidth` (least squares over
+the layer shapes): what a call costs whatever its size, and how fast its bytes then stream. The step's matmul time
+follows from how many calls of each shape a decode step makes (from the model's config: a GDN layer's qkvz and out
+projections, an attention layer's qkv and o, every layer's gate / up and down, the head). Why: at 1 row these
+matrices are 6-27 MB, a few microseconds each, so a per-call cost and a bandwidth say different things about what a
+faster kernel would have to do. The "ideal" int4 kernel below has cuBLAS's fixed cost and cuBLAS's bandwidth over the
+packed bytes: as good at 4 bits as cuBLAS is at 16.
+
+    python scripts/investigations/w4_step_floor.py results/published/2026-12-05-h200-gdn-warps/components.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+KERNELS = ("dense", "tinygemm", "marlin", "machete", "gemlite", "fbgemm", "ours")  # the tuning table's *_ms (ours: ms)
+
+
+def step_calls(shape: str) -> dict[tuple[int, int], int]:
+    """[N, K] -> calls a decode step makes, from bench_components' config of `shape` (the engine's packed projections:
+    qkvz / qkv and gate / up are one matmul each)."""
+    from transformers import Qwen3_5TextConfig
+
+    from bench_components import SHAPES
+
+    c = Qwen3_5TextConfig(**SHAPES[shape])
+    hidden, calls = c.hidden_size, {}
+
+    def add(n, k):
+        calls[(n, k)] = calls.get((n, k), 0) + 1
+
+    for kind in c.layer_types:
+        if kind == "linear_attention":
+            key, value = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+            add(2 * key + 2 * value, hidden)  # q, k, v, z (b / a: 16-bit, in the GDN kernel)
+            add(hidden, value)
+        else:
+            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            add(2 * q + 2 * kv, hidden)  # q with its gate, k, v
+            add(hidden, q)
+        add(2 * c.intermediate_size, hidden)
+        add(hidden, c.intermediate_size)
+    add(c.vocab_size, hidden)
+    return calls
+
+
+def one_row_times(run: dict, table: str, group: int) -> dict[tuple[int, int], dict[str, float]]:
+    """[N, K] -> kernel -> ms at one row, from the run's tuning table (kernels that did not run are left out)."""
+    out = {}
+    for key, row in run[table].items():
+        name, _, at = key.rpartition("@")  # "w4a16 NxKgG@rows"; the 16-bit b / a GEMV ("gemv ...") is not int4
+        if at != "1" or not name.startswith("w4a16 ") or not name.endswith(f"g{group}"):
+            continue
+        n, k = (int(x) for x in name.removeprefix("w4a16 ").removesuffix(f"g{group}").split("x"))
+        times = {kernel: row.get("ms" if kernel == "ours" else f"{kernel}_ms") for kernel in KERNELS}
+        out[(n, k)] = {kernel: ms for kernel, ms in times.items() if ms}
+    return out
+
+
+def packed_bytes(n: int, k: int, group: int) -> int:
+    """A W4 matrix's bytes as the kernels read them: 4-bit weights, one 16-bit scale per group."""
+    return n * k // 2 + n * (k // group) * 2
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(fixed us, bandwidth TB/s) of ms = fixed + bytes / bandwidth, least squares."""
+    a = np.array([[1.0, nbytes] for nbytes, _ in points])
+    (fixed_ms, ms_per_byte), *_ = np.linalg.lstsq(a, np.array([ms for _, ms in points]), rcond=None)
+    return fixed_ms * 1e3, 1e-9 / ms_per_byte
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("components", help="a bench_components.py --w4-head JSON (with --profile and --compile)")
+    parser.add_argument("--target", type=float, default=1.8, help="the W4 step's speedup over the 16-bit one asked for")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    run = json.load(open(args.components))
+    config = run["config"]
+    group, label = config["group"], "target_w4_head"
+    for key in ("w4a16_head.tuned", f"{label}.decode_kernels", f"{label}.decode_compiled_ms", "target16.decode_compiled_ms"):
+        if not isinstance(run.get(key), (dict, float, int)):
+            raise SystemExit(f"w4_step_floor: {args.components} has no {key!r}: expected a bench_components.py run with "
+                             "--w4-head --profile --compile")
+    calls = step_calls(config["shape"])
+    times = one_row_times(run, "w4a16_head.tuned", group)
+    missing = sorted(set(calls) - set(times))
+    if missing:
+        raise SystemExit(f"w4_step_floor: {args.components}'s w4a16_head.tuned has no one-row time for {missing}")
+    layers = [s for s in calls if s[0] != max(s[0] for s in calls)]  # the head is timed, not fitted: it is one call
+    result = {"source": args.components, "group": group, "calls_per_step": {f"{n}x{k}": c for (n, k), c in calls.items()}}
+    for kernel in KERNELS:
+        points = [(s[0] * s[1] * 2 if kernel == "dense" else packed_bytes(*s, group), times[s][kernel])
+                  for s in layers if kernel in times[s]]
+        if len(points) >= 3:
+            fixed, tbps = fit(points)
+            result[f"fit.{kernel}"] = {"fixed_us": round(fixed, 2), "TBps": round(tbps, 2), "shapes": len(points)}
+
+    def step_ms(per_call) -> float:
+        return sum(c * per_call(s) for s, c in calls.items())
+
+    best = lambda s: min(ms for kernel, ms in times[s].items() if kernel != "dense")  # noqa: E731
+    dense_fixed, dense_tbps = result["fit.dense"]["fixed_us"] / 1e3, result["fit.dense"]["TBps"]
+    ideal = lambda s: dense_fixed + packed_bytes(*s, group) / (dense_tbps * 1e9)  # noqa: E731 (ms)
+    result["matmul_ms.dense"] = round(step_ms(lambda s: times[s]["dense"]), 3)
+    result["matmul_ms.best_int4"] = round(step_ms(best), 3)
+    result["matmul_ms.ideal_int4"] = round(step_ms(ideal), 3)
+    # the measured W4-head step: its int4 kernels' device time, and everything else (other kernels and gaps)
+    # regrouped from the per-kernel list (bench_components.kernel_group): runs up to 2026-12-05-h200-gdn-warps counted
+    # inductor's kernels fused after Marlin's op in their "int4 matmul" group
+    from bench_components import kernel_group
+
+    int4_us = sum(k["us"] for k in run[f"{label}.decode_kernels"]["kernels"] if kernel_group(k["kernel"]).startswith("int4"))
+    step16, step4 = run["target16.decode_compiled_ms"], run[f"{label}.decode_compiled_ms"]
+    rest = step4 - int4_us / 1e3
+    needed = step16 / args.target - rest
+    result.update({"target16.decode_compiled_ms": step16, f"{label}.decode_compiled_ms": step4,
+                   f"{label}.int4_device_ms": round(int4_us / 1e3, 3), f"{label}.rest_ms": round(rest, 3),
+                   "target_ms": round(step16 / args.target, 3), "int4_ms_needed": round(needed, 3),
+                   "speedup_with.best_int4": round(step16 / (rest + result["matmul_ms.best_int4"]), 3),
+                   "speedup_with.ideal_int4": round(step16 / (rest + result["matmul_ms.ideal_int4"]), 3),
+                   "speedup_with.ideal_int4_and_no_rest": round(step16 / result["matmul_ms.ideal_int4"], 3)})
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
