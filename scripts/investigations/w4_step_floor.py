@@ -8,8 +8,9 @@ the layer shapes): what a call costs whatever its size, and how fast its bytes t
 follows from how many calls of each shape a decode step makes (from the model's config: a GDN layer's qkvz and out
 projections, an attention layer's qkv and o, every layer's gate / up and down, the head). Why: at 1 row these
 matrices are 6-27 MB, a few microseconds each, so a per-call cost and a bandwidth say different things about what a
-faster kernel would have to do. The "ideal" int4 kernel below has cuBLAS's fixed cost and cuBLAS's bandwidth over the
-packed bytes: as good at 4 bits as cuBLAS is at 16.
+faster kernel would have to do. `int4_as_good_as.<reference>` is an int4 kernel with the reference's fixed cost and
+bandwidth over the packed bytes: as good at 4 bits as cuBLAS (`dense`) or our own 16-bit GEMV (`gemv16`, `gemv.tuned`)
+is at 16.
 
     python scripts/investigations/w4_step_floor.py results/published/2026-12-05-h200-gdn-warps/components.json
 """
@@ -111,12 +112,23 @@ def main() -> None:
     def step_ms(per_call) -> float:
         return sum(c * per_call(s) for s, c in calls.items())
 
+    # our 16-bit GEMV at one row, where the run tuned it (gemv.tuned: "gemv NxK" is @1), fitted the same way
+    gemv16 = [(s[0] * s[1] * 2, run["gemv.tuned"][f"gemv {s[0]}x{s[1]}"]["gemv_ms"]) for s in layers
+              if f"gemv {s[0]}x{s[1]}" in run.get("gemv.tuned", {})]
+    if len(gemv16) >= 3:
+        fixed, tbps = fit(gemv16)
+        result["fit.gemv16"] = {"fixed_us": round(fixed, 2), "TBps": round(tbps, 2), "shapes": len(gemv16)}
+
+    def ideal(reference):  # ms of an int4 kernel with `reference`'s fixed cost and bandwidth over the packed bytes
+        fixed_ms, tbps = result[f"fit.{reference}"]["fixed_us"] / 1e3, result[f"fit.{reference}"]["TBps"]
+        return lambda s: fixed_ms + packed_bytes(*s, group) / (tbps * 1e9)
+
     best = lambda s: min(ms for kernel, ms in times[s].items() if kernel != "dense")  # noqa: E731
-    dense_fixed, dense_tbps = result["fit.dense"]["fixed_us"] / 1e3, result["fit.dense"]["TBps"]
-    ideal = lambda s: dense_fixed + packed_bytes(*s, group) / (dense_tbps * 1e9)  # noqa: E731 (ms)
     result["matmul_ms.dense"] = round(step_ms(lambda s: times[s]["dense"]), 3)
     result["matmul_ms.best_int4"] = round(step_ms(best), 3)
-    result["matmul_ms.ideal_int4"] = round(step_ms(ideal), 3)
+    references = [r for r in ("dense", "gemv16") if f"fit.{r}" in result]
+    for reference in references:
+        result[f"matmul_ms.int4_as_good_as.{reference}"] = round(step_ms(ideal(reference)), 3)
     # the measured W4-head step: its int4 kernels' device time, and everything else (other kernels and gaps)
     # regrouped from the per-kernel list (bench_components.kernel_group): runs up to 2026-12-05-h200-gdn-warps counted
     # inductor's kernels fused after Marlin's op in their "int4 matmul" group
@@ -129,9 +141,11 @@ def main() -> None:
     result.update({"target16.decode_compiled_ms": step16, f"{label}.decode_compiled_ms": step4,
                    f"{label}.int4_device_ms": round(int4_us / 1e3, 3), f"{label}.rest_ms": round(rest, 3),
                    "target_ms": round(step16 / args.target, 3), "int4_ms_needed": round(needed, 3),
-                   "speedup_with.best_int4": round(step16 / (rest + result["matmul_ms.best_int4"]), 3),
-                   "speedup_with.ideal_int4": round(step16 / (rest + result["matmul_ms.ideal_int4"]), 3),
-                   "speedup_with.ideal_int4_and_no_rest": round(step16 / result["matmul_ms.ideal_int4"], 3)})
+                   "speedup_with.best_int4": round(step16 / (rest + result["matmul_ms.best_int4"]), 3)})
+    for reference in references:
+        matmuls = result[f"matmul_ms.int4_as_good_as.{reference}"]
+        result[f"speedup_with.int4_as_good_as.{reference}"] = round(step16 / (rest + matmuls), 3)
+        result[f"speedup_with.int4_as_good_as.{reference}_and_no_rest"] = round(step16 / matmuls, 3)
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
