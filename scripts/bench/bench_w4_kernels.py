@@ -33,6 +33,11 @@ SHAPES = {
 }
 
 
+def packed_bytes(n: int, k: int, group: int) -> int:
+    """A W4 matrix's bytes as the kernels read them: 4-bit weights, one 16-bit scale per group."""
+    return n * k // 2 + n * (k // group) * 2
+
+
 def gbps(nbytes: int, ms: float | None) -> float | None:
     return None if ms is None or ms <= 0 else round(nbytes / ms / 1e6, 1)
 
@@ -52,20 +57,20 @@ def main() -> None:
     print(f"{args.shape}, group {args.group}, {torch.cuda.get_device_name()}; external kernels importable: {externals}")
     print(f"{'N x K':>14} {'rows':>4} | {'ours':>14} {'cuBLAS bf16':>14} " + " ".join(f"{n:>14}" for n in w4a16.EXTERNAL) + " | used")
     for n, k in SHAPES[args.shape]:
-        packed_bytes = n * k // 2 + n * (k // args.group) * 2
+        packed = packed_bytes(n, k, args.group)
         dense_bytes = n * k * 2
         for rows in args.rows:
             config, ms, dense_ms, others = w4a16.tune(n, k, args.group, rows=rows, dtype=dtype)
-            row = {"n": n, "k": k, "group": args.group, "rows": rows, "packed_bytes": packed_bytes,
-                   "ours_ms": round(ms, 4), "ours_gbps": gbps(packed_bytes, ms), "ours_config": config.__dict__,
+            row = {"n": n, "k": k, "group": args.group, "rows": rows, "packed_bytes": packed,
+                   "ours_ms": round(ms, 4), "ours_gbps": gbps(packed, ms), "ours_config": config.__dict__,
                    "dense_ms": round(dense_ms, 4), "dense_gbps": gbps(dense_bytes, dense_ms),
                    **{f"{name}_ms": None if t is None else round(t, 4) for name, t in others.items()},
-                   **{f"{name}_gbps": gbps(packed_bytes, t) for name, t in others.items()},
+                   **{f"{name}_gbps": gbps(packed, t) for name, t in others.items()},
                    "used": w4a16.backend(n, k, args.group, rows, dtype)}
             rows_out.append(row)
             cell = lambda t, b: "—" if t is None else f"{t * 1e3:6.1f}us {gbps(b, t):>5.0f}"  # noqa: E731
-            print(f"{n:>7}x{k:<6} {rows:>4} | {cell(ms, packed_bytes):>14} {cell(dense_ms, dense_bytes):>14} "
-                  + " ".join(f"{cell(others[name], packed_bytes):>14}" for name in w4a16.EXTERNAL) + f" | {row['used']}")
+            print(f"{n:>7}x{k:<6} {rows:>4} | {cell(ms, packed):>14} {cell(dense_ms, dense_bytes):>14} "
+                  + " ".join(f"{cell(others[name], packed):>14}" for name in w4a16.EXTERNAL) + f" | {row['used']}")
     result = {"shape": args.shape, "group": args.group, "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "python": platform.python_version(), "externals_importable": externals,
               "rows": rows_out}

@@ -26,12 +26,16 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
+from bench_w4_kernels import packed_bytes  # noqa: E402 (scripts/bench, on the path just above)
+
+from qdflash.engine.linear import tuning_key  # noqa: E402
+
 KERNELS = ("dense", "tinygemm", "marlin", "machete", "gemlite", "fbgemm", "ours")  # the tuning table's *_ms (ours: ms)
 
 
-def step_calls(shape: str) -> dict[tuple[int, int], int]:
-    """[N, K] -> calls a decode step makes, from bench_components' config of `shape` (the engine's packed projections:
-    qkvz / qkv and gate / up are one matmul each)."""
+def step_calls(shape: str) -> tuple[dict[tuple[int, int], int], tuple[int, int]]:
+    """([N, K] -> calls a decode step makes, the LM head's [N, K]), from bench_components' config of `shape` (the
+    engine's packed projections: qkvz / qkv and gate / up are one matmul each)."""
     from transformers import Qwen3_5TextConfig
 
     from bench_components import SHAPES
@@ -53,26 +57,22 @@ def step_calls(shape: str) -> dict[tuple[int, int], int]:
             add(hidden, q)
         add(2 * c.intermediate_size, hidden)
         add(hidden, c.intermediate_size)
-    add(c.vocab_size, hidden)
-    return calls
+    head = (c.vocab_size, hidden)
+    add(*head)
+    return calls, head
 
 
-def one_row_times(run: dict, table: str, group: int) -> dict[tuple[int, int], dict[str, float]]:
-    """[N, K] -> kernel -> ms at one row, from the run's tuning table (kernels that did not run are left out)."""
+def one_row_times(run: dict, source: str, table: str, shapes, group: int) -> dict[tuple[int, int], dict[str, float]]:
+    """[N, K] -> kernel -> ms at one row, from the tuning table of the run read from `source` (kernels that did not run
+    are left out)."""
     out = {}
-    for key, row in run[table].items():
-        name, _, at = key.rpartition("@")  # "w4a16 NxKgG@rows"; the 16-bit b / a GEMV ("gemv ...") is not int4
-        if at != "1" or not name.startswith("w4a16 ") or not name.endswith(f"g{group}"):
-            continue
-        n, k = (int(x) for x in name.removeprefix("w4a16 ").removesuffix(f"g{group}").split("x"))
+    for n, k in shapes:
+        row = run[table].get(tuning_key("w4a16", n, k, 1, group))
+        if row is None:
+            raise SystemExit(f"w4_step_floor: {source}'s {table} has no one-row time for {n}x{k} (group {group})")
         times = {kernel: row.get("ms" if kernel == "ours" else f"{kernel}_ms") for kernel in KERNELS}
         out[(n, k)] = {kernel: ms for kernel, ms in times.items() if ms}
     return out
-
-
-def packed_bytes(n: int, k: int, group: int) -> int:
-    """A W4 matrix's bytes as the kernels read them: 4-bit weights, one 16-bit scale per group."""
-    return n * k // 2 + n * (k // group) * 2
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -95,12 +95,9 @@ def main() -> None:
         if not isinstance(run.get(key), (dict, float, int)):
             raise SystemExit(f"w4_step_floor: {args.components} has no {key!r}: expected a bench_components.py run with "
                              "--w4-head --profile --compile")
-    calls = step_calls(config["shape"])
-    times = one_row_times(run, "w4a16_head.tuned", group)
-    missing = sorted(set(calls) - set(times))
-    if missing:
-        raise SystemExit(f"w4_step_floor: {args.components}'s w4a16_head.tuned has no one-row time for {missing}")
-    layers = [s for s in calls if s[0] != max(s[0] for s in calls)]  # the head is timed, not fitted: it is one call
+    calls, head = step_calls(config["shape"])
+    times = one_row_times(run, args.components, "w4a16_head.tuned", calls, group)
+    layers = [s for s in calls if s != head]  # the head is timed, not fitted: it is one call
     result = {"source": args.components, "group": group, "calls_per_step": {f"{n}x{k}": c for (n, k), c in calls.items()}}
     for kernel in KERNELS:
         points = [(s[0] * s[1] * 2 if kernel == "dense" else packed_bytes(*s, group), times[s][kernel])
@@ -113,8 +110,9 @@ def main() -> None:
         return sum(c * per_call(s) for s, c in calls.items())
 
     # our 16-bit GEMV at one row, where the run tuned it (gemv.tuned: "gemv NxK" is @1), fitted the same way
-    gemv16 = [(s[0] * s[1] * 2, run["gemv.tuned"][f"gemv {s[0]}x{s[1]}"]["gemv_ms"]) for s in layers
-              if f"gemv {s[0]}x{s[1]}" in run.get("gemv.tuned", {})]
+    gemv_tuned = run.get("gemv.tuned", {})
+    gemv16 = [(s[0] * s[1] * 2, gemv_tuned[tuning_key("gemv", *s, 1)]["gemv_ms"]) for s in layers
+              if tuning_key("gemv", *s, 1) in gemv_tuned]
     if len(gemv16) >= 3:
         fixed, tbps = fit(gemv16)
         result["fit.gemv16"] = {"fixed_us": round(fixed, 2), "TBps": round(tbps, 2), "shapes": len(gemv16)}

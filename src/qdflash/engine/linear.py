@@ -198,6 +198,13 @@ def pack_linears(module: nn.Module, dtype: torch.dtype, kernels: bool) -> int:
     return len(names)
 
 
+def tuning_key(kind: str, n: int, k: int, rows: int, group: int | None = None) -> str:
+    """`tune_projections`' key of a shape: "w4a16 NxKgG@rows" (kind "w4a16"), "gemv NxK" at one row, "gemv NxK@rows"."""
+    if kind == "w4a16":
+        return f"w4a16 {n}x{k}g{group}@{rows}"
+    return f"gemv {n}x{k}" + (f"@{rows}" if rows > 1 else "")
+
+
 def tune_projections(projections, dense_shapes=(), dtype: torch.dtype = torch.bfloat16) -> dict:
     """On the GPU, before capturing steps: time the W4A16 tiles of every packed shape (1 row and 16
     rows), and the 16-bit GEMV against cuBLAS for every dense shape at 1 and 16 rows (plus `dense_shapes`,
@@ -208,13 +215,13 @@ def tune_projections(projections, dense_shapes=(), dtype: torch.dtype = torch.bf
     for n, k, group in sorted(packed):
         for rows in (1, MAX_ROWS):
             config, ms, dense_ms, others = tune(n, k, group, rows=rows, dtype=dtype)
-            tuned[f"w4a16 {n}x{k}g{group}@{rows}"] = {"config": config.__dict__, "ms": round(ms, 4), "dense_ms": round(dense_ms, 4),
+            tuned[tuning_key("w4a16", n, k, rows, group)] = {"config": config.__dict__, "ms": round(ms, 4), "dense_ms": round(dense_ms, 4),
                                                       **{f"{name}_ms": None if t is None else round(t, 4) for name, t in others.items()},
                                                       "used": backend(n, k, group, rows, dtype)}
     dense = {tuple(p.weight.shape) for p in projections if p.weight is not None and p.kernels} | set(map(tuple, dense_shapes))
     # a packed shape that runs dense (at 1 or 16 rows): its 16-bit GEMV may beat cuBLAS too
     dense |= {(n, k) for n, k, group in packed if any(dense_faster(n, k, group, rows, dtype) for rows in (1, MAX_ROWS))}
     for n, k in sorted(dense):
-        tuned[f"gemv {n}x{k}"] = gemv_kernel.tune(n, k, dtype=dtype)
-        tuned[f"gemv {n}x{k}@{MAX_ROWS}"] = gemv_kernel.tune(n, k, dtype=dtype, rows=MAX_ROWS)
+        tuned[tuning_key("gemv", n, k, 1)] = gemv_kernel.tune(n, k, dtype=dtype)
+        tuned[tuning_key("gemv", n, k, MAX_ROWS)] = gemv_kernel.tune(n, k, dtype=dtype, rows=MAX_ROWS)
     return tuned
