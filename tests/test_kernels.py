@@ -113,13 +113,16 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def run_ptx(asm: str, operands: dict) -> dict:
-    """Execute the few PTX instructions BF16_NIBBLES uses (mov / shr / lop3 on 32-bit patterns, fma.rn.bf16x2) on
-    `operands` ($n -> bits), returning every operand and register after it: the asm's text checked on the CPU,
-    which neither the interpreter nor a compile for sm_90 runs."""
+    """Execute the few PTX instructions our inline asm uses (mov / shr / and / lop3 / prmt on 32-bit patterns,
+    fma.rn.bf16x2, setp / selp) on `operands` ($n -> bits; "%laneid" for one that reads it), one lane's, returning
+    every operand and register after it: the asm's text checked on the CPU, which neither the interpreter nor a
+    compile for sm_90 runs. mma.sync is a warp's: `warp_mma` runs it."""
     regs = dict(operands)
 
     def value(token):
         token = token.strip()
+        if token.startswith("0f"):  # a float literal's bits
+            return int(token[2:], 16)
         return int(token, 16) if token.startswith("0x") else int(token) if token.isdigit() else regs[token]
 
     def bf16(bits):
@@ -133,9 +136,10 @@ def run_ptx(asm: str, operands: dict) -> dict:
         if not line or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
-        if op == "mov.b32" and args.startswith("{"):  # unpack: {lo, hi}, src
+        if op in ("mov.b32", "mov.b64") and args.startswith("{"):  # unpack: {lo, hi}, src
             lo, hi, src = (a.strip(" {}") for a in args.replace("}", ",").split(",") if a.strip())
-            regs[lo], regs[hi] = value(src) & 0xFFFF, value(src) >> 16
+            bits = 16 if op == "mov.b32" else 32
+            regs[lo], regs[hi] = value(src) & ((1 << bits) - 1), value(src) >> bits
             continue
         dst, *srcs = [a.strip() for a in args.split(",", 1)[0:1] + [args.split(",", 1)[1]]]
         if op == "mov.b32" and "{" in srcs[0]:  # pack: dst, {lo, hi}
@@ -143,8 +147,17 @@ def run_ptx(asm: str, operands: dict) -> dict:
             regs[dst] = lo | hi << 16
             continue
         a = [value(t) for t in srcs[0].split(",")]
-        if op == "mov.b32":
+        if op in ("mov.b32", "mov.u32"):
             regs[dst] = a[0]
+        elif op == "and.b32":
+            regs[dst] = a[0] & a[1]
+        elif op in ("setp.eq.u32", "setp.ne.u32"):
+            regs[dst] = (a[0] == a[1]) == (op == "setp.eq.u32")
+        elif op == "selp.f32":
+            regs[dst] = a[0] if a[2] else a[1]
+        elif op == "prmt.b32":  # byte i of the result: byte (selector nibble i) of {a, b} (a's bytes 0-3, b's 4-7)
+            pool = [(a[0] & 0xFFFFFFFF) >> 8 * i & 0xFF for i in range(4)] + [(a[1] & 0xFFFFFFFF) >> 8 * i & 0xFF for i in range(4)]
+            regs[dst] = sum(pool[a[2] >> 4 * i & 7] << 8 * i for i in range(4))
         elif op == "shr.u32":
             regs[dst] = (a[0] & 0xFFFFFFFF) >> a[1]
         elif op == "lop3.b32":
@@ -173,6 +186,140 @@ def test_bf16_nibbles_asm_dequantizes_a_word_as_the_reference_does():
             scale_bits = int(scale[row, 0].view(torch.int16)) & 0xFFFF
             regs = run_ptx(BF16_NIBBLES, {"$8": int(words[row, i]) & 0xFFFFFFFF, "$9": scale_bits})
             assert [regs[f"${j}"] for j in range(8)] == want[row, i].tolist(), (row, i)
+
+
+def warp_mma(lanes: list[dict], a_regs: list[str], b_regs: list[str], c_regs: list[str]) -> list[list[int]]:
+    """mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 of one warp, from each lane's registers as PTX's ISA lays
+    out the fragments (g = lane / 4, t = lane % 4; register i of A holds a_2i low, a_2i+1 high): a0,a1 = A[g][2t, 2t+1],
+    a2,a3 = A[g+8][2t, 2t+1], a4,a5 = A[g][2t+8, 2t+9], a6,a7 = A[g+8][2t+8, 2t+9]; b0,b1 = B[2t, 2t+1][g], b2,b3 =
+    B[2t+8, 2t+9][g]; c0,c1 = C[g][2t, 2t+1], c2,c3 = C[g+8][2t, 2t+1]. Returns each lane's D as fp32 bits (fp64 sums)."""
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    for lane, regs in enumerate(lanes):
+        g, t = lane // 4, lane % 4
+        halves = [bf16_to_f32(np.array([regs[r] >> s & 0xFFFF]))[0] for r in a_regs for s in (0, 16)]
+        for i, (row, col) in enumerate([(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1),
+                                        (g, 2 * t + 8), (g, 2 * t + 9), (g + 8, 2 * t + 8), (g + 8, 2 * t + 9)]):
+            A[row, col] = halves[i]
+        halves = [bf16_to_f32(np.array([regs[r] >> s & 0xFFFF]))[0] for r in b_regs for s in (0, 16)]
+        for i, k in enumerate([2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9]):
+            B[k, g] = halves[i]
+        for i, (row, col) in enumerate([(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]):
+            C[row, col] = np.array([regs[c_regs[i]]], dtype=np.uint32).view(np.float32)[0]
+    D = A @ B + C
+    return [[int(np.array([D[row, col]], dtype=np.float32).view(np.uint32)[0])
+             for row, col in [(lane // 4, 2 * (lane % 4)), (lane // 4, 2 * (lane % 4) + 1),
+                              (lane // 4 + 8, 2 * (lane % 4)), (lane // 4 + 8, 2 * (lane % 4) + 1)]] for lane in range(32)]
+
+
+def test_w4_mma_asm_gives_one_row_of_the_dequantized_product():
+    """The tensor-core one-row W4 kernel's PTX (w4_mma.MMA_WORD, then DIAGONAL) on `w4_mma.pack`'s words, one warp
+    of its blocked layout (4 row pairs x 8 lanes along the words, 4 words a lane, two K tiles) executed on the CPU:
+    the lanes' bit tricks by `run_ptx`, the mma by `warp_mma` (the ISA's fragment layout), the useful lanes picked by
+    lane id. The row pairs' sums are x @ the weight dequantized and rounded to bf16 (fp32 sums), every row: the word's
+    nibble order, the scale pairs and the diagonal agree."""
+    import re
+
+    from qdflash.kernels import w4_mma
+
+    n, k, group = 8, 256, 32
+    q, scale, deq = quantized(n, k, group, seed=3)
+    words, scale = pack_int4(q), scale.to(torch.bfloat16)
+    x = torch.randn(k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    want = x.double() @ deq.to(torch.bfloat16).double().T
+    mma_words, pairs = w4_mma.pack_words(words), w4_mma.pack_scales(scale)
+    xs = x.view(torch.int64)
+    prefix, mma_line = w4_mma.MMA_WORD.strip().strip("{}").rsplit("mma.sync", 1)
+    d_regs, a_regs, b_regs, c_regs = [[r.strip() for r in group_.split(",")] for group_ in re.findall(r"\{([^}]*)\}", mma_line)]
+    acc = [[[0] * 4 for _ in range(32)] for _ in range(4)]  # [register][lane] -> c0..c3 (fp32 bits)
+    for tile in range(k // 4 // 32):
+        for j in range(4):  # lane l holds pair l // 8, words tile * 32 + 4 * (l % 8) + j
+            lanes = []
+            for lane in range(32):
+                pair, word = lane // 8, tile * 32 + 4 * (lane % 8) + j
+                regs = run_ptx("{" + prefix + "}", {"$4": int(mma_words[pair, word]) & 0xFFFFFFFF,
+                                                    "$5": int(pairs[pair, word * 4 // group]) & 0xFFFFFFFF,
+                                                    "$6": int(xs[word]) & 0xFFFFFFFFFFFFFFFF})
+                regs.update({c: acc[j][lane][i] for i, c in enumerate(c_regs)})
+                lanes.append(regs)
+            acc[j] = warp_mma(lanes, a_regs, b_regs, c_regs)
+    got = np.zeros(n)
+    for j in range(4):
+        for lane in range(32):
+            out = run_ptx(w4_mma.DIAGONAL, {"$2": acc[j][lane][0], "$3": acc[j][lane][1], "$4": acc[j][lane][2],
+                                            "$5": acc[j][lane][3], "%laneid": lane})
+            for row, reg in ((0, "$0"), (1, "$1")):
+                got[2 * (lane // 8) + row] += np.array([out[reg]], dtype=np.uint32).view(np.float32)[0]
+    assert d_regs == ["$0", "$1", "$2", "$3"] and c_regs == ["$7", "$8", "$9", "$10"]
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_w4_mma_packs_only_what_it_runs_and_refuses_the_rest():
+    """Row pairs, bf16, CUDA: elsewhere it is no candidate (the CPU here) and pack says why; the packed words keep every
+    nibble (unpacked back by the documented order they are the ints again) and the scale pairs both scales."""
+    from qdflash.kernels import w4_mma
+
+    q, scale, _ = quantized(8, 256, 32)
+    words = pack_int4(q)
+    assert not w4_mma.supported(8, 256, 32, torch.bfloat16, "cpu")
+    assert w4_mma.supported(8, 256, 32, torch.bfloat16, "cuda") == (w4_mma.triton is not None)
+    assert not w4_mma.supported(7, 256, 32, torch.bfloat16, "cuda") and not w4_mma.supported(8, 256, 32, torch.float16, "cuda")
+    with pytest.raises(QdflashError, match="cannot run a 8x256 weight"):
+        w4_mma.pack(words, scale, 32, torch.bfloat16)
+    with pytest.raises(QdflashError, match="do not pair up"):
+        w4_mma.pack_words(words[:7])
+    packed = w4_mma.pack_words(words).to(torch.int64) & 0xFFFFFFFF
+    order = [(0, 0), (1, 0), (0, 2), (1, 2), (0, 1), (1, 1), (0, 3), (1, 3)]
+    back = torch.zeros(4, 2, 64, 4, dtype=torch.int64)
+    for p, (row, slot) in enumerate(order):
+        back[:, row, :, slot] = (packed >> 4 * p & 0xF) - 8
+    assert torch.equal(back.view(8, 256), q.to(torch.int64))
+    pairs = w4_mma.pack_scales(scale.to(torch.bfloat16)).to(torch.int64) & 0xFFFFFFFF
+    low = (pairs & 0xFFFF).to(torch.int16).view(torch.bfloat16)
+    high = (pairs >> 16).to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(low, scale.to(torch.bfloat16)[0::2]) and torch.equal(high, scale.to(torch.bfloat16)[1::2])
+
+
+def test_w4_mma_tiles_are_one_quad_a_row_pair_and_hold_no_word_twice():
+    """Every tile `configs` gives at Qwen3.5-4B's shapes fits K, and the blocked layout Triton gives a [pairs, words]
+    int32 tile (16-byte loads: 4 words a lane, lanes along the words first) covers it without holding a word twice,
+    with >= 4 lanes along the words (a quad shares its row pair): what DIAGONAL's lane-id choice needs. The compiled
+    layouts are checked by test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes."""
+    from qdflash.kernels import w4_mma
+
+    for n, k in [(2560, 4096), (2560, 9216), (10240, 2560), (12288, 2560), (18432, 2560), (248320, 2560)]:
+        tiles = w4_mma.configs(n, k, 32)
+        assert tiles and w4_mma.default_config(n, k, 32) in tiles
+        for c in tiles:
+            lanes_w = min(32, c.block_w // 4)
+            assert w4_mma.fits(c, k) and lanes_w >= 4 and c.block_p >= (32 // lanes_w) * c.num_warps, c
+
+
+def test_external_tiles_are_checked_before_they_are_timed():
+    """An EXTERNAL kernel with tiles of its own: tuning keeps the tiles whose product matches the dequantized one and
+    says what was wrong with the others (one off by a factor, one that raises); a kernel without tiles has the one
+    None tile."""
+    from qdflash.kernels import w4a16
+
+    q, scale, deq = quantized(16, 256, 32)
+    words, scale = pack_int4(q), scale.to(torch.bfloat16)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+
+    class Tiled:
+        @staticmethod
+        def configs(n, k, group):
+            return ["right", "off", "raises"]
+
+        @staticmethod
+        def matmul(x, weight, group, config=None):
+            if config == "raises":
+                raise RuntimeError("no such tile")
+            return (x.float() @ weight.T) * (1.5 if config == "off" else 1.0)
+
+    weight = deq.to(torch.bfloat16).float()
+    kept, problems = w4a16._external_tiles(Tiled, x, (weight,), words, scale, 16, 256, 32)
+    assert kept == ["right"] and len(problems) == 2
+    assert "off: off the dequantized product" in problems[0] and "raises: raised RuntimeError: no such tile" in problems[1]
+    assert w4a16._external_tiles(object(), x, (), words, scale, 16, 256, 32) == ([None], [])
 
 
 @pytest.fixture
@@ -438,8 +585,12 @@ atoms = [i for i, line in enumerate(ptx) if re.search(r"\\batom\\.", line)]
 stores = [i for i, line in enumerate(ptx) if "st.global" in line]
 published = sum(bool(re.search(r"@%p\\d+ atom\\.global\\.gpu\\.acq_rel\\.", ptx[i]))
                 and any("bar.sync" in line for line in ptx[max([j for j in stores if j < i], default=0):i]) for i in atoms)
+# the blocked layouts of the kernel's tensors (Triton's choice: which lane and register holds which element)
+blocked = [{key: [int(v) for v in re.findall(r"\\d+", val)] for key, val in re.findall(r"(\\w+) = \\[([^]]*)\\]", body)}
+           for body in re.findall(r"#ttg\\.blocked<\\{([^}]*)\\}>", kernel.asm["ttgir"])]
 print(json.dumps({**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)},
-                  "BF16X2_FMAS": sum("fma.rn.bf16x2" in line for line in ptx), "ATOMS": len(atoms), "PUBLISHED_ATOMS": published}))
+                  "BF16X2_FMAS": sum("fma.rn.bf16x2" in line for line in ptx), "ATOMS": len(atoms), "PUBLISHED_ATOMS": published,
+                  "MMAS": sum("mma.sync" in line for line in ptx), "BLOCKED": blocked}))
 """
 
 
@@ -551,6 +702,27 @@ def test_matmul_kernels_compile_for_the_h200_without_spilling(case):
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
     assert (used["BF16X2_FMAS"] > 0) == case.endswith("fast"), used
     assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("split" in case), used
+
+
+@pytest.mark.parametrize("tile", [(16, 32, 1), (8, 64, 2), (4, 128, 1), (32, 64, 1)])
+def test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes(tile):
+    """The tensor-core one-row W4 kernel lowers for sm_90 without a spill, with its mma in the PTX, and Triton lays its
+    [pairs, words] tile out as w4_mma's module docstring needs: lanes along the words first, >= 4 of them (a quad's
+    lanes share a row pair), the layout covering the tile without holding a word twice."""
+    block_p, block_w, splits = tile
+    signature = {"x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*i32", "out_ptr": "*bf16" if splits == 1 else "*fp32", "N2": "i32",
+                 "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "W_PER_SPLIT": "i32", "y_ptr": "*bf16",
+                 "counts_ptr": "*i32"}
+    used = sm90_resources("qdflash.kernels.w4_mma", "_w4_mma_kernel", signature,
+                          dict(GROUP_WORDS=8, BLOCK_P=block_p, BLOCK_W=block_w, SPLITS=splits), 4,
+                          aligned_args(signature) + ["W_PER_SPLIT"])
+    assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["MMAS"] > 0, used
+    tiles = [b for b in used["BLOCKED"] if b.get("sizePerThread") == [1, 4]]
+    assert len(tiles) == 1, used["BLOCKED"]
+    layout = tiles[0]
+    lanes, warps = layout["threadsPerWarp"], layout["warpsPerCTA"]
+    assert layout["order"] == [1, 0] and lanes[1] >= 4 and lanes[1] % 4 == 0, layout
+    assert lanes[0] * warps[0] <= block_p and 4 * lanes[1] * warps[1] <= block_w, layout
 
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block chunked 5",
@@ -690,7 +862,7 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     # then cuBLAS on the 16-bit weight 5
     timer([3.0, 2.0, 4.0, 5.0])
     assert w4a16.tune(16, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (
-        w4_configs[1], 2.0, 5.0, {"tinygemm": 4.0, "gemlite": None, "fbgemm": None, "marlin": None, "machete": None})
+        w4_configs[1], 2.0, 5.0, {"tinygemm": 4.0, "gemlite": None, "fbgemm": None, "marlin": None, "machete": None, "mma": None})
     assert w4a16.default_config(16, 512, 32, rows=1, dtype=torch.float32) == w4_configs[1]
     assert not w4a16.dense_faster(16, 512, 32, 1, torch.float32) and w4a16.backend(16, 512, 32, 1, torch.float32) == "w4a16"
     assert (16, 512, 32, 1, torch.bfloat16) not in w4a16._TUNED  # a bf16 engine's tiles are its own
@@ -705,7 +877,7 @@ def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkey
     assert w4a16.backend(32, 512, 32, 16, torch.float32) == "w4a16"  # another row bucket: not tuned, the kernel
     timer([3.0, 2.0, 5.0])  # a shape tinygemm does not take (N not a multiple of 8): tiles, then cuBLAS only
     assert w4a16.tune(12, 512, 32, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1) == (
-        w4_configs[1], 2.0, 5.0, {"tinygemm": None, "gemlite": None, "fbgemm": None, "marlin": None, "machete": None})
+        w4_configs[1], 2.0, 5.0, {"tinygemm": None, "gemlite": None, "fbgemm": None, "marlin": None, "machete": None, "mma": None})
 
 
 def test_tinygemm_is_checked_before_it_is_timed(monkeypatch):
@@ -868,7 +1040,7 @@ def test_gemlite_is_timed_checked_and_dispatched_like_tinygemm(monkeypatch):
     monkeypatch.setattr(w4a16, "_EXTERNAL_FASTER", {})
     configs = w4a16.candidate_configs(k, group, None, rows=1)[:2]
     monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16, fast=False: configs)
-    assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == {"tinygemm": 4.0, "gemlite": 1.0, "fbgemm": None, "marlin": None, "machete": None}
+    assert w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3] == {"tinygemm": 4.0, "gemlite": 1.0, "fbgemm": None, "marlin": None, "machete": None, "mma": None}
     assert w4a16.backend(n, k, group, 1, torch.float32) == "gemlite"
 
     layer = QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False), QuantizedWeight(q, scale, None, GridSpec(4, group, True)))
@@ -967,6 +1139,43 @@ def test_marlin_is_one_node_a_compiled_step_traces_through(monkeypatch):
     assert torch.equal(compiled(x), step(x))
     ops = backend.ops()
     assert ops.count(torch.ops.qdflash.marlin_w4_mm.default) == 1, ops
+
+
+def test_w4_mma_is_one_node_a_compiled_step_traces_through(monkeypatch):
+    """w4_mma.matmul goes through our custom op `qdflash::w4_mma_mm` (as Marlin does), so a compiled decode step holds
+    it as one node instead of tracing the launch; its tile is the tuned one. The kernel is CUDA only, so its launch is
+    stood in for by the dequantized product (rounded to bf16, as it rounds the weights): opcheck compares the fake's
+    shape and dtype with the call, and a fullgraph compile keeps the op as one node."""
+    from qdflash.kernels import w4_mma
+
+    n, k, group = 64, 256, 32
+    q, scale, deq = quantized(n, k, group)
+    weight = deq.to(torch.bfloat16).float()
+    tiles = []
+
+    def reference(x, words, scales, counts, n_out, group_, block_p, block_w, split_k, num_warps):
+        tiles.append(w4_mma.Config(block_p, block_w, split_k, num_warps))
+        assert n_out == n and group_ == group and words.shape == (n // 2, k // 4)
+        return (x.float() @ weight.t()).to(x.dtype)
+
+    monkeypatch.setattr(w4_mma, "_launch", reference)
+    monkeypatch.setattr(w4_mma, "_TUNED", {})
+    words, pairs = w4_mma.pack_words(pack_int4(q)), w4_mma.pack_scales(scale)
+    counts = torch.zeros(8, dtype=torch.int32)
+    x = torch.randn(1, k).to(torch.bfloat16)
+    torch.library.opcheck(w4_mma._mma_mm, (x, words, pairs, counts, n, group, 8, 32, 2, 4))
+    tile = w4_mma.Config(4, 32, 2)
+    w4_mma.remember(n, k, group, tile)
+    backend = GraphRecorder()
+
+    def step(x):  # a projection between elementwise work, as in a decode step
+        return torch.nn.functional.silu(w4_mma.matmul(x * 2.0, words, pairs, counts, n, group)) + 1.0
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    assert torch.equal(compiled(x), step(x)) and tiles[-1] == tile
+    assert backend.ops().count(torch.ops.qdflash.w4_mma_mm.default) == 1, backend.ops()
+    with pytest.raises(QdflashError, match="one bf16 row of 256 expected"):
+        w4_mma.matmul(x.float(), words, pairs, counts, n, group)
 
 
 def test_machete_takes_our_words_as_they_are_and_only_its_shapes(monkeypatch):

@@ -30,7 +30,7 @@ from bench_w4_kernels import packed_bytes  # noqa: E402 (scripts/bench, on the p
 
 from qdflash.engine.linear import tuning_key  # noqa: E402
 
-KERNELS = ("dense", "tinygemm", "marlin", "machete", "gemlite", "fbgemm", "ours")  # the tuning table's *_ms (ours: ms)
+KERNELS = ("dense", "tinygemm", "marlin", "machete", "gemlite", "fbgemm", "mma", "ours")  # the tuning table's *_ms (ours: ms)
 
 
 def step_calls(shape: str) -> tuple[dict[tuple[int, int], int], tuple[int, int]]:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError, raised_at
 from ..quant.grid import GridSpec, dequantize
-from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, row_bucket, tinygemm
+from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, row_bucket, tinygemm, w4_mma
 
 try:
     import triton
@@ -348,8 +348,11 @@ _TUNED: dict[tuple[int, int, int, int, torch.dtype], Config] = {}
 _DENSE_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # shapes / row buckets where cuBLAS on the 16-bit weight won
 _EXTERNAL_FASTER: dict[tuple[int, int, int, int, torch.dtype], str] = {}  # ... where another int4 kernel won: its name
 # other int4 kernels on the same packed ints, timed by `tune` beside this one, by name: each module has
-# supported(n, k, group, dtype, device), pack(words, scale, group, dtype) -> state (a tuple) and matmul(x, *state, group)
-EXTERNAL = {"tinygemm": tinygemm, "gemlite": gemlite_w4, "fbgemm": fbgemm_w4, "marlin": marlin_w4, "machete": machete_w4}
+# supported(n, k, group, dtype, device), pack(words, scale, group, dtype) -> state (a tuple) and matmul(x, *state, group);
+# optionally MAX_ROWS (the most rows it takes: the row buckets above it do not time it) and tiles of its own, timed
+# per shape (configs(n, k, group) -> tiles, matmul(..., config=tile), remember(n, k, group, tile): the one matmul runs)
+EXTERNAL = {"tinygemm": tinygemm, "gemlite": gemlite_w4, "fbgemm": fbgemm_w4, "marlin": marlin_w4, "machete": machete_w4,
+            "mma": w4_mma}
 EXTERNAL_TOLERANCE = 2e-2  # max error relative to the dequantized product's largest value (tinygemm: ~0.003 in bf16)
 
 
@@ -387,6 +390,31 @@ def _check_external(name: str, x, ws, ss, group: int):
 def _relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
     """The largest error relative to the reference's largest value (what EXTERNAL_TOLERANCE bounds)."""
     return float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
+
+
+def _tile(config) -> dict:
+    """The keyword an EXTERNAL kernel with tiles of its own takes its tile by (none for one without)."""
+    return {} if config is None else {"config": config}
+
+
+def _external_tiles(module, x, state, words, scale, n: int, k: int, group: int) -> tuple[list, list[str]]:
+    """An EXTERNAL kernel's tiles for the shape whose product matches the dequantized one (each weight rounded to x's
+    dtype, as those kernels round it), and what was wrong with each dropped; [None] for a kernel without tiles."""
+    if not hasattr(module, "configs"):
+        return [None], []
+    reference = F.linear(x.float(), dequantize_words(words, scale, group).to(x.dtype).float())
+    kept, problems = [], []
+    for config in module.configs(n, k, group):
+        try:
+            error = _relative_error(module.matmul(x, *state, group, config=config).float(), reference)
+        except Exception as err:  # noqa: BLE001 -- a tile that does not build or launch here is dropped, not fatal
+            problems.append(f"{config}: raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+            continue
+        if error > EXTERNAL_TOLERANCE:
+            problems.append(f"{config}: off the dequantized product by {error:.3g} (relative)")
+            continue
+        kept.append(config)
+    return kept, problems
 
 
 def _check_fast(x, words, scale, group: int, configs: list[Config]) -> tuple[list[Config], list[str]]:
@@ -433,16 +461,21 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     counts = split_counts(n, device)  # one row split over K reduces in its launch, as in the engine (Projection.counts)
     config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c, counts) for w, s in zip(ws, ss)], copies)
     others: dict[str, float | None] = {}
-    for name in EXTERNAL:
+    for name, module in EXTERNAL.items():
         others[name] = None
-        if not EXTERNAL[name].supported(n, k, group, dtype, device):
+        if rows > getattr(module, "MAX_ROWS", MAX_ROWS) or not module.supported(n, k, group, dtype, device):
             continue
         states, problem = _check_external(name, x, ws, ss, group)
         if problem:
             warnings.warn(f"{name} on {n}x{k} (group {group}, {rows} rows) {problem}: not used", stacklevel=2)
             continue
-        matmul = EXTERNAL[name].matmul
-        _, others[name] = fastest([None], lambda _: [matmul(x, *state, group) for state in states], copies)
+        tiles, problems = _external_tiles(module, x, states[0], ws[0], ss[0], n, k, group)
+        if problems:
+            warnings.warn(f"{name} on {n}x{k} (group {group}, {rows} rows), tiles not used: {'; '.join(problems)[:1000]}",
+                          stacklevel=2)
+        tile, others[name] = fastest(tiles, lambda c: [module.matmul(x, *state, group, **_tile(c)) for state in states], copies)
+        if tile is not None:
+            module.remember(n, k, group, tile)
         del states
     del ws, ss
     key = (n, k, group, row_bucket(rows), dtype)

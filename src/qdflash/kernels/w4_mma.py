@@ -1,0 +1,263 @@
+"""A one-row W4A16 GEMV on tensor cores, on a repacking of this project's ints: one more way to run a packed
+4-bit projection at batch 1, timed by `w4a16.tune` beside the others (it is one of `w4a16.EXTERNAL`).
+
+Why: at one row a 4-bit matmul has ~8 weights per byte of instructions to spend, and the fp32 FMA GEMV
+(`w4a16._w4a16_gemv_kernel`) spends ~6 SASS instructions a weight (unpack, bias, FMA, the activation's
+conversion), so it is bound by instruction issue near 1.5 TB/s where the 16-bit GEMV streams 4.2 TB/s
+(README, `scripts/investigations/w4_step_floor.py`). Here two weights become bf16 in ~1 instruction each
+(`w4a16.BF16_NIBBLES`'s bit tricks, a pair at a time) and one `mma.sync` multiplies 8 of them per lane.
+
+How one row uses an m16n8k16 mma without wasting its layout on padding rows: each lane holds one int32
+word: 8 weights, rows (n1, n2) x 4 consecutive input columns (its "slots"), and the activation's 4 values at
+those columns. The word's nibbles are placed so that the bit tricks give exactly the mma's A fragment (a0a1:
+n1 at slots 0-1, a2a3: n2 at slots 0-1, a4a5: n1 at slots 2-3, a6a7: n2 at slots 2-3) and the 4 activations
+its B fragment (b0b1: slots 0-1, b2b3: slots 2-3). Then the mma's C[g][g] (g = lane / 4) is the dot product
+of quad g's four words with their own activations for row n1, and C[g + 8][g] for row n2: the other 56 of
+C's 64 columns x rows mix one lane's weights with another's activations and are dropped. So the 4 lanes of a
+quad must hold words of the same row pair (each lane's own columns, any of them): true of Triton's blocked
+layout for a [pairs, words] tile with >= 4 lanes along the words (tests/test_w4_mma.py checks the compiled
+layout), and no element may be held twice (the useful lane is chosen by lane id).
+
+Numbers: each weight is q * scale rounded to bf16 (what the 2-16-row kernels, Marlin and cuBLAS on the
+dequantized weight multiply), products and sums in fp32 on the tensor cores. bf16 activations on a CUDA GPU
+only (PTX); elsewhere `supported` is False and the other backends run.
+
+Layout (`pack`): rows 2r and 2r + 1 are pair r; words [N/2, K/4] int32, word w holding columns 4w..4w+3
+(nibble p at bits 4p: 0 (n1, slot 0), 1 (n2, 0), 2 (n1, 2), 3 (n2, 2), 4 (n1, 1), 5 (n2, 1), 6 (n1, 3),
+7 (n2, 3)); scales [N/2, K/group] int32, the bf16 pair (s_n1 low, s_n2 high).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import QdflashError
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .jit import reduce_splits_last
+except ImportError:  # the CPU install
+    triton = tl = None
+
+MAX_ROWS = 1  # a decode step's one row: `w4a16.tune` times it for no other row bucket
+GROUPS = (32, 64, 128)  # a word's 4 columns are one scale group; more than one group per row (as Marlin's)
+
+
+@dataclass(frozen=True)
+class Config:
+    block_p: int = 16  # row pairs of a program
+    block_w: int = 64  # words along K of a tile (4 columns each)
+    split_k: int = 1
+    num_warps: int = 4
+
+
+# One word ($4) and its row pair's scales ($5: bf16 s_n1 low, s_n2 high), the 4 activations at its columns ($6,
+# 64 bits), the accumulators ($7-$10) -> the accumulators after one m16n8k16 mma ($0-$3). The nibble pairs (p, p + 4)
+# become bf16 (128 + nibble) by one lop3 each, minus 136 by one fma, times the row's scale by one more (as
+# w4a16.BF16_NIBBLES: q * s rounded once to bf16, exactly what the other paths compute in fp32 and round).
+MMA_WORD = """{
+.reg .b32 r0, r1, r2, r3, s1, s2, one, bias, nz, xlo, xhi;
+mov.b32 one, 0x3F803F80;
+mov.b32 bias, 0xC308C308;
+mov.b32 nz, 0x80008000;
+prmt.b32 s1, $5, $5, 0x1010;
+prmt.b32 s2, $5, $5, 0x3232;
+shr.u32 r1, $4, 4;
+shr.u32 r2, $4, 8;
+shr.u32 r3, $4, 12;
+lop3.b32 r0, $4, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 r1, r1, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 r2, r2, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 r3, r3, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 r0, r0, one, bias;
+fma.rn.bf16x2 r1, r1, one, bias;
+fma.rn.bf16x2 r2, r2, one, bias;
+fma.rn.bf16x2 r3, r3, one, bias;
+fma.rn.bf16x2 r0, r0, s1, nz;
+fma.rn.bf16x2 r1, r1, s2, nz;
+fma.rn.bf16x2 r2, r2, s1, nz;
+fma.rn.bf16x2 r3, r3, s2, nz;
+mov.b64 {xlo, xhi}, $6;
+mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {r0, r1, r2, r3}, {xlo, xhi}, {$7, $8, $9, $10};
+}"""
+
+# The accumulators ($2-$5) -> row n1's and n2's sums ($0, $1) in the lane that holds C[g][g] and C[g + 8][g]
+# (lane 4g + g / 2: c0 / c2 for even g, c1 / c3 for odd), 0 in every other lane.
+DIAGONAL = """{
+.reg .u32 lane, g, c, h;
+.reg .pred useful, odd;
+mov.u32 lane, %laneid;
+shr.u32 g, lane, 2;
+and.b32 c, lane, 3;
+shr.u32 h, g, 1;
+setp.eq.u32 useful, c, h;
+and.b32 h, g, 1;
+setp.ne.u32 odd, h, 0;
+selp.f32 $0, $3, $2, odd;
+selp.f32 $1, $5, $4, odd;
+selp.f32 $0, $0, 0f00000000, useful;
+selp.f32 $1, $1, 0f00000000, useful;
+}"""
+
+
+if triton is not None:
+    _MMA_WORD = tl.constexpr(MMA_WORD)  # a kernel reads a global only as a constexpr
+    _DIAGONAL = tl.constexpr(DIAGONAL)
+
+    @triton.jit
+    def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N2, stride_wn, stride_sn, stride_os, W_PER_SPLIT, y_ptr, counts_ptr,
+                       GROUP_WORDS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr):
+        """x_ptr: the row's activations as int64 (4 bf16 each); w_ptr / s_ptr: `pack`'s words and scale pairs; out_ptr
+        [SPLITS, 2 * N2]: for one split the output (x's dtype), else fp32 partial sums, reduced in this launch into y_ptr
+        by the last program of a column block (`reduce_splits_last`, counted on counts_ptr)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rp = pid_n * BLOCK_P + tl.arange(0, BLOCK_P)
+        rw = tl.arange(0, BLOCK_W)
+        p_ok = rp[:, None] < N2
+        c0 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        c1 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        c2 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        c3 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        for step in range(0, W_PER_SPLIT, BLOCK_W):
+            w0 = pid_k * W_PER_SPLIT + step
+            words = tl.load(w_ptr + rp[:, None] * stride_wn + (w0 + rw)[None, :], mask=p_ok, other=0)
+            scales = tl.load(s_ptr + rp[:, None] * stride_sn + ((w0 + rw) // GROUP_WORDS)[None, :], mask=p_ok, other=0)
+            x = tl.broadcast_to(tl.load(x_ptr + w0 + rw)[None, :], (BLOCK_P, BLOCK_W))
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(_MMA_WORD, "=f,=f,=f,=f,r,r,l,f,f,f,f",
+                                                       [words, scales, x, c0, c1, c2, c3], dtype=(tl.float32,) * 4,
+                                                       is_pure=True, pack=1)
+        y1, y2 = tl.inline_asm_elementwise(_DIAGONAL, "=f,=f,f,f,f,f", [c0, c1, c2, c3], dtype=(tl.float32,) * 2,
+                                           is_pure=True, pack=1)
+        ok = rp < N2
+        out = out_ptr + pid_k * stride_os + 2 * rp
+        tl.store(out, tl.sum(y1, axis=1).to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out + 1, tl.sum(y2, axis=1).to(out_ptr.dtype.element_ty), mask=ok)
+        if SPLITS > 1:
+            reduce_splits_last(out_ptr, y_ptr, counts_ptr, pid_n, pid_n * 2 * BLOCK_P + tl.arange(0, 2 * BLOCK_P), 2 * N2,
+                               stride_os, SPLITS)
+
+
+def supported(n: int, k: int, group: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """CUDA with triton, bf16 activations (the PTX is bf16), N even (row pairs), a group of GROUPS dividing K, more
+    than one group per row, K a multiple of 128 (the narrowest tile)."""
+    return (triton is not None and torch.device(device).type == "cuda" and dtype == torch.bfloat16 and n % 2 == 0
+            and group in GROUPS and k % group == 0 and k > group and k % 128 == 0)
+
+
+def pack_words(words: torch.Tensor) -> torch.Tensor:
+    """This project's words [N, K/8] (`w4a16.pack_int4`) -> the kernel's [N/2, K/4] (module docstring)."""
+    from .w4a16 import unpack_int4
+
+    n = words.shape[0]
+    if n % 2:
+        raise QdflashError(f"w4_mma: {n} rows do not pair up")
+    u = (unpack_int4(words).to(torch.int32) + 8).view(n // 2, 2, -1, 4)  # [pair, row of the pair, word, slot]
+    order = [(0, 0), (1, 0), (0, 2), (1, 2), (0, 1), (1, 1), (0, 3), (1, 3)]  # nibble p: (row of the pair, slot)
+    out = torch.zeros(n // 2, u.shape[2], dtype=torch.int32, device=words.device)
+    for p, (row, slot) in enumerate(order):  # nibble 7 lands in the sign bit: the kernel shifts logically
+        out |= u[:, row, :, slot] << (4 * p)
+    return out
+
+
+def pack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Scales [N, K/group] -> [N/2, K/group] int32: bf16 s_n1 in the low half, s_n2 in the high."""
+    pairs = scale.to(torch.bfloat16).view(scale.shape[0] // 2, 2, -1).transpose(1, 2).contiguous()
+    return pairs.view(torch.int32).view(pairs.shape[0], pairs.shape[1])
+
+
+def pack(words: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> tuple:
+    """This project's packed ints and scales -> (words, scale pairs, zeroed split counters, N): what `matmul` takes
+    after x."""
+    n, k = words.shape[0], words.shape[1] * 8
+    if not supported(n, k, group, dtype, words.device):
+        raise QdflashError(f"w4_mma cannot run a {n}x{k} weight in group {group} at {dtype} on {words.device}")
+    counts = torch.zeros(-(-n // 8), dtype=torch.int32, device=words.device)  # >= one per column block of any config
+    return pack_words(words), pack_scales(scale), counts, n
+
+
+def fits(config: Config, k: int) -> bool:
+    """K's words split into whole tiles."""
+    return (k // 4) % (config.split_k * config.block_w) == 0
+
+
+def configs(n: int, k: int, group: int) -> list[Config]:
+    """The tiles `w4a16.tune` times: 4 warps, 4-16 words a thread (each its 4 fp32 accumulators in registers), at
+    least as many words as the blocked layout covers (no word held twice), 64..4096 programs, K split 1-8 ways (powers
+    of two: the in-launch reduction's). Each tile and split is a compile of its own: tuning time."""
+    out = []
+    for block_p in (4, 8, 16, 32):
+        for block_w in (32, 64, 128):
+            for warps in (4,):
+                per_thread = block_p * block_w // (32 * warps)
+                lanes_w = min(32, block_w // 4)  # lanes along the words (4 words a lane: 16-byte loads)
+                if not 4 <= per_thread <= 16 or block_p < (32 // lanes_w) * warps:
+                    continue
+                for split_k in (1, 2, 4, 8):
+                    c = Config(block_p, block_w, split_k, warps)
+                    if fits(c, k) and 64 <= -(-n // (2 * block_p)) * split_k <= 4096:
+                        out.append(c)
+    return out
+
+
+_TUNED: dict[tuple[int, int, int], Config] = {}
+
+
+def remember(n: int, k: int, group: int, config: Config) -> None:
+    """The tile `matmul` runs this shape with (what `w4a16.tune` timed fastest)."""
+    _TUNED[(n, k, group)] = config
+
+
+def default_config(n: int, k: int, group: int) -> Config:
+    tuned = _TUNED.get((n, k, group))
+    if tuned is not None:
+        return tuned
+    fitting = configs(n, k, group)
+    if not fitting:
+        raise QdflashError(f"w4_mma: no tile fits a {n}x{k} weight")
+    return min(fitting, key=lambda c: (abs(-(-n // (2 * c.block_p)) * c.split_k - 512), -c.block_w))
+
+
+def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, n: int, group: int,
+           config: Config | None = None) -> torch.Tensor:
+    """x [1, K] bf16 @ dequant(W).T -> [1, N] bf16."""
+    k = words.shape[1] * 4
+    if x.dim() != 2 or x.shape != (1, k) or x.dtype != torch.bfloat16:
+        raise QdflashError(f"w4_mma: one bf16 row of {k} expected, got {tuple(x.shape)} {x.dtype}")
+    config = config or default_config(n, k, group)
+    if not fits(config, k):
+        raise QdflashError(f"w4_mma: {config} does not tile K={k}")
+    return _mma_mm(x, words, scales, counts, n, group, config.block_p, config.block_w, config.split_k, config.num_warps)
+
+
+# A custom op, as marlin_w4's: a compiled decode step holds it as one opaque node instead of tracing the launch (the
+# fake gives the output's shape). `mutates_args=()` although the kernel writes `counts`: it leaves them zero again, so
+# no state changes between calls, and declaring them mutated would make a compiled graph clone them before each call.
+@torch.library.custom_op("qdflash::w4_mma_mm", mutates_args=())
+def _mma_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, n: int, group: int,
+            block_p: int, block_w: int, split_k: int, num_warps: int) -> torch.Tensor:
+    return _launch(x, words, scales, counts, n, group, block_p, block_w, split_k, num_warps)
+
+
+@_mma_mm.register_fake
+def _(x, words, scales, counts, n, group, block_p, block_w, split_k, num_warps):
+    return x.new_empty((1, n))
+
+
+def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, n: int, group: int,
+            block_p: int, block_w: int, split_k: int, num_warps: int) -> torch.Tensor:
+    k = words.shape[1] * 4
+    x = x.contiguous()
+    if x.storage_offset() % 4:  # read 4 activations at a time: 8-byte aligned
+        x = x.clone()
+    y = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    out = torch.empty(split_k, n, device=x.device, dtype=torch.float32) if split_k > 1 else y  # the splits' partial sums
+    grid = (triton.cdiv(n // 2, block_p), split_k)
+    _w4_mma_kernel[grid](x.view(torch.int64), words, scales, out, n // 2, words.stride(0), scales.stride(0), out.stride(0),
+                         k // 4 // split_k, y, counts, GROUP_WORDS=group // 4, BLOCK_P=block_p, BLOCK_W=block_w,
+                         SPLITS=split_k, num_warps=num_warps)
+    return y
