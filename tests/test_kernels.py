@@ -114,7 +114,8 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
 
 def run_ptx(asm: str, operands: dict) -> dict:
     """Execute the few PTX instructions our inline asm uses (mov / shr / and / lop3 / prmt on 32-bit patterns,
-    fma.rn.bf16x2, setp / selp) on `operands` ($n -> bits; "%laneid" for one that reads it), one lane's, returning
+    fma.rn.bf16x2, setp / selp, ld.global from operands["memory"]) on `operands` ($n -> bits; "%laneid" for one that
+    reads it), one lane's, returning
     every operand and register after it: the asm's text checked on the CPU, which neither the interpreter nor a
     compile for sm_90 runs. mma.sync is a warp's: `warp_mma` runs it."""
     regs = dict(operands)
@@ -136,6 +137,10 @@ def run_ptx(asm: str, operands: dict) -> dict:
         if not line or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
+        if op.startswith("ld.global"):  # dst, [address]: from operands["memory"] (address -> bits)
+            dst, address = (a.strip(" []") for a in args.split(","))
+            regs[dst] = regs["memory"][value(address)]
+            continue
         if op in ("mov.b32", "mov.b64") and args.startswith("{"):  # unpack: {lo, hi}, src
             lo, hi, src = (a.strip(" {}") for a in args.replace("}", ",").split(",") if a.strip())
             bits = 16 if op == "mov.b32" else 32
@@ -228,6 +233,7 @@ def test_w4_mma_asm_gives_one_row_of_the_dequantized_product():
     want = x.double() @ deq.to(torch.bfloat16).double().T
     mma_words, pairs = w4_mma.pack_words(words), w4_mma.pack_scales(scale)
     xs = x.view(torch.int64)
+    memory = {i: int(v) & 0xFFFFFFFF for i, v in enumerate(pairs.flatten())}  # the scale pairs, row-major (MMA_WORD loads them)
     prefix, mma_line = w4_mma.MMA_WORD.strip().strip("{}").rsplit("mma.sync", 1)
     d_regs, a_regs, b_regs, c_regs = [[r.strip() for r in group_.split(",")] for group_ in re.findall(r"\{([^}]*)\}", mma_line)]
     acc = [[[0] * 4 for _ in range(32)] for _ in range(4)]  # [register][lane] -> c0..c3 (fp32 bits)
@@ -237,7 +243,7 @@ def test_w4_mma_asm_gives_one_row_of_the_dequantized_product():
             for lane in range(32):
                 pair, word = lane // 8, tile * 32 + 4 * (lane % 8) + j
                 regs = run_ptx("{" + prefix + "}", {"$4": int(mma_words[pair, word]) & 0xFFFFFFFF,
-                                                    "$5": int(pairs[pair, word * 4 // group]) & 0xFFFFFFFF,
+                                                    "$5": pair * pairs.shape[1] + word * 4 // group, "memory": memory,
                                                     "$6": int(xs[word]) & 0xFFFFFFFFFFFFFFFF})
                 regs.update({c: acc[j][lane][i] for i, c in enumerate(c_regs)})
                 lanes.append(regs)
@@ -585,12 +591,16 @@ atoms = [i for i, line in enumerate(ptx) if re.search(r"\\batom\\.", line)]
 stores = [i for i, line in enumerate(ptx) if "st.global" in line]
 published = sum(bool(re.search(r"@%p\\d+ atom\\.global\\.gpu\\.acq_rel\\.", ptx[i]))
                 and any("bar.sync" in line for line in ptx[max([j for j in stores if j < i], default=0):i]) for i in atoms)
-# the blocked layouts of the kernel's tensors (Triton's choice: which lane and register holds which element)
-blocked = [{key: [int(v) for v in re.findall(r"\\d+", val)] for key, val in re.findall(r"(\\w+) = \\[([^]]*)\\]", body)}
-           for body in re.findall(r"#ttg\\.blocked<\\{([^}]*)\\}>", kernel.asm["ttgir"])]
+# the layouts of the inline asm ops' first operands (which lane holds which element is what their PTX computes with)
+ttgir = kernel.asm["ttgir"]
+aliases = dict(re.findall(r"^(#\\w+) = #ttg\\.blocked<\\{([^}]*)\\}>", ttgir, re.M))
+asm_layouts = [{key: [int(v) for v in re.findall(r"\\d+", val)] for key, val in re.findall(r"(\\w+) = \\[([^]]*)\\]", aliases[name])}
+               for name in re.findall(r"tt\\.elementwise_inline_asm .*? : tensor<[^,>]*, (#\\w+)>", ttgir)]
 print(json.dumps({**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)},
                   "BF16X2_FMAS": sum("fma.rn.bf16x2" in line for line in ptx), "ATOMS": len(atoms), "PUBLISHED_ATOMS": published,
-                  "MMAS": sum("mma.sync" in line for line in ptx), "BLOCKED": blocked}))
+                  "MMAS": sum("mma.sync" in line for line in ptx), "ASM_LAYOUTS": asm_layouts,
+                  "CONVERTS_IN_LOOPS": sum("ttg.convert_layout" in line for line in ttgir.split("scf.for")[1:] for line in
+                                           line.split("scf.yield")[0].splitlines())}))
 """
 
 
@@ -706,9 +716,10 @@ def test_matmul_kernels_compile_for_the_h200_without_spilling(case):
 
 @pytest.mark.parametrize("tile", [(16, 32, 1), (8, 64, 2), (4, 128, 1), (32, 64, 1)])
 def test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes(tile):
-    """The tensor-core one-row W4 kernel lowers for sm_90 without a spill, with its mma in the PTX, and Triton lays its
-    [pairs, words] tile out as w4_mma's module docstring needs: lanes along the words first, >= 4 of them (a quad's
-    lanes share a row pair), the layout covering the tile without holding a word twice."""
+    """The tensor-core one-row W4 kernel lowers for sm_90 without a spill, with its mma in the PTX, and Triton lays out
+    both inline asm ops' operands as w4_mma's module docstring needs: lanes along the words first, >= 4 of them (a
+    quad's lanes share a row pair), the layout covering the tile without holding a word twice. Tiles up to 64 words
+    wide convert no layout in the K loop (128-wide ones convert the activations' load: slower, still right)."""
     block_p, block_w, splits = tile
     signature = {"x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*i32", "out_ptr": "*bf16" if splits == 1 else "*fp32", "N2": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "W_PER_SPLIT": "i32", "y_ptr": "*bf16",
@@ -717,12 +728,12 @@ def test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes(tile):
                           dict(GROUP_WORDS=8, BLOCK_P=block_p, BLOCK_W=block_w, SPLITS=splits), 4,
                           aligned_args(signature) + ["W_PER_SPLIT"])
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["MMAS"] > 0, used
-    tiles = [b for b in used["BLOCKED"] if b.get("sizePerThread") == [1, 4]]
-    assert len(tiles) == 1, used["BLOCKED"]
-    layout = tiles[0]
-    lanes, warps = layout["threadsPerWarp"], layout["warpsPerCTA"]
-    assert layout["order"] == [1, 0] and lanes[1] >= 4 and lanes[1] % 4 == 0, layout
-    assert lanes[0] * warps[0] <= block_p and 4 * lanes[1] * warps[1] <= block_w, layout
+    assert used["CONVERTS_IN_LOOPS"] == 0 or block_w > 64, used
+    assert len(used["ASM_LAYOUTS"]) == 2 and used["ASM_LAYOUTS"][0] == used["ASM_LAYOUTS"][1], used  # MMA_WORD, DIAGONAL
+    layout = used["ASM_LAYOUTS"][0]
+    per_thread, lanes, warps = layout["sizePerThread"], layout["threadsPerWarp"], layout["warpsPerCTA"]
+    assert layout["order"] == [1, 0] and per_thread[0] == 1 and lanes[1] >= 4 and lanes[1] % 4 == 0, layout
+    assert lanes[0] * warps[0] <= block_p and per_thread[1] * lanes[1] * warps[1] <= block_w, layout
 
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block chunked 5",

@@ -55,17 +55,21 @@ class Config:
     num_warps: int = 4
 
 
-# One word ($4) and its row pair's scales ($5: bf16 s_n1 low, s_n2 high), the 4 activations at its columns ($6,
-# 64 bits), the accumulators ($7-$10) -> the accumulators after one m16n8k16 mma ($0-$3). The nibble pairs (p, p + 4)
-# become bf16 (128 + nibble) by one lop3 each, minus 136 by one fma, times the row's scale by one more (as
-# w4a16.BF16_NIBBLES: q * s rounded once to bf16, exactly what the other paths compute in fp32 and round).
+# One word ($4), the address of its row pair's scales ($5: bf16 s_n1 low, s_n2 high), the 4 activations at its
+# columns ($6, 64 bits), the accumulators ($7-$10) -> the accumulators after one m16n8k16 mma ($0-$3). The nibble pairs
+# (p, p + 4) become bf16 (128 + nibble) by one lop3 each, minus 136 by one fma, times the row's scale by one more (as
+# w4a16.BF16_NIBBLES: q * s rounded once to bf16, exactly what the other paths compute in fp32 and round). The scales
+# are loaded here, not by tl.load: Triton lays out an elementwise op's operands as one of their loads, and the scales'
+# load (one address for a group's words) gets a layout with the lanes along the rows (Triton 3.6 on the H200), which
+# would break the quads; the words' load alone gives the layout the mma needs.
 MMA_WORD = """{
-.reg .b32 r0, r1, r2, r3, s1, s2, one, bias, nz, xlo, xhi;
+.reg .b32 r0, r1, r2, r3, sp, s1, s2, one, bias, nz, xlo, xhi;
 mov.b32 one, 0x3F803F80;
 mov.b32 bias, 0xC308C308;
 mov.b32 nz, 0x80008000;
-prmt.b32 s1, $5, $5, 0x1010;
-prmt.b32 s2, $5, $5, 0x3232;
+ld.global.nc.b32 sp, [$5];
+prmt.b32 s1, sp, sp, 0x1010;
+prmt.b32 s2, sp, sp, 0x3232;
 shr.u32 r1, $4, 4;
 shr.u32 r2, $4, 8;
 shr.u32 r3, $4, 12;
@@ -119,6 +123,7 @@ if triton is not None:
         rp = pid_n * BLOCK_P + tl.arange(0, BLOCK_P)
         rw = tl.arange(0, BLOCK_W)
         p_ok = rp[:, None] < N2
+        rows = tl.minimum(rp, N2 - 1)[:, None]  # a pair past N2 reads the last one's scales (its sums are not stored)
         c0 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
         c1 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
         c2 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
@@ -126,9 +131,9 @@ if triton is not None:
         for step in range(0, W_PER_SPLIT, BLOCK_W):
             w0 = pid_k * W_PER_SPLIT + step
             words = tl.load(w_ptr + rp[:, None] * stride_wn + (w0 + rw)[None, :], mask=p_ok, other=0)
-            scales = tl.load(s_ptr + rp[:, None] * stride_sn + ((w0 + rw) // GROUP_WORDS)[None, :], mask=p_ok, other=0)
+            scales = s_ptr + rows * stride_sn + ((w0 + rw) // GROUP_WORDS)[None, :]  # loaded in MMA_WORD
             x = tl.broadcast_to(tl.load(x_ptr + w0 + rw)[None, :], (BLOCK_P, BLOCK_W))
-            c0, c1, c2, c3 = tl.inline_asm_elementwise(_MMA_WORD, "=f,=f,=f,=f,r,r,l,f,f,f,f",
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(_MMA_WORD, "=f,=f,=f,=f,r,l,l,f,f,f,f",
                                                        [words, scales, x, c0, c1, c2, c3], dtype=(tl.float32,) * 4,
                                                        is_pure=True, pack=1)
         y1, y2 = tl.inline_asm_elementwise(_DIAGONAL, "=f,=f,f,f,f,f", [c0, c1, c2, c3], dtype=(tl.float32,) * 2,
