@@ -260,15 +260,16 @@ def test_w4_mma_asm_gives_one_row_of_the_dequantized_product():
 
 
 def test_w4_mma_packs_only_what_it_runs_and_refuses_the_rest():
-    """Row pairs, bf16, CUDA: elsewhere it is no candidate (the CPU here) and pack says why; the packed words keep every
+    """Row pairs, bf16, CUDA, a tile that fills the GPU: elsewhere it is no candidate (the CPU here) and pack says why; the packed words keep every
     nibble (unpacked back by the documented order they are the ints again) and the scale pairs both scales."""
     from qdflash.kernels import w4_mma
 
     q, scale, _ = quantized(8, 256, 32)
     words = pack_int4(q)
-    assert not w4_mma.supported(8, 256, 32, torch.bfloat16, "cpu")
-    assert w4_mma.supported(8, 256, 32, torch.bfloat16, "cuda") == (w4_mma.triton is not None)
-    assert not w4_mma.supported(7, 256, 32, torch.bfloat16, "cuda") and not w4_mma.supported(8, 256, 32, torch.float16, "cuda")
+    assert not w4_mma.supported(2560, 4096, 32, torch.bfloat16, "cpu")
+    assert w4_mma.supported(2560, 4096, 32, torch.bfloat16, "cuda") == (w4_mma.triton is not None)
+    assert not w4_mma.supported(2559, 4096, 32, torch.bfloat16, "cuda") and not w4_mma.supported(2560, 4096, 32, torch.float16, "cuda")
+    assert not w4_mma.supported(64, 2560, 32, torch.bfloat16, "cuda")  # too few rows for any tile to fill the GPU
     with pytest.raises(QdflashError, match="cannot run a 8x256 weight"):
         w4_mma.pack(words, scale, 32, torch.bfloat16)
     with pytest.raises(QdflashError, match="do not pair up"):
