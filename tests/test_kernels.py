@@ -137,9 +137,11 @@ def run_ptx(asm: str, operands: dict) -> dict:
         if not line or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
-        if op.startswith("ld.global"):  # dst, [address]: from operands["memory"] (address -> bits)
-            dst, address = (a.strip(" []") for a in args.split(","))
-            regs[dst] = regs["memory"][value(address)]
+        if op.startswith("ld.global"):  # dst or {lo, hi} (v2: one 64-bit value), [address]: operands["memory"][address]
+            *dsts, address = (a.strip(" []{}") for a in args.split(","))
+            bits = regs["memory"][value(address)]
+            for i, dst in enumerate(dsts):
+                regs[dst] = bits >> 32 * i & 0xFFFFFFFF
             continue
         if op in ("mov.b32", "mov.b64") and args.startswith("{"):  # unpack: {lo, hi}, src
             lo, hi, src = (a.strip(" {}") for a in args.replace("}", ",").split(",") if a.strip())
@@ -216,14 +218,31 @@ def warp_mma(lanes: list[dict], a_regs: list[str], b_regs: list[str], c_regs: li
                               (lane // 4 + 8, 2 * (lane % 4)), (lane // 4 + 8, 2 * (lane % 4) + 1)]] for lane in range(32)]
 
 
+def run_warp(asm: str, operands: list[dict]) -> list[dict]:
+    """Execute `asm` on a warp: each lane's instructions by `run_ptx` (operands[lane]), each mma.sync by `warp_mma`
+    across the 32 lanes (its D, A, B, C registers read off the instruction), in program order. Returns each lane's
+    registers after it."""
+    import re
+
+    lanes = [dict(o) for o in operands]
+    segments = re.split(r"(mma\.sync[^;]*;)", asm.strip().strip("{}"))
+    for segment in segments:
+        if segment.startswith("mma.sync"):
+            d, a, b, c = [[r.strip() for r in group.split(",")] for group in re.findall(r"\{([^}]*)\}", segment)]
+            out = warp_mma(lanes, a, b, c)
+            for regs, values in zip(lanes, out):
+                regs.update(zip(d, values))
+        elif segment.strip():
+            lanes = [run_ptx("{" + segment + "}", regs) for regs in lanes]
+    return lanes
+
+
 def test_w4_mma_asm_gives_one_row_of_the_dequantized_product():
     """The tensor-core one-row W4 kernel's PTX (w4_mma.MMA_WORD, then DIAGONAL) on `w4_mma.pack`'s words, one warp
     of its blocked layout (4 row pairs x 8 lanes along the words, 4 words a lane, two K tiles) executed on the CPU:
     the lanes' bit tricks by `run_ptx`, the mma by `warp_mma` (the ISA's fragment layout), the useful lanes picked by
     lane id. The row pairs' sums are x @ the weight dequantized and rounded to bf16 (fp32 sums), every row: the word's
     nibble order, the scale pairs and the diagonal agree."""
-    import re
-
     from qdflash.kernels import w4_mma
 
     n, k, group = 8, 256, 32
@@ -234,28 +253,71 @@ def test_w4_mma_asm_gives_one_row_of_the_dequantized_product():
     mma_words, pairs = w4_mma.pack_words(words), w4_mma.pack_scales(scale)
     xs = x.view(torch.int64)
     memory = {i: int(v) & 0xFFFFFFFF for i, v in enumerate(pairs.flatten())}  # the scale pairs, row-major (MMA_WORD loads them)
-    prefix, mma_line = w4_mma.MMA_WORD.strip().strip("{}").rsplit("mma.sync", 1)
-    d_regs, a_regs, b_regs, c_regs = [[r.strip() for r in group_.split(",")] for group_ in re.findall(r"\{([^}]*)\}", mma_line)]
-    acc = [[[0] * 4 for _ in range(32)] for _ in range(4)]  # [register][lane] -> c0..c3 (fp32 bits)
+    acc = [[0] * 4 for _ in range(32)]
+    accs = [acc] * 4  # per register j (words 4 * (lane % 8) + j of a tile): each lane's c0..c3 as fp32 bits
     for tile in range(k // 4 // 32):
         for j in range(4):  # lane l holds pair l // 8, words tile * 32 + 4 * (l % 8) + j
-            lanes = []
+            operands = []
             for lane in range(32):
                 pair, word = lane // 8, tile * 32 + 4 * (lane % 8) + j
-                regs = run_ptx("{" + prefix + "}", {"$4": int(mma_words[pair, word]) & 0xFFFFFFFF,
-                                                    "$5": pair * pairs.shape[1] + word * 4 // group, "memory": memory,
-                                                    "$6": int(xs[word]) & 0xFFFFFFFFFFFFFFFF})
-                regs.update({c: acc[j][lane][i] for i, c in enumerate(c_regs)})
-                lanes.append(regs)
-            acc[j] = warp_mma(lanes, a_regs, b_regs, c_regs)
+                operands.append({"$4": int(mma_words[pair, word]) & 0xFFFFFFFF, "$5": pair * pairs.shape[1] + word * 4 // group,
+                                 "memory": memory, "$6": int(xs[word]) & 0xFFFFFFFFFFFFFFFF,
+                                 **{f"${7 + i}": accs[j][lane][i] for i in range(4)}})
+            accs[j] = [[regs[f"${i}"] for i in range(4)] for regs in run_warp(w4_mma.MMA_WORD, operands)]
     got = np.zeros(n)
     for j in range(4):
         for lane in range(32):
-            out = run_ptx(w4_mma.DIAGONAL, {"$2": acc[j][lane][0], "$3": acc[j][lane][1], "$4": acc[j][lane][2],
-                                            "$5": acc[j][lane][3], "%laneid": lane})
+            out = run_ptx(w4_mma.DIAGONAL, {"$2": accs[j][lane][0], "$3": accs[j][lane][1], "$4": accs[j][lane][2],
+                                            "$5": accs[j][lane][3], "%laneid": lane})
             for row, reg in ((0, "$0"), (1, "$1")):
                 got[2 * (lane // 8) + row] += np.array([out[reg]], dtype=np.uint32).view(np.float32)[0]
-    assert d_regs == ["$0", "$1", "$2", "$3"] and c_regs == ["$7", "$8", "$9", "$10"]
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("m", [16, 5])
+def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m):
+    """The 2-16-row kernel's PTX (w4_mma.rows_asm: 16 rows two mmas, up to 8 one) on `pack`'s words, one warp of its
+    layout (lanes: 8 row pairs x 4 along 16-word tiles, 4 words a lane), run by `run_warp`: quad g feeds activation
+    rows g and g + 8 (past m: row m - 1, as the kernel clamps), and lane t of quad g ends with row pair g times
+    activation rows 2t, 2t + 1 (+ 8): with the 4 registers summed, X @ the weight dequantized and rounded to bf16."""
+    from qdflash.kernels import w4_mma
+
+    n, k, group = 16, 128, 32
+    q, scale, deq = quantized(n, k, group, seed=6)
+    words, scale = pack_int4(q), scale.to(torch.bfloat16)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    want = x.double() @ deq.to(torch.bfloat16).double().T
+    mma_words, pairs = w4_mma.pack_words(words), w4_mma.pack_scales(scale)
+    xs = x.view(torch.int64)  # [m, k / 4]
+    memory = {i: int(v) & 0xFFFFFFFF for i, v in enumerate(pairs.flatten())}
+    memory.update({1000 + i: int(v) & 0xFFFFFFFFFFFFFFFF for i, v in enumerate(xs.flatten())})  # activations from 1000 on
+    high = m > 8
+    asm, outs = w4_mma.rows_asm(high), 8 if high else 4
+    first_acc = outs + (4 if high else 3)
+    accs = [[[0] * outs for _ in range(32)] for _ in range(4)]
+    for tile in range(k // 4 // 16):
+        for j in range(4):
+            operands = []
+            for lane in range(32):
+                pair, word = lane // 4, tile * 16 + 4 * (lane % 4) + j
+                row_a, row_b = min(pair, m - 1), min(pair + 8, m - 1)
+                regs = {f"${outs}": int(mma_words[pair, word]) & 0xFFFFFFFF,
+                        f"${outs + 1}": pair * pairs.shape[1] + word * 4 // group,
+                        f"${outs + 2}": 1000 + row_a * xs.shape[1] + word, "memory": memory,
+                        **{f"${first_acc + i}": accs[j][lane][i] for i in range(outs)}}
+                if high:
+                    regs[f"${outs + 3}"] = 1000 + row_b * xs.shape[1] + word
+                operands.append(regs)
+            accs[j] = [[regs[f"${i}"] for i in range(outs)] for regs in run_warp(asm, operands)]
+    got = np.zeros((m, n))
+    as_float = lambda bits: float(np.array([bits], dtype=np.uint32).view(np.float32)[0])  # noqa: E731
+    for j in range(4):
+        for lane in range(32):
+            pair, t, c = lane // 4, lane % 4, accs[j][lane]
+            for first, regs in ((0, c[:4]), (8, c[4:])):
+                for i, (row, act) in enumerate([(0, 2 * t), (0, 2 * t + 1), (1, 2 * t), (1, 2 * t + 1)]):
+                    if regs and first + act < m:
+                        got[first + act, 2 * pair + row] += as_float(regs[i])
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
@@ -298,7 +360,12 @@ def test_w4_mma_tiles_are_one_quad_a_row_pair_and_hold_no_word_twice():
         assert tiles and w4_mma.default_config(n, k, 32) in tiles
         for c in tiles:
             lanes_w = min(32, c.block_w // 4)
-            assert w4_mma.fits(c, k) and lanes_w >= 4 and c.block_p >= (32 // lanes_w) * c.num_warps, c
+            assert w4_mma.fits(c, n, k) and lanes_w >= 4 and c.block_p >= (32 // lanes_w) * c.num_warps, c
+        tiles = w4_mma.configs(n, k, 32, rows=16)  # 4 lanes x 4 words along K, 8 quads of lanes along the pairs a warp
+        assert tiles and w4_mma.default_config(n, k, 32, rows=9) in tiles
+        for c in tiles:
+            assert w4_mma.fits(c, n, k, 16) and c.block_w == 16 and c.block_p % (8 * c.num_warps) == 0, c
+            assert (n // 2) % c.block_p == 0 and (k // 4) % (16 * c.split_k) == 0, c
 
 
 def test_external_tiles_are_checked_before_they_are_timed():
@@ -313,7 +380,7 @@ def test_external_tiles_are_checked_before_they_are_timed():
 
     class Tiled:
         @staticmethod
-        def configs(n, k, group):
+        def configs(n, k, group, rows):
             return ["right", "off", "raises"]
 
         @staticmethod
@@ -735,6 +802,26 @@ def test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes(tile):
     per_thread, lanes, warps = layout["sizePerThread"], layout["threadsPerWarp"], layout["warpsPerCTA"]
     assert layout["order"] == [1, 0] and per_thread[0] == 1 and lanes[1] >= 4 and lanes[1] % 4 == 0, layout
     assert lanes[0] * warps[0] <= block_p and per_thread[1] * lanes[1] * warps[1] <= block_w, layout
+
+
+@pytest.mark.parametrize("tile", [(32, 4, True, 1), (64, 8, False, 2), (64, 4, True, 4)])
+def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile):
+    """The 2-16-row tensor-core W4 kernel lowers for sm_90 without a spill and without a layout conversion in its K
+    loop, its mmas in the PTX (two a word for 9-16 rows), and its inline asm's operands laid out as it assumes: 4 words
+    a lane, 4 lanes along the 16-word tile and 8 along the pairs (a warp's quads at the same columns), warps along the
+    pairs only (so pair p sits in quad p % 8, and lane t of a quad holds words 4t..4t+3)."""
+    block_p, warps, high, splits = tile
+    signature = {"x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*i32", "out_ptr": "*bf16" if splits == 1 else "*fp32", "M": "i32",
+                 "N2": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32",
+                 "W_PER_SPLIT": "i32", "y_ptr": "*bf16", "counts_ptr": "*i32"}
+    used = sm90_resources("qdflash.kernels.w4_mma", "_w4_mma_rows_kernel", signature,
+                          dict(GROUP_WORDS=8, BLOCK_P=block_p, HIGH=high, SPLITS=splits), warps,
+                          aligned_args(signature) + ["W_PER_SPLIT"])
+    assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["CONVERTS_IN_LOOPS"] == 0, used
+    assert used["MMAS"] * 8 == used["BF16X2_FMAS"] * (2 if high else 1) > 0, used  # a word: 8 bf16x2 FMAs, 1 or 2 mmas
+    assert len(used["ASM_LAYOUTS"]) == 1, used
+    assert used["ASM_LAYOUTS"][0] == {"sizePerThread": [1, 4], "threadsPerWarp": [8, 4], "warpsPerCTA": [warps, 1],
+                                      "order": [1, 0]}, used
 
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block chunked 5",
@@ -1176,8 +1263,10 @@ def test_w4_mma_is_one_node_a_compiled_step_traces_through(monkeypatch):
     counts = torch.zeros(8, dtype=torch.int32)
     x = torch.randn(1, k).to(torch.bfloat16)
     torch.library.opcheck(w4_mma._mma_mm, (x, words, pairs, counts, n, group, 8, 32, 2, 4))
+    block = torch.randn(16, k).to(torch.bfloat16)  # a verify block: the rows kernel, [16, N] out
+    torch.library.opcheck(w4_mma._mma_mm, (block, words, pairs, counts, n, group, 32, 16, 1, 4))
     tile = w4_mma.Config(4, 32, 2)
-    w4_mma.remember(n, k, group, tile)
+    w4_mma.remember(n, k, group, 1, tile)
     backend = GraphRecorder()
 
     def step(x):  # a projection between elementwise work, as in a decode step
@@ -1186,7 +1275,7 @@ def test_w4_mma_is_one_node_a_compiled_step_traces_through(monkeypatch):
     compiled = torch.compile(step, backend=backend, fullgraph=True)
     assert torch.equal(compiled(x), step(x)) and tiles[-1] == tile
     assert backend.ops().count(torch.ops.qdflash.w4_mma_mm.default) == 1, backend.ops()
-    with pytest.raises(QdflashError, match="one bf16 row of 256 expected"):
+    with pytest.raises(QdflashError, match="1-16 bf16 rows of 256 expected"):
         w4_mma.matmul(x.float(), words, pairs, counts, n, group)
 
 

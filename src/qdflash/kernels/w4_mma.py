@@ -1,4 +1,4 @@
-"""A one-row W4A16 GEMV on tensor cores, on a repacking of this project's ints: one more way to run a packed
+"""A W4A16 matmul for 1-16 rows on tensor cores, on a repacking of this project's ints: one more way to run a packed
 4-bit projection at batch 1, timed by `w4a16.tune` beside the others (it is one of `w4a16.EXTERNAL`).
 
 Why: at one row a 4-bit matmul has ~8 weights per byte of instructions to spend, and the fp32 FMA GEMV
@@ -18,6 +18,11 @@ quad must hold words of the same row pair (each lane's own columns, any of them)
 layout for a [pairs, words] tile with >= 4 lanes along the words (tests/test_w4_mma.py checks the compiled
 layout), and no element may be held twice (the useful lane is chosen by lane id).
 
+2-16 rows (a verify block, `_w4_mma_rows_kernel`) read the same words: a [pairs, 16 words] tile puts the 4 lanes
+of a quad along the words and a warp's 8 quads on 8 row pairs at the same columns, so quad g can feed the mma's B
+column g with activation row g (a second mma: row g + 8): C[g][n] is then row pair g times activation row n, and every
+lane's accumulators are outputs. A word is unpacked once for both mmas: 16 rows cost ~1.2x one row's instructions.
+
 Numbers: each weight is q * scale rounded to bf16 (what the 2-16-row kernels, Marlin and cuBLAS on the
 dequantized weight multiply), products and sums in fp32 on the tensor cores. bf16 activations on a CUDA GPU
 only (PTX); elsewhere `supported` is False and the other backends run.
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QdflashError
+from . import row_bucket
 
 try:
     import triton
@@ -43,7 +49,7 @@ try:
 except ImportError:  # the CPU install
     triton = tl = None
 
-MAX_ROWS = 1  # a decode step's one row: `w4a16.tune` times it for no other row bucket
+MAX_ROWS = 16  # a decode step's one row (its own kernel) and a verify block's 2-16 (`_w4_mma_rows_kernel`)
 GROUPS = (32, 64, 128)  # a word's 4 columns are one scale group; more than one group per row (as Marlin's)
 
 
@@ -55,25 +61,22 @@ class Config:
     num_warps: int = 4
 
 
-# One word ($4), the address of its row pair's scales ($5: bf16 s_n1 low, s_n2 high), the 4 activations at its
-# columns ($6, 64 bits), the accumulators ($7-$10) -> the accumulators after one m16n8k16 mma ($0-$3). The nibble pairs
-# (p, p + 4) become bf16 (128 + nibble) by one lop3 each, minus 136 by one fma, times the row's scale by one more (as
-# w4a16.BF16_NIBBLES: q * s rounded once to bf16, exactly what the other paths compute in fp32 and round). The scales
-# are loaded here, not by tl.load: Triton lays out an elementwise op's operands as one of their loads, and the scales'
-# load (one address for a group's words) gets a layout with the lanes along the rows (Triton 3.6 on the H200), which
-# would break the quads; the words' load alone gives the layout the mma needs.
-MMA_WORD = """{
-.reg .b32 r0, r1, r2, r3, sp, s1, s2, one, bias, nz, xlo, xhi;
-mov.b32 one, 0x3F803F80;
+# A word's A fragment (r0-r3) from the word ({word}) and the address of its row pair's scales ({scales}: bf16 s_n1 low,
+# s_n2 high). The nibble pairs (p, p + 4) become bf16 (128 + nibble) by one lop3 each, minus 136 by one fma, times the
+# row's scale by one more (as w4a16.BF16_NIBBLES: q * s rounded once to bf16, exactly what the other paths compute in
+# fp32 and round). The scales are loaded here, not by tl.load: Triton lays out an elementwise op's operands as one of
+# their loads, and the scales' load (one address for a group's words) gets a layout with the lanes along the rows
+# (Triton 3.6 on the H200), which would break the quads; the words' load alone gives the layout the mma needs.
+DEQUANT = """mov.b32 one, 0x3F803F80;
 mov.b32 bias, 0xC308C308;
 mov.b32 nz, 0x80008000;
-ld.global.nc.b32 sp, [$5];
+ld.global.nc.b32 sp, [{scales}];
 prmt.b32 s1, sp, sp, 0x1010;
 prmt.b32 s2, sp, sp, 0x3232;
-shr.u32 r1, $4, 4;
-shr.u32 r2, $4, 8;
-shr.u32 r3, $4, 12;
-lop3.b32 r0, $4, 0x000F000F, 0x43004300, 0xEA;
+shr.u32 r1, {word}, 4;
+shr.u32 r2, {word}, 8;
+shr.u32 r3, {word}, 12;
+lop3.b32 r0, {word}, 0x000F000F, 0x43004300, 0xEA;
 lop3.b32 r1, r1, 0x000F000F, 0x43004300, 0xEA;
 lop3.b32 r2, r2, 0x000F000F, 0x43004300, 0xEA;
 lop3.b32 r3, r3, 0x000F000F, 0x43004300, 0xEA;
@@ -85,9 +88,32 @@ fma.rn.bf16x2 r0, r0, s1, nz;
 fma.rn.bf16x2 r1, r1, s2, nz;
 fma.rn.bf16x2 r2, r2, s1, nz;
 fma.rn.bf16x2 r3, r3, s2, nz;
-mov.b64 {xlo, xhi}, $6;
-mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {r0, r1, r2, r3}, {xlo, xhi}, {$7, $8, $9, $10};
-}"""
+"""
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+# One row: the word ($4), its scales' address ($5), the 4 activations at its columns ($6, 64 bits), the accumulators
+# ($7-$10) -> the accumulators after one m16n8k16 mma ($0-$3).
+MMA_WORD = ("{\n.reg .b32 r0, r1, r2, r3, sp, s1, s2, one, bias, nz, xlo, xhi;\n" + DEQUANT.format(word="$4", scales="$5")
+            + "mov.b64 {xlo, xhi}, $6;\n" + MMA + " {$0, $1, $2, $3}, {r0, r1, r2, r3}, {xlo, xhi}, {$7, $8, $9, $10};\n}")
+
+
+def rows_asm(high: bool) -> str:
+    """2-16 rows (`_w4_mma_rows_kernel`): the word, its scales' address, the addresses of the 4 activations at its
+    columns in activation row g and (`high`) g + 8, the accumulators -> the accumulators after one mma per 8 activation
+    rows, the word's A fragment made once. Operands: 8 outputs with `high`, else 4, then the inputs in that order."""
+    outs = 8 if high else 4
+    word, scales, xa, xb = (f"${i}" for i in range(outs, outs + 4))
+    acc = outs + (4 if high else 3)
+    lines = ["{", ".reg .b32 r0, r1, r2, r3, sp, s1, s2, one, bias, nz, xa0, xa1, xb0, xb1;",
+             DEQUANT.format(word=word, scales=scales).strip(), f"ld.global.nc.v2.b32 {{xa0, xa1}}, [{xa}];",
+             f"{MMA} {{$0, $1, $2, $3}}, {{r0, r1, r2, r3}}, {{xa0, xa1}}, {{${acc}, ${acc + 1}, ${acc + 2}, ${acc + 3}}};"]
+    if high:
+        lines += [f"ld.global.nc.v2.b32 {{xb0, xb1}}, [{xb}];",
+                  f"{MMA} {{$4, $5, $6, $7}}, {{r0, r1, r2, r3}}, {{xb0, xb1}}, {{${acc + 4}, ${acc + 5}, ${acc + 6}, ${acc + 7}}};"]
+    return "\n".join(lines + ["}"])
+
+
+MMA_ROWS8, MMA_ROWS16 = rows_asm(False), rows_asm(True)
 
 # The accumulators ($2-$5) -> row n1's and n2's sums ($0, $1) in the lane that holds C[g][g] and C[g + 8][g]
 # (lane 4g + g / 2: c0 / c2 for even g, c1 / c3 for odd), 0 in every other lane.
@@ -111,6 +137,8 @@ selp.f32 $1, $1, 0f00000000, useful;
 if triton is not None:
     _MMA_WORD = tl.constexpr(MMA_WORD)  # a kernel reads a global only as a constexpr
     _DIAGONAL = tl.constexpr(DIAGONAL)
+    _MMA_ROWS8 = tl.constexpr(MMA_ROWS8)
+    _MMA_ROWS16 = tl.constexpr(MMA_ROWS16)
 
     @triton.jit
     def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N2, stride_wn, stride_sn, stride_os, W_PER_SPLIT, y_ptr, counts_ptr,
@@ -145,6 +173,71 @@ if triton is not None:
         if SPLITS > 1:
             reduce_splits_last(out_ptr, y_ptr, counts_ptr, pid_n, pid_n * 2 * BLOCK_P + tl.arange(0, 2 * BLOCK_P), 2 * N2,
                                stride_os, SPLITS)
+
+    @triton.jit
+    def _w4_mma_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N2, stride_xm, stride_wn, stride_sn, stride_os, W_PER_SPLIT,
+                            y_ptr, counts_ptr, GROUP_WORDS: tl.constexpr, BLOCK_P: tl.constexpr, HIGH: tl.constexpr,
+                            SPLITS: tl.constexpr):
+        """2-16 rows of x (x_ptr: int64, 4 bf16 each, rows stride_xm apart), the same words as the one-row kernel, in
+        tiles of 16 words: Triton lays a [pairs, 16] int32 tile out with 4 lanes along the words and 8 along the
+        pairs, so at each register the warp's 8 quads hold 8 row pairs at the same columns. Quad g then feeds the
+        mma's B column g with activation row g (HIGH: a second mma with row g + 8), and C[g][n] / C[g + 8][n] is row
+        pair g times activation row n: every lane's accumulators are outputs (lane t of a quad: rows 2t, 2t + 1).
+        out_ptr [SPLITS, M, 2 * N2] (the output for one split; else fp32 partial sums reduced in this launch)."""
+        BLOCK_W: tl.constexpr = 16
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rp = pid_n * BLOCK_P + tl.arange(0, BLOCK_P)
+        rw = tl.arange(0, BLOCK_W)
+        p_ok = rp[:, None] < N2
+        rows = tl.minimum(rp, N2 - 1)[:, None]
+        g = (rp % 8)[:, None]  # the quad holding pair rp (lanes: 8 along the pairs); rows past M read row M - 1 (not stored)
+        xa = x_ptr + tl.minimum(g, M - 1) * stride_xm
+        xb = x_ptr + tl.minimum(g + 8, M - 1) * stride_xm
+        a0 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        b0 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        b1 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        b2 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        b3 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        for step in range(0, W_PER_SPLIT, BLOCK_W):
+            cols = (pid_k * W_PER_SPLIT + step + rw)[None, :]
+            words = tl.load(w_ptr + rp[:, None] * stride_wn + cols, mask=p_ok, other=0)
+            scales = s_ptr + rows * stride_sn + cols // GROUP_WORDS
+            if HIGH:
+                a0, a1, a2, a3, b0, b1, b2, b3 = tl.inline_asm_elementwise(
+                    _MMA_ROWS16, "=f,=f,=f,=f,=f,=f,=f,=f,r,l,l,l,f,f,f,f,f,f,f,f",
+                    [words, scales, xa + cols, xb + cols, a0, a1, a2, a3, b0, b1, b2, b3], dtype=(tl.float32,) * 8,
+                    is_pure=True, pack=1)
+            else:
+                a0, a1, a2, a3 = tl.inline_asm_elementwise(_MMA_ROWS8, "=f,=f,=f,=f,r,l,l,f,f,f,f",
+                                                           [words, scales, xa + cols, a0, a1, a2, a3],
+                                                           dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        base = out_ptr + pid_k * stride_os + 2 * rp[:, None]
+        lane_rows = 2 * tl.arange(0, 4)[None, :]  # lane t's accumulators c0 / c1: activation rows 2t / 2t + 1
+        ok = p_ok
+        _store_rows(base, a0, a1, lane_rows, 0, M, N2, ok, BLOCK_P)
+        _store_rows(base + 1, a2, a3, lane_rows, 0, M, N2, ok, BLOCK_P)
+        if HIGH:
+            _store_rows(base, b0, b1, lane_rows, 8, M, N2, ok, BLOCK_P)
+            _store_rows(base + 1, b2, b3, lane_rows, 8, M, N2, ok, BLOCK_P)
+        if SPLITS > 1:  # the block's [M, 2 * BLOCK_P] outputs, flattened as [M, N] is (N a multiple of 2 * BLOCK_P)
+            j = tl.arange(0, 16 * 2 * BLOCK_P)
+            cols = (j // (2 * BLOCK_P)) * (2 * N2) + pid_n * 2 * BLOCK_P + j % (2 * BLOCK_P)
+            reduce_splits_last(out_ptr, y_ptr, counts_ptr, pid_n, cols, M * 2 * N2, stride_os, SPLITS)
+
+    @triton.jit
+    def _store_rows(base, c_even, c_odd, lane_rows, first, M, N2, ok, BLOCK_P: tl.constexpr):
+        """One output row of each pair (base: its column) for the activation rows its accumulators hold: a lane's 4
+        registers (the tile's words 4t..4t+3) summed, lane t's c_even at activation row first + 2t, c_odd at + 1."""
+        even = tl.sum(tl.reshape(c_even, (BLOCK_P, 4, 4)), axis=2)
+        odd = tl.sum(tl.reshape(c_odd, (BLOCK_P, 4, 4)), axis=2)
+        m = first + lane_rows
+        dt = base.dtype.element_ty
+        tl.store(base + m * (2 * N2), even.to(dt), mask=ok & (m < M))
+        tl.store(base + (m + 1) * (2 * N2), odd.to(dt), mask=ok & (m + 1 < M))
 
 
 def supported(n: int, k: int, group: int, dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -185,16 +278,29 @@ def pack(words: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtyp
     return pack_words(words), pack_scales(scale), counts, n
 
 
-def fits(config: Config, k: int) -> bool:
-    """K's words split into whole tiles."""
-    return (k // 4) % (config.split_k * config.block_w) == 0
+def fits(config: Config, n: int, k: int, rows: int = 1) -> bool:
+    """K's words split into whole tiles; for 2-16 rows also N into whole column blocks (their split-K reduction reads
+    the [rows, N] output flat) and 16-word tiles (the layout the rows kernel needs)."""
+    whole = (k // 4) % (config.split_k * config.block_w) == 0
+    return whole if rows == 1 else whole and config.block_w == ROWS_TILE_W and (n // 2) % config.block_p == 0
 
 
-def configs(n: int, k: int, group: int) -> list[Config]:
-    """The tiles `w4a16.tune` times: 4 warps, 4-16 words a thread (each its 4 fp32 accumulators in registers), at
-    least as many words as the blocked layout covers (no word held twice), 64..4096 programs, K split 1-8 ways (powers
-    of two: the in-launch reduction's). Each tile and split is a compile of its own: tuning time."""
+ROWS_TILE_W = 16  # the rows kernel's tile: 4 lanes x 4 words along K, so a warp's 8 quads hold 8 row pairs
+
+
+def configs(n: int, k: int, group: int, rows: int = 1) -> list[Config]:
+    """The tiles `w4a16.tune` times. One row: 4 warps, 4-16 words a thread (each its 4 fp32 accumulators in
+    registers), at least as many words as the blocked layout covers (no word held twice). 2-16 rows: 16-word tiles of
+    8 row pairs per warp (4 or 8 warps, one or two such rows of quads). Both: 64..4096 programs, K split 1-8 ways
+    (powers of two: the in-launch reduction's). Each tile and split is a compile of its own: tuning time."""
     out = []
+    if rows > 1:
+        for block_p, warps in ((32, 4), (64, 4), (64, 8)):
+            for split_k in (1, 2, 4, 8):
+                c = Config(block_p, ROWS_TILE_W, split_k, warps)
+                if fits(c, n, k, rows) and 64 <= n // (2 * block_p) * split_k <= 4096:
+                    out.append(c)
+        return out
     for block_p in (4, 8, 16, 32):
         for block_w in (32, 64, 128):
             for warps in (4,):
@@ -204,38 +310,39 @@ def configs(n: int, k: int, group: int) -> list[Config]:
                     continue
                 for split_k in (1, 2, 4, 8):
                     c = Config(block_p, block_w, split_k, warps)
-                    if fits(c, k) and 64 <= -(-n // (2 * block_p)) * split_k <= 4096:
+                    if fits(c, n, k) and 64 <= -(-n // (2 * block_p)) * split_k <= 4096:
                         out.append(c)
     return out
 
 
-_TUNED: dict[tuple[int, int, int], Config] = {}
+_TUNED: dict[tuple[int, int, int, int], Config] = {}  # (n, k, group, row bucket: 1 or MAX_ROWS)
 
 
-def remember(n: int, k: int, group: int, config: Config) -> None:
-    """The tile `matmul` runs this shape with (what `w4a16.tune` timed fastest)."""
-    _TUNED[(n, k, group)] = config
+def remember(n: int, k: int, group: int, rows: int, config: Config) -> None:
+    """The tile `matmul` runs this shape and row bucket with (what `w4a16.tune` timed fastest)."""
+    _TUNED[(n, k, group, row_bucket(rows))] = config
 
 
-def default_config(n: int, k: int, group: int) -> Config:
-    tuned = _TUNED.get((n, k, group))
+def default_config(n: int, k: int, group: int, rows: int = 1) -> Config:
+    tuned = _TUNED.get((n, k, group, row_bucket(rows)))
     if tuned is not None:
         return tuned
-    fitting = configs(n, k, group)
+    fitting = configs(n, k, group, rows)
     if not fitting:
-        raise QdflashError(f"w4_mma: no tile fits a {n}x{k} weight")
+        raise QdflashError(f"w4_mma: no tile fits a {n}x{k} weight at {rows} rows")
     return min(fitting, key=lambda c: (abs(-(-n // (2 * c.block_p)) * c.split_k - 512), -c.block_w))
 
 
 def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, n: int, group: int,
            config: Config | None = None) -> torch.Tensor:
-    """x [1, K] bf16 @ dequant(W).T -> [1, N] bf16."""
+    """x [1..16, K] bf16 @ dequant(W).T -> [rows, N] bf16."""
     k = words.shape[1] * 4
-    if x.dim() != 2 or x.shape != (1, k) or x.dtype != torch.bfloat16:
-        raise QdflashError(f"w4_mma: one bf16 row of {k} expected, got {tuple(x.shape)} {x.dtype}")
-    config = config or default_config(n, k, group)
-    if not fits(config, k):
-        raise QdflashError(f"w4_mma: {config} does not tile K={k}")
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != k or x.dtype != torch.bfloat16:
+        raise QdflashError(f"w4_mma: 1-{MAX_ROWS} bf16 rows of {k} expected, got {tuple(x.shape)} {x.dtype}")
+    rows = x.shape[0]
+    config = config or default_config(n, k, group, rows)
+    if not fits(config, n, k, rows):
+        raise QdflashError(f"w4_mma: {config} does not tile a {n}x{k} weight at {rows} rows")
     return _mma_mm(x, words, scales, counts, n, group, config.block_p, config.block_w, config.split_k, config.num_warps)
 
 
@@ -250,19 +357,24 @@ def _mma_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: 
 
 @_mma_mm.register_fake
 def _(x, words, scales, counts, n, group, block_p, block_w, split_k, num_warps):
-    return x.new_empty((1, n))
+    return x.new_empty((x.shape[0], n))
 
 
 def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, n: int, group: int,
             block_p: int, block_w: int, split_k: int, num_warps: int) -> torch.Tensor:
-    k = words.shape[1] * 4
+    m, k = x.shape[0], words.shape[1] * 4
     x = x.contiguous()
     if x.storage_offset() % 4:  # read 4 activations at a time: 8-byte aligned
         x = x.clone()
-    y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    out = torch.empty(split_k, n, device=x.device, dtype=torch.float32) if split_k > 1 else y  # the splits' partial sums
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32) if split_k > 1 else y  # the splits' partial sums
     grid = (triton.cdiv(n // 2, block_p), split_k)
-    _w4_mma_kernel[grid](x.view(torch.int64), words, scales, out, n // 2, words.stride(0), scales.stride(0), out.stride(0),
-                         k // 4 // split_k, y, counts, GROUP_WORDS=group // 4, BLOCK_P=block_p, BLOCK_W=block_w,
-                         SPLITS=split_k, num_warps=num_warps)
+    common = dict(GROUP_WORDS=group // 4, BLOCK_P=block_p, SPLITS=split_k, num_warps=num_warps)
+    if m == 1:
+        _w4_mma_kernel[grid](x.view(torch.int64), words, scales, out, n // 2, words.stride(0), scales.stride(0),
+                             out.stride(0) if split_k > 1 else 0, k // 4 // split_k, y, counts, BLOCK_W=block_w, **common)
+    else:
+        xs = x.view(torch.int64)
+        _w4_mma_rows_kernel[grid](xs, words, scales, out, m, n // 2, xs.stride(0), words.stride(0), scales.stride(0),
+                                  out.stride(0) if split_k > 1 else 0, k // 4 // split_k, y, counts, HIGH=m > 8, **common)
     return y

@@ -350,7 +350,8 @@ _EXTERNAL_FASTER: dict[tuple[int, int, int, int, torch.dtype], str] = {}  # ... 
 # other int4 kernels on the same packed ints, timed by `tune` beside this one, by name: each module has
 # supported(n, k, group, dtype, device), pack(words, scale, group, dtype) -> state (a tuple) and matmul(x, *state, group);
 # optionally MAX_ROWS (the most rows it takes: the row buckets above it do not time it) and tiles of its own, timed
-# per shape (configs(n, k, group) -> tiles, matmul(..., config=tile), remember(n, k, group, tile): the one matmul runs)
+# per shape and row bucket (configs(n, k, group, rows) -> tiles, matmul(..., config=tile), remember(n, k, group, rows,
+# tile): the one matmul runs)
 EXTERNAL = {"tinygemm": tinygemm, "gemlite": gemlite_w4, "fbgemm": fbgemm_w4, "marlin": marlin_w4, "machete": machete_w4,
             "mma": w4_mma}
 EXTERNAL_TOLERANCE = 2e-2  # max error relative to the dequantized product's largest value (tinygemm: ~0.003 in bf16)
@@ -404,7 +405,7 @@ def _external_tiles(module, x, state, words, scale, n: int, k: int, group: int) 
         return [None], []
     reference = F.linear(x.float(), dequantize_words(words, scale, group).to(x.dtype).float())
     kept, problems = [], []
-    for config in module.configs(n, k, group):
+    for config in module.configs(n, k, group, x.shape[0]):
         try:
             error = _relative_error(module.matmul(x, *state, group, config=config).float(), reference)
         except Exception as err:  # noqa: BLE001 -- a tile that does not build or launch here is dropped, not fatal
@@ -475,7 +476,7 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
                           stacklevel=2)
         tile, others[name] = fastest(tiles, lambda c: [module.matmul(x, *state, group, **_tile(c)) for state in states], copies)
         if tile is not None:
-            module.remember(n, k, group, tile)
+            module.remember(n, k, group, rows, tile)
         del states
     del ws, ss
     key = (n, k, group, row_bucket(rows), dtype)
