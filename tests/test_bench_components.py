@@ -308,3 +308,6 @@ def test_kernel_groups_put_inductors_kernels_named_after_a_fused_int4_op_with_in
     assert group("void at::native::tinygemm_m16n8k16_chunk_kernel<at::native::ALayout_RM<>>").startswith("int4")
     assert group("_gemv_kernel") == "gemv (ours)" and group("_gated_delta_step_kernel") == "gated delta (ours)"
     assert group("nvjet_hsh_64x32_64x16_2x1_v_bz_splitK_TNN") == "cuBLAS matmul" and group("Memset (Device)") == "memcpy / memset"
+    # the tensor-core W4 kernels, one row and 2-16 (2026-12-06-h100-w4-mma), and inductor's kernel named after their op
+    assert group("_w4_mma_kernel") == group("_w4_mma_rows_kernel") == "w4 mma (ours)"
+    assert group("triton_poi_fused_mul_silu_split_w4_mma_mm_4") == bench_components.INDUCTOR
