@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QdflashError
-from . import row_bucket
+from . import MAX_ROWS, row_bucket  # 1 row: `_w4_mma_kernel`; 2-16 (a verify block): `_w4_mma_rows_kernel`
 
 try:
     import triton
@@ -49,7 +49,6 @@ try:
 except ImportError:  # the CPU install
     triton = tl = None
 
-MAX_ROWS = 16  # a decode step's one row (its own kernel) and a verify block's 2-16 (`_w4_mma_rows_kernel`)
 GROUPS = (32, 64, 128)  # a word's 4 columns are one scale group; more than one group per row (as Marlin's)
 
 

@@ -349,9 +349,8 @@ _DENSE_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # shapes / r
 _EXTERNAL_FASTER: dict[tuple[int, int, int, int, torch.dtype], str] = {}  # ... where another int4 kernel won: its name
 # other int4 kernels on the same packed ints, timed by `tune` beside this one, by name: each module has
 # supported(n, k, group, dtype, device), pack(words, scale, group, dtype) -> state (a tuple) and matmul(x, *state, group);
-# optionally MAX_ROWS (the most rows it takes: the row buckets above it do not time it) and tiles of its own, timed
-# per shape and row bucket (configs(n, k, group, rows) -> tiles, matmul(..., config=tile), remember(n, k, group, rows,
-# tile): the one matmul runs)
+# optionally tiles of its own, timed per shape and row bucket (configs(n, k, group, rows) -> tiles, matmul(..., config=
+# tile), remember(n, k, group, rows, tile): the one matmul then runs)
 EXTERNAL = {"tinygemm": tinygemm, "gemlite": gemlite_w4, "fbgemm": fbgemm_w4, "marlin": marlin_w4, "machete": machete_w4,
             "mma": w4_mma}
 EXTERNAL_TOLERANCE = 2e-2  # max error relative to the dequantized product's largest value (tinygemm: ~0.003 in bf16)
@@ -398,36 +397,14 @@ def _tile(config) -> dict:
     return {} if config is None else {"config": config}
 
 
-def _external_tiles(module, x, state, words, scale, n: int, k: int, group: int) -> tuple[list, list[str]]:
-    """An EXTERNAL kernel's tiles for the shape whose product matches the dequantized one (each weight rounded to x's
-    dtype, as those kernels round it), and what was wrong with each dropped; [None] for a kernel without tiles."""
-    if not hasattr(module, "configs"):
-        return [None], []
-    reference = F.linear(x.float(), dequantize_words(words, scale, group).to(x.dtype).float())
-    kept, problems = [], []
-    for config in module.configs(n, k, group, x.shape[0]):
-        try:
-            error = _relative_error(module.matmul(x, *state, group, config=config).float(), reference)
-        except Exception as err:  # noqa: BLE001 -- a tile that does not build or launch here is dropped, not fatal
-            problems.append(f"{config}: raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
-            continue
-        if error > EXTERNAL_TOLERANCE:
-            problems.append(f"{config}: off the dequantized product by {error:.3g} (relative)")
-            continue
-        kept.append(config)
-    return kept, problems
-
-
-def _check_fast(x, words, scale, group: int, configs: list[Config]) -> tuple[list[Config], list[str]]:
-    """`configs` without the fast ones whose product is off the dequantized one (each weight rounded to bf16, as
-    that path rounds it) or that fail to run, and what was wrong with each dropped: inline PTX the interpreter cannot
-    run, checked on the device before any timing or use."""
-    reference = F.linear(x.float(), dequantize_words(words, scale, group).to(x.dtype).float())
+def _matching(configs: list, run, reference: torch.Tensor, check=lambda config: True) -> tuple[list, list[str]]:
+    """`configs` without those `check` picks whose product `run(config)` is off `reference` by more than
+    EXTERNAL_TOLERANCE or that fail to run, and what was wrong with each dropped (the others are kept unchecked)."""
     kept, problems = [], []
     for config in configs:
-        if config.fast:
+        if check(config):
             try:
-                error = _relative_error(w4a16_matmul(x, words, scale, group, config).float(), reference)
+                error = _relative_error(run(config).float(), reference)
             except Exception as err:  # noqa: BLE001 -- a tile that does not build or launch here is dropped, not fatal
                 problems.append(f"{config}: raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''} "
                                 f"(at {raised_at(err)})")
@@ -437,6 +414,28 @@ def _check_fast(x, words, scale, group: int, configs: list[Config]) -> tuple[lis
                 continue
         kept.append(config)
     return kept, problems
+
+
+def _rounded_product(x, words, scale, group: int) -> torch.Tensor:
+    """x @ the dequantized weight with each weight rounded to x's dtype (as the tensor-core paths round it), in fp32."""
+    return F.linear(x.float(), dequantize_words(words, scale, group).to(x.dtype).float())
+
+
+def _external_tiles(module, x, state, words, scale, n: int, k: int, group: int) -> tuple[list, list[str]]:
+    """An EXTERNAL kernel's tiles for the shape and x's rows whose product matches the dequantized one, and what was
+    wrong with each dropped; [None] for a kernel without tiles of its own."""
+    if not hasattr(module, "configs"):
+        return [None], []
+    return _matching(module.configs(n, k, group, x.shape[0]), lambda c: module.matmul(x, *state, group, config=c),
+                     _rounded_product(x, words, scale, group))
+
+
+def _check_fast(x, words, scale, group: int, configs: list[Config]) -> tuple[list[Config], list[str]]:
+    """`configs` without the fast ones whose product is off the dequantized one (each weight rounded to bf16, as
+    that path rounds it) or that fail to run, and what was wrong with each dropped: inline PTX the interpreter cannot
+    run, checked on the device before any timing or use."""
+    return _matching(configs, lambda c: w4a16_matmul(x, words, scale, group, c), _rounded_product(x, words, scale, group),
+                     check=lambda c: c.fast)
 
 
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
@@ -464,7 +463,7 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     others: dict[str, float | None] = {}
     for name, module in EXTERNAL.items():
         others[name] = None
-        if rows > getattr(module, "MAX_ROWS", MAX_ROWS) or not module.supported(n, k, group, dtype, device):
+        if not module.supported(n, k, group, dtype, device):
             continue
         states, problem = _check_external(name, x, ws, ss, group)
         if problem:
