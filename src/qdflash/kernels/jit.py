@@ -2,6 +2,24 @@
 
 from __future__ import annotations
 
+# Inline PTX: the word {word}'s nibble pairs (i, i + 4) as bf16 pairs q = nibble - 8 in r0-r3, by the bit tricks
+# w4a16.BF16_NIBBLES's comment explains (the caller declares r0-r3, one, bias, nz and scales them)
+NIBBLE_PAIRS = """mov.b32 one, 0x3F803F80;
+mov.b32 bias, 0xC308C308;
+mov.b32 nz, 0x80008000;
+shr.u32 r1, {word}, 4;
+shr.u32 r2, {word}, 8;
+shr.u32 r3, {word}, 12;
+lop3.b32 r0, {word}, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 r1, r1, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 r2, r2, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 r3, r3, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 r0, r0, one, bias;
+fma.rn.bf16x2 r1, r1, one, bias;
+fma.rn.bf16x2 r2, r2, one, bias;
+fma.rn.bf16x2 r3, r3, one, bias;
+"""
+
 try:
     import triton
     import triton.language as tl

@@ -40,6 +40,7 @@ import torch
 
 from ..errors import QdflashError
 from . import MAX_ROWS, row_bucket  # 1 row: `_w4_mma_kernel`; 2-16 (a verify block): `_w4_mma_rows_kernel`
+from .jit import NIBBLE_PAIRS
 
 try:
     import triton
@@ -66,28 +67,8 @@ class Config:
 # fp32 and round). The scales are loaded here, not by tl.load: Triton lays out an elementwise op's operands as one of
 # their loads, and the scales' load (one address for a group's words) gets a layout with the lanes along the rows
 # (Triton 3.6 on the H200), which would break the quads; the words' load alone gives the layout the mma needs.
-DEQUANT = """mov.b32 one, 0x3F803F80;
-mov.b32 bias, 0xC308C308;
-mov.b32 nz, 0x80008000;
-ld.global.nc.b32 sp, [{scales}];
-prmt.b32 s1, sp, sp, 0x1010;
-prmt.b32 s2, sp, sp, 0x3232;
-shr.u32 r1, {word}, 4;
-shr.u32 r2, {word}, 8;
-shr.u32 r3, {word}, 12;
-lop3.b32 r0, {word}, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 r1, r1, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 r2, r2, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 r3, r3, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 r0, r0, one, bias;
-fma.rn.bf16x2 r1, r1, one, bias;
-fma.rn.bf16x2 r2, r2, one, bias;
-fma.rn.bf16x2 r3, r3, one, bias;
-fma.rn.bf16x2 r0, r0, s1, nz;
-fma.rn.bf16x2 r1, r1, s2, nz;
-fma.rn.bf16x2 r2, r2, s1, nz;
-fma.rn.bf16x2 r3, r3, s2, nz;
-"""
+DEQUANT = ("ld.global.nc.b32 sp, [{scales}];\nprmt.b32 s1, sp, sp, 0x1010;\nprmt.b32 s2, sp, sp, 0x3232;\n" + NIBBLE_PAIRS
+           + "".join(f"fma.rn.bf16x2 r{i}, r{i}, s{1 + i % 2}, nz;\n" for i in range(4)))
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 # One row: the word ($4), its scales' address ($5), the 4 activations at its columns ($6, 64 bits), the accumulators

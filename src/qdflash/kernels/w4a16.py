@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from ..errors import QdflashError, raised_at
 from ..quant.grid import GridSpec, dequantize
 from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, row_bucket, tinygemm, w4_mma
+from .jit import NIBBLE_PAIRS
 
 try:
     import triton
@@ -83,32 +84,9 @@ class Config:
 # pair. Then (128 + nibble) * 1 - 136 is q exactly, and q * s + (-0) is q * s rounded once to bf16: what the other
 # path computes in fp32 and rounds (the product of a 4-bit and an 8-bit significand is exact in either). fma rather
 # than sub / mul .bf16x2: those need sm_90, fma sm_80.
-BF16_NIBBLES = """{
-.reg .b32 r0, r1, r2, r3, sc, one, bias, nz;
-mov.b32 one, 0x3F803F80;
-mov.b32 bias, 0xC308C308;
-mov.b32 nz, 0x80008000;
-mov.b32 sc, {$9, $9};
-shr.u32 r1, $8, 4;
-shr.u32 r2, $8, 8;
-shr.u32 r3, $8, 12;
-lop3.b32 r0, $8, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 r1, r1, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 r2, r2, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 r3, r3, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 r0, r0, one, bias;
-fma.rn.bf16x2 r1, r1, one, bias;
-fma.rn.bf16x2 r2, r2, one, bias;
-fma.rn.bf16x2 r3, r3, one, bias;
-fma.rn.bf16x2 r0, r0, sc, nz;
-fma.rn.bf16x2 r1, r1, sc, nz;
-fma.rn.bf16x2 r2, r2, sc, nz;
-fma.rn.bf16x2 r3, r3, sc, nz;
-mov.b32 {$0, $4}, r0;
-mov.b32 {$1, $5}, r1;
-mov.b32 {$2, $6}, r2;
-mov.b32 {$3, $7}, r3;
-}"""
+BF16_NIBBLES = ("{\n.reg .b32 r0, r1, r2, r3, sc, one, bias, nz;\nmov.b32 sc, {$9, $9};\n" + NIBBLE_PAIRS.format(word="$8")
+                + "".join(f"fma.rn.bf16x2 r{i}, r{i}, sc, nz;\n" for i in range(4))
+                + "".join(f"mov.b32 {{${i}, ${i + 4}}}, r{i};\n" for i in range(4)) + "}")
 
 
 if triton is not None:
