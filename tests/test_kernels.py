@@ -237,7 +237,8 @@ def run_warp(asm: str, operands: list[dict]) -> list[dict]:
     return lanes
 
 
-def test_w4_mma_asm_gives_one_row_of_the_dequantized_product():
+@pytest.mark.parametrize("scales_given", [False, True])
+def test_w4_mma_asm_gives_one_row_of_the_dequantized_product(scales_given):
     """The tensor-core one-row W4 kernel's PTX (w4_mma.MMA_WORD, then DIAGONAL) on `w4_mma.pack`'s words, one warp
     of its blocked layout (4 row pairs x 8 lanes along the words, 4 words a lane, two K tiles) executed on the CPU:
     the lanes' bit tricks by `run_ptx`, the mma by `warp_mma` (the ISA's fragment layout), the useful lanes picked by
@@ -260,10 +261,13 @@ def test_w4_mma_asm_gives_one_row_of_the_dequantized_product():
             operands = []
             for lane in range(32):
                 pair, word = lane // 8, tile * 32 + 4 * (lane % 8) + j
-                operands.append({"$4": int(mma_words[pair, word]) & 0xFFFFFFFF, "$5": pair * pairs.shape[1] + word * 4 // group,
+                address = pair * pairs.shape[1] + word * 4 // group
+                if scales_given:  # LOAD_B32 first, its own op
+                    address = run_ptx("{" + w4_mma.LOAD_B32 + "}", {"$1": address, "memory": memory})["$0"]
+                operands.append({"$4": int(mma_words[pair, word]) & 0xFFFFFFFF, "$5": address,
                                  "memory": memory, "$6": int(xs[word]) & 0xFFFFFFFFFFFFFFFF,
                                  **{f"${7 + i}": accs[j][lane][i] for i in range(4)}})
-            accs[j] = [[regs[f"${i}"] for i in range(4)] for regs in run_warp(w4_mma.MMA_WORD, operands)]
+            accs[j] = [[regs[f"${i}"] for i in range(4)] for regs in run_warp(w4_mma.word_asm(scales_given), operands)]
     got = np.zeros(n)
     for j in range(4):
         for lane in range(32):
@@ -659,11 +663,11 @@ atoms = [i for i, line in enumerate(ptx) if re.search(r"\\batom\\.", line)]
 stores = [i for i, line in enumerate(ptx) if "st.global" in line]
 published = sum(bool(re.search(r"@%p\\d+ atom\\.global\\.gpu\\.acq_rel\\.", ptx[i]))
                 and any("bar.sync" in line for line in ptx[max([j for j in stores if j < i], default=0):i]) for i in atoms)
-# the layouts of the inline asm ops' first operands (which lane holds which element is what their PTX computes with)
+# the layouts of the inline asm ops' first results (which lane holds which element is what their PTX computes with)
 ttgir = kernel.asm["ttgir"]
 aliases = dict(re.findall(r"^(#\\w+) = #ttg\\.blocked<\\{([^}]*)\\}>", ttgir, re.M))
 asm_layouts = [{key: [int(v) for v in re.findall(r"\\d+", val)] for key, val in re.findall(r"(\\w+) = \\[([^]]*)\\]", aliases[name])}
-               for name in re.findall(r"tt\\.elementwise_inline_asm .*? : tensor<[^,>]*, (#\\w+)>", ttgir)]
+               for name in re.findall(r"tt\\.elementwise_inline_asm .*?-> tensor<[^#]*(#\\w+)>", ttgir)]
 print(json.dumps({**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)},
                   "BF16X2_FMAS": sum("fma.rn.bf16x2" in line for line in ptx), "ATOMS": len(atoms), "PUBLISHED_ATOMS": published,
                   "MMAS": sum("mma.sync" in line for line in ptx), "ASM_LAYOUTS": asm_layouts,
@@ -782,22 +786,25 @@ def test_matmul_kernels_compile_for_the_h200_without_spilling(case):
     assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("split" in case), used
 
 
-@pytest.mark.parametrize("tile", [(16, 32, 1), (8, 64, 2), (4, 128, 1), (32, 64, 1)])
+@pytest.mark.parametrize("tile", [(16, 32, 1, False), (8, 64, 2, False), (4, 128, 1, False), (32, 64, 1, False),
+                                  (16, 64, 1, True), (8, 64, 4, True)])
 def test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes(tile):
     """The tensor-core one-row W4 kernel lowers for sm_90 without a spill, with its mma in the PTX, and Triton lays out
     both inline asm ops' operands as w4_mma's module docstring needs: lanes along the words first, >= 4 of them (a
-    quad's lanes share a row pair), the layout covering the tile without holding a word twice. Tiles up to 64 words
-    wide convert no layout in the K loop (128-wide ones convert the activations' load: slower, still right)."""
-    block_p, block_w, splits = tile
+    quad's lanes share a row pair), the layout covering the tile without holding a word twice; with `prefetch` too (its
+    scales loaded by an asm op of their own). Tiles up to 64 words wide convert no layout in the K loop (128-wide ones
+    convert the activations' load: slower, still right)."""
+    block_p, block_w, splits, prefetch = tile
     signature = {"x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*i32", "out_ptr": "*bf16" if splits == 1 else "*fp32", "N2": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "W_PER_SPLIT": "i32", "y_ptr": "*bf16",
                  "counts_ptr": "*i32"}
     used = sm90_resources("qdflash.kernels.w4_mma", "_w4_mma_kernel", signature,
-                          dict(GROUP_WORDS=8, BLOCK_P=block_p, BLOCK_W=block_w, SPLITS=splits), 4,
+                          dict(GROUP_WORDS=8, BLOCK_P=block_p, BLOCK_W=block_w, SPLITS=splits, PREFETCH=prefetch), 4,
                           aligned_args(signature) + ["W_PER_SPLIT"])
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["MMAS"] > 0, used
     assert used["CONVERTS_IN_LOOPS"] == 0 or block_w > 64, used
-    assert len(used["ASM_LAYOUTS"]) == 2 and used["ASM_LAYOUTS"][0] == used["ASM_LAYOUTS"][1], used  # MMA_WORD, DIAGONAL
+    # MMA_WORD (and with prefetch LOAD_B32), DIAGONAL: one layout
+    assert len(used["ASM_LAYOUTS"]) == 2 + prefetch and all(a == used["ASM_LAYOUTS"][0] for a in used["ASM_LAYOUTS"]), used
     layout = used["ASM_LAYOUTS"][0]
     per_thread, lanes, warps = layout["sizePerThread"], layout["threadsPerWarp"], layout["warpsPerCTA"]
     assert layout["order"] == [1, 0] and per_thread[0] == 1 and lanes[1] >= 4 and lanes[1] % 4 == 0, layout
@@ -1252,8 +1259,8 @@ def test_w4_mma_is_one_node_a_compiled_step_traces_through(monkeypatch):
     weight = deq.to(torch.bfloat16).float()
     tiles = []
 
-    def reference(x, words, scales, counts, n_out, group_, block_p, block_w, split_k, num_warps):
-        tiles.append(w4_mma.Config(block_p, block_w, split_k, num_warps))
+    def reference(x, words, scales, counts, n_out, group_, block_p, block_w, split_k, num_warps, prefetch):
+        tiles.append(w4_mma.Config(block_p, block_w, split_k, num_warps, prefetch))
         assert n_out == n and group_ == group and words.shape == (n // 2, k // 4)
         return (x.float() @ weight.t()).to(x.dtype)
 
@@ -1262,10 +1269,10 @@ def test_w4_mma_is_one_node_a_compiled_step_traces_through(monkeypatch):
     words, pairs = w4_mma.pack_words(pack_int4(q)), w4_mma.pack_scales(scale)
     counts = torch.zeros(8, dtype=torch.int32)
     x = torch.randn(1, k).to(torch.bfloat16)
-    torch.library.opcheck(w4_mma._mma_mm, (x, words, pairs, counts, n, group, 8, 32, 2, 4))
+    torch.library.opcheck(w4_mma._mma_mm, (x, words, pairs, counts, n, group, 8, 32, 2, 4, True))
     block = torch.randn(16, k).to(torch.bfloat16)  # a verify block: the rows kernel, [16, N] out
-    torch.library.opcheck(w4_mma._mma_mm, (block, words, pairs, counts, n, group, 32, 16, 1, 4))
-    tile = w4_mma.Config(4, 32, 2)
+    torch.library.opcheck(w4_mma._mma_mm, (block, words, pairs, counts, n, group, 32, 16, 1, 4, False))
+    tile = w4_mma.Config(4, 32, 2, prefetch=True)
     w4_mma.remember(n, k, group, 1, tile)
     backend = GraphRecorder()
 

@@ -34,7 +34,7 @@ Layout (`pack`): rows 2r and 2r + 1 are pair r; words [N/2, K/4] int32, word w h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,6 +59,7 @@ class Config:
     block_w: int = 64  # words along K of a tile (4 columns each)
     split_k: int = 1
     num_warps: int = 4
+    prefetch: bool = False  # one row: the next tile's words loaded before this one's math, its scales by their own asm
 
 
 # A word's A fragment (r0-r3) from the word ({word}) and the address of its row pair's scales ({scales}: bf16 s_n1 low,
@@ -71,10 +72,20 @@ DEQUANT = ("ld.global.nc.b32 sp, [{scales}];\nprmt.b32 s1, sp, sp, 0x1010;\nprmt
            + "".join(f"fma.rn.bf16x2 r{i}, r{i}, s{1 + i % 2}, nz;\n" for i in range(4)))
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
-# One row: the word ($4), its scales' address ($5), the 4 activations at its columns ($6, 64 bits), the accumulators
-# ($7-$10) -> the accumulators after one m16n8k16 mma ($0-$3).
-MMA_WORD = ("{\n.reg .b32 r0, r1, r2, r3, sp, s1, s2, one, bias, nz, xlo, xhi;\n" + DEQUANT.format(word="$4", scales="$5")
+
+def word_asm(scales_given: bool) -> str:
+    """One row: the word ($4), its scales' address ($5; `scales_given`: the scale pair itself, loaded before by
+    LOAD_B32), the 4 activations at its columns ($6, 64 bits), the accumulators ($7-$10) -> the accumulators after
+    one m16n8k16 mma ($0-$3)."""
+    dequant = DEQUANT.replace("ld.global.nc.b32 sp, [{scales}];", "mov.b32 sp, {scales};") if scales_given else DEQUANT
+    return ("{\n.reg .b32 r0, r1, r2, r3, sp, s1, s2, one, bias, nz, xlo, xhi;\n" + dequant.format(word="$4", scales="$5")
             + "mov.b64 {xlo, xhi}, $6;\n" + MMA + " {$0, $1, $2, $3}, {r0, r1, r2, r3}, {xlo, xhi}, {$7, $8, $9, $10};\n}")
+
+
+MMA_WORD, MMA_WORD_GIVEN = word_asm(False), word_asm(True)
+# A 32-bit load as an elementwise op of its own (no tl.load: it would set the layout, see DEQUANT's comment), whose
+# only input is its address: issued as early as that is known, not behind the word it scales as inside MMA_WORD.
+LOAD_B32 = "ld.global.nc.b32 $0, [$1];"
 
 
 def rows_asm(high: bool) -> str:
@@ -116,16 +127,21 @@ selp.f32 $1, $1, 0f00000000, useful;
 
 if triton is not None:
     _MMA_WORD = tl.constexpr(MMA_WORD)  # a kernel reads a global only as a constexpr
+    _MMA_WORD_GIVEN = tl.constexpr(MMA_WORD_GIVEN)
+    _LOAD_B32 = tl.constexpr(LOAD_B32)
     _DIAGONAL = tl.constexpr(DIAGONAL)
     _MMA_ROWS8 = tl.constexpr(MMA_ROWS8)
     _MMA_ROWS16 = tl.constexpr(MMA_ROWS16)
 
     @triton.jit
     def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N2, stride_wn, stride_sn, stride_os, W_PER_SPLIT, y_ptr, counts_ptr,
-                       GROUP_WORDS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr):
+                       GROUP_WORDS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr,
+                       PREFETCH: tl.constexpr = False):
         """x_ptr: the row's activations as int64 (4 bf16 each); w_ptr / s_ptr: `pack`'s words and scale pairs; out_ptr
         [SPLITS, 2 * N2]: for one split the output (x's dtype), else fp32 partial sums, reduced in this launch into y_ptr
-        by the last program of a column block (`reduce_splits_last`, counted on counts_ptr)."""
+        by the last program of a column block (`reduce_splits_last`, counted on counts_ptr). PREFETCH: each tile's
+        words are loaded one step ahead and its scales by LOAD_B32, so a step waits on neither DRAM read behind the
+        other (without it the scale load, inside MMA_WORD, starts only once the word it scales has arrived)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rp = pid_n * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -136,14 +152,25 @@ if triton is not None:
         c1 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
         c2 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
         c3 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        words_at = w_ptr + rp[:, None] * stride_wn + (pid_k * W_PER_SPLIT + rw)[None, :]
+        if PREFETCH:
+            ahead = tl.load(words_at, mask=p_ok, other=0)
         for step in range(0, W_PER_SPLIT, BLOCK_W):
             w0 = pid_k * W_PER_SPLIT + step
-            words = tl.load(w_ptr + rp[:, None] * stride_wn + (w0 + rw)[None, :], mask=p_ok, other=0)
-            scales = s_ptr + rows * stride_sn + ((w0 + rw) // GROUP_WORDS)[None, :]  # loaded in MMA_WORD
+            scales = s_ptr + rows * stride_sn + ((w0 + rw) // GROUP_WORDS)[None, :]
             x = tl.broadcast_to(tl.load(x_ptr + w0 + rw)[None, :], (BLOCK_P, BLOCK_W))
-            c0, c1, c2, c3 = tl.inline_asm_elementwise(_MMA_WORD, "=f,=f,=f,=f,r,l,l,f,f,f,f",
-                                                       [words, scales, x, c0, c1, c2, c3], dtype=(tl.float32,) * 4,
-                                                       is_pure=True, pack=1)
+            if PREFETCH:
+                words = ahead
+                ahead = tl.load(words_at + step + BLOCK_W, mask=p_ok & (step + BLOCK_W < W_PER_SPLIT), other=0)
+                pairs = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [scales], dtype=tl.int32, is_pure=True, pack=1)
+                c0, c1, c2, c3 = tl.inline_asm_elementwise(_MMA_WORD_GIVEN, "=f,=f,=f,=f,r,r,l,f,f,f,f",
+                                                           [words, pairs, x, c0, c1, c2, c3], dtype=(tl.float32,) * 4,
+                                                           is_pure=True, pack=1)
+            else:
+                words = tl.load(words_at + step, mask=p_ok, other=0)
+                c0, c1, c2, c3 = tl.inline_asm_elementwise(_MMA_WORD, "=f,=f,=f,=f,r,l,l,f,f,f,f",  # scales loaded in it
+                                                           [words, scales, x, c0, c1, c2, c3], dtype=(tl.float32,) * 4,
+                                                           is_pure=True, pack=1)
         y1, y2 = tl.inline_asm_elementwise(_DIAGONAL, "=f,=f,f,f,f,f", [c0, c1, c2, c3], dtype=(tl.float32,) * 2,
                                            is_pure=True, pack=1)
         ok = rp < N2
@@ -262,7 +289,8 @@ def fits(config: Config, n: int, k: int, rows: int = 1) -> bool:
     """K's words split into whole tiles; for 2-16 rows also N into whole column blocks (their split-K reduction reads
     the [rows, N] output flat) and 16-word tiles (the layout the rows kernel needs)."""
     whole = (k // 4) % (config.split_k * config.block_w) == 0
-    return whole if rows == 1 else whole and config.block_w == ROWS_TILE_W and (n // 2) % config.block_p == 0
+    return whole if rows == 1 else (whole and config.block_w == ROWS_TILE_W and (n // 2) % config.block_p == 0
+                                    and not config.prefetch)
 
 
 ROWS_TILE_W = 16  # the rows kernel's tile: 4 lanes x 4 words along K, so a warp's 8 quads hold 8 row pairs
@@ -270,7 +298,7 @@ ROWS_TILE_W = 16  # the rows kernel's tile: 4 lanes x 4 words along K, so a warp
 
 def configs(n: int, k: int, group: int, rows: int = 1) -> list[Config]:
     """The tiles `w4a16.tune` times. One row: 4 warps, 4-16 words a thread (each its 4 fp32 accumulators in
-    registers), at least as many words as the blocked layout covers (no word held twice). 2-16 rows: 16-word tiles of
+    registers), at least as many words as the blocked layout covers (no word held twice), each also with `prefetch`. 2-16 rows: 16-word tiles of
     8 row pairs per warp (4 or 8 warps, one or two such rows of quads). Both: 64..4096 programs, K split 1-8 ways
     (powers of two: the in-launch reduction's). Each tile and split is a compile of its own: tuning time."""
     out = []
@@ -291,7 +319,7 @@ def configs(n: int, k: int, group: int, rows: int = 1) -> list[Config]:
                 for split_k in (1, 2, 4, 8):
                     c = Config(block_p, block_w, split_k, warps)
                     if fits(c, n, k) and 64 <= -(-n // (2 * block_p)) * split_k <= 4096:
-                        out.append(c)
+                        out += [c, replace(c, prefetch=True)]
     return out
 
 
@@ -323,7 +351,8 @@ def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: t
     config = config or default_config(n, k, group, rows)
     if not fits(config, n, k, rows):
         raise QdflashError(f"w4_mma: {config} does not tile a {n}x{k} weight at {rows} rows")
-    return _mma_mm(x, words, scales, counts, n, group, config.block_p, config.block_w, config.split_k, config.num_warps)
+    return _mma_mm(x, words, scales, counts, n, group, config.block_p, config.block_w, config.split_k, config.num_warps,
+                   config.prefetch)
 
 
 # A custom op, as marlin_w4's: a compiled decode step holds it as one opaque node instead of tracing the launch (the
@@ -331,17 +360,17 @@ def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: t
 # no state changes between calls, and declaring them mutated would make a compiled graph clone them before each call.
 @torch.library.custom_op("qdflash::w4_mma_mm", mutates_args=())
 def _mma_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, n: int, group: int,
-            block_p: int, block_w: int, split_k: int, num_warps: int) -> torch.Tensor:
-    return _launch(x, words, scales, counts, n, group, block_p, block_w, split_k, num_warps)
+            block_p: int, block_w: int, split_k: int, num_warps: int, prefetch: bool) -> torch.Tensor:
+    return _launch(x, words, scales, counts, n, group, block_p, block_w, split_k, num_warps, prefetch)
 
 
 @_mma_mm.register_fake
-def _(x, words, scales, counts, n, group, block_p, block_w, split_k, num_warps):
+def _(x, words, scales, counts, n, group, block_p, block_w, split_k, num_warps, prefetch):
     return x.new_empty((x.shape[0], n))
 
 
 def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, n: int, group: int,
-            block_p: int, block_w: int, split_k: int, num_warps: int) -> torch.Tensor:
+            block_p: int, block_w: int, split_k: int, num_warps: int, prefetch: bool) -> torch.Tensor:
     m, k = x.shape[0], words.shape[1] * 4
     x = x.contiguous()
     if x.storage_offset() % 4:  # read 4 activations at a time: 8-byte aligned
@@ -352,7 +381,8 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: 
     common = dict(GROUP_WORDS=group // 4, BLOCK_P=block_p, SPLITS=split_k, num_warps=num_warps)
     if m == 1:
         _w4_mma_kernel[grid](x.view(torch.int64), words, scales, out, n // 2, words.stride(0), scales.stride(0),
-                             out.stride(0) if split_k > 1 else 0, k // 4 // split_k, y, counts, BLOCK_W=block_w, **common)
+                             out.stride(0) if split_k > 1 else 0, k // 4 // split_k, y, counts, BLOCK_W=block_w,
+                             PREFETCH=prefetch, **common)
     else:
         xs = x.view(torch.int64)
         _w4_mma_rows_kernel[grid](xs, words, scales, out, m, n // 2, xs.stride(0), words.stride(0), scales.stride(0),
