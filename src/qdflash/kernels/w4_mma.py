@@ -15,7 +15,7 @@ its B fragment (b0b1: slots 0-1, b2b3: slots 2-3). Then the mma's C[g][g] (g = l
 of quad g's four words with their own activations for row n1, and C[g + 8][g] for row n2: the other 56 of
 C's 64 columns x rows mix one lane's weights with another's activations and are dropped. So the 4 lanes of a
 quad must hold words of the same row pair (each lane's own columns, any of them): true of Triton's blocked
-layout for a [pairs, words] tile with >= 4 lanes along the words (tests/test_w4_mma.py checks the compiled
+layout for a [pairs, words] tile with >= 4 lanes along the words (tests/test_kernels.py checks the compiled
 layout), and no element may be held twice (the useful lane is chosen by lane id).
 
 2-16 rows (a verify block, `_w4_mma_rows_kernel`) read the same words: a [pairs, 16 words] tile puts the 4 lanes
