@@ -137,11 +137,11 @@ def run_ptx(asm: str, operands: dict) -> dict:
         if not line or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
-        if op.startswith("ld.global"):  # dst or {lo, hi} (v2: one 64-bit value), [address]: operands["memory"][address]
+        if op.startswith("ld.global"):  # dst or {lo, hi} (v2.b32: one 64-bit value), [address]: operands["memory"][address]
             *dsts, address = (a.strip(" []{}") for a in args.split(","))
-            bits = regs["memory"][value(address)]
+            bits, width = regs["memory"][value(address)], 64 if op.endswith(".b64") else 32
             for i, dst in enumerate(dsts):
-                regs[dst] = bits >> 32 * i & 0xFFFFFFFF
+                regs[dst] = bits >> width * i & ((1 << width) - 1)
             continue
         if op in ("mov.b32", "mov.b64") and args.startswith("{"):  # unpack: {lo, hi}, src
             lo, hi, src = (a.strip(" {}") for a in args.replace("}", ",").split(",") if a.strip())
@@ -278,8 +278,9 @@ def test_w4_mma_asm_gives_one_row_of_the_dequantized_product(scales_given):
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("given", [False, True])
 @pytest.mark.parametrize("m", [16, 5])
-def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m):
+def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m, given):
     """The 2-16-row kernel's PTX (w4_mma.rows_asm: 16 rows two mmas, up to 8 one) on `pack`'s words, one warp of its
     layout (lanes: 8 row pairs x 4 along 16-word tiles, 4 words a lane), run by `run_warp`: quad g feeds activation
     rows g and g + 8 (past m: row m - 1, as the kernel clamps), and lane t of quad g ends with row pair g times
@@ -296,7 +297,7 @@ def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m):
     memory = {i: int(v) & 0xFFFFFFFF for i, v in enumerate(pairs.flatten())}
     memory.update({1000 + i: int(v) & 0xFFFFFFFFFFFFFFFF for i, v in enumerate(xs.flatten())})  # activations from 1000 on
     high = m > 8
-    asm, outs = w4_mma.rows_asm(high), 8 if high else 4
+    asm, outs = w4_mma.rows_asm(high, given), 8 if high else 4
     first_acc = outs + (4 if high else 3)
     accs = [[[0] * outs for _ in range(32)] for _ in range(4)]
     for tile in range(k // 4 // 16):
@@ -311,6 +312,9 @@ def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m):
                         **{f"${first_acc + i}": accs[j][lane][i] for i in range(outs)}}
                 if high:
                     regs[f"${outs + 3}"] = 1000 + row_b * xs.shape[1] + word
+                if given:  # the prefetch tiles: LOAD_B32 / LOAD_B64 first, ops of their own
+                    for i, load in ((1, w4_mma.LOAD_B32), (2, w4_mma.LOAD_B64), (3, w4_mma.LOAD_B64))[:3 if high else 2]:
+                        regs[f"${outs + i}"] = run_ptx("{" + load + "}", {"$1": regs[f"${outs + i}"], "memory": memory})["$0"]
                 operands.append(regs)
             accs[j] = [[regs[f"${i}"] for i in range(outs)] for regs in run_warp(asm, operands)]
     got = np.zeros((m, n))
@@ -811,24 +815,25 @@ def test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes(tile):
     assert lanes[0] * warps[0] <= block_p and per_thread[1] * lanes[1] * warps[1] <= block_w, layout
 
 
-@pytest.mark.parametrize("tile", [(32, 4, True, 1), (64, 8, False, 2), (64, 4, True, 4)])
+@pytest.mark.parametrize("tile", [(32, 4, True, 1, False), (64, 8, False, 2, False), (64, 4, True, 4, False),
+                                  (32, 4, True, 1, True), (64, 8, False, 2, True)])
 def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile):
     """The 2-16-row tensor-core W4 kernel lowers for sm_90 without a spill and without a layout conversion in its K
     loop, its mmas in the PTX (two a word for 9-16 rows), and its inline asm's operands laid out as it assumes: 4 words
     a lane, 4 lanes along the 16-word tile and 8 along the pairs (a warp's quads at the same columns), warps along the
     pairs only (so pair p sits in quad p % 8, and lane t of a quad holds words 4t..4t+3)."""
-    block_p, warps, high, splits = tile
+    block_p, warps, high, splits, prefetch = tile
     signature = {"x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*i32", "out_ptr": "*bf16" if splits == 1 else "*fp32", "M": "i32",
                  "N2": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32",
                  "W_PER_SPLIT": "i32", "y_ptr": "*bf16", "counts_ptr": "*i32"}
     used = sm90_resources("qdflash.kernels.w4_mma", "_w4_mma_rows_kernel", signature,
-                          dict(GROUP_WORDS=8, BLOCK_P=block_p, HIGH=high, SPLITS=splits), warps,
+                          dict(GROUP_WORDS=8, BLOCK_P=block_p, HIGH=high, SPLITS=splits, PREFETCH=prefetch), warps,
                           aligned_args(signature) + ["W_PER_SPLIT"])
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["CONVERTS_IN_LOOPS"] == 0, used
     assert used["MMAS"] * 8 == used["BF16X2_FMAS"] * (2 if high else 1) > 0, used  # a word: 8 bf16x2 FMAs, 1 or 2 mmas
-    assert len(used["ASM_LAYOUTS"]) == 1, used
-    assert used["ASM_LAYOUTS"][0] == {"sizePerThread": [1, 4], "threadsPerWarp": [8, 4], "warpsPerCTA": [warps, 1],
-                                      "order": [1, 0]}, used
+    assert len(used["ASM_LAYOUTS"]) == 1 + prefetch * (3 if high else 2), used  # the mma asm (and its loads)
+    assert all(layout == {"sizePerThread": [1, 4], "threadsPerWarp": [8, 4], "warpsPerCTA": [warps, 1], "order": [1, 0]}
+               for layout in used["ASM_LAYOUTS"]), used
 
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block chunked 5",

@@ -59,7 +59,7 @@ class Config:
     block_w: int = 64  # words along K of a tile (4 columns each)
     split_k: int = 1
     num_warps: int = 4
-    prefetch: bool = False  # one row: the next tile's words loaded before this one's math, its scales by their own asm
+    prefetch: bool = False  # the next tile's words loaded before this one's math, its scales (activations) by asm of their own
 
 
 # A word's A fragment (r0-r3) from the word ({word}) and the address of its row pair's scales ({scales}: bf16 s_n1 low,
@@ -86,25 +86,30 @@ MMA_WORD, MMA_WORD_GIVEN = word_asm(False), word_asm(True)
 # A 32-bit load as an elementwise op of its own (no tl.load: it would set the layout, see DEQUANT's comment), whose
 # only input is its address: issued as early as that is known, not behind the word it scales as inside MMA_WORD.
 LOAD_B32 = "ld.global.nc.b32 $0, [$1];"
+LOAD_B64 = "ld.global.nc.b64 $0, [$1];"  # 4 activations (the rows kernel's, as LOAD_B32 for the same reason)
 
 
-def rows_asm(high: bool) -> str:
+def rows_asm(high: bool, given: bool = False) -> str:
     """2-16 rows (`_w4_mma_rows_kernel`): the word, its scales' address, the addresses of the 4 activations at its
     columns in activation row g and (`high`) g + 8, the accumulators -> the accumulators after one mma per 8 activation
-    rows, the word's A fragment made once. Operands: 8 outputs with `high`, else 4, then the inputs in that order."""
+    rows, the word's A fragment made once. `given`: the scale pair and the activations themselves instead of their
+    addresses (loaded before by LOAD_B32 / LOAD_B64). Operands: 8 outputs with `high`, else 4, then the inputs."""
     outs = 8 if high else 4
     word, scales, xa, xb = (f"${i}" for i in range(outs, outs + 4))
     acc = outs + (4 if high else 3)
+    dequant = DEQUANT.replace("ld.global.nc.b32 sp, [{scales}];", "mov.b32 sp, {scales};") if given else DEQUANT
+    load = "mov.b64 {{{0}0, {0}1}}, {1};" if given else "ld.global.nc.v2.b32 {{{0}0, {0}1}}, [{1}];"
     lines = ["{", ".reg .b32 r0, r1, r2, r3, sp, s1, s2, one, bias, nz, xa0, xa1, xb0, xb1;",
-             DEQUANT.format(word=word, scales=scales).strip(), f"ld.global.nc.v2.b32 {{xa0, xa1}}, [{xa}];",
+             dequant.format(word=word, scales=scales).strip(), load.format("xa", xa),
              f"{MMA} {{$0, $1, $2, $3}}, {{r0, r1, r2, r3}}, {{xa0, xa1}}, {{${acc}, ${acc + 1}, ${acc + 2}, ${acc + 3}}};"]
     if high:
-        lines += [f"ld.global.nc.v2.b32 {{xb0, xb1}}, [{xb}];",
+        lines += [load.format("xb", xb),
                   f"{MMA} {{$4, $5, $6, $7}}, {{r0, r1, r2, r3}}, {{xb0, xb1}}, {{${acc + 4}, ${acc + 5}, ${acc + 6}, ${acc + 7}}};"]
     return "\n".join(lines + ["}"])
 
 
 MMA_ROWS8, MMA_ROWS16 = rows_asm(False), rows_asm(True)
+MMA_ROWS8_GIVEN, MMA_ROWS16_GIVEN = rows_asm(False, True), rows_asm(True, True)
 
 # The accumulators ($2-$5) -> row n1's and n2's sums ($0, $1) in the lane that holds C[g][g] and C[g + 8][g]
 # (lane 4g + g / 2: c0 / c2 for even g, c1 / c3 for odd), 0 in every other lane.
@@ -132,6 +137,9 @@ if triton is not None:
     _DIAGONAL = tl.constexpr(DIAGONAL)
     _MMA_ROWS8 = tl.constexpr(MMA_ROWS8)
     _MMA_ROWS16 = tl.constexpr(MMA_ROWS16)
+    _MMA_ROWS8_GIVEN = tl.constexpr(MMA_ROWS8_GIVEN)
+    _MMA_ROWS16_GIVEN = tl.constexpr(MMA_ROWS16_GIVEN)
+    _LOAD_B64 = tl.constexpr(LOAD_B64)
 
     @triton.jit
     def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N2, stride_wn, stride_sn, stride_os, W_PER_SPLIT, y_ptr, counts_ptr,
@@ -184,13 +192,14 @@ if triton is not None:
     @triton.jit
     def _w4_mma_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N2, stride_xm, stride_wn, stride_sn, stride_os, W_PER_SPLIT,
                             y_ptr, counts_ptr, GROUP_WORDS: tl.constexpr, BLOCK_P: tl.constexpr, HIGH: tl.constexpr,
-                            SPLITS: tl.constexpr):
+                            SPLITS: tl.constexpr, PREFETCH: tl.constexpr = False):
         """2-16 rows of x (x_ptr: int64, 4 bf16 each, rows stride_xm apart), the same words as the one-row kernel, in
         tiles of 16 words: Triton lays a [pairs, 16] int32 tile out with 4 lanes along the words and 8 along the
         pairs, so at each register the warp's 8 quads hold 8 row pairs at the same columns. Quad g then feeds the
         mma's B column g with activation row g (HIGH: a second mma with row g + 8), and C[g][n] / C[g + 8][n] is row
         pair g times activation row n: every lane's accumulators are outputs (lane t of a quad: rows 2t, 2t + 1).
-        out_ptr [SPLITS, M, 2 * N2] (the output for one split; else fp32 partial sums reduced in this launch)."""
+        out_ptr [SPLITS, M, 2 * N2] (the output for one split; else fp32 partial sums reduced in this launch).
+        PREFETCH: as the one-row kernel's, the activations too loaded by an asm op of their own (LOAD_B64)."""
         BLOCK_W: tl.constexpr = 16
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -209,11 +218,30 @@ if triton is not None:
         b1 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
         b2 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
         b3 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+        words_at = w_ptr + rp[:, None] * stride_wn + (pid_k * W_PER_SPLIT + rw)[None, :]
+        if PREFETCH:
+            ahead = tl.load(words_at, mask=p_ok, other=0)
         for step in range(0, W_PER_SPLIT, BLOCK_W):
             cols = (pid_k * W_PER_SPLIT + step + rw)[None, :]
-            words = tl.load(w_ptr + rp[:, None] * stride_wn + cols, mask=p_ok, other=0)
             scales = s_ptr + rows * stride_sn + cols // GROUP_WORDS
-            if HIGH:
+            if PREFETCH:
+                words = ahead
+                ahead = tl.load(words_at + step + BLOCK_W, mask=p_ok & (step + BLOCK_W < W_PER_SPLIT), other=0)
+                pairs = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [scales], dtype=tl.int32, is_pure=True, pack=1)
+                xs_a = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xa + cols], dtype=tl.int64, is_pure=True, pack=1)
+            else:
+                words = tl.load(words_at + step, mask=p_ok, other=0)
+            if PREFETCH and HIGH:
+                xs_b = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xb + cols], dtype=tl.int64, is_pure=True, pack=1)
+                a0, a1, a2, a3, b0, b1, b2, b3 = tl.inline_asm_elementwise(
+                    _MMA_ROWS16_GIVEN, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,l,l,f,f,f,f,f,f,f,f",
+                    [words, pairs, xs_a, xs_b, a0, a1, a2, a3, b0, b1, b2, b3], dtype=(tl.float32,) * 8,
+                    is_pure=True, pack=1)
+            elif PREFETCH:
+                a0, a1, a2, a3 = tl.inline_asm_elementwise(_MMA_ROWS8_GIVEN, "=f,=f,=f,=f,r,r,l,f,f,f,f",
+                                                           [words, pairs, xs_a, a0, a1, a2, a3],
+                                                           dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+            elif HIGH:
                 a0, a1, a2, a3, b0, b1, b2, b3 = tl.inline_asm_elementwise(
                     _MMA_ROWS16, "=f,=f,=f,=f,=f,=f,=f,=f,r,l,l,l,f,f,f,f,f,f,f,f",
                     [words, scales, xa + cols, xb + cols, a0, a1, a2, a3, b0, b1, b2, b3], dtype=(tl.float32,) * 8,
@@ -289,8 +317,7 @@ def fits(config: Config, n: int, k: int, rows: int = 1) -> bool:
     """K's words split into whole tiles; for 2-16 rows also N into whole column blocks (their split-K reduction reads
     the [rows, N] output flat) and 16-word tiles (the layout the rows kernel needs)."""
     whole = (k // 4) % (config.split_k * config.block_w) == 0
-    return whole if rows == 1 else (whole and config.block_w == ROWS_TILE_W and (n // 2) % config.block_p == 0
-                                    and not config.prefetch)
+    return whole if rows == 1 else whole and config.block_w == ROWS_TILE_W and (n // 2) % config.block_p == 0
 
 
 ROWS_TILE_W = 16  # the rows kernel's tile: 4 lanes x 4 words along K, so a warp's 8 quads hold 8 row pairs
@@ -298,16 +325,17 @@ ROWS_TILE_W = 16  # the rows kernel's tile: 4 lanes x 4 words along K, so a warp
 
 def configs(n: int, k: int, group: int, rows: int = 1) -> list[Config]:
     """The tiles `w4a16.tune` times. One row: 4 warps, 4-16 words a thread (each its 4 fp32 accumulators in
-    registers), at least as many words as the blocked layout covers (no word held twice), each also with `prefetch`. 2-16 rows: 16-word tiles of
-    8 row pairs per warp (4 or 8 warps, one or two such rows of quads). Both: 64..4096 programs, K split 1-8 ways
-    (powers of two: the in-launch reduction's). Each tile and split is a compile of its own: tuning time."""
+    registers), at least as many words as the blocked layout covers (no word held twice). 2-16 rows: 16-word tiles of
+    8 row pairs per warp (4 or 8 warps, one or two such rows of quads). Both: each tile also with `prefetch`,
+    64..4096 programs, K split 1-8 ways (powers of two: the in-launch reduction's). Each tile and split is a compile
+    of its own: tuning time."""
     out = []
     if rows > 1:
         for block_p, warps in ((32, 4), (64, 4), (64, 8)):
             for split_k in (1, 2, 4, 8):
                 c = Config(block_p, ROWS_TILE_W, split_k, warps)
                 if fits(c, n, k, rows) and 64 <= n // (2 * block_p) * split_k <= 4096:
-                    out.append(c)
+                    out += [c, replace(c, prefetch=True)]
         return out
     for block_p in (4, 8, 16, 32):
         for block_w in (32, 64, 128):
@@ -386,5 +414,6 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: 
     else:
         xs = x.view(torch.int64)
         _w4_mma_rows_kernel[grid](xs, words, scales, out, m, n // 2, xs.stride(0), words.stride(0), scales.stride(0),
-                                  out.stride(0) if split_k > 1 else 0, k // 4 // split_k, y, counts, HIGH=m > 8, **common)
+                                  out.stride(0) if split_k > 1 else 0, k // 4 // split_k, y, counts, HIGH=m > 8,
+                                  PREFETCH=prefetch, **common)
     return y
