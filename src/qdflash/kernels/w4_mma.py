@@ -73,12 +73,17 @@ DEQUANT = ("ld.global.nc.b32 sp, [{scales}];\nprmt.b32 s1, sp, sp, 0x1010;\nprmt
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 
+def dequant(given: bool) -> str:
+    """DEQUANT, or with `given` the same taking the scale pair itself ({scales}, loaded before by LOAD_B32)."""
+    return DEQUANT.replace("ld.global.nc.b32 sp, [{scales}];", "mov.b32 sp, {scales};") if given else DEQUANT
+
+
 def word_asm(scales_given: bool) -> str:
     """One row: the word ($4), its scales' address ($5; `scales_given`: the scale pair itself, loaded before by
     LOAD_B32), the 4 activations at its columns ($6, 64 bits), the accumulators ($7-$10) -> the accumulators after
     one m16n8k16 mma ($0-$3)."""
-    dequant = DEQUANT.replace("ld.global.nc.b32 sp, [{scales}];", "mov.b32 sp, {scales};") if scales_given else DEQUANT
-    return ("{\n.reg .b32 r0, r1, r2, r3, sp, s1, s2, one, bias, nz, xlo, xhi;\n" + dequant.format(word="$4", scales="$5")
+    return ("{\n.reg .b32 r0, r1, r2, r3, sp, s1, s2, one, bias, nz, xlo, xhi;\n"
+            + dequant(scales_given).format(word="$4", scales="$5")
             + "mov.b64 {xlo, xhi}, $6;\n" + MMA + " {$0, $1, $2, $3}, {r0, r1, r2, r3}, {xlo, xhi}, {$7, $8, $9, $10};\n}")
 
 
@@ -97,10 +102,9 @@ def rows_asm(high: bool, given: bool = False) -> str:
     outs = 8 if high else 4
     word, scales, xa, xb = (f"${i}" for i in range(outs, outs + 4))
     acc = outs + (4 if high else 3)
-    dequant = DEQUANT.replace("ld.global.nc.b32 sp, [{scales}];", "mov.b32 sp, {scales};") if given else DEQUANT
     load = "mov.b64 {{{0}0, {0}1}}, {1};" if given else "ld.global.nc.v2.b32 {{{0}0, {0}1}}, [{1}];"
     lines = ["{", ".reg .b32 r0, r1, r2, r3, sp, s1, s2, one, bias, nz, xa0, xa1, xb0, xb1;",
-             dequant.format(word=word, scales=scales).strip(), load.format("xa", xa),
+             dequant(given).format(word=word, scales=scales).strip(), load.format("xa", xa),
              f"{MMA} {{$0, $1, $2, $3}}, {{r0, r1, r2, r3}}, {{xa0, xa1}}, {{${acc}, ${acc + 1}, ${acc + 2}, ${acc + 3}}};"]
     if high:
         lines += [load.format("xb", xb),
@@ -167,18 +171,16 @@ if triton is not None:
             w0 = pid_k * W_PER_SPLIT + step
             scales = s_ptr + rows * stride_sn + ((w0 + rw) // GROUP_WORDS)[None, :]
             x = tl.broadcast_to(tl.load(x_ptr + w0 + rw)[None, :], (BLOCK_P, BLOCK_W))
-            if PREFETCH:
+            if PREFETCH:  # the asm takes the scale pair, loaded by an op of its own
                 words = ahead
                 ahead = tl.load(words_at + step + BLOCK_W, mask=p_ok & (step + BLOCK_W < W_PER_SPLIT), other=0)
-                pairs = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [scales], dtype=tl.int32, is_pure=True, pack=1)
-                c0, c1, c2, c3 = tl.inline_asm_elementwise(_MMA_WORD_GIVEN, "=f,=f,=f,=f,r,r,l,f,f,f,f",
-                                                           [words, pairs, x, c0, c1, c2, c3], dtype=(tl.float32,) * 4,
-                                                           is_pure=True, pack=1)
-            else:
+                s_in = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [scales], dtype=tl.int32, is_pure=True, pack=1)
+            else:  # ... its address, loaded in it
                 words = tl.load(words_at + step, mask=p_ok, other=0)
-                c0, c1, c2, c3 = tl.inline_asm_elementwise(_MMA_WORD, "=f,=f,=f,=f,r,l,l,f,f,f,f",  # scales loaded in it
-                                                           [words, scales, x, c0, c1, c2, c3], dtype=(tl.float32,) * 4,
-                                                           is_pure=True, pack=1)
+                s_in = scales
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                _MMA_WORD_GIVEN if PREFETCH else _MMA_WORD, "=f,=f,=f,=f,r," + ("r" if PREFETCH else "l") + ",l,f,f,f,f",
+                [words, s_in, x, c0, c1, c2, c3], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
         y1, y2 = tl.inline_asm_elementwise(_DIAGONAL, "=f,=f,f,f,f,f", [c0, c1, c2, c3], dtype=(tl.float32,) * 2,
                                            is_pure=True, pack=1)
         ok = rp < N2
@@ -224,40 +226,33 @@ if triton is not None:
         for step in range(0, W_PER_SPLIT, BLOCK_W):
             cols = (pid_k * W_PER_SPLIT + step + rw)[None, :]
             scales = s_ptr + rows * stride_sn + cols // GROUP_WORDS
-            if PREFETCH:
+            if PREFETCH:  # the asm takes the scale pair and the activations, each loaded by an op of its own
                 words = ahead
                 ahead = tl.load(words_at + step + BLOCK_W, mask=p_ok & (step + BLOCK_W < W_PER_SPLIT), other=0)
-                pairs = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [scales], dtype=tl.int32, is_pure=True, pack=1)
-                xs_a = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xa + cols], dtype=tl.int64, is_pure=True, pack=1)
-            else:
+                s_in = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [scales], dtype=tl.int32, is_pure=True, pack=1)
+                xa_in = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xa + cols], dtype=tl.int64, is_pure=True, pack=1)
+                if HIGH:
+                    xb_in = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xb + cols], dtype=tl.int64, is_pure=True, pack=1)
+            else:  # ... their addresses, loaded in it
                 words = tl.load(words_at + step, mask=p_ok, other=0)
-            if PREFETCH and HIGH:
-                xs_b = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xb + cols], dtype=tl.int64, is_pure=True, pack=1)
+                s_in, xa_in, xb_in = scales, xa + cols, xb + cols
+            if HIGH:
                 a0, a1, a2, a3, b0, b1, b2, b3 = tl.inline_asm_elementwise(
-                    _MMA_ROWS16_GIVEN, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,l,l,f,f,f,f,f,f,f,f",
-                    [words, pairs, xs_a, xs_b, a0, a1, a2, a3, b0, b1, b2, b3], dtype=(tl.float32,) * 8,
-                    is_pure=True, pack=1)
-            elif PREFETCH:
-                a0, a1, a2, a3 = tl.inline_asm_elementwise(_MMA_ROWS8_GIVEN, "=f,=f,=f,=f,r,r,l,f,f,f,f",
-                                                           [words, pairs, xs_a, a0, a1, a2, a3],
-                                                           dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-            elif HIGH:
-                a0, a1, a2, a3, b0, b1, b2, b3 = tl.inline_asm_elementwise(
-                    _MMA_ROWS16, "=f,=f,=f,=f,=f,=f,=f,=f,r,l,l,l,f,f,f,f,f,f,f,f",
-                    [words, scales, xa + cols, xb + cols, a0, a1, a2, a3, b0, b1, b2, b3], dtype=(tl.float32,) * 8,
+                    _MMA_ROWS16_GIVEN if PREFETCH else _MMA_ROWS16,
+                    "=f,=f,=f,=f,=f,=f,=f,=f,r," + ("r" if PREFETCH else "l") + ",l,l,f,f,f,f,f,f,f,f",
+                    [words, s_in, xa_in, xb_in, a0, a1, a2, a3, b0, b1, b2, b3], dtype=(tl.float32,) * 8,
                     is_pure=True, pack=1)
             else:
-                a0, a1, a2, a3 = tl.inline_asm_elementwise(_MMA_ROWS8, "=f,=f,=f,=f,r,l,l,f,f,f,f",
-                                                           [words, scales, xa + cols, a0, a1, a2, a3],
-                                                           dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+                a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                    _MMA_ROWS8_GIVEN if PREFETCH else _MMA_ROWS8, "=f,=f,=f,=f,r," + ("r" if PREFETCH else "l") + ",l,f,f,f,f",
+                    [words, s_in, xa_in, a0, a1, a2, a3], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
         base = out_ptr + pid_k * stride_os + 2 * rp[:, None]
         lane_rows = 2 * tl.arange(0, 4)[None, :]  # lane t's accumulators c0 / c1: activation rows 2t / 2t + 1
-        ok = p_ok
-        _store_rows(base, a0, a1, lane_rows, 0, M, N2, ok, BLOCK_P)
-        _store_rows(base + 1, a2, a3, lane_rows, 0, M, N2, ok, BLOCK_P)
+        _store_rows(base, a0, a1, lane_rows, 0, M, N2, p_ok, BLOCK_P)
+        _store_rows(base + 1, a2, a3, lane_rows, 0, M, N2, p_ok, BLOCK_P)
         if HIGH:
-            _store_rows(base, b0, b1, lane_rows, 8, M, N2, ok, BLOCK_P)
-            _store_rows(base + 1, b2, b3, lane_rows, 8, M, N2, ok, BLOCK_P)
+            _store_rows(base, b0, b1, lane_rows, 8, M, N2, p_ok, BLOCK_P)
+            _store_rows(base + 1, b2, b3, lane_rows, 8, M, N2, p_ok, BLOCK_P)
         if SPLITS > 1:  # the block's [M, 2 * BLOCK_P] outputs, flattened as [M, N] is (N a multiple of 2 * BLOCK_P)
             j = tl.arange(0, 16 * 2 * BLOCK_P)
             cols = (j // (2 * BLOCK_P)) * (2 * N2) + pid_n * 2 * BLOCK_P + j % (2 * BLOCK_P)
@@ -309,8 +304,9 @@ def pack(words: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtyp
     n, k = words.shape[0], words.shape[1] * 8
     if not supported(n, k, group, dtype, words.device):
         raise QdflashError(f"w4_mma cannot run a {n}x{k} weight in group {group} at {dtype} on {words.device}")
-    counts = torch.zeros(-(-n // 8), dtype=torch.int32, device=words.device)  # >= one per column block of any config
-    return pack_words(words), pack_scales(scale), counts, n
+    from .w4a16 import split_counts  # w4a16 imports this module
+
+    return pack_words(words), pack_scales(scale), split_counts(n, words.device), n  # >= one count per column block
 
 
 def fits(config: Config, n: int, k: int, rows: int = 1) -> bool:
@@ -406,14 +402,12 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: 
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32) if split_k > 1 else y  # the splits' partial sums
     grid = (triton.cdiv(n // 2, block_p), split_k)
-    common = dict(GROUP_WORDS=group // 4, BLOCK_P=block_p, SPLITS=split_k, num_warps=num_warps)
+    common = dict(GROUP_WORDS=group // 4, BLOCK_P=block_p, SPLITS=split_k, PREFETCH=prefetch, num_warps=num_warps)
+    xs = x.view(torch.int64)
     if m == 1:
-        _w4_mma_kernel[grid](x.view(torch.int64), words, scales, out, n // 2, words.stride(0), scales.stride(0),
-                             out.stride(0) if split_k > 1 else 0, k // 4 // split_k, y, counts, BLOCK_W=block_w,
-                             PREFETCH=prefetch, **common)
+        _w4_mma_kernel[grid](xs, words, scales, out, n // 2, words.stride(0), scales.stride(0),
+                             out.stride(0) if split_k > 1 else 0, k // 4 // split_k, y, counts, BLOCK_W=block_w, **common)
     else:
-        xs = x.view(torch.int64)
         _w4_mma_rows_kernel[grid](xs, words, scales, out, m, n // 2, xs.stride(0), words.stride(0), scales.stride(0),
-                                  out.stride(0) if split_k > 1 else 0, k // 4 // split_k, y, counts, HIGH=m > 8,
-                                  PREFETCH=prefetch, **common)
+                                  out.stride(0) if split_k > 1 else 0, k // 4 // split_k, y, counts, HIGH=m > 8, **common)
     return y
