@@ -2,8 +2,8 @@
 4-bit projection at batch 1, timed by `w4a16.tune` beside the others (it is one of `w4a16.EXTERNAL`).
 
 Why: at one row a 4-bit matmul has ~8 weights per byte of instructions to spend, and the fp32 FMA GEMV
-(`w4a16._w4a16_gemv_kernel`) spends ~6 SASS instructions a weight (unpack, bias, FMA, the activation's
-conversion), so it is bound by instruction issue near 1.5 TB/s where the 16-bit GEMV streams 4.2 TB/s
+(`w4a16._w4a16_gemv_kernel`) spends 6-7 SASS instructions a weight (unpack, bias, FMA, the activation's
+conversion; `scripts/investigations/w4_sass.py`), so it is bound by instruction issue near 1.5 TB/s where the 16-bit GEMV streams 4.2 TB/s
 (README, `scripts/investigations/w4_step_floor.py`). Here two weights become bf16 in ~1 instruction each
 (`w4a16.BF16_NIBBLES`'s bit tricks, a pair at a time) and one `mma.sync` multiplies 8 of them per lane.
 
@@ -21,7 +21,7 @@ layout), and no element may be held twice (the useful lane is chosen by lane id)
 2-16 rows (a verify block, `_w4_mma_rows_kernel`) read the same words: a [pairs, 16 words] tile puts the 4 lanes
 of a quad along the words and a warp's 8 quads on 8 row pairs at the same columns, so quad g can feed the mma's B
 column g with activation row g (a second mma: row g + 8): C[g][n] is then row pair g times activation row n, and every
-lane's accumulators are outputs. A word is unpacked once for both mmas: 16 rows cost ~1.2x one row's instructions.
+lane's accumulators are outputs. A word is unpacked once for both mmas: 16 rows cost ~1.3x one row's instructions.
 
 Numbers: each weight is q * scale rounded to bf16 (what the 2-16-row kernels, Marlin and cuBLAS on the
 dequantized weight multiply), products and sums in fp32 on the tensor cores. bf16 activations on a CUDA GPU
