@@ -107,6 +107,19 @@ def test_component_bench_runs_on_the_cpu(runs):
     assert r["reference.implied_speedup.tau3.0.target16+drafter16.vs_ar16"] == pytest.approx(3.0 * bound, abs=2e-3)
 
 
+def test_w4_head_only_measures_the_w4_head_target_alone(tmp_path):
+    """--w4-head-only (the must-show run in less device time): no target_w4 / drafter_w4 anywhere in the
+    result, the W4-head target and its drafter with their implied speedups and reference bounds."""
+    run = Started(tmp_path, "head_only", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32", "--w4-head-only")
+    r = run.result()
+    assert not any(k.startswith(("target_w4.", "drafter_w4.")) and k != "target_w4.quantized_layers" for k in r)
+    assert not any(".target_w4+" in k or "w4_decode_speedup" in k.replace("w4_head_decode", "") for k in r)
+    assert r["target_w4_head.decode_ms"] > 0 and r["drafter_w4_head.step_ms"] > 0
+    assert "w4a16_rel_err@1" in r or r["w4a16_check"].startswith("no packed")
+    assert "implied_speedup.tau6.5.target_w4_head+drafter_w4_head.vs_ar16" in r
+    assert r["reference.implied_speedup.tau3.0.target_w4_head+drafter_w4_head.vs_ar16"] > 0
+
+
 def test_study_runs_each_arm_on_the_cpu(runs):
     r = runs["study"].result()
     assert r["target_w4_gdn_fused"].startswith("skipped: the W4 target's qkvz is 4-bit")
