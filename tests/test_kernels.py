@@ -1122,6 +1122,52 @@ class FakeGemlite:
             return (self.scale_by * torch.nn.functional.linear(x.float(), self.weight)).to(x.dtype)
 
 
+def test_tuning_records_the_tile_an_external_kernel_won_with(monkeypatch):
+    """An EXTERNAL kernel with tiles: `tune` remembers its fastest tile for the kernel and keeps it for the record
+    (`external_tiles`: whether w4_mma won with `prefetch` is what its time alone does not say); a kernel without
+    tiles records none, and an untuned shape has nothing."""
+    from dataclasses import dataclass
+
+    import qdflash.kernels as kernels
+    from qdflash.kernels import w4a16
+    from qdflash.kernels.w4a16 import dequantize_words
+
+    n, k, group = 16, 256, 32
+    remembered = []
+
+    @dataclass(frozen=True)
+    class Tile:
+        width: int
+        prefetch: bool
+
+    class Tiled:
+        supported = staticmethod(lambda n, k, group, dtype, device: True)
+        pack = staticmethod(lambda words, scale, group, dtype: (dequantize_words(words, scale, group).to(dtype),))
+        configs = staticmethod(lambda n, k, group, rows: [Tile(32, False), Tile(32, True), Tile(64, True)])
+        remember = staticmethod(lambda n, k, group, rows, tile: remembered.append(tile))
+
+        @staticmethod
+        def matmul(x, weight, group, config=None):
+            return torch.nn.functional.linear(x, weight)
+
+    class Plain:  # no tiles of its own
+        supported, pack, matmul = Tiled.supported, Tiled.pack, Tiled.matmul
+
+    monkeypatch.setattr(w4a16, "EXTERNAL", {"tiled": Tiled, "plain": Plain})
+    times = iter([3.0, 2.0, 4.0, 1.0, 5.0, 6.0])  # our one tile 3; tiled's 2, 4, 1; plain 5; cuBLAS 6
+    monkeypatch.setattr(kernels, "graph_ms", lambda fn, replays=10: (fn(), 2 * next(times))[1])  # 2 weight copies a call
+    for table in ("_TUNED", "_EXTERNAL_FASTER", "_EXTERNAL_TILES"):
+        monkeypatch.setattr(w4a16, table, {})
+    monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
+    configs = w4a16.candidate_configs(k, group, None, rows=1)[:1]
+    monkeypatch.setattr(w4a16, "candidate_configs", lambda k, group, n=None, rows=16, fast=False: configs)
+    assert w4a16.external_tiles(n, k, group, 1, torch.float32) == {}
+    others = w4a16.tune(n, k, group, rows=1, device=DEVICE, dtype=torch.float32, l2_bytes=1)[3]
+    assert others == {"tiled": 1.0, "plain": 5.0} and remembered == [Tile(64, True)]
+    assert w4a16.external_tiles(n, k, group, 1, torch.float32) == {"tiled": {"width": 64, "prefetch": True}}
+    assert w4a16.backend(n, k, group, 1, torch.float32) == "tiled" and w4a16.external_tiles(n, k, group, 16, torch.float32) == {}
+
+
 def test_gemlite_is_timed_checked_and_dispatched_like_tinygemm(monkeypatch):
     """gemlite (kernels.gemlite_w4; here its documented API on the CPU): this project's ints repacked as
     u = q + 8 with zero 8 give the dequantized product; tuning times it beside the others and a shape

@@ -66,7 +66,8 @@ def main() -> None:
                    "dense_ms": round(dense_ms, 4), "dense_gbps": gbps(dense_bytes, dense_ms),
                    **{f"{name}_ms": None if t is None else round(t, 4) for name, t in others.items()},
                    **{f"{name}_gbps": gbps(packed, t) for name, t in others.items()},
-                   "used": w4a16.backend(n, k, args.group, rows, dtype)}
+                   "used": w4a16.backend(n, k, args.group, rows, dtype),
+                   "external_tiles": w4a16.external_tiles(n, k, args.group, rows, dtype)}
             rows_out.append(row)
             cell = lambda t, b: "—" if t is None else f"{t * 1e3:6.1f}us {gbps(b, t):>5.0f}"  # noqa: E731
             print(f"{n:>7}x{k:<6} {rows:>4} | {cell(ms, packed):>14} {cell(dense_ms, dense_bytes):>14} "

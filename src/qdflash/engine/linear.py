@@ -23,7 +23,7 @@ from torch import nn
 
 from ..kernels import gemv as gemv_kernel
 from ..kernels.gemv import gemv, gemv_config
-from ..kernels.w4a16 import (EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, pack_int4, split_counts, tune,
+from ..kernels.w4a16 import (EXTERNAL, MAX_ROWS, backend, dense_faster, external_tiles, dequantize_words, pack_int4, split_counts, tune,
                              w4a16_matmul)
 from ..quant.grid import dequantize
 from ..quant.quantlinear import QuantLinear
@@ -217,7 +217,8 @@ def tune_projections(projections, dense_shapes=(), dtype: torch.dtype = torch.bf
             config, ms, dense_ms, others = tune(n, k, group, rows=rows, dtype=dtype)
             tuned[tuning_key("w4a16", n, k, rows, group)] = {"config": config.__dict__, "ms": round(ms, 4), "dense_ms": round(dense_ms, 4),
                                                       **{f"{name}_ms": None if t is None else round(t, 4) for name, t in others.items()},
-                                                      "used": backend(n, k, group, rows, dtype)}
+                                                      "used": backend(n, k, group, rows, dtype),
+                                                      "external_tiles": external_tiles(n, k, group, rows, dtype)}
     dense = {tuple(p.weight.shape) for p in projections if p.weight is not None and p.kernels} | set(map(tuple, dense_shapes))
     # a packed shape that runs dense (at 1 or 16 rows): its 16-bit GEMV may beat cuBLAS too
     dense |= {(n, k) for n, k, group in packed if any(dense_faster(n, k, group, rows, dtype) for rows in (1, MAX_ROWS))}

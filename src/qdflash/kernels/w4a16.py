@@ -26,6 +26,7 @@ speed, and the engine runs those shapes on the dequantized weight instead (engin
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, replace
 
@@ -325,6 +326,7 @@ def default_config(n: int, k: int, group: int, rows: int = 1, dtype: torch.dtype
 _TUNED: dict[tuple[int, int, int, int, torch.dtype], Config] = {}
 _DENSE_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # shapes / row buckets where cuBLAS on the 16-bit weight won
 _EXTERNAL_FASTER: dict[tuple[int, int, int, int, torch.dtype], str] = {}  # ... where another int4 kernel won: its name
+_EXTERNAL_TILES: dict[tuple[int, int, int, int, torch.dtype], dict] = {}  # ... each EXTERNAL kernel's fastest tile (those with tiles)
 # other int4 kernels on the same packed ints, timed by `tune` beside this one, by name: each module has
 # supported(n, k, group, dtype, device), pack(words, scale, group, dtype) -> state (a tuple) and matmul(x, *state, group);
 # optionally tiles of its own, timed per shape and row bucket (configs(n, k, group, rows) -> tiles, matmul(..., config=
@@ -347,6 +349,12 @@ def backend(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> str:
     ("tinygemm": torch's int4 op; "gemlite"), whichever `tune` timed fastest."""
     key = (n, k, group, row_bucket(rows), dtype)
     return _EXTERNAL_FASTER.get(key) or ("dense" if key in _DENSE_FASTER else "w4a16")
+
+
+def external_tiles(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> dict[str, dict]:
+    """The tile `tune` timed fastest for each EXTERNAL kernel that brings tiles (its fields), e.g. whether w4_mma's
+    won with `prefetch`: what the timings alone do not say. Empty where this shape was not tuned."""
+    return dict(_EXTERNAL_TILES.get((n, k, group, row_bucket(rows), dtype), {}))
 
 
 def _check_external(name: str, x, ws, ss, group: int):
@@ -439,6 +447,7 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     counts = split_counts(n, device)  # one row split over K reduces in its launch, as in the engine (Projection.counts)
     config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c, counts) for w, s in zip(ws, ss)], copies)
     others: dict[str, float | None] = {}
+    tiles_won: dict[str, dict] = {}
     for name, module in EXTERNAL.items():
         others[name] = None
         if not module.supported(n, k, group, dtype, device):
@@ -454,10 +463,12 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
         tile, others[name] = fastest(tiles, lambda c: [module.matmul(x, *state, group, **_tile(c)) for state in states], copies)
         if tile is not None:
             module.remember(n, k, group, rows, tile)
+            tiles_won[name] = dataclasses.asdict(tile) if dataclasses.is_dataclass(tile) else repr(tile)
         del states
     del ws, ss
     key = (n, k, group, row_bucket(rows), dtype)
     _TUNED[key] = config
+    _EXTERNAL_TILES[key] = tiles_won
     dense_copies = copies_past_l2(n * k * torch.finfo(dtype).bits // 8, l2_bytes)
     dense = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(dense_copies)]
     _, dense_ms = fastest([None], lambda _: [F.linear(x, w) for w in dense], dense_copies)
