@@ -168,7 +168,7 @@ def test_drafter_step_through_the_attention_kernel_drafts_what_sdpa_drafts():
     args = argparse.Namespace(shape="tiny", block=4, context=20, reps=1, compile=False, profile=False, attention="kernel")
     for label, group in (("drafter16", None), ("drafter_w4", 32)):
         out = bench_components.measure_drafter(target, args, "cpu", torch.float32, 1e11, label, group)
-        assert out[f"{label}.attention"] == "kernel" and out[f"{label}.kernel_drafts_agree_with_sdpa"] == 1.0, out
+        assert out[f"{label}.attention"] == "kernel" and out[f"{label}.drafts_agree_with_forward"] == 1.0, out
 
 
 def test_round_bench_runs_on_the_cpu(runs):

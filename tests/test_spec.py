@@ -313,6 +313,48 @@ def test_static_drafter_drafts_what_the_eager_session_drafts(fixture, window, re
         engine.session().append(features[0, :40].repeat(2, 1), 0)
 
 
+def test_static_drafter_runs_a_layer_as_five_matmuls_and_drafts_what_the_session_drafts(tiny_llama, monkeypatch):
+    """DrafterEngine runs each layer's linears fused (`fused_projections`): q / k / v of the block, k / v of the
+    context, o, gate / up and down, one matmul each, so a draft makes 5 per layer plus fc's and the head's (the
+    layers' own linears: 9 per layer). 16-bit and compressed (RTN W4, dequantized on the CPU) drafters draft the
+    eager session's tokens; a layer the engine cannot fuse (a linear of another kind) runs its own linears."""
+    from qdflash.drafter.compress import compress_drafter
+    from qdflash.drafter.model import GATE_UP, KV, QKV
+    from qdflash.drafter.train import target_pass
+    from qdflash.quant.grid import GridSpec
+
+    ids = prompt(3, 40)
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=2, seed=7).eval()
+    features, _ = target_pass(tiny_llama, ids, drafter.config.target_layer_ids)
+    engine = DrafterEngine(drafter, max_len=48, smallest_bucket=8)
+    layer = drafter.layers[0]
+    for names in (QKV, KV, GATE_UP):
+        assert engine.fused[0][names].out_features == sum(getattr(layer, n).out_features for n in names)
+    assert engine.fc.out_features == drafter.config.hidden_size and len(list(engine.projections())) == 1 + 5 * 2
+    calls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(a[1].shape) or linear(*a, **k))
+    engine.session().append(features[0, :4], 0)  # one block's rows: the draft writes their K/V
+    engine.draft(int(ids[0, 4]), 4)
+    assert len(calls) == 2 + 5 * 2, calls  # fc, the head, 5 a layer
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    assert_same_drafts(spec.DrafterSession(drafter, None), engine.session(), features, ids)
+
+    compress_drafter(drafter, GridSpec(4, 32, True), "rtn", None)
+    assert_same_drafts(spec.DrafterSession(drafter, None), DrafterEngine(drafter, max_len=48, smallest_bucket=8).session(),
+                       features, ids)
+
+    class Odd(torch.nn.Linear):  # a kind of linear Projection.of does not run
+        pass
+
+    odd = Odd(layer.q_proj.in_features, layer.q_proj.out_features, bias=False)
+    odd.weight.data.copy_(layer.q_proj.weight_for(torch.float32))  # the compressed layer's numbers
+    layer.q_proj = odd
+    engine = DrafterEngine(drafter, max_len=48, smallest_bucket=8)
+    assert engine.fused[0] is None and engine.fused[1] is not None
+    assert_same_drafts(spec.DrafterSession(drafter, None), engine.session(), features, ids)
+
+
 def counting_backend():
     """A torch.compile backend that records the graphs it is given and runs each as traced, and that record."""
     traced = []

@@ -57,11 +57,10 @@ import torch.nn.functional as F
 from qdflash.bench import copy_bandwidth, device_timer as timer
 from qdflash.cudagraph import capture
 from qdflash.drafter import init_drafter
-from qdflash.drafter.static import DrafterEngine, target_head
+from qdflash.drafter.static import DrafterEngine
 from qdflash.engine import build_engine
 from qdflash.engine.base import allow_compiles, compiled_step
 from qdflash.engine.graphs import restore, snapshot
-from qdflash.engine.linear import pack_linears, tune_projections
 from qdflash.errors import raised_at
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
 from qdflash.ops import rows_argmax
@@ -433,13 +432,16 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
     run = timer(device)
     drafter = init_drafter(target, block_size=args.block, **DRAFTERS[args.shape]).to(dtype)
     if w4_group:
-        names = [n for n, m in drafter.named_modules() if isinstance(m, torch.nn.Linear)]
-        quantize_in_place(drafter, w4_group, names)
-        pack_linears(drafter, dtype, kernels=device == "cuda")
-        # the drafter's packed shapes (off the GPU its projections run no kernels: nothing is timed)
-        tuned = tune_projections(m.projection for m in drafter.modules() if hasattr(m, "projection"))
+        quantize_in_place(drafter, w4_group, [n for n, m in drafter.named_modules() if isinstance(m, torch.nn.Linear)])
     c = drafter.config
-    head = target_head(target.model, kernels=device == "cuda")  # as DrafterEngine reads it: packed where quantized
+    # the step as the speed stage drafts (bench_speedup: DrafterEngine(attention=) as the target's): each layer's
+    # linears fused and, on the GPU, packed where quantized and tuned; a round's B accepted positions written as
+    # context K/V (the append), then the block over the static context (masked SDPA over a bucket, or with the
+    # kernel the block's K/V after the context and each row's attention through kernels.decode_attention)
+    engine = DrafterEngine(drafter, max_len=args.context, cuda_graphs=False, attention=args.attention,
+                           kernels=device == "cuda")
+    tuned = engine.tune_kernels()  # the drafter's shapes ({} off the GPU: its projections run no kernels)
+    head = engine.head  # the target's head as DrafterEngine reads it: packed where quantized
     feats = torch.randn(1, args.context, len(c.target_layer_ids) * c.hidden_size, device=device, dtype=dtype)
     pos = torch.arange(args.context, device=device)[None]
     with torch.no_grad():
@@ -450,30 +452,22 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
     ids = torch.full((1, args.block), drafter.mask_id, device=device)
     q_pos = torch.arange(args.context, args.context + args.block, device=device)[None]
 
-    def sdpa_step():
+    def forward_step():  # the drafter's own forward (each linear alone, masked SDPA over a copy of the context)
         with torch.no_grad():
             new_ctx = drafter.context_features(new_feats)
             for layer in drafter.layers:
                 layer.context_kv(new_ctx, new_pos)
-            return rows_argmax(drafter.forward_block(ids, q_pos, keys, values, pos, head=head)[0, 1:])  # as DrafterEngine
+            return rows_argmax(drafter.forward_block(ids, q_pos, keys, values, pos, head=head)[0, 1:])
 
-    step, agree = sdpa_step, {}
-    if args.attention == "kernel":
-        # as the speed stage drafts (bench_speedup: DrafterEngine(attention=) as the target's): a round's B accepted
-        # positions written as context K/V (the append), then the block's K/V after the context and each block row's
-        # attention through kernels.decode_attention, instead of a masked SDPA over a copy of the context
-        engine = DrafterEngine(drafter, max_len=args.context, cuda_graphs=False, attention="kernel",
-                               kernels=device == "cuda")
-        # the prompt: its last B positions stand for the round's append, whose K/V every draft writes first
-        engine.append(feats[0], 0)
-        engine.draft_logits(drafter.mask_id, args.context)  # the step's inputs as a draft sets them: the block `ids`
+    # the prompt: its last B positions stand for the round's append, whose K/V every draft writes first
+    engine.append(feats[0], 0)
+    engine.draft_logits(drafter.mask_id, args.context)  # the step's inputs as a draft sets them: the block `ids`
 
-        def kernel_step():
-            with torch.no_grad():
-                return engine._step(args.context, None)[1]
+    def step():
+        with torch.no_grad():
+            return engine._step(engine._bucket(), None)[1]
 
-        step = kernel_step
-        agree[f"{label}.kernel_drafts_agree_with_sdpa"] = float((step() == sdpa_step()).float().mean())
+    agree = {f"{label}.drafts_agree_with_forward": float((step() == forward_step()).float().mean())}
     profiled = graphed(step, device)
     ms = run(profiled, args.reps)
     compiled = {}
@@ -493,16 +487,19 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
             compiled[f"{label}.step_kernels"] = kernel_breakdown(profiled, device)
         except Exception as err:  # noqa: BLE001 -- the profile is extra; its failure is reported
             compiled[f"{label}.step_kernels"] = {"error": error_text(err)}
-    own = sum(p.numel() * p.element_size() for p in drafter.parameters()) + sum(
-        b.numel() * b.element_size() for b in drafter.buffers())
-    own += sum(m.projection.nbytes for m in drafter.modules() if hasattr(m, "projection"))
+    # what a step reads: the engine's projections (the k / v rows twice: the context's and the block's matmuls),
+    # and the drafter's other weights (norms, a mask embedding)
+    linears = {name for name, m in drafter.named_modules() if name.endswith("_proj") or name == "fc"}
+    own = sum(p.nbytes for p in engine.projections()) + sum(
+        t.numel() * t.element_size() for name, t in [*drafter.named_parameters(), *drafter.named_buffers()]
+        if name.rpartition(".")[0] not in linears)
     kv_bytes = sum(k.numel() * k.element_size() * 2 for k in keys)
     need = own + head.nbytes + kv_bytes
     return {f"{label}.step_ms": round(ms, 4), f"{label}.bound_ms": round(need / bandwidth * 1e3, 4),
             f"{label}.of_bound": round(need / bandwidth * 1e3 / ms, 4),
             f"{label}.bytes": {"drafter": own, "lm_head": head.nbytes, "context_kv": kv_bytes},
             f"{label}.layers": c.num_layers, f"{label}.attention": args.attention, **agree,
-            **({f"{label}.tuned": tuned} if w4_group else {}), **compiled}
+            **({f"{label}.tuned": tuned} if tuned else {}), **compiled}
 
 
 def kernel_check(engine, device) -> dict:

@@ -97,6 +97,8 @@ def draft_variants(drafter, target, features, max_len: int, attention: str, args
             copy.load_state_dict(drafter.state_dict())
             copy = copy.to(device=device, dtype=dtype).eval().bind(target)
             engine = DrafterEngine(copy, max_len=max_len, cuda_graphs=cuda, attention=attention, compile=compile)
+            if compile is False:  # its fused shapes in this dtype, before capture (the compiled engine's are the same)
+                engine.tune_kernels()
             engine.capture(None)
             engine.session().append(features, 0)
             drafts = engine.draft(11, args.context).tolist()
@@ -248,6 +250,7 @@ def main() -> None:
     eager = DrafterSession(drafter)
     eager.append(features, 0)
     static = DrafterEngine(drafter, max_len=max_len, cuda_graphs=cuda, attention=attentions[0], compile=args.compile)
+    static.tune_kernels()  # its fused shapes ({} off the GPU); the other attention's engines run the same shapes
     result["drafter_static_graphs"] = static.capture(None)  # before the generation, as bench_speedup does
     static.session().append(features, 0)
     for attention, row in others.items():  # the static drafter with that attention, on the same context

@@ -220,6 +220,7 @@ def step_bench(root: Path, args) -> None:
         for n in trees:  # a tree's step: the committed token and its n nodes
             target.engine.capture([n + 1], drafter.config.target_layer_ids, tree=True)
     drafter.engine = DrafterEngine(drafter, max_len=longest, attention=attention, compile=compile_drafts)
+    drafter.engine.tune_kernels()  # as bench_speedup: its fused shapes, before capture ({} off the GPU)
     drafter.engine.capture(None)
     # each speculative method's rule: a chain per verify length, a tree per node count (no-repeat: "nr" on the name)
     repeat = "nr" if args.no_repeat else ""

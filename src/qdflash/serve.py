@@ -238,6 +238,7 @@ def _build_engines(stack: Stack) -> None:
                  " (compiled)" if steps else "", time.perf_counter() - started)
     if drafter is not None:
         drafter.engine = DrafterEngine(drafter, max_len=stack.context + extra, attention=stack.attention, compile=drafts)
+        drafter.engine.tune_kernels()  # its fused (and, quantized, packed) shapes; before capture, as the target's
         drafter.engine.capture(stack.window)
 
 

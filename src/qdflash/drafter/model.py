@@ -154,33 +154,44 @@ class DrafterLayer(nn.Module):
     def _heads(self, x, n):
         return x.view(*x.shape[:-1], n, self.c.head_dim).transpose(-3, -2)  # [B, heads, T, D]
 
-    def _kv(self, x, positions):
-        """Keys (normed, rotated) and values of inputs x [B, T, H] at absolute `positions` [B, T]."""
+    def _project(self, x, names: tuple[str, ...], fused: dict | None) -> list[torch.Tensor]:
+        """x through the linears `names`: one matmul over their concatenated rows where an inference engine
+        holds one for them (`fused[names]`: DrafterEngine's, a projection such as engine.linear.Projection),
+        else each linear alone (training, the reference path)."""
+        projection = fused.get(names) if fused else None
+        if projection is None:
+            return [getattr(self, name)(x) for name in names]
+        return list(projection(x).split([getattr(self, name).out_features for name in names], dim=-1))
+
+    def _kv_heads(self, k, v, positions):
+        """Keys (normed, rotated) and values [B, kv_heads, T, D] from the k / v projections at absolute `positions` [B, T]."""
         c = self.c
-        k = rotary(self.k_norm(self._heads(self.k_proj(x), c.num_kv_heads)), positions[:, None], c.rope_theta)
-        return k, self._heads(self.v_proj(x), c.num_kv_heads)
+        return rotary(self.k_norm(self._heads(k, c.num_kv_heads)), positions[:, None], c.rope_theta), self._heads(v, c.num_kv_heads)
 
-    def context_kv(self, context, positions):
+    def _kv(self, x, positions, fused: dict | None = None):
+        """Keys (normed, rotated) and values of inputs x [B, T, H] at absolute `positions` [B, T]."""
+        return self._kv_heads(*self._project(x, KV, fused), positions)
+
+    def context_kv(self, context, positions, fused: dict | None = None):
         """K/V of context features [B, Tc, H]: they depend on nothing else, so inference caches them."""
-        return self._kv(context, positions)
+        return self._kv(context, positions, fused)
 
-    def block_qkv(self, h, q_pos):
+    def block_qkv(self, h, q_pos, fused: dict | None = None):
         """The block's queries [B, heads, T, D] and its own keys and values [B, kv_heads, T, D]."""
         c = self.c
-        x = self.input_norm(h)
-        q = rotary(self.q_norm(self._heads(self.q_proj(x), c.num_heads)), q_pos[:, None], c.rope_theta)
-        return (q, *self._kv(x, q_pos))
+        q, k, v = self._project(self.input_norm(h), QKV, fused)
+        return rotary(self.q_norm(self._heads(q, c.num_heads)), q_pos[:, None], c.rope_theta), *self._kv_heads(k, v, q_pos)
 
-    def finish(self, h, attn):
+    def finish(self, h, attn, fused: dict | None = None):
         """The rest of the layer after its attention output attn [B, heads, T, D]."""
-        h = h + self.o_proj(attn.transpose(1, 2).reshape(*h.shape[:-1], -1))
-        x = self.post_norm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = h + self._project(attn.transpose(1, 2).reshape(*h.shape[:-1], -1), ("o_proj",), fused)[0]
+        gate, up = self._project(self.post_norm(h), GATE_UP, fused)
+        return h + self._project(F.silu(gate) * up, ("down_proj",), fused)[0]
 
-    def _attend_block(self, h, q_pos, ctx_k, ctx_v, mask):
-        q, block_k, block_v = self.block_qkv(h, q_pos)
+    def _attend_block(self, h, q_pos, ctx_k, ctx_v, mask, fused: dict | None = None):
+        q, block_k, block_v = self.block_qkv(h, q_pos, fused)
         return self.finish(h, attend(q, torch.cat([ctx_k, block_k], dim=2), torch.cat([ctx_v, block_v], dim=2), mask,
-                                     self.attention_dtype))
+                                     self.attention_dtype), fused)
 
     def forward(self, h, context, q_pos, k_pos, mask):
         """h [B, Tq, H] block states; context [B, Tc, H] features (extra keys / values); k_pos [B, Tc + Tq]
@@ -189,9 +200,14 @@ class DrafterLayer(nn.Module):
         ctx_k, ctx_v = self._kv(context, k_pos[:, : context.shape[1]])
         return self._attend_block(h, q_pos, ctx_k, ctx_v, mask)
 
-    def forward_cached(self, h, q_pos, ctx_k, ctx_v, mask):
+    def forward_cached(self, h, q_pos, ctx_k, ctx_v, mask, fused: dict | None = None):
         """The same layer for one block at inference, over cached context K/V (`context_kv`)."""
-        return self._attend_block(h, q_pos, ctx_k, ctx_v, mask)
+        return self._attend_block(h, q_pos, ctx_k, ctx_v, mask, fused)
+
+
+# the linears a layer runs on one input, which an inference engine may run as one matmul each (`DrafterLayer._project`)
+QKV, KV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("k_proj", "v_proj"), ("gate_proj", "up_proj")
+PROJECTION_GROUPS = (QKV, KV, ("o_proj",), GATE_UP, ("down_proj",))
 
 
 class Drafter(nn.Module):
@@ -234,9 +250,10 @@ class Drafter(nn.Module):
             layer.attention_dtype = dtype
         return self
 
-    def context_features(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        """[B, T, len(ids) * H] concatenated target hidden states -> [B, T, H] context features."""
-        return self.context_norm(self.fc(target_hidden))
+    def context_features(self, target_hidden: torch.Tensor, fc=None) -> torch.Tensor:
+        """[B, T, len(ids) * H] concatenated target hidden states -> [B, T, H] context features. `fc`: what runs
+        the fc matmul (an inference engine's projection of it); None: the layer itself."""
+        return self.context_norm((fc or self.fc)(target_hidden))
 
     def embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
         embed = self._target.model.get_input_embeddings()

@@ -30,10 +30,43 @@ import torch
 from ..cudagraph import capture as capture_graph
 from ..distill import lm_head_weight
 from ..engine.base import allow_compiles, cache_buckets, compiled_step
-from ..engine.linear import head_projection
+from ..engine.linear import Concat, Projection, head_projection, tune_projections
 from ..errors import QdflashError
 from ..kernels import kernels_usable
 from ..ops import rows_argmax
+from .model import PROJECTION_GROUPS
+
+
+def fused_projections(drafter, dtype: torch.dtype, kernels: bool) -> tuple[list[dict | None], "Projection | None"]:
+    """Each layer's linears as the engine runs them, {names: projection} for every group of PROJECTION_GROUPS (q / k / v
+    of the block, k / v of the context, o, gate / up, down; a group one matmul over its concatenated rows), and fc's.
+    Quantized linears (exact ints + scales) run packed through the W4 backend tuning picks where `kernels`, else as
+    their dequantized weights; 16-bit ones through the 16-bit GEMV where tuning picked it. Why: at a draft's 16 rows a
+    matmul costs a few microseconds whatever its size, so a layer's nine matmuls alone cost more than its five
+    (`results/published/2026-12-06-h100-w4-head`). A layer the engine cannot run so (fake-quant training layers, a
+    module of another kind) gets None: it runs its own linears, as before. The projections copy what they
+    concatenate: a snapshot of the weights when the engine was built."""
+    layers = []
+    for layer in drafter.layers:
+        try:
+            layers.append({names: Projection.of([getattr(layer, n) for n in names], dtype, kernels) for names in PROJECTION_GROUPS})
+        except TypeError:
+            layers.append(None)
+    try:
+        fc = Projection.of([drafter.fc], dtype, kernels)
+    except TypeError:
+        fc = None
+    return layers, fc
+
+
+def tune_engines(engines: list["DrafterEngine"]) -> dict:
+    """`DrafterEngine.tune_kernels` for several engines at once, per dtype: drafters share shapes, and each shape is
+    timed once. Engines off CUDA or with the kernels off have nothing to time."""
+    engines = [e for e in engines if e.kernels and e.device.type == "cuda"]
+    tuned = {}
+    for dtype in {e.dtype for e in engines}:
+        tuned |= tune_projections([p for e in engines if e.dtype == dtype for p in e.projections()], (), dtype)
+    return tuned
 
 
 def target_head(model, kernels: bool):
@@ -61,7 +94,9 @@ class DrafterEngine:
         fused, one compile per (bucket, window) graph (one with the kernel), the round's append in it.
         Drafts only propose tokens, so a compiled draft's rounding (its context K/V's too) changes τ at
         most, never what the target emits.
-        `kernels`: whether a quantized target head runs packed through the W4 kernels ("auto": on CUDA)."""
+        `kernels`: whether the drafter's quantized linears and a quantized target head run packed through the W4
+        kernels, and its 16-bit ones through the 16-bit GEMV where tuned faster ("auto": on CUDA); `tune_kernels()`
+        times them. Either way the layers' linears run fused (`fused_projections`)."""
         c = drafter.config
         self.drafter, self.max_len, self.block = drafter, max_len, c.block_size
         self.dtype = drafter.norm.weight.dtype
@@ -93,7 +128,23 @@ class DrafterEngine:
         self.length, self.window = 0, None
         self._compiled_step = compiled_step(self._step, compile) if compile else None
         self._compiled: set[tuple] = set()  # the (bucket, window) steps compiled so far
-        self.head = target_head(drafter._target.model, kernels_usable(self.device, kernels))
+        self.kernels = kernels_usable(self.device, kernels)
+        self.head = target_head(drafter._target.model, self.kernels)
+        self.fused, self.fc = fused_projections(drafter, self.dtype, self.kernels)
+
+    def projections(self):
+        """The drafter's projections this engine runs (the parts of a Concat one by one; not the target's head)."""
+        for p in [self.fc, *(p for fused in self.fused if fused for p in fused.values())]:
+            if isinstance(p, Concat):
+                yield from p.parts
+            elif isinstance(p, Projection):
+                yield p
+
+    def tune_kernels(self) -> dict:
+        """On CUDA with the kernels on: time the drafter's W4 and 16-bit shapes at 1 and 16 rows, as the target
+        engine's `tune_kernels` (the head is the target's: its engine tunes it). Call before `capture`. Returns
+        the timings."""
+        return tune_engines([self])
 
     def session(self, window: int | None = None) -> "DrafterEngine":
         """A new generation: the context is empty again (the buffers are overwritten as it grows)."""
@@ -129,9 +180,9 @@ class DrafterEngine:
 
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Context K/V of target features [n, k*H] at `positions` [n], written in place in every layer."""
-        context = self.drafter.context_features(features[None].to(self.dtype))
-        for layer, keys, values in zip(self.drafter.layers, self.keys, self.values):
-            k, v = layer.context_kv(context, positions[None])
+        context = self.drafter.context_features(features[None].to(self.dtype), self.fc)
+        for layer, fused, keys, values in zip(self.drafter.layers, self.fused, self.keys, self.values):
+            k, v = layer.context_kv(context, positions[None], fused)
             keys.index_copy_(2, positions, k)
             values.index_copy_(2, positions, v)
 
@@ -149,8 +200,8 @@ class DrafterEngine:
         if window is not None:  # symmetric window; for context before the block: q - k < window
             visible = visible & ((self.q_pos[:, :, None] - k_pos[None, None, :]) < window)
         mask = torch.cat([visible, torch.ones(1, b, b, dtype=torch.bool, device=self.device)], dim=-1)
-        for layer, keys, values in zip(d.layers, self.keys, self.values):
-            h = layer.forward_cached(h, self.q_pos, keys[:, :, :attend], values[:, :, :attend], mask)
+        for layer, fused, keys, values in zip(d.layers, self.fused, self.keys, self.values):
+            h = layer.forward_cached(h, self.q_pos, keys[:, :, :attend], values[:, :, :attend], mask, fused)
         return self._drafts(h)
 
     def _kernel_step(self, h, window: int | None):
@@ -164,12 +215,12 @@ class DrafterEngine:
         q_pos = self.q_pos[0]
         lengths = (self.context_len + b).repeat(b)  # one per block position (the kernel reads a row each)
         starts = None if window is None else (q_pos - window + 1).clamp_min(0)
-        for layer, keys, values in zip(d.layers, self.keys, self.values):
-            q, k, v = layer.block_qkv(h, self.q_pos)
+        for layer, fused, keys, values in zip(d.layers, self.fused, self.keys, self.values):
+            q, k, v = layer.block_qkv(h, self.q_pos, fused)
             keys.index_copy_(2, q_pos, k)
             values.index_copy_(2, q_pos, v)
             out = one_sequence_attention(q[0].transpose(0, 1), keys[0], values[0], lengths, starts)
-            h = layer.finish(h, out.transpose(0, 1)[None])
+            h = layer.finish(h, out.transpose(0, 1)[None], fused)
         return self._drafts(h)
 
     def _drafts(self, h):

@@ -175,29 +175,6 @@ class Concat:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-class PackedLinear(nn.Module):
-    """An nn.Linear stand-in that runs a `Projection` (e.g. a W4 drafter layer through the kernel)."""
-
-    def __init__(self, projection: Projection):
-        super().__init__()
-        self.projection = projection
-        self.in_features, self.out_features = projection.in_features, projection.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.projection(x)
-
-
-def pack_linears(module: nn.Module, dtype: torch.dtype, kernels: bool) -> int:
-    """Swap every QuantLinear inside `module` for a PackedLinear (4-bit kernels where packable).
-    Returns how many were swapped."""
-    names = [name for name, m in module.named_modules() if isinstance(m, QuantLinear)]
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, child, PackedLinear(Projection.of([getattr(parent, child)], dtype, kernels)))
-    return len(names)
-
-
 def tuning_key(kind: str, n: int, k: int, rows: int, group: int | None = None) -> str:
     """`tune_projections`' key of a shape: "w4a16 NxKgG@rows" (kind "w4a16"), "gemv NxK" at one row, "gemv NxK@rows"."""
     if kind == "w4a16":
