@@ -398,10 +398,10 @@ def test_external_tiles_are_checked_before_they_are_timed():
             return (x.float() @ weight.T) * (1.5 if config == "off" else 1.0)
 
     weight = deq.to(torch.bfloat16).float()
-    kept, problems = w4a16._external_tiles(Tiled, x, (weight,), words, scale, 16, 256, 32)
+    kept, problems = w4a16._external_tiles(Tiled, x, (weight,), w4a16._rounded_product(x, words, scale, 32), 16, 256, 32)
     assert kept == ["right"] and len(problems) == 2
     assert "off: off the dequantized product" in problems[0] and "raises: raised RuntimeError: no such tile" in problems[1]
-    assert w4a16._external_tiles(object(), x, (), words, scale, 16, 256, 32) == ([None], [])
+    assert w4a16._external_tiles(object(), x, (), None, 16, 256, 32) == ([None], [])
 
 
 @pytest.fixture
@@ -474,7 +474,8 @@ def test_tuning_drops_fast_configs_that_fail_or_are_off(monkeypatch):
     words, scale = pack_int4(q), scale.to(torch.bfloat16)
     x = torch.randn(1, 256).to(torch.bfloat16)
     plain, fast, other = Config(32, 16), Config(32, 16, fast=True), Config(16, 16, 2, fast=True)
-    kept, problems = w4_module._check_fast(x, words, scale, 32, [plain, fast])
+    reference = w4_module._rounded_product(x, words, scale, 32)
+    kept, problems = w4_module._check_fast(x, words, scale, 32, [plain, fast], reference)
     assert kept == [plain] and len(problems) == 1 and "raised QdflashError" in problems[0]
     matmul = w4_module.w4a16_matmul
 
@@ -483,7 +484,7 @@ def test_tuning_drops_fast_configs_that_fail_or_are_off(monkeypatch):
         return out if config.block_n == 32 else out * 1.5
 
     monkeypatch.setattr(w4_module, "w4a16_matmul", fake)
-    kept, problems = w4_module._check_fast(x, words, scale, 32, [plain, fast, other])
+    kept, problems = w4_module._check_fast(x, words, scale, 32, [plain, fast, other], reference)
     assert kept == [plain, fast] and len(problems) == 1 and "off the dequantized product" in problems[0]
 
 

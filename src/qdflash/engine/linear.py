@@ -23,8 +23,8 @@ from torch import nn
 
 from ..kernels import gemv as gemv_kernel
 from ..kernels.gemv import gemv, gemv_config
-from ..kernels.w4a16 import (EXTERNAL, MAX_ROWS, backend, dense_faster, external_tiles, dequantize_words, pack_int4, split_counts, tune,
-                             w4a16_matmul)
+from ..kernels.w4a16 import (EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, external_tiles, pack_int4, split_counts,
+                             tune, w4a16_matmul)
 from ..quant.grid import dequantize
 from ..quant.quantlinear import QuantLinear
 

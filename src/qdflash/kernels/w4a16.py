@@ -26,9 +26,8 @@ speed, and the engine runs those shapes on the dequantized weight instead (engin
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, is_dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -407,21 +406,19 @@ def _rounded_product(x, words, scale, group: int) -> torch.Tensor:
     return F.linear(x.float(), dequantize_words(words, scale, group).to(x.dtype).float())
 
 
-def _external_tiles(module, x, state, words, scale, n: int, k: int, group: int) -> tuple[list, list[str]]:
-    """An EXTERNAL kernel's tiles for the shape and x's rows whose product matches the dequantized one, and what was
-    wrong with each dropped; [None] for a kernel without tiles of its own."""
+def _external_tiles(module, x, state, reference, n: int, k: int, group: int) -> tuple[list, list[str]]:
+    """An EXTERNAL kernel's tiles for the shape and x's rows whose product matches `reference` (`_rounded_product`),
+    and what was wrong with each dropped; [None] for a kernel without tiles of its own."""
     if not hasattr(module, "configs"):
         return [None], []
-    return _matching(module.configs(n, k, group, x.shape[0]), lambda c: module.matmul(x, *state, group, config=c),
-                     _rounded_product(x, words, scale, group))
+    return _matching(module.configs(n, k, group, x.shape[0]), lambda c: module.matmul(x, *state, group, config=c), reference)
 
 
-def _check_fast(x, words, scale, group: int, configs: list[Config]) -> tuple[list[Config], list[str]]:
-    """`configs` without the fast ones whose product is off the dequantized one (each weight rounded to bf16, as
-    that path rounds it) or that fail to run, and what was wrong with each dropped: inline PTX the interpreter cannot
-    run, checked on the device before any timing or use."""
-    return _matching(configs, lambda c: w4a16_matmul(x, words, scale, group, c), _rounded_product(x, words, scale, group),
-                     check=lambda c: c.fast)
+def _check_fast(x, words, scale, group: int, configs: list[Config], reference) -> tuple[list[Config], list[str]]:
+    """`configs` without the fast ones whose product is off `reference` (`_rounded_product`: each weight rounded to
+    bf16, as that path rounds it) or that fail to run, and what was wrong with each dropped: inline PTX the interpreter
+    cannot run, checked on the device before any timing or use."""
+    return _matching(configs, lambda c: w4a16_matmul(x, words, scale, group, c), reference, check=lambda c: c.fast)
 
 
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
@@ -440,7 +437,8 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     x = torch.randn(rows, k, device=device, dtype=dtype)
     fast = dtype == torch.bfloat16 and torch.device(device).type == "cuda"
     configs = candidate_configs(k, group, n, rows, fast) or candidate_configs(k, group, None, rows, fast)
-    configs, problems = _check_fast(x, ws[0], ss[0], group, configs)
+    rounded = _rounded_product(x, ws[0], ss[0], group)  # what the fast configs and tiled kernels are checked against
+    configs, problems = _check_fast(x, ws[0], ss[0], group, configs, rounded)
     if problems:
         warnings.warn(f"w4a16 on {n}x{k} (group {group}, {rows} rows), fast configs not used: {'; '.join(problems)[:1000]}",
                       stacklevel=2)
@@ -456,14 +454,14 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
         if problem:
             warnings.warn(f"{name} on {n}x{k} (group {group}, {rows} rows) {problem}: not used", stacklevel=2)
             continue
-        tiles, problems = _external_tiles(module, x, states[0], ws[0], ss[0], n, k, group)
+        tiles, problems = _external_tiles(module, x, states[0], rounded, n, k, group)
         if problems:
             warnings.warn(f"{name} on {n}x{k} (group {group}, {rows} rows), tiles not used: {'; '.join(problems)[:1000]}",
                           stacklevel=2)
         tile, others[name] = fastest(tiles, lambda c: [module.matmul(x, *state, group, **_tile(c)) for state in states], copies)
         if tile is not None:
             module.remember(n, k, group, rows, tile)
-            tiles_won[name] = dataclasses.asdict(tile) if dataclasses.is_dataclass(tile) else repr(tile)
+            tiles_won[name] = asdict(tile) if is_dataclass(tile) else repr(tile)
         del states
     del ws, ss
     key = (n, k, group, row_bucket(rows), dtype)
