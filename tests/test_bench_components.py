@@ -169,6 +169,19 @@ def test_drafter_step_through_the_attention_kernel_drafts_what_sdpa_drafts():
     for label, group in (("drafter16", None), ("drafter_w4", 32)):
         out = bench_components.measure_drafter(target, args, "cpu", torch.float32, 1e11, label, group)
         assert out[f"{label}.attention"] == "kernel" and out[f"{label}.drafts_agree_with_forward"] == 1.0, out
+        assert out[f"{label}.drafts_max_gap"] == 0.0 and out[f"{label}.drafts_logit_scale"] > 0, out
+
+
+def test_drafts_agreement_reports_the_gap_where_drafts_differ():
+    """bench_components.drafts_agreement: where a draft differs from the forward's argmax, the forward's top logit minus
+    its logit for the drafted token (the largest over the rows), and the share of rows that agree."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_components
+
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 1.5, -4.0], [0.5, 0.0, 0.25]])
+    out = bench_components.drafts_agreement(torch.tensor([1, 1, 2]), logits, "d")
+    assert out == {"d.drafts_agree_with_forward": pytest.approx(1 / 3), "d.drafts_max_gap": 0.5,
+                   "d.drafts_logit_scale": 4.0}, out
 
 
 def test_round_bench_runs_on_the_cpu(runs):
