@@ -808,8 +808,9 @@ def test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes(tile):
                           aligned_args(signature) + ["W_PER_SPLIT"])
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["MMAS"] > 0, used
     assert used["CONVERTS_IN_LOOPS"] == 0 or block_w > 64, used
-    # MMA_WORD (and with prefetch LOAD_B32), DIAGONAL: one layout
-    assert len(used["ASM_LAYOUTS"]) == 2 + prefetch and all(a == used["ASM_LAYOUTS"][0] for a in used["ASM_LAYOUTS"]), used
+    # MMA_WORD (and with prefetch LOAD_B32, for the first two tiles and in the loop for the one two ahead), DIAGONAL:
+    # one layout
+    assert len(used["ASM_LAYOUTS"]) == 2 + 3 * prefetch and all(a == used["ASM_LAYOUTS"][0] for a in used["ASM_LAYOUTS"]), used
     layout = used["ASM_LAYOUTS"][0]
     per_thread, lanes, warps = layout["sizePerThread"], layout["threadsPerWarp"], layout["warpsPerCTA"]
     assert layout["order"] == [1, 0] and per_thread[0] == 1 and lanes[1] >= 4 and lanes[1] % 4 == 0, layout
@@ -832,7 +833,8 @@ def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile)
                           aligned_args(signature) + ["W_PER_SPLIT"])
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["CONVERTS_IN_LOOPS"] == 0, used
     assert used["MMAS"] * 8 == used["BF16X2_FMAS"] * (2 if high else 1) > 0, used  # a word: 8 bf16x2 FMAs, 1 or 2 mmas
-    assert len(used["ASM_LAYOUTS"]) == 1 + prefetch * (3 if high else 2), used  # the mma asm (and its loads)
+    # the mma asm (and with prefetch its loads, for the first two tiles and in the loop for the one two ahead)
+    assert len(used["ASM_LAYOUTS"]) == 1 + 3 * prefetch * (3 if high else 2), used
     assert all(layout == {"sizePerThread": [1, 4], "threadsPerWarp": [8, 4], "warpsPerCTA": [warps, 1], "order": [1, 0]}
                for layout in used["ASM_LAYOUTS"]), used
 

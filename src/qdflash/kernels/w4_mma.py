@@ -151,9 +151,11 @@ if triton is not None:
                        PREFETCH: tl.constexpr = False):
         """x_ptr: the row's activations as int64 (4 bf16 each); w_ptr / s_ptr: `pack`'s words and scale pairs; out_ptr
         [SPLITS, 2 * N2]: for one split the output (x's dtype), else fp32 partial sums, reduced in this launch into y_ptr
-        by the last program of a column block (`reduce_splits_last`, counted on counts_ptr). PREFETCH: each tile's
-        words are loaded one step ahead and its scales by LOAD_B32, so a step waits on neither DRAM read behind the
-        other (without it the scale load, inside MMA_WORD, starts only once the word it scales has arrived)."""
+        by the last program of a column block (`reduce_splits_last`, counted on counts_ptr). PREFETCH: every load of a
+        tile (its words, its scales by LOAD_B32, the activations) is issued two steps ahead, so two tiles' DRAM reads
+        are in flight while a step waits on one. Why two: ptxas places a loop's loads after its mmas, so loads issued
+        one step ahead were still waited on at the top of the next step (`scripts/investigations/w4_sass.py`), as
+        without prefetch. The last steps load the split's last tile again (nothing past the split is read)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rp = pid_n * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -165,19 +167,23 @@ if triton is not None:
         c2 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
         c3 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
         words_at = w_ptr + rp[:, None] * stride_wn + (pid_k * W_PER_SPLIT + rw)[None, :]
-        if PREFETCH:
-            ahead = tl.load(words_at, mask=p_ok, other=0)
+        row_scales = s_ptr + rows * stride_sn
+        if PREFETCH:  # the first two tiles' loads
+            words1, s1, x1 = _one_row_loads(words_at, row_scales, x_ptr, pid_k * W_PER_SPLIT, 0, rw, p_ok, GROUP_WORDS)
+            nxt = tl.minimum(BLOCK_W, W_PER_SPLIT - BLOCK_W)
+            words2, s2, x2 = _one_row_loads(words_at, row_scales, x_ptr, pid_k * W_PER_SPLIT, nxt, rw, p_ok, GROUP_WORDS)
         for step in range(0, W_PER_SPLIT, BLOCK_W):
-            w0 = pid_k * W_PER_SPLIT + step
-            scales = s_ptr + rows * stride_sn + ((w0 + rw) // GROUP_WORDS)[None, :]
-            x = tl.broadcast_to(tl.load(x_ptr + w0 + rw)[None, :], (BLOCK_P, BLOCK_W))
-            if PREFETCH:  # the asm takes the scale pair, loaded by an op of its own
-                words = ahead
-                ahead = tl.load(words_at + step + BLOCK_W, mask=p_ok & (step + BLOCK_W < W_PER_SPLIT), other=0)
-                s_in = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [scales], dtype=tl.int32, is_pure=True, pack=1)
-            else:  # ... its address, loaded in it
+            if PREFETCH:  # this tile's loads were issued two steps ago; issue those two ahead
+                words, s_in, x = words1, s1, tl.broadcast_to(x1[None, :], (BLOCK_P, BLOCK_W))
+                words1, s1, x1 = words2, s2, x2
+                nxt = tl.minimum(step + 2 * BLOCK_W, W_PER_SPLIT - BLOCK_W)
+                words2, s2, x2 = _one_row_loads(words_at, row_scales, x_ptr, pid_k * W_PER_SPLIT, nxt, rw, p_ok,
+                                                GROUP_WORDS)
+            else:  # ... the scales' address, loaded in the asm
+                w0 = pid_k * W_PER_SPLIT + step
+                x = tl.broadcast_to(tl.load(x_ptr + w0 + rw)[None, :], (BLOCK_P, BLOCK_W))
                 words = tl.load(words_at + step, mask=p_ok, other=0)
-                s_in = scales
+                s_in = row_scales + ((w0 + rw) // GROUP_WORDS)[None, :]
             c0, c1, c2, c3 = tl.inline_asm_elementwise(
                 _MMA_WORD_GIVEN if PREFETCH else _MMA_WORD, "=f,=f,=f,=f,r," + ("r" if PREFETCH else "l") + ",l,f,f,f,f",
                 [words, s_in, x, c0, c1, c2, c3], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
@@ -201,7 +207,7 @@ if triton is not None:
         mma's B column g with activation row g (HIGH: a second mma with row g + 8), and C[g][n] / C[g + 8][n] is row
         pair g times activation row n: every lane's accumulators are outputs (lane t of a quad: rows 2t, 2t + 1).
         out_ptr [SPLITS, M, 2 * N2] (the output for one split; else fp32 partial sums reduced in this launch).
-        PREFETCH: as the one-row kernel's, the activations too loaded by an asm op of their own (LOAD_B64)."""
+        PREFETCH: as the one-row kernel's (every load of a tile two steps ahead), the activations by LOAD_B64."""
         BLOCK_W: tl.constexpr = 16
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -221,21 +227,24 @@ if triton is not None:
         b2 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
         b3 = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
         words_at = w_ptr + rp[:, None] * stride_wn + (pid_k * W_PER_SPLIT + rw)[None, :]
-        if PREFETCH:
-            ahead = tl.load(words_at, mask=p_ok, other=0)
+        row_scales = s_ptr + rows * stride_sn
+        if PREFETCH:  # the first two tiles' loads
+            words1, s1, xa1, xb1 = _rows_loads(words_at, row_scales, xa, xb, pid_k * W_PER_SPLIT, 0, rw, p_ok,
+                                               GROUP_WORDS, HIGH)
+            nxt = tl.minimum(BLOCK_W, W_PER_SPLIT - BLOCK_W)
+            words2, s2, xa2, xb2 = _rows_loads(words_at, row_scales, xa, xb, pid_k * W_PER_SPLIT, nxt, rw, p_ok,
+                                               GROUP_WORDS, HIGH)
         for step in range(0, W_PER_SPLIT, BLOCK_W):
-            cols = (pid_k * W_PER_SPLIT + step + rw)[None, :]
-            scales = s_ptr + rows * stride_sn + cols // GROUP_WORDS
-            if PREFETCH:  # the asm takes the scale pair and the activations, each loaded by an op of its own
-                words = ahead
-                ahead = tl.load(words_at + step + BLOCK_W, mask=p_ok & (step + BLOCK_W < W_PER_SPLIT), other=0)
-                s_in = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [scales], dtype=tl.int32, is_pure=True, pack=1)
-                xa_in = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xa + cols], dtype=tl.int64, is_pure=True, pack=1)
-                if HIGH:
-                    xb_in = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xb + cols], dtype=tl.int64, is_pure=True, pack=1)
+            if PREFETCH:  # this tile's loads were issued two steps ago; issue those two ahead
+                words, s_in, xa_in, xb_in = words1, s1, xa1, xb1
+                words1, s1, xa1, xb1 = words2, s2, xa2, xb2
+                nxt = tl.minimum(step + 2 * BLOCK_W, W_PER_SPLIT - BLOCK_W)
+                words2, s2, xa2, xb2 = _rows_loads(words_at, row_scales, xa, xb, pid_k * W_PER_SPLIT, nxt, rw, p_ok,
+                                                   GROUP_WORDS, HIGH)
             else:  # ... their addresses, loaded in it
+                cols = (pid_k * W_PER_SPLIT + step + rw)[None, :]
                 words = tl.load(words_at + step, mask=p_ok, other=0)
-                s_in, xa_in, xb_in = scales, xa + cols, xb + cols
+                s_in, xa_in, xb_in = row_scales + cols // GROUP_WORDS, xa + cols, xb + cols
             if HIGH:
                 a0, a1, a2, a3, b0, b1, b2, b3 = tl.inline_asm_elementwise(
                     _MMA_ROWS16_GIVEN if PREFETCH else _MMA_ROWS16,
@@ -257,6 +266,31 @@ if triton is not None:
             j = tl.arange(0, 16 * 2 * BLOCK_P)
             cols = (j // (2 * BLOCK_P)) * (2 * N2) + pid_n * 2 * BLOCK_P + j % (2 * BLOCK_P)
             reduce_splits_last(out_ptr, y_ptr, counts_ptr, pid_n, cols, M * 2 * N2, stride_os, SPLITS)
+
+    @triton.jit
+    def _one_row_loads(words_at, row_scales, x_ptr, first, step, rw, p_ok, GROUP_WORDS: tl.constexpr):
+        """The one-row kernel's loads of the tile `step` words into its split (which starts at word `first`): its
+        words, scale pairs (LOAD_B32: no tl.load, which would set the layout) and activations."""
+        w0 = first + step
+        words = tl.load(words_at + step, mask=p_ok, other=0)
+        scales = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [row_scales + ((w0 + rw) // GROUP_WORDS)[None, :]],
+                                           dtype=tl.int32, is_pure=True, pack=1)
+        return words, scales, tl.load(x_ptr + w0 + rw)
+
+    @triton.jit
+    def _rows_loads(words_at, row_scales, xa, xb, first, step, rw, p_ok, GROUP_WORDS: tl.constexpr, HIGH: tl.constexpr):
+        """The rows kernel's loads of the tile `step` words into its split (which starts at word `first`): its words,
+        scale pairs and activations (rows g and, HIGH, g + 8), the last three by asm loads of their own (no tl.load: it
+        would set the layout); without HIGH the second activations are the first."""
+        cols = (first + step + rw)[None, :]
+        words = tl.load(words_at + step, mask=p_ok, other=0)
+        s_in = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [row_scales + cols // GROUP_WORDS], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+        xa_in = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xa + cols], dtype=tl.int64, is_pure=True, pack=1)
+        xb_in = xa_in
+        if HIGH:
+            xb_in = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xb + cols], dtype=tl.int64, is_pure=True, pack=1)
+        return words, s_in, xa_in, xb_in
 
     @triton.jit
     def _store_rows(base, c_even, c_odd, lane_rows, first, M, N2, ok, BLOCK_P: tl.constexpr):
