@@ -1159,7 +1159,7 @@ def test_tuning_records_the_tile_an_external_kernel_won_with(monkeypatch):
     monkeypatch.setattr(w4a16, "EXTERNAL", {"tiled": Tiled, "plain": Plain})
     times = iter([3.0, 2.0, 4.0, 1.0, 5.0, 6.0])  # our one tile 3; tiled's 2, 4, 1; plain 5; cuBLAS 6
     monkeypatch.setattr(kernels, "graph_ms", lambda fn, replays=10: (fn(), 2 * next(times))[1])  # 2 weight copies a call
-    for table in ("_TUNED", "_EXTERNAL_FASTER", "_EXTERNAL_TILES"):
+    for table in ("_TUNED", "_EXTERNAL_FASTER", "_EXTERNAL_TILES", "_EXTERNAL_TILE_TIMES"):
         monkeypatch.setattr(w4a16, table, {})
     monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
     configs = w4a16.candidate_configs(k, group, None, rows=1)[:1]
@@ -1169,6 +1169,19 @@ def test_tuning_records_the_tile_an_external_kernel_won_with(monkeypatch):
     assert others == {"tiled": 1.0, "plain": 5.0} and remembered == [Tile(64, True)]
     assert w4a16.external_tiles(n, k, group, 1, torch.float32) == {"tiled": {"width": 64, "prefetch": True}}
     assert w4a16.backend(n, k, group, 1, torch.float32) == "tiled" and w4a16.external_tiles(n, k, group, 16, torch.float32) == {}
+    timed = w4a16.external_tile_times(n, k, group, 1, torch.float32)
+    assert timed == {"tiled": [({"width": 32, "prefetch": False}, 2.0), ({"width": 32, "prefetch": True}, 4.0),
+                               ({"width": 64, "prefetch": True}, 1.0)]}, timed
+    import sys
+
+    from qdflash.paths import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_w4_kernels  # the table's best with and without prefetch, and every tile's time
+
+    assert bench_w4_kernels.tile_times(timed) == {
+        "tiled_tile_ms": [{"width": 32, "prefetch": False, "ms": 2.0}, {"width": 32, "prefetch": True, "ms": 4.0},
+                          {"width": 64, "prefetch": True, "ms": 1.0}], "tiled_prefetch_ms": 1.0, "tiled_plain_ms": 2.0}
 
 
 def test_gemlite_is_timed_checked_and_dispatched_like_tinygemm(monkeypatch):

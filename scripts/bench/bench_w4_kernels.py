@@ -42,6 +42,19 @@ def gbps(nbytes: int, ms: float | None) -> float | None:
     return None if ms is None or ms <= 0 else round(nbytes / ms / 1e6, 1)
 
 
+def tile_times(times: dict[str, list]) -> dict:
+    """Each tiled kernel's every tile with its time (`<name>_tile_ms`), and where its tiles have a `prefetch` field
+    the best time with and without it (`<name>_prefetch_ms`, `<name>_plain_ms`): what the winning tile alone hides."""
+    out = {}
+    for name, timed in times.items():
+        out[f"{name}_tile_ms"] = [{**fields, "ms": round(ms, 4)} for fields, ms in timed if isinstance(fields, dict)]
+        for label, want in (("prefetch", True), ("plain", False)):
+            best = [ms for fields, ms in timed if isinstance(fields, dict) and fields.get("prefetch") is want]
+            if best:
+                out[f"{name}_{label}_ms"] = round(min(best), 4)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-4b")
@@ -67,7 +80,8 @@ def main() -> None:
                    **{f"{name}_ms": None if t is None else round(t, 4) for name, t in others.items()},
                    **{f"{name}_gbps": gbps(packed, t) for name, t in others.items()},
                    "used": w4a16.backend(n, k, args.group, rows, dtype),
-                   "external_tiles": w4a16.external_tiles(n, k, args.group, rows, dtype)}
+                   "external_tiles": w4a16.external_tiles(n, k, args.group, rows, dtype),
+                   **tile_times(w4a16.external_tile_times(n, k, args.group, rows, dtype))}
             rows_out.append(row)
             cell = lambda t, b: "—" if t is None else f"{t * 1e3:6.1f}us {gbps(b, t):>5.0f}"  # noqa: E731
             print(f"{n:>7}x{k:<6} {rows:>4} | {cell(ms, packed):>14} {cell(dense_ms, dense_bytes):>14} "

@@ -67,12 +67,14 @@ def copies_past_l2(weight_bytes: int, l2_bytes: int = 64 << 20) -> int:
     return max(2, -(-4 * l2_bytes // weight_bytes))
 
 
-def fastest(configs, call, copies: int):
+def fastest(configs, call, copies: int, times: list | None = None):
     """(config, ms per weight copy) of the config whose `call(config)` (one matmul per weight copy)
-    replays fastest in a CUDA graph; (None, inf) without configs."""
+    replays fastest in a CUDA graph; (None, inf) without configs. `times`: each config's (config, ms) appended."""
     best = (None, float("inf"))
     for config in configs:
         ms = graph_ms(lambda: call(config)) / copies
+        if times is not None:
+            times.append((config, ms))
         if ms < best[1]:
             best = (config, ms)
     return best

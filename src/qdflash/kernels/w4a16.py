@@ -326,6 +326,7 @@ _TUNED: dict[tuple[int, int, int, int, torch.dtype], Config] = {}
 _DENSE_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # shapes / row buckets where cuBLAS on the 16-bit weight won
 _EXTERNAL_FASTER: dict[tuple[int, int, int, int, torch.dtype], str] = {}  # ... where another int4 kernel won: its name
 _EXTERNAL_TILES: dict[tuple[int, int, int, int, torch.dtype], dict] = {}  # ... each EXTERNAL kernel's fastest tile (those with tiles)
+_EXTERNAL_TILE_TIMES: dict[tuple[int, int, int, int, torch.dtype], dict] = {}  # ... and every tile's time
 # other int4 kernels on the same packed ints, timed by `tune` beside this one, by name: each module has
 # supported(n, k, group, dtype, device), pack(words, scale, group, dtype) -> state (a tuple) and matmul(x, *state, group);
 # optionally tiles of its own, timed per shape and row bucket (configs(n, k, group, rows) -> tiles, matmul(..., config=
@@ -354,6 +355,17 @@ def external_tiles(n: int, k: int, group: int, rows: int, dtype: torch.dtype) ->
     """The tile `tune` timed fastest for each EXTERNAL kernel that brings tiles (its fields), e.g. whether w4_mma's
     won with `prefetch`: what the timings alone do not say. Empty where this shape was not tuned."""
     return dict(_EXTERNAL_TILES.get((n, k, group, row_bucket(rows), dtype), {}))
+
+
+def external_tile_times(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> dict[str, list]:
+    """Every tile `tune` timed for each EXTERNAL kernel that brings tiles: [(its fields, ms per call)], in the order
+    timed (`scripts/bench/bench_w4_kernels.py` reports the best of each kind of tile from it, e.g. with and without
+    w4_mma's `prefetch`). Empty where this shape was not tuned."""
+    return dict(_EXTERNAL_TILE_TIMES.get((n, k, group, row_bucket(rows), dtype), {}))
+
+
+def _fields(tile):
+    return asdict(tile) if is_dataclass(tile) else repr(tile)
 
 
 def _check_external(name: str, x, ws, ss, group: int):
@@ -446,6 +458,7 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c, counts) for w, s in zip(ws, ss)], copies)
     others: dict[str, float | None] = {}
     tiles_won: dict[str, dict] = {}
+    tile_times: dict[str, list] = {}
     for name, module in EXTERNAL.items():
         others[name] = None
         if not module.supported(n, k, group, dtype, device):
@@ -458,15 +471,19 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
         if problems:
             warnings.warn(f"{name} on {n}x{k} (group {group}, {rows} rows), tiles not used: {'; '.join(problems)[:1000]}",
                           stacklevel=2)
-        tile, others[name] = fastest(tiles, lambda c: [module.matmul(x, *state, group, **_tile(c)) for state in states], copies)
+        times = []
+        tile, others[name] = fastest(tiles, lambda c: [module.matmul(x, *state, group, **_tile(c)) for state in states], copies,
+                                     times)
         if tile is not None:
             module.remember(n, k, group, rows, tile)
-            tiles_won[name] = asdict(tile) if is_dataclass(tile) else repr(tile)
+            tiles_won[name] = _fields(tile)
+            tile_times[name] = [(_fields(c), ms) for c, ms in times]
         del states
     del ws, ss
     key = (n, k, group, row_bucket(rows), dtype)
     _TUNED[key] = config
     _EXTERNAL_TILES[key] = tiles_won
+    _EXTERNAL_TILE_TIMES[key] = tile_times
     dense_copies = copies_past_l2(n * k * torch.finfo(dtype).bits // 8, l2_bytes)
     dense = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(dense_copies)]
     _, dense_ms = fastest([None], lambda _: [F.linear(x, w) for w in dense], dense_copies)
