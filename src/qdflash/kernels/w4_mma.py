@@ -356,15 +356,12 @@ ROWS_TILE_W = 16  # the rows kernel's tile: 4 lanes x 4 words along K, so a warp
 def configs(n: int, k: int, group: int, rows: int = 1) -> list[Config]:
     """The tiles `w4a16.tune` times. One row: 4 warps, 4-16 words a thread (each its 4 fp32 accumulators in
     registers), at least as many words as the blocked layout covers (no word held twice). 2-16 rows: 16-word tiles of
-    8 row pairs per warp (4 or 8 warps, one to four such rows of quads). Both: each tile also with `prefetch`,
+    8 row pairs per warp (4 or 8 warps, one or two such rows of quads). Both: each tile also with `prefetch`,
     64..4096 programs, K split 1-8 ways (powers of two: the in-launch reduction's). Each tile and split is a compile
     of its own: tuning time."""
     out = []
     if rows > 1:
-        # more pairs a thread share more of the activation loads (a warp's 8 quads read 8 activation rows for every
-        # word, where one row's kernel reads one; ptxas loads them once for a thread's pairs at the same columns), at
-        # 64 accumulators a pair row and fewer warps an SM: 128 x 4 compiles to 222 registers, 256 x 8 to 230 (sm_90)
-        for block_p, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (256, 8)):
+        for block_p, warps in ((32, 4), (64, 4), (64, 8)):
             for split_k in (1, 2, 4, 8):
                 c = Config(block_p, ROWS_TILE_W, split_k, warps)
                 if fits(c, n, k, rows) and 64 <= n // (2 * block_p) * split_k <= 4096:
