@@ -337,3 +337,16 @@ def test_kernel_groups_put_inductors_kernels_named_after_a_fused_int4_op_with_in
     # the tensor-core W4 kernels, one row and 2-16 (2026-12-06-h100-w4-mma), and inductor's kernel named after their op
     assert group("_w4_mma_kernel") == group("_w4_mma_rows_kernel") == "w4 mma (ours)"
     assert group("triton_poi_fused_mul_silu_split_w4_mma_mm_4") == bench_components.INDUCTOR
+
+
+def test_main_run_targets_take_the_engines_gdn_block_kernel_unless_told():
+    """bench_components' main-run engines run a 16-bit model's verify blocks through the two-phase GDN kernel (the
+    engine's default), and through the step kernel with --gdn-step-kernel."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_components
+
+    target = bench_components.build_target("tiny", "cpu", torch.bfloat16)
+    args = argparse.Namespace(attention="sdpa", gdn_ba=["dot"], gdn_step_kernel=False)
+    assert bench_components.target_engine(target, args, 32).gdn_two_phase
+    args.gdn_step_kernel = True
+    assert not bench_components.target_engine(target, args, 32).gdn_two_phase

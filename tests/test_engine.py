@@ -277,6 +277,18 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
         "the prompt unfused; the block (two-phase where asked) and the step fused, every GDN layer"
 
 
+def test_two_phase_gdn_blocks_are_the_default_for_16_bit_models_only(tiny_qwen):
+    """A verify block's GDN middle runs through the two-phase kernel by default where the model is 16-bit (its blocks
+    agree with one-token steps to fp32 rounding, which bf16 output tolerates at near-ties), and through the step kernel
+    where it is fp32 (whose speculative output must equal the autoregressive one bit for bit)."""
+    import copy
+
+    assert not build_engine(tiny_qwen, max_len=32, kernels=False).gdn_two_phase  # tiny_qwen is fp32
+    half = copy.deepcopy(tiny_qwen)
+    half.model.to(torch.bfloat16)
+    assert build_engine(half, max_len=32, kernels=False).gdn_two_phase
+
+
 def test_gdn_ba_fused_without_kernels_and_where_it_cannot_fuse(tiny_qwen, tiny_llama):
     """gdn_ba="fused" on the CPU path (no kernels): the same logits as transformers; on a target whose qkvz is
     4-bit (b / a stay 16-bit) it keeps them apart ("given"); only Qwen3.5 takes the option, and only its values."""

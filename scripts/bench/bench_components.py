@@ -349,10 +349,12 @@ def study_arms(args) -> list[Arm]:
 
 
 def target_engine(target, args, max_len):
-    """The main run's engine for `target` (16-bit, W4, W4 head): --attention, the first --gdn-ba mode, and with
-    --gdn-two-phase its verify block's GDN middle through the two-phase kernel (decode steps are the same either way)."""
+    """The main run's engine for `target` (16-bit, W4, W4 head): --attention, the first --gdn-ba mode, and its verify
+    block's GDN middle through the two-phase kernel (the engine's default for a 16-bit model) unless --gdn-step-kernel
+    (token by token through the step kernel; decode steps are the same either way)."""
     engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
-    engine.gdn_two_phase = args.gdn_two_phase
+    if getattr(args, "gdn_step_kernel", False):
+        engine.gdn_two_phase = False
     return engine
 
 
@@ -599,8 +601,12 @@ def main() -> None:
                         help="--study: which targets' arms, in order (16: the 16-bit target; w4: the W4 one; the W4 "
                              "arms quantize the model in place, so 16 after w4 is refused)")
     parser.add_argument("--gdn-two-phase", action="store_true",
-                        help="the verify block's GDN middle through the two-phase kernel (LeanQwen35.gdn_two_phase): "
-                             "in every target engine of the main run; with --study each --gdn-ba mode again as an arm")
+                        help="--study: each --gdn-ba mode again as an arm with its verify block's GDN middle through the "
+                             "two-phase kernel (LeanQwen35.gdn_two_phase, the engine's default for a 16-bit model: "
+                             "the main run's targets use it either way)")
+    parser.add_argument("--gdn-step-kernel", action="store_true",
+                        help="the main run's targets' verify blocks run their GDN middle through the step kernel, token "
+                             "by token, instead of the two-phase kernel (the engine's default for a 16-bit model)")
     parser.add_argument("--gdn-chunked", action="store_true",
                         help="--study: each --gdn-ba mode again with its verify block's GDN recurrence in the "
                              "chunked form (LeanQwen35.gdn_chunked: the block's products as matmuls)")

@@ -66,8 +66,11 @@ class LeanQwen35(EngineBase):
         # a verify block's GDN middle through the two-phase kernel (every token's inputs first, then the recurrence
         # alone; gated_delta_step's two_phase). Its block then agrees with one-token steps to fp32 rounding, not bit
         # for bit, so a greedy speculative token may differ from the autoregressive one where two logits nearly tie.
-        # Set before capture, like fuse_gdn
-        self.gdn_two_phase = False
+        # On by default for a 16-bit model, whose speculative output is held to its autoregressive one up to
+        # near-ties anyway (bench.MARGIN_BUG), and where it runs a 16-token block 1.45x faster than the step kernel
+        # token by token (H100: 31.6 against 46.0 us a layer, results/published/2026-12-06-h100-prefetch2-gdn); off
+        # for fp32, whose output must equal the autoregressive one exactly. Set before capture, like fuse_gdn
+        self.gdn_two_phase = self.dtype != torch.float32
         # likewise, a verify block's recurrence in the chunked form (gated_delta_step's chunked: the block's products as
         # matmuls, no state reduction per token), to fp32 rounding too. Set before capture
         self.gdn_chunked = False
