@@ -294,8 +294,8 @@ def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_q
 def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
     """bench_gdn_step.py's variants on one tiny layer through the kernels (Triton's interpreter here; the script
     itself needs CUDA for its timings): dot, given, two_phase and chunked (the block kernels also with the b / a dot in
-    the kernel, and replayed as the engine's verify blocks) give the same outputs for a 4-token block and a decode step
-    (to fp32 rounding), so a device run times the same computation each way; bad --variants and --launches values are clear errors."""
+    the kernel) give the same outputs for a 4-token block and a decode step (to fp32 rounding), so a device run times
+    the same computation six ways; bad --variants and --launches values are clear errors."""
     import argparse
 
     pytest.importorskip("triton")
@@ -313,11 +313,7 @@ def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
         for variant in ("dot", "given", "two_phase", "two_phase_dot", "chunked", "chunked_dot"):
             layer["state"].copy_(start)
             outs[variant] = bench_gdn_step.run(layer, 16, 4, tokens > 1, variant)
-        if tokens > 1:  # replayed (no per-position states), with nothing pending: the same outputs
-            layer["state"].copy_(start)
-            outs["two_phase_dot_replay"] = bench_gdn_step.run(layer, 16, 4, False, "two_phase_dot_replay")
-            assert torch.equal(layer["state"], start), "nothing replayed: the state before the block"
-        for variant in ("given", "two_phase", "two_phase_dot", "chunked", "chunked_dot") + (("two_phase_dot_replay",) if tokens > 1 else ()):
+        for variant in ("given", "two_phase", "two_phase_dot", "chunked", "chunked_dot"):
             torch.testing.assert_close(outs[variant], outs["dot"], atol=1e-5, rtol=1e-5)
     assert bench_gdn_step.variant_list("dot,two_phase") == ["dot", "two_phase"]
     for bad in ("dot,dot", "dot,fast", ""):

@@ -277,50 +277,6 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
         "the prompt unfused; the block (two-phase where asked) and the step fused, every GDN layer"
 
 
-def test_replayed_verify_blocks_roll_back_without_per_position_states(tiny_qwen, monkeypatch):
-    """With the kernels and two-phase blocks, a verify block is replayed (`LeanQwen35._replays`): no per-position states,
-    a rollback is how many of its tokens the state takes when next used, by the next block's kernel or, before a decode
-    step or a prefill, by `gated_delta_commit`. Blocks rolled back, kept whole, then a decode step and a long feed: each
-    step's logits are a fresh forward's of the tokens kept (Triton's interpreter)."""
-    pytest.importorskip("triton")
-    import qdflash.engine.qwen3_5 as qwen3_5
-    from qdflash.kernels.gated_delta import gated_delta_commit, gated_delta_step
-
-    replayed, commits = [], []
-    monkeypatch.setattr(qwen3_5, "gated_delta_step",
-                        lambda *a, **kw: replayed.append(kw["replay"] is not None) or gated_delta_step(*a, **kw))
-    monkeypatch.setattr(qwen3_5, "gated_delta_commit", lambda *a, **kw: commits.append(1) or gated_delta_commit(*a, **kw))
-    engine = build_engine(tiny_qwen, max_len=64, kernels=True)
-    engine.gdn_two_phase = True
-    layers = tiny_qwen.model.config.layer_types.count("linear_attention")
-    kept = ids(7, 20).tolist()
-    engine.forward(torch.tensor(kept), 0)
-
-    def check(logits):
-        fresh = tiny_qwen.model(input_ids=torch.tensor(kept)[None]).logits[0, -logits.shape[0]:]
-        torch.testing.assert_close(logits, fresh, atol=1e-4, rtol=1e-4)
-
-    for block, keep in (([11, 12, 13, 14], 2), ([21, 22, 23], 3), ([31, 32], 1)):  # 3: the whole block kept
-        logits, _ = engine.forward(torch.tensor(block), len(kept))
-        kept_before = len(kept)
-        kept += block
-        check(logits)
-        kept = kept[:kept_before + keep]
-        engine.rollback(len(kept))
-        assert engine.replayed and engine.pending_n == keep
-    assert replayed == [True] * layers * 3 and not commits
-    logits, _ = engine.forward(torch.tensor([41]), len(kept))  # a decode step: the pending token committed first
-    kept.append(41)
-    check(logits)
-    assert len(commits) == layers and replayed[-layers:] == [False] * layers and engine.pending_n == 0
-    engine.forward(torch.tensor([51, 52]), len(kept))  # a block, kept whole, then a feed longer than a block
-    kept += [51, 52]
-    logits, _ = engine.forward(torch.tensor(ids(8, 18).tolist()), len(kept))
-    kept += ids(8, 18).tolist()
-    check(logits)
-    assert len(commits) == 2 * layers
-
-
 def test_two_phase_gdn_blocks_are_the_default_for_16_bit_models_only(tiny_qwen):
     """A verify block's GDN middle runs through the two-phase kernel by default where the model is 16-bit (its blocks
     agree with one-token steps to fp32 rounding, which bf16 output tolerates at near-ties), and through the step kernel

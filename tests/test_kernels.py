@@ -611,55 +611,6 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, two_phase):
                          state0.clone(), key_heads=key_heads, key_dim=key_dim, two_phase=True, chunked=True)
 
 
-@pytest.mark.parametrize("ba_weight", [True, False])
-def test_a_replayed_block_is_the_block_rolled_back_by_its_states(ba_weight):
-    """gated_delta_step(replay=, pending=): verify blocks that keep no per-position states, a rollback being how many of
-    the last block's tokens the next launch replays first. Blocks of 5, 4 and 6 tokens with 3, 1 and all 6 of them kept
-    (then `gated_delta_commit`) give the outputs, states and conv buffer of the same blocks fed with their states and
-    rolled back by copying one (the two-phase kernel both ways), and the state is left as it was before each block."""
-    from qdflash.kernels.gated_delta import gated_delta_commit, gated_delta_step, replay_rows
-
-    g = torch.Generator().manual_seed(5)
-    key_heads, heads, dk, dv, kw, hidden = 2, 4, 16, 32, 4, 48
-    key_dim = key_heads * dk
-    conv_dim = 2 * key_dim + heads * dv
-    conv_w = (torch.randn(conv_dim, 1, kw, generator=g) * 0.5).to(DEVICE)
-    ba_w = torch.randn(2 * heads, hidden, generator=g) * 0.3
-    decay, dt_bias = -torch.rand(heads, generator=g).to(DEVICE), torch.randn(heads, generator=g).to(DEVICE)
-    state0 = torch.randn(heads, dk, dv, generator=g) * 0.1
-    blocks = [(5, 3), (4, 1), (6, 6)]  # (tokens fed, tokens kept)
-    inputs = [(torch.randn(t, conv_dim + heads * dv, generator=g), torch.randn(t, hidden, generator=g)) for t, _ in blocks]
-    common = dict(key_heads=key_heads, key_dim=key_dim, ba_weight=ba_weight, two_phase=True, block_v=16)
-
-    def feed(qkvz, x, start, conv_in, state, states=None, **replay):
-        ba = ba_w if ba_weight else x @ ba_w.T
-        return gated_delta_step(qkvz.to(DEVICE), conv_in, conv_w, torch.arange(start, start + len(x), device=DEVICE),
-                                x.to(DEVICE), ba.to(DEVICE), decay, dt_bias, state, states, **common, **replay).cpu()
-
-    conv_a, state_a, conv_b, state_b = (torch.zeros(32, conv_dim, device=DEVICE), state0.clone().to(DEVICE),
-                                        torch.zeros(32, conv_dim, device=DEVICE), state0.clone().to(DEVICE))
-    rows, pending = replay_rows(heads, dk, dv, 16, DEVICE, block_v=16), torch.zeros((), dtype=torch.int32, device=DEVICE)
-    start = 0
-    for (t, kept), (qkvz, x) in zip(blocks, inputs):
-        states = torch.zeros(t + 1, heads, dk, dv, device=DEVICE)
-        out_a = feed(qkvz, x, start, conv_a, state_a, states)
-        state_a.copy_(states[kept])  # the rollback by the kept states
-        out_b = feed(qkvz, x, start, conv_b, state_b, replay=rows, pending=pending)
-        torch.testing.assert_close(out_b, out_a, atol=1e-6, rtol=1e-6)
-        # the state is the one before the block: the last block's kept tokens replayed into it, not this block's
-        torch.testing.assert_close(state_b.cpu(), states[0].cpu(), atol=1e-6, rtol=1e-6)
-        pending.fill_(kept)  # the rollback by replay
-        start += kept
-    gated_delta_commit(state_b, rows, pending, block_v=16)
-    torch.testing.assert_close(state_b.cpu(), state_a.cpu(), atol=1e-6, rtol=1e-6)
-    assert not torch.equal(state_a.cpu(), state0), "the state moved (the test can fail)"
-    assert torch.equal(conv_b, conv_a)
-    with pytest.raises(QdflashError, match="replay and pending go together"):  # replaying keeps no states
-        feed(*inputs[0], 0, conv_b, state_b, torch.zeros(6, heads, dk, dv, device=DEVICE), replay=rows, pending=pending)
-    with pytest.raises(QdflashError, match="do not fit"):
-        feed(*inputs[0], 0, conv_b, state_b, replay=rows[:, :4], pending=pending)
-
-
 def test_a_chunked_verify_block_is_its_sixteen_one_token_steps():
     """A 16-token block (a verify block's length) in the chunked form (`_chunk_state`: the block's products as matmuls, a
     16 x 16 lower-triangular inverse) gives the outputs, per-position states and final state of 16 one-token steps of
@@ -762,21 +713,19 @@ def gdn_step_case(tokens):
         STORE_STATES=True)
 
 
-def gdn_block_case(tokens, chunked=False, replay=False):
+def gdn_block_case(tokens, chunked=False):
     """The two-phase GDN block kernel at Qwen3.5-4B's heads, its default value block (with BLOCK_WARPS), the b / a product
     given; `chunked`: its recurrence in the chunked form, the b / a dot in the kernel (as the engine's default gdn_ba
-    runs it); `replay`: two-phase, replaying the last block's kept tokens first and keeping no per-position states, the
-    b / a dot in the kernel (the engine's verify blocks of a 16-bit model)."""
+    runs it)."""
     from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
                  "x_ptr": "*bf16", "ba_ptr": "*bf16", "ba_stride": "i32", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16",
-                 "state_ptr": "*fp32", "out_ptr": "*fp32", "states_ptr": "*fp32", "scratch_ptr": "*fp32", "pending_ptr": "*i32",
-                 "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32", "PROGRAM_ROWS": "i32"}
+                 "state_ptr": "*fp32", "out_ptr": "*fp32", "states_ptr": "*fp32", "scratch_ptr": "*fp32", "HV": "i32",
+                 "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
     return "qdflash.kernels.gated_delta", "_gated_delta_block_kernel", signature, dict(
-        T=tokens, T_P=max(tokens, 16) if chunked else tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V,
-        STORE_STATES=not replay, CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked or replay, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512,
-        REPLAY=replay)
+        T=tokens, T_P=max(tokens, 16) if chunked else tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True,
+        CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512)
 
 
 def attention_case(tree, block=False):
@@ -891,7 +840,7 @@ def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile)
 
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block chunked 5",
-                                  "gdn block chunked 16", "gdn block replay 16", "attention", "attention tree 16", "attention block 16",
+                                  "gdn block chunked 16", "attention", "attention tree 16", "attention block 16",
                                   "gemv rows 0", "gemv rows 16"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
@@ -907,7 +856,7 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     num_warps = 4
     if kind.startswith("gdn"):
         num_warps = (CHUNKED_WARPS if "chunked" in kind else BLOCK_WARPS) if "block" in kind else STEP_WARPS
-        module, name, signature, constexprs = (gdn_block_case(int(arg), chunked="chunked" in kind, replay="replay" in kind)
+        module, name, signature, constexprs = (gdn_block_case(int(arg), chunked="chunked" in kind)
                                                if "block" in kind else gdn_step_case(int(arg)))
     else:
         module, name, signature, constexprs = (rows_gemv_case(int(arg)) if kind.startswith("gemv") else

@@ -20,8 +20,7 @@ block kernel that computes every token's inputs first, then runs the recurrence 
 keeps the step kernel), `two_phase_dot` (that block kernel computing the a / b projection itself, as the engine's
 default gdn_ba='dot' runs it), `chunked` (that block kernel with the block's recurrence as matmuls, the chunked form:
 `kernels.gated_delta._chunk_state`; one token keeps the step kernel) and `chunked_dot` (with the projection in the
-kernel), and `two_phase_dot_replay` (that block kernel as the engine runs a 16-bit model's verify blocks: no per-position
-states, the last block's `--pending` kept tokens replayed into the state first; checked with none replayed).
+kernel).
 """
 
 from __future__ import annotations
@@ -33,13 +32,13 @@ import platform
 import torch
 
 from qdflash.kernels import copies_past_l2, graph_ms
-from qdflash.kernels.gated_delta import gated_delta_step, replay_rows
+from qdflash.kernels.gated_delta import gated_delta_step
 
 # Qwen3.5-4B's linear-attention layers: 16 key heads, 32 value heads, head dims 128, conv kernel 4, hidden 2560
 SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
 # (block_v, num_warps); the default first (the step kernel's, and the two-phase block kernel's: BLOCK_WARPS)
 LAUNCHES = [(16, 4), (16, 8), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]
-VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "chunked", "chunked_dot", "two_phase_dot_replay")
+VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "chunked", "chunked_dot")
 
 
 def launch_list(text: str) -> list[tuple[int, int]]:
@@ -71,22 +70,16 @@ def layer_inputs(t: int, position: int, device, g: torch.Generator) -> dict:
         dt_bias=torch.randn(s["heads"], generator=g).to(**bf16),
         state=(torch.randn(s["heads"], s["dk"], s["dv"], generator=g) * 0.1).to(device),
         states=torch.zeros(t + 1, s["heads"], s["dk"], s["dv"], device=device) if t > 1 else None,
-        pending=torch.zeros((), dtype=torch.int32, device=device),  # the replay variant's tokens to replay first
     )
 
 
 def run(layer: dict, block_v: int, num_warps: int, keep_states: bool, variant: str = "dot"):
     given = variant in ("given", "two_phase", "chunked")  # the _dot block variants compute b / a in the kernel (BA_DOT)
-    replay = {}
-    if variant.endswith("_replay"):  # the rows of this launch shape's programs, kept in the layer's inputs
-        rows = layer.setdefault(("replay", block_v), replay_rows(SHAPE["heads"], SHAPE["dk"], SHAPE["dv"], 16,
-                                                                 layer["state"].device, block_v=block_v))
-        replay = dict(replay=rows, pending=layer["pending"])
     return gated_delta_step(layer["qkvz"], layer["conv_in"], layer["conv_weight"], layer["positions"], layer["x"],
                             layer["ba_product"] if given else layer["ba"], layer["decay"], layer["dt_bias"], layer["state"],
                             layer["states"] if keep_states else None, key_heads=SHAPE["key_heads"],
                             key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps,
-                            two_phase=variant.startswith("two_phase"), chunked=variant.startswith("chunked"), **replay)
+                            two_phase=variant.startswith("two_phase"), chunked=variant.startswith("chunked"))
 
 
 def variant_list(text: str) -> list[str]:
@@ -103,9 +96,6 @@ def main() -> None:
                         help="block_v x num_warps, comma-separated (e.g. 16x4,32x8); the first is the reference")
     parser.add_argument("--variants", type=variant_list, default=["dot"],
                         help=f"comma-separated, of {','.join(VARIANTS)} (the module docstring says what each is)")
-    parser.add_argument("--pending", type=int, default=16,
-                        help="two_phase_dot_replay: the last block's tokens each launch replays first (16: a whole block "
-                             "kept, the most)")
     parser.add_argument("--out", help="write the table as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -118,23 +108,16 @@ def main() -> None:
         snapshot = [layer["state"].clone() for layer in layers]
         reference = None
         for variant in args.variants:
-            replays = variant.endswith("_replay")
-            if replays and (t == 1 or keep_states):  # a replayed block is a verify block that keeps no states
-                continue
             for block_v, num_warps in args.launches:
                 for layer, state in zip(layers, snapshot):
                     layer["state"].copy_(state)
-                    layer["pending"].fill_(0)  # checked with nothing replayed: the same outputs as the others'
                 out = run(layers[0], block_v, num_warps, keep_states, variant)  # compiles; from the same state each time
-                for layer in layers:
-                    layer["pending"].fill_(args.pending if replays else 0)
                 if reference is None:
                     reference = out
                 diff = float((out - reference).abs().max())
                 us = graph_ms(lambda: [run(layer, block_v, num_warps, keep_states, variant) for layer in layers]) / len(layers) * 1e3
                 row = {"tokens": t, "per_position_states": keep_states, "variant": variant, "block_v": block_v,
-                       "num_warps": num_warps, "us_per_layer": round(us, 2), "max_abs_vs_first": diff,
-                       **({"replayed_tokens": args.pending} if replays else {})}
+                       "num_warps": num_warps, "us_per_layer": round(us, 2), "max_abs_vs_first": diff}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {"shape": SHAPE, "position": args.position, "device": torch.cuda.get_device_name(), "torch": torch.__version__,

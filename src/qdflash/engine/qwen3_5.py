@@ -3,8 +3,7 @@
 Gated DeltaNet layers run the recurrent form token by token and keep the recurrent state after every
 position of the last block fed (up to `max_block` tokens), so a rollback to any accepted prefix
 restores the exact state without feeding anything again (docs/recipe.md: "keep per-position states during
-verify"). A verify block through the two-phase kernel (a 16-bit model's default on a GPU) keeps each token's
-recurrence inputs instead, and the state takes the accepted ones at the next block (`LeanQwen35._replays`). Their causal-conv inputs live in a per-position buffer like a KV cache, so a rollback there
+verify"). Their causal-conv inputs live in a per-position buffer like a KV cache, so a rollback there
 is a change of length too. Every cache is a fixed buffer updated in place and positions are a tensor,
 so a decode step and a verify block can be captured as CUDA graphs (`qdflash.engine.graphs`).
 On a GPU a decode step's or verify block's layer middle (buffer write, causal conv, silu, l2norm, gates with
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import QdflashError
-from ..kernels.gated_delta import CHUNK, gated_delta_commit, gated_delta_recurrence, gated_delta_step, replay_rows
+from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_step
 from .linear import Projection, StreamNorm, residual_norm, swiglu
 from ..ops import apply_rope, tap_features
 from .base import EngineBase, cached_attention
@@ -87,7 +86,7 @@ class LeanQwen35(EngineBase):
         self.types = list(c.layer_types)
         kv = (self.kv_heads, max_len, self.head_dim)
         self.layers, self.k_cache, self.v_cache = [], {}, {}
-        self.conv_in, self.state, self.block_states, self.replay = {}, {}, {}, {}
+        self.conv_in, self.state, self.block_states = {}, {}, {}
         for i, layer in enumerate(model.model.layers):
             w = {"norm1": self._norm(layer.input_layernorm), "norm2": self._norm(layer.post_attention_layernorm),
                  "w13": Projection.of([layer.mlp.gate_proj, layer.mlp.up_proj], dtype, self.kernels),
@@ -110,22 +109,11 @@ class LeanQwen35(EngineBase):
                 self.conv_in[i] = torch.zeros(max_len, la.conv_dim, device=device, dtype=dtype)
                 self.state[i] = torch.zeros(la.num_v_heads, la.head_k_dim, la.head_v_dim, device=device)
                 self.block_states[i] = torch.zeros(max_block + 1, *self.state[i].shape, device=device)
-                if self.kernels:
-                    self.replay[i] = replay_rows(*self.state[i].shape, max_block, device)
             self.layers.append(w)
         kernel = max((w["la"].conv_kernel_size for w in self.layers if "la" in w), default=1)
         self.conv_offsets = torch.arange(-(kernel - 1), max_len, device=device)
         self.length = 0
         self.block_start = 0  # the last block fed: states of positions block_start..length are kept
-        # A verify block through the two-phase kernel is replayed (`_replays`): it keeps no per-position states (33.5 MB
-        # a Qwen3.5-4B layer for 16 tokens) and leaves each GDN state where it was before the block; the kernel writes
-        # the block's per-token inputs to `replay` instead, and a rollback into the block says how many of them the
-        # state still has to take (`pending_n`), which the next block's kernel replays first (`pending`: that count on
-        # the device, read inside a captured graph) or `_commit` applies before any other step.
-        self.pending = torch.zeros((), dtype=torch.int32, device=device)
-        self.pending_n = 0
-        self._pending_device = 0
-        self.replayed = False  # the last block fed was replayed
 
     def _norm(self, module: nn.Module) -> StreamNorm:
         """The model's own norm module into the model's dtype (it computes in fp32 and returns its input's dtype)."""
@@ -135,8 +123,7 @@ class LeanQwen35(EngineBase):
         """An empty sequence (a new generation): zero recurrent states, length 0."""
         for state in self.state.values():
             state.zero_()
-        self.length = self.block_start = self.pending_n = 0
-        self.replayed = False
+        self.length = self.block_start = 0
 
     def rollback(self, keep: int) -> None:
         """Back to `keep` positions; exact for any keep within the last block fed (or equal to now)."""
@@ -144,44 +131,17 @@ class LeanQwen35(EngineBase):
             return
         if not self.block_start <= keep < self.length:
             raise QdflashError(f"engine rollback to {keep}: only positions {self.block_start}..{self.length} are kept")
-        if self.replayed:  # the state takes the block's first tokens up to keep when it is next used
-            self.pending_n = keep - self.block_start
-        else:
-            for i, states in self.block_states.items():
-                self.state[i].copy_(states[keep - self.block_start])  # in place: a captured graph reads this buffer
+        for i, states in self.block_states.items():
+            self.state[i].copy_(states[keep - self.block_start])  # in place: a captured graph reads this buffer
         self.length = keep
-
-    def _replays(self, t: int) -> bool:
-        """Whether a forward of t tokens is a replayed block (the engine's docstring; flags set before capture)."""
-        return (bool(self.replay) and self.fuse_gdn and self.gdn_two_phase and not self.gdn_chunked
-                and 1 < t <= min(CHUNK, self.max_block))
-
-    def _commit(self) -> None:
-        """Every GDN state takes the pending tokens of the last replayed block (before a step that does not replay)."""
-        self._sync_pending()
-        for i, state in self.state.items():
-            gated_delta_commit(state, self.replay[i], self.pending)
-        self.pending_n = 0
-
-    def _sync_pending(self) -> None:
-        if self._pending_device != self.pending_n:
-            self.pending.fill_(self.pending_n)
-            self._pending_device = self.pending_n
 
     def _check_feed(self, start: int, t: int) -> None:
         if start != self.length:
             raise QdflashError(f"engine holds {self.length} positions; feed from there (or roll back) instead of {start}")
-        if self._replays(t):
-            self._sync_pending()
-        elif self.pending_n:
-            self._commit()
 
     def _after_feed(self, start: int, end: int) -> None:
         kept = end - start <= self.max_block
         self.block_start, self.length = (start if kept else end), end
-        self.replayed = self._replays(end - start)
-        if self.replayed:  # until a rollback says fewer, the state is to take the whole block
-            self.pending_n = end - start
 
     def _rope(self, x, cos, sin):
         return torch.cat([apply_rope(x[..., : self.rot], cos, sin), x[..., self.rot :]], dim=-1)
@@ -237,12 +197,10 @@ class LeanQwen35(EngineBase):
             qkvz = w["qkvz"](x)
         else:
             qkvz, ba = self._qkvz_ba(w, x)
-        replay = self._replays(t)
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
-                               self.state[i], None if replay or t > self.max_block else self.block_states[i],
+                               self.state[i], self.block_states[i] if t <= self.max_block else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
-                               two_phase=self.gdn_two_phase, chunked=self.gdn_chunked,
-                               replay=self.replay[i] if replay else None, pending=self.pending if replay else None)
+                               two_phase=self.gdn_two_phase, chunked=self.gdn_chunked)
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
 
     def _gdn_inputs(self, w, mixed, ba):

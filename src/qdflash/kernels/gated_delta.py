@@ -108,12 +108,12 @@ if triton is not None:
 
     @triton.jit
     def _gated_delta_block_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, x_ptr, ba_ptr, ba_stride, decay_ptr,
-                                  dt_bias_ptr, state_ptr, out_ptr, states_ptr, scratch_ptr, pending_ptr, HV, KEY_DIM,
-                                  CONV_DIM, SCALE, PROGRAM_ROWS, T: tl.constexpr, T_P: tl.constexpr, REP: tl.constexpr,
-                                  KW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                                  dt_bias_ptr, state_ptr, out_ptr, states_ptr, scratch_ptr, HV, KEY_DIM, CONV_DIM,
+                                  SCALE, T: tl.constexpr, T_P: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr,
+                                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
                                   STORE_STATES: tl.constexpr, CHUNKED: tl.constexpr, CHUNK_K: tl.constexpr,
                                   BA_DOT: tl.constexpr, HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr,
-                                  BLOCK_H: tl.constexpr, REPLAY: tl.constexpr = False):
+                                  BLOCK_H: tl.constexpr):
         """`_gated_delta_step_kernel` for a block, in two phases. First every token's inputs at once ([T, channels]
         tiles: the conv's taps as shifted loads, silu, the l2norms' reductions over the key dimension for all tokens
         in one, the gates from the b / a product given or, BA_DOT, computed here from x), written to this program's
@@ -121,11 +121,7 @@ if triton is not None:
         alone (one reduction of the state over the key dimension), its inputs' loads free to be issued ahead of it.
         The same formulas as the one-token kernel, summed in another order (the conv over its taps, the l2norms, the
         b / a dot), so a block and one-token steps agree to fp32 rounding, not bit for bit.
-        CHUNKED (T_P >= 16, a tensor-core tile): phase 2 as `_chunk_state` instead of token by token.
-        REPLAY (two-phase only; `scratch` then persists between launches, PROGRAM_ROWS token rows a program): first the
-        state takes the first *pending_ptr tokens of the last block, from their rows in `scratch` (`_replay`), and is
-        stored so; then this block runs from it, its rows written for the next launch to replay, and neither the
-        per-position states nor the state after the block are stored (module docstring)."""
+        CHUNKED (T_P >= 16, a tensor-core tile): phase 2 as `_chunk_state` instead of token by token."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -140,12 +136,6 @@ if triton is not None:
         tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
         if not CHUNKED:  # (_chunk_state reads the state a key chunk at a time)
             s = tl.load(state_ptr + tile)  # in flight through phase 1
-        SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
-        base = scratch_ptr + (h * tl.num_programs(1) + vb) * PROGRAM_ROWS * (2 * DK if CHUNKED else SCR)
-        if REPLAY:  # the last block's accepted tokens, from this program's rows, before phase 1 overwrites them
-            s = _replay(s, base, tl.load(pending_ptr), rk, rb, DK, BLOCK_V)
-            tl.store(state_ptr + tile, s)
-            tl.debug_barrier()
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         decay = tl.load(decay_ptr + h)
         start = tl.load(pos_ptr)
@@ -200,12 +190,15 @@ if triton is not None:
         tl.store(dst + qc[None, :], tl.load(here + qc[None, :], mask=own), mask=own)
         tl.store(dst + kc[None, :], tl.load(here + kc[None, :], mask=own), mask=own)
         if CHUNKED:  # q and k through this program's scratch rows, read back a key chunk at a time
+            base = scratch_ptr + (h * tl.num_programs(1) + vb) * (T_P * 2 * DK)
             tl.store(base + rt[:, None] * (2 * DK) + rk[None, :], qq)
             tl.store(base + rt[:, None] * (2 * DK) + DK + rk[None, :], kk)
             tl.debug_barrier()  # the rows are read back by other threads of this program
             _chunk_state(base, state_ptr, states_ptr, out_ptr + (rt[:, None] * HV + h) * DV + rv[None, :], vv, g, beta, t_ok,
                          rt, rv, h * DK * DV, HV * DK * DV, T, DK, DV, CHUNK_K, STORE_STATES)
         else:  # phase 2: the tokens' inputs through this program's scratch rows, token by token
+            SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
+            base = scratch_ptr + (h * tl.num_programs(1) + vb) * (T_P * SCR)
             tl.store(base + rt[:, None] * SCR + rk[None, :], qq)
             tl.store(base + rt[:, None] * SCR + DK + rk[None, :], kk)
             tl.store(base + rt[:, None] * SCR + 2 * DK + rb[None, :], vv)
@@ -222,33 +215,8 @@ if triton is not None:
                                 tl.load(row_t + 2 * DK + BLOCK_V + 2), out_ptr + (t * HV + h) * DV + rv)
                 if STORE_STATES:
                     tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
-        if not CHUNKED and not REPLAY:  # (_chunk_state wrote it; with REPLAY the state stays before the block)
+        if not CHUNKED:  # (_chunk_state wrote it)
             tl.store(state_ptr + tile, s)
-
-    @triton.jit
-    def _replay(s, base, n, rk, rb, DK: tl.constexpr, BLOCK_V: tl.constexpr):
-        """The state slice s [dk, BLOCK_V] after the first n tokens of the rows at `base` (`_gated_delta_block_kernel`'s
-        two-phase scratch rows: q, k, v, k . q, g, beta): each token's update as `_step_state` makes it, no output."""
-        SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
-        for t in range(n):
-            row = base + t * SCR
-            kk = tl.load(row + DK + rk)
-            decay = tl.exp(tl.load(row + 2 * DK + BLOCK_V + 1))
-            delta = (tl.load(row + 2 * DK + rb) - decay * tl.sum(s * kk[:, None], 0)) * tl.load(row + 2 * DK + BLOCK_V + 2)
-            s = s * decay + kk[:, None] * delta[None, :]
-        return s
-
-    @triton.jit
-    def _gated_delta_commit_kernel(state_ptr, scratch_ptr, pending_ptr, PROGRAM_ROWS, DK: tl.constexpr, DV: tl.constexpr,
-                                   BLOCK_V: tl.constexpr):
-        """The state after the pending tokens of the last REPLAY block (`_replay` on each program's slice), stored."""
-        h = tl.program_id(0)
-        vb = tl.program_id(1)
-        rk = tl.arange(0, DK)
-        rb = tl.arange(0, BLOCK_V)
-        tile = h * DK * DV + rk[:, None] * DV + (vb * BLOCK_V + rb)[None, :]
-        base = scratch_ptr + (h * tl.num_programs(1) + vb) * PROGRAM_ROWS * (2 * DK + BLOCK_V + 3)
-        tl.store(state_ptr + tile, _replay(tl.load(state_ptr + tile), base, tl.load(pending_ptr), rk, rb, DK, BLOCK_V))
 
     # _chunk_state's matmuls in fp32 FMAs: its tiles are small, and for sm_90 at 8 warps and 32-key chunks this compiles
     # to 128 registers with no spill, where tf32 / tf32x3 tensor-core operands did not fit (tests' sm90_resources)
@@ -468,29 +436,9 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
     return out
 
 
-def replay_rows(heads: int, dk: int, dv: int, max_block: int, device, block_v: int = STEP_BLOCK_V) -> torch.Tensor:
-    """The rows a layer's REPLAY blocks keep between launches (`gated_delta_step(replay=)`): per program of the
-    two-phase block kernel ([heads, dv / block_v]), max_block tokens' q, k, its value columns, k . q, g and beta. Zeros,
-    so a launch before any block replays zeros if asked to (nothing is pending then)."""
-    block_v = min(block_v, dv)
-    return torch.zeros(heads * (dv // block_v), triton.next_power_of_2(max_block) if triton else max_block,
-                       2 * dk + block_v + 3, device=device, dtype=torch.float32)
-
-
-def gated_delta_commit(state: torch.Tensor, replay: torch.Tensor, pending: torch.Tensor, block_v: int = STEP_BLOCK_V) -> None:
-    """`state` [H, dk, dv] (fp32, in place) after the first `pending` (a device int32 scalar) tokens of the last REPLAY
-    block fed through `gated_delta_step(replay=)`: what the next block would replay first, for a step that does not."""
-    if triton is None:
-        raise QdflashError("gated_delta_commit needs triton")
-    heads, dk, dv = state.shape
-    block_v = min(block_v, dv)
-    _gated_delta_commit_kernel[(heads, dv // block_v)](state, replay, pending, replay.shape[1], DK=dk, DV=dv, BLOCK_V=block_v)
-
-
 def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states=None, *,
                      key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = STEP_BLOCK_V,
-                     num_warps: int | None = None, two_phase: bool = False, chunked: bool = False,
-                     replay: torch.Tensor | None = None, pending: torch.Tensor | None = None):
+                     num_warps: int | None = None, two_phase: bool = False, chunked: bool = False):
     """A Gated DeltaNet layer's middle for a decode step or verify block (T <= CHUNK tokens) in one launch:
     the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
     (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
@@ -504,13 +452,7 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     inputs first, then the recurrence alone token by token (one token keeps the step kernel). `chunked`: the same
     block kernel with the recurrence in the chunked form (`_chunk_state`: matmuls over the block instead
     of a state reduction per token), its block padded to 16 rows. `num_warps`:
-    STEP_WARPS, or BLOCK_WARPS (two-phase) or CHUNKED_WARPS for the block kernel, unless given.
-    `replay` (`replay_rows`) and `pending` (a device int32 scalar), for a two-phase block of T > 1 tokens: the state
-    first takes the first `pending` tokens of the block fed last with this `replay` (their rows there), and keeps them;
-    this block's outputs are computed from it, its rows written to `replay`, and the state is not advanced past it (nor
-    `states` written: give none). A rollback into the block is then `pending` = the tokens it keeps (the next block
-    replays them, or `gated_delta_commit`), where with `states` it is a copy of one of them: the per-position states
-    (33.5 MB a Qwen3.5-4B layer for 16 tokens) are never written."""
+    STEP_WARPS, or BLOCK_WARPS (two-phase) or CHUNKED_WARPS for the block kernel, unless given."""
     if triton is None:
         raise QdflashError("gated_delta_step needs triton")
     t = qkvz.shape[0]
@@ -531,13 +473,6 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
         raise QdflashError("gated_delta_step: two_phase and chunked are two forms of the block kernel; ask for one")
     chunked = chunked and t > 1
     two_phase = two_phase and t > 1
-    if (replay is None) != (pending is None) or replay is not None and (not two_phase or chunked or states is not None):
-        raise QdflashError("gated_delta_step: replay and pending go together, with two_phase for a block of > 1 tokens "
-                           "and no states (a replayed block keeps none)")
-    if replay is not None and (replay.shape[0] != heads * (dv // min(block_v, dv)) or replay.shape[1] < t
-                               or replay.shape[2] != 2 * dk + min(block_v, dv) + 3 or not replay.is_contiguous()):
-        raise QdflashError(f"gated_delta_step: replay rows {tuple(replay.shape)} do not fit {t} tokens of this layer "
-                           "(make them with replay_rows)")
     block_v = _value_block("gated_delta_step", dk, dv, block_v, states, t)
     if chunked and (block_v < 16 or dk < 16):
         raise QdflashError(f"gated_delta_step: chunked multiplies [16, dk] x [dk, value block] tiles: dk={dk} and the value "
@@ -548,15 +483,14 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     if two_phase or chunked:
         t_p = triton.next_power_of_2(t)
         t_p = max(t_p, 16) if chunked else t_p  # a tensor-core tile's least rows
-        scratch = replay if replay is not None else torch.empty(heads * (dv // block_v), t_p, 2 * dk + (0 if chunked else block_v + 3),
-                                                                  device=qkvz.device, dtype=torch.float32)
+        scratch = torch.empty(heads * (dv // block_v), t_p, 2 * dk + (0 if chunked else block_v + 3), device=qkvz.device,
+                              dtype=torch.float32)
         _gated_delta_block_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
-            state if states is None else states, scratch, positions if pending is None else pending, heads, key_dim,
-            conv_dim, float(dk ** 0.5), scratch.shape[1],
+            state if states is None else states, scratch, heads, key_dim, conv_dim, float(dk ** 0.5),
             T=t, T_P=t_p, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None,
             CHUNKED=chunked, CHUNK_K=min(CHUNK_K, dk), BA_DOT=ba_weight, HIDDEN=hidden,
-            H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, REPLAY=replay is not None, num_warps=num_warps)
+            H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, num_warps=num_warps)
     else:
         _gated_delta_step_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
