@@ -98,6 +98,10 @@ def test_component_bench_runs_on_the_cpu(runs):
     # the bounds at a 600 GB/s reference device: the parts' own bytes at that bandwidth (on the CPU the W4
     # target runs its dequantized weights, so it reads as much as the 16-bit one: the H200 run packs them)
     assert r["reference.GBps"] == 600.0
+    # each part's wall time (what a device window must fit), in the order run
+    assert list(r["wall_s"])[:4] == ["gdn_fused_check", "target16_cublas", "target16", "hf_static"], r["wall_s"]
+    assert "target_w4_head" in r["wall_s"]
+    assert all(v >= 0 for v in r["wall_s"].values())
     for label in ("target16", "target_w4"):
         assert r[f"reference.{label}.bound_ms"] == pytest.approx(r[f"{label}.bytes"]["total"] / 600e9 * 1e3, abs=6e-5)  # rounded to 4 places
     assert r["reference.drafter16.bound_ms"] == pytest.approx(sum(r["drafter16.bytes"].values()) / 600e9 * 1e3, abs=6e-5)

@@ -784,8 +784,15 @@ def reference_bounds(result: dict, gbps: float) -> dict:
     return out
 
 
+_LAST_REPORT = [time.perf_counter()]  # when the last part ended (the process's start before the first)
+
+
 def report(result: dict, prefix: str | None, out: str | None) -> None:
-    """Print what `prefix` measured (flat values) and rewrite the JSON with everything so far."""
+    """Print what `prefix` measured (flat values) and rewrite the JSON with everything so far, with the seconds the
+    part took since the last report (`wall_s.<prefix>`, tuning and compiles included: what a device window must fit)."""
+    now = time.perf_counter()
+    result.setdefault("wall_s", {})[prefix or "end"] = round(now - _LAST_REPORT[0], 1)
+    _LAST_REPORT[0] = now
     if prefix is not None:
         print({k: v for k, v in result.items() if k.startswith(prefix) and not isinstance(v, dict)}, flush=True)
     if out:
