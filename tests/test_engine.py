@@ -66,6 +66,8 @@ def test_hybrid_rollback_restores_the_kept_recurrent_state(tiny_qwen):
     torch.testing.assert_close(after[-1], expected[-1], atol=1e-4, rtol=1e-4)
     with pytest.raises(QdflashError, match="only positions"):
         engine.rollback(10)  # older than the last block: that state is not kept
+    with pytest.raises(QdflashError, match="only positions 33..33"):
+        engine.rollback(32)  # into a decode step: one token keeps no states (nothing rolls a decode step back)
     with pytest.raises(QdflashError, match="feed from there"):
         engine.forward(torch.tensor([1]), 40)
 

@@ -135,12 +135,18 @@ class LeanQwen35(EngineBase):
             self.state[i].copy_(states[keep - self.block_start])  # in place: a captured graph reads this buffer
         self.length = keep
 
+    def _keeps_states(self, t: int) -> bool:
+        """Whether a forward of t tokens keeps the state after each of them: a verify block does (2..max_block tokens:
+        a rollback into it copies one); a decode step does not (nothing rolls one back, and writing the state before
+        and after it cost a Qwen3.5-4B layer 4 MiB a step), nor a longer prefill."""
+        return 1 < t <= self.max_block
+
     def _check_feed(self, start: int, t: int) -> None:
         if start != self.length:
             raise QdflashError(f"engine holds {self.length} positions; feed from there (or roll back) instead of {start}")
 
     def _after_feed(self, start: int, end: int) -> None:
-        kept = end - start <= self.max_block
+        kept = self._keeps_states(end - start)
         self.block_start, self.length = (start if kept else end), end
 
     def _rope(self, x, cos, sin):
@@ -170,7 +176,7 @@ class LeanQwen35(EngineBase):
         window = self.conv_in[i][rows.clamp(min=0)] * (rows >= 0)[:, None]  # zero history before the sequence start
         mixed = F.silu(F.conv1d(window.T[None], w["conv"], groups=la.conv_dim)[0].T)
         q, k, v, g, beta = self._gdn_inputs(w, mixed, ba)
-        states = self.block_states[i] if t <= self.max_block else None
+        states = self.block_states[i] if self._keeps_states(t) else None
         if self.kernels:
             out = gated_delta_recurrence(q, k, v, g, beta, self.state[i], states)
         else:
@@ -198,7 +204,7 @@ class LeanQwen35(EngineBase):
         else:
             qkvz, ba = self._qkvz_ba(w, x)
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
-                               self.state[i], self.block_states[i] if t <= self.max_block else None,
+                               self.state[i], self.block_states[i] if self._keeps_states(t) else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
                                two_phase=self.gdn_two_phase, chunked=self.gdn_chunked)
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
