@@ -67,9 +67,9 @@ class LeanQwen35(EngineBase):
         # alone; gated_delta_step's two_phase). Its block then agrees with one-token steps to fp32 rounding, not bit
         # for bit, so a greedy speculative token may differ from the autoregressive one where two logits nearly tie.
         # On by default for a 16-bit model, whose speculative output is held to its autoregressive one up to
-        # near-ties anyway (bench.MARGIN_BUG), and where it runs a 16-token block 1.45x faster than the step kernel
-        # token by token (H100: 31.6 against 46.0 us a layer, results/published/2026-12-06-h100-prefetch2-gdn); off
-        # for fp32, whose output must equal the autoregressive one exactly. Set before capture, like fuse_gdn
+        # near-ties anyway (bench.MARGIN_BUG), and where it runs a 16-token block faster than the step kernel token by
+        # token (results/published/2026-12-06-h100-prefetch2-gdn); off for fp32, whose output must equal the
+        # autoregressive one exactly. Set before capture, like fuse_gdn
         self.gdn_two_phase = self.dtype != torch.float32
         # likewise, a verify block's recurrence in the chunked form (gated_delta_step's chunked: the block's products as
         # matmuls, no state reduction per token), to fp32 rounding too. Set before capture
@@ -137,8 +137,8 @@ class LeanQwen35(EngineBase):
 
     def _keeps_states(self, t: int) -> bool:
         """Whether a forward of t tokens keeps the state after each of them: a verify block does (2..max_block tokens:
-        a rollback into it copies one); a decode step does not (nothing rolls one back, and writing the state before
-        and after it cost a Qwen3.5-4B layer 4 MiB a step), nor a longer prefill."""
+        a rollback into it copies one); a decode step does not (nothing rolls one back, and the state before and after
+        it were two more state-sized writes a layer every step), nor a longer prefill."""
         return 1 < t <= self.max_block
 
     def _check_feed(self, start: int, t: int) -> None:

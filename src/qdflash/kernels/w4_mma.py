@@ -155,7 +155,8 @@ if triton is not None:
         tile (its words, its scales by LOAD_B32, the activations) is issued two steps ahead, so two tiles' DRAM reads
         are in flight while a step waits on one. Why two: ptxas places a loop's loads after its mmas, so loads issued
         one step ahead were still waited on at the top of the next step (`scripts/investigations/w4_sass.py`), as
-        without prefetch. The last steps load the split's last tile again (nothing past the split is read)."""
+        without prefetch. The last steps load the split's last tile again (nothing past the split is read). On an H100
+        it decided nothing (results/published/2026-12-06-h100-prefetch2-gdn); tuning times it beside the plain tiles."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rp = pid_n * BLOCK_P + tl.arange(0, BLOCK_P)
