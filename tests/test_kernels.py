@@ -1159,7 +1159,7 @@ def test_tuning_records_the_tile_an_external_kernel_won_with(monkeypatch):
     monkeypatch.setattr(w4a16, "EXTERNAL", {"tiled": Tiled, "plain": Plain})
     times = iter([3.0, 2.0, 4.0, 1.0, 5.0, 6.0])  # our one tile 3; tiled's 2, 4, 1; plain 5; cuBLAS 6
     monkeypatch.setattr(kernels, "graph_ms", lambda fn, replays=10: (fn(), 2 * next(times))[1])  # 2 weight copies a call
-    for table in ("_TUNED", "_EXTERNAL_FASTER", "_EXTERNAL_TILES", "_EXTERNAL_TILE_TIMES"):
+    for table in ("_TUNED", "_EXTERNAL_FASTER", "_EXTERNAL_TILE_TIMES"):
         monkeypatch.setattr(w4a16, table, {})
     monkeypatch.setattr(w4a16, "_DENSE_FASTER", set())
     configs = w4a16.candidate_configs(k, group, None, rows=1)[:1]

@@ -325,8 +325,7 @@ def default_config(n: int, k: int, group: int, rows: int = 1, dtype: torch.dtype
 _TUNED: dict[tuple[int, int, int, int, torch.dtype], Config] = {}
 _DENSE_FASTER: set[tuple[int, int, int, int, torch.dtype]] = set()  # shapes / row buckets where cuBLAS on the 16-bit weight won
 _EXTERNAL_FASTER: dict[tuple[int, int, int, int, torch.dtype], str] = {}  # ... where another int4 kernel won: its name
-_EXTERNAL_TILES: dict[tuple[int, int, int, int, torch.dtype], dict] = {}  # ... each EXTERNAL kernel's fastest tile (those with tiles)
-_EXTERNAL_TILE_TIMES: dict[tuple[int, int, int, int, torch.dtype], dict] = {}  # ... and every tile's time
+_EXTERNAL_TILE_TIMES: dict[tuple[int, int, int, int, torch.dtype], dict] = {}  # ... each EXTERNAL kernel's tiles' times (those with tiles)
 # other int4 kernels on the same packed ints, timed by `tune` beside this one, by name: each module has
 # supported(n, k, group, dtype, device), pack(words, scale, group, dtype) -> state (a tuple) and matmul(x, *state, group);
 # optionally tiles of its own, timed per shape and row bucket (configs(n, k, group, rows) -> tiles, matmul(..., config=
@@ -354,7 +353,8 @@ def backend(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> str:
 def external_tiles(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> dict[str, dict]:
     """The tile `tune` timed fastest for each EXTERNAL kernel that brings tiles (its fields), e.g. whether w4_mma's
     won with `prefetch`: what the timings alone do not say. Empty where this shape was not tuned."""
-    return dict(_EXTERNAL_TILES.get((n, k, group, row_bucket(rows), dtype), {}))
+    # min keeps the first of equal times, as `fastest` does
+    return {name: min(timed, key=lambda t: t[1])[0] for name, timed in external_tile_times(n, k, group, rows, dtype).items()}
 
 
 def external_tile_times(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> dict[str, list]:
@@ -457,7 +457,6 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
     counts = split_counts(n, device)  # one row split over K reduces in its launch, as in the engine (Projection.counts)
     config, ms = fastest(configs, lambda c: [w4a16_matmul(x, w, s, group, c, counts) for w, s in zip(ws, ss)], copies)
     others: dict[str, float | None] = {}
-    tiles_won: dict[str, dict] = {}
     tile_times: dict[str, list] = {}
     for name, module in EXTERNAL.items():
         others[name] = None
@@ -476,13 +475,11 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
                                      times)
         if tile is not None:
             module.remember(n, k, group, rows, tile)
-            tiles_won[name] = _fields(tile)
             tile_times[name] = [(_fields(c), ms) for c, ms in times]
         del states
     del ws, ss
     key = (n, k, group, row_bucket(rows), dtype)
     _TUNED[key] = config
-    _EXTERNAL_TILES[key] = tiles_won
     _EXTERNAL_TILE_TIMES[key] = tile_times
     dense_copies = copies_past_l2(n * k * torch.finfo(dtype).bits // 8, l2_bytes)
     dense = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(dense_copies)]
