@@ -39,7 +39,7 @@ def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench-scripts")
     started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
                                      "--w4-head", "--compile", "aot_eager", "--unfused-gdn", "--profile", "--gdn-two-phase",
-                                     "--hf-generate", "--hf-tokens", "8", "--hf-reps", "1"),
+                                     "--inductor-default", "--hf-generate", "--hf-tokens", "8", "--hf-reps", "1"),
                # --study: on the CPU (no kernels) the arms run one code path; what is tested is the study's plumbing:
                # each arm tuned, checked, measured and set against the first (not compiled here: the components run
                # above covers --compile, and a compile per arm would double this test's time)
@@ -91,6 +91,12 @@ def test_component_bench_runs_on_the_cpu(runs):
     for key, label in (("w4", "target_w4"), ("w4_head", "target_w4_head")):
         assert r[f"{key}_compiled_decode_speedup_over_16bit_compiled"] == pytest.approx(
             r["target16.decode_compiled_ms"] / r[f"{label}.decode_compiled_ms"], abs=1e-3)
+    # --inductor-default: each target again compiled with inductor's own options, set against the engine's
+    for label in ("target16", "target_w4_head"):
+        assert r[f"{label}_inductor_default.decode_compiled_ms"] > 0, r.get(f"{label}_inductor_default.compile_error")
+        assert r[f"vs_inductor_default.{label}.decode_compiled_speedup"] == pytest.approx(
+            r[f"{label}_inductor_default.decode_compiled_ms"] / r[f"{label}.decode_compiled_ms"], abs=2e-3)
+    assert "target_w4_inductor_default.decode_ms" not in r  # the targets of record only
     assert r["compiled.drafter_w4_step_over_target_w4_decode"] == pytest.approx(
         r["drafter_w4.step_compiled_ms"] / r["target_w4.decode_compiled_ms"], abs=1e-4)
     assert r["compiled.implied_speedup.tau3.0.target16+drafter16.vs_ar16"] == pytest.approx(
@@ -99,8 +105,9 @@ def test_component_bench_runs_on_the_cpu(runs):
     # target runs its dequantized weights, so it reads as much as the 16-bit one: the H200 run packs them)
     assert r["reference.GBps"] == 600.0
     # each part's wall time (what a device window must fit), in the order run
-    assert list(r["wall_s"])[:4] == ["gdn_fused_check", "target16_cublas", "target16", "hf_static"], r["wall_s"]
-    assert "target_w4_head" in r["wall_s"]
+    assert list(r["wall_s"])[:5] == ["gdn_fused_check", "target16_cublas", "target16", "target16_inductor_default",
+                                     "hf_static"], r["wall_s"]
+    assert "target_w4_head" in r["wall_s"] and "target_w4_head_inductor_default" in r["wall_s"]
     assert all(v >= 0 for v in r["wall_s"].values())
     for label in ("target16", "target_w4"):
         assert r[f"reference.{label}.bound_ms"] == pytest.approx(r[f"{label}.bytes"]["total"] / 600e9 * 1e3, abs=6e-5)  # rounded to 4 places

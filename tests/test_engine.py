@@ -344,6 +344,24 @@ def test_compiled_capture_raises_the_recompile_limit(tiny_llama):
     assert dynamo_config.recompile_limit >= max(before, 8 + 8)
 
 
+def test_compiled_steps_give_inductor_the_engines_options(tiny_llama, monkeypatch):
+    """capture(compile=True) hands inductor the engine's options (INDUCTOR_OPTIONS unless changed: multi_kernel, so a
+    wide norm may run persistent); another backend gets none (aot_eager takes no inductor options)."""
+    import qdflash.engine.base as base
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    engine = build_engine(tiny_llama, max_len=64)
+    assert engine.inductor_options == base.INDUCTOR_OPTIONS and engine.inductor_options is not base.INDUCTOR_OPTIONS
+    engine.capture([1], None, cuda_graphs=False, compile=True)
+    engine.inductor_options = {}
+    engine.capture([1], None, cuda_graphs=False, compile=True)
+    engine.capture([1], None, cuda_graphs=False, compile="aot_eager")
+    assert seen == [dict(dynamic=False, options=base.INDUCTOR_OPTIONS), dict(dynamic=False, options={}),
+                    dict(dynamic=False, backend="aot_eager")]
+    assert base.INDUCTOR_OPTIONS["triton.multi_kernel"] == 1
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen", "tiny_qwen2"])
 def test_kernel_attention_is_the_sdpa_attention(fixture, request, monkeypatch):
     """attention='kernel' (kernels.decode_attention, Triton's interpreter here: each token of a step

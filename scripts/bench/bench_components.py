@@ -243,6 +243,23 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
     }
 
 
+def inductor_default_arm(engine, args, device, layer_ids, bandwidth, label, result) -> None:
+    """`--inductor-default`: `engine` measured again (after `label`, its own run) compiled with inductor's own options
+    instead of the engine's, into `result`; the engine's options are restored after."""
+    if not (args.inductor_default and args.compile):
+        return
+    arm, options = f"{label}_inductor_default", engine.inductor_options
+    engine.inductor_options, engine.graphs = {}, {}
+    torch._dynamo.reset()
+    try:
+        result.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
+    finally:
+        engine.inductor_options, engine.graphs = options, {}
+        torch._dynamo.reset()
+    result.update(step_speedups(result, arm, label, f"vs_inductor_default.{label}"))
+    report(result, arm, args.out)
+
+
 def hf_static_generate(model, args, device: str) -> dict:
     """`hf_static.*`: transformers' own batch-1 decoding of the same 16-bit model, as a user gets it:
     `generate` with a static cache, which compiles the decode step by itself on a GPU (torch.compile,
@@ -614,6 +631,10 @@ def main() -> None:
                         help="--study: run only these arms (full labels, e.g. "
                              "target16_gdn_given,target_w4_gdn_dot_two_phase) beside each target's base; the flags "
                              "above say which arms there are")
+    parser.add_argument("--inductor-default", action="store_true",
+                        help="--compile: each target of the main run again with inductor's own options instead of the "
+                             "engine's (INDUCTOR_OPTIONS: multi_kernel) after its own, same tuning, same process "
+                             "(<target>_inductor_default, vs_inductor_default.*)")
     parser.add_argument("--drafter-only", action="store_true",
                         help="the 16-bit and W4 drafter steps alone, each with the masked SDPA and with --attention's kernel "
                              "path (drafter*_sdpa, drafter*_kernel), same process: what the drafter's attention costs, in a "
@@ -668,6 +689,7 @@ def main() -> None:
     report(result, "target16_cublas", args.out)
     result.update(measure_target(engine16, args, device, layer_ids, bandwidth, "target16"))
     report(result, "target16", args.out)
+    inductor_default_arm(engine16, args, device, layer_ids, bandwidth, "target16", result)
     if args.hf_generate:  # transformers' static compiled generate on the same 16-bit model, this process
         try:
             result.update(hf_static_generate(target.model, args, device))
@@ -711,6 +733,7 @@ def main() -> None:
             result.update(kernel_check(engine4h, device))
         result.update(measure_target(engine4h, args, device, layer_ids, bandwidth, "target_w4_head"))
         report(result, "target_w4_head", args.out)
+        inductor_default_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result)
         result["w4_head_decode_speedup_over_16bit"] = round(result["target16.decode_ms"] / result["target_w4_head.decode_ms"], 3)
         # the W4 drafter again, its block's logits through the target's now 4-bit head (as DrafterEngine runs it)
         result.update(measure_drafter(target, args, device, dtype, bandwidth, "drafter_w4_head", args.drafter_group))

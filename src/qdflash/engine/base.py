@@ -168,6 +168,7 @@ class EngineBase:
         self.head_proj = head_projection(model, self.lm_head, self.dtype, self.kernels)  # what computes the logits
         self.graphs = {}  # (tokens per step, layer ids, cache length read, a tree's step) -> CapturedStep
         self.attention = "sdpa"  # set_attention
+        self.inductor_options = dict(INDUCTOR_OPTIONS)  # what capture(compile=True) gives inductor
 
     def set_attention(self, attention: str) -> None:
         """How decode steps and verify blocks attend over the cache: "sdpa" (torch's attention over
@@ -289,7 +290,7 @@ class EngineBase:
         lengths = sorted(lengths or ([self.max_len] if self.attention == "kernel" else cache_buckets(self.max_len)))
         step = self._step
         if compile:
-            step = compiled_step(self._step, compile)
+            step = compiled_step(self._step, compile, self.inductor_options)
             allow_compiles(len(token_counts) * len(lengths))
         for t in token_counts:
             for n in lengths:
@@ -298,10 +299,20 @@ class EngineBase:
                     else StaticStep(self, t, layer_ids, n, step=step, tree=tree))
 
 
-def compiled_step(fn, compile):
-    """`fn` through torch.compile with static shapes: compile=True with inductor, any other true value
-    as the torch.compile backend (the CPU tests trace with "aot_eager")."""
-    return torch.compile(fn, dynamic=False, **({} if compile is True else {"backend": compile}))
+# inductor's options for a compiled step (compile=True). Why multi_kernel: inductor makes a reduction over more than
+# 1,024 elements (each RMSNorm of a 2,560-wide model) a looped kernel that reads its rows twice, one load after the
+# other, where a step's 1-16 rows leave a kernel bound by those loads' latency, not by bytes; with multi_kernel it
+# also generates the persistent form (rows read once; up to 16 x that size) and keeps, kernel by kernel, whichever
+# ran faster at its first call (a captured graph's warmup, before its capture).
+INDUCTOR_OPTIONS = {"triton.multi_kernel": 1}
+
+
+def compiled_step(fn, compile, options: dict | None = None):
+    """`fn` through torch.compile with static shapes: compile=True with inductor and `options` (default
+    INDUCTOR_OPTIONS), any other true value as the torch.compile backend (the CPU tests trace with "aot_eager")."""
+    if compile is not True:
+        return torch.compile(fn, dynamic=False, backend=compile)
+    return torch.compile(fn, dynamic=False, options=dict(INDUCTOR_OPTIONS if options is None else options))
 
 
 _COMPILES = [0]  # compiled steps asked for in this process (allow_compiles)
