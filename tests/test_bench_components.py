@@ -348,6 +348,7 @@ def test_kernel_groups_put_inductors_kernels_named_after_a_fused_int4_op_with_in
     # the tensor-core W4 kernels, one row and 2-16 (2026-12-06-h100-w4-mma), and inductor's kernel named after their op
     assert group("_w4_mma_kernel") == group("_w4_mma_rows_kernel") == "w4 mma (ours)"
     assert group("triton_poi_fused_mul_silu_split_w4_mma_mm_4") == bench_components.INDUCTOR
+    assert group("_gated_rms_norm_kernel") == "gated norm (ours)"  # kernels.gated_norm
 
 
 def test_main_run_targets_take_the_engines_gdn_block_kernel_unless_told():

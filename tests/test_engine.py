@@ -252,6 +252,7 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
     pytest.importorskip("triton")
     import qdflash.engine.qwen3_5 as qwen3_5
     from qdflash.kernels.gated_delta import gated_delta_step
+    from qdflash.kernels.gated_norm import gated_rms_norm
 
     calls = []
 
@@ -260,6 +261,8 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
         return gated_delta_step(qkvz, *args, **kwargs)
 
     monkeypatch.setattr(qwen3_5, "gated_delta_step", counted)
+    norms = []
+    monkeypatch.setattr(qwen3_5.gated_norm, "gated_rms_norm", lambda o, *a: norms.append(o.shape[0]) or gated_rms_norm(o, *a))
     engine = build_engine(tiny_qwen, max_len=64, kernels=True, gdn_ba=gdn_ba)
     engine.gdn_two_phase, engine.gdn_chunked = two_phase is True, two_phase == "chunked"
     assert engine.kernels and engine.fuse_gdn
@@ -277,6 +280,7 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
     # two_phase asked for both: gated_delta_step runs one token through the step kernel whatever it says
     assert calls == [(4, two_phase)] * layers + [(1, two_phase)] * layers, \
         "the prompt unfused; the block (two-phase where asked) and the step fused, every GDN layer"
+    assert norms == [20] * layers + [4] * layers + [1] * layers  # each GDN layer's gated norm in one launch (gated_norm)
 
 
 def test_two_phase_gdn_blocks_are_the_default_for_16_bit_models_only(tiny_qwen):

@@ -841,7 +841,7 @@ def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile)
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block chunked 5",
                                   "gdn block chunked 16", "attention", "attention tree 16", "attention block 16",
-                                  "gemv rows 0", "gemv rows 16"])
+                                  "gemv rows 0", "gemv rows 16", "gated norm 128"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
@@ -849,12 +849,17 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     for a decode step and a verify block, the block kernel in its two-phase and chunked forms, and the decode
     attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of 64) for a decode step, a verify block (its rows two to a
     program) and a tree of 16 nodes (what a tree round verifies on the GPU); and the 16-bit GEMV's 2-16-row form at its
-    largest tile, its K loop run and unrolled (16 tiles). None of them has an atomic."""
+    largest tile, its K loop run and unrolled (16 tiles); and the GDN layer's gated norm (`kernels.gated_norm`) at
+    Qwen3.5-4B's value heads. None of them has an atomic."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, CHUNKED_WARPS, STEP_WARPS
 
     kind, _, arg = case.rpartition(" ")
     num_warps = 4
-    if kind.startswith("gdn"):
+    if kind == "gated norm":
+        num_warps = 1  # gated_norm's launch
+        module, name, constexprs = "qdflash.kernels.gated_norm", "_gated_rms_norm_kernel", dict(H=32, D=int(arg), ROUND_PRODUCT=True)
+        signature = {"o_ptr": "*fp32", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_zt": "i32", "eps": "fp32"}
+    elif kind.startswith("gdn"):
         num_warps = (CHUNKED_WARPS if "chunked" in kind else BLOCK_WARPS) if "block" in kind else STEP_WARPS
         module, name, signature, constexprs = (gdn_block_case(int(arg), chunked="chunked" in kind)
                                                if "block" in kind else gdn_step_case(int(arg)))
@@ -1448,3 +1453,45 @@ def test_decode_attention_split_and_shared_row(dtype, splits):
         alone = decode_attention(q[i : i + 1].to(DEVICE), k_cache[-1:].to(DEVICE), v_cache[-1:].to(DEVICE),
                                  lengths[i : i + 1].to(DEVICE), block_n=32, splits=splits)
         assert torch.equal(shared[i], alone[0])  # bit for bit: a row's result depends on its own inputs only
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_is_the_models_gated_norm(dtype):
+    """kernels.gated_norm: one launch gives what the engine's unfused lines give with transformers' module
+    (norm(o rounded) * weight * silu(z), each rounding where torch rounds), z strided as the tail of a qkvz output.
+    fp32: to the reduction order's rounding. bf16: most outputs bit for bit (a rounding left out or added would move
+    many by an ulp), none off by more than one; on the CPU against the same lines rounding toward zero, as Triton's
+    interpreter casts to bf16 (the GPU rounds to nearest, as torch does)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    from qdflash.kernels.gated_norm import gated_rms_norm, supported
+
+    g = torch.Generator().manual_seed(0)
+    t, h, d = 5, 4, 32
+    norm = Qwen3_5RMSNormGated(d, eps=1e-6)
+    norm.weight.data = (1 + 0.5 * torch.randn(d, generator=g)).to(dtype)
+    assert supported(norm)
+    o = (3 * torch.randn(t, h, d, generator=g)).to(DEVICE)
+    qkvz = torch.randn(t, 24 + h * d, generator=g).to(DEVICE, dtype)
+    z = qkvz[:, 24:]  # the z columns of a fused projection's rows
+    norm = norm.to(DEVICE)
+    ref = norm(o.to(dtype), z.reshape(t, h, d)).reshape(t, -1)
+    got = gated_rms_norm(o, z, norm.weight, norm.variance_epsilon)
+    assert got.dtype == dtype and got.shape == (t, h * d)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    else:
+        if DEVICE != "cuda":  # the module's lines, each cast to bf16 toward zero
+            def cast(x):
+                return (x.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+
+            x = cast(o).float()
+            normed = cast(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).float()
+            gate = z.reshape(t, h, d).float()
+            ref = cast(cast(norm.weight.float() * normed).float() * (gate / (1 + torch.exp(-gate)))).reshape(t, -1)
+        assert (got == ref).float().mean().item() > 0.97
+        ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp(min=1e-3)
+        assert ((got.float() - ref.float()).abs() <= ulp * 1.01).all()
+    with pytest.raises(QdflashError, match=r"z \[5, 128\]"):
+        gated_rms_norm(o, z[:, :-1], norm.weight, norm.variance_epsilon)
+    assert not supported(Qwen3_5RMSNormGated(24))  # D not a power of two: the module runs

@@ -8,8 +8,8 @@ is a change of length too. Every cache is a fixed buffer updated in place and po
 so a decode step and a verify block can be captured as CUDA graphs (`qdflash.engine.graphs`).
 On a GPU a decode step's or verify block's layer middle (buffer write, causal conv, silu, l2norm, gates with
 their a / b matmul, recurrence) is one Triton kernel per layer (`qdflash.kernels.gated_delta.gated_delta_step`;
-a longer prefill runs them apart, its recurrence in `gated_delta_recurrence`); on the CPU the same lines run
-in torch.
+a longer prefill runs them apart, its recurrence in `gated_delta_recurrence`), and its gated RMSNorm another
+(`qdflash.kernels.gated_norm`); on the CPU the same lines run in torch.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import QdflashError
+from ..kernels import gated_norm
 from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_step
 from .linear import Projection, StreamNorm, residual_norm, swiglu
 from ..ops import apply_rope, tap_features
@@ -77,6 +78,9 @@ class LeanQwen35(EngineBase):
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
         # False runs the unfused layer (the benchmark's side-by-side arm)
         self.fuse_gdn = True
+        # with the kernels: each GDN layer's gated RMSNorm of a decode step / verify block in one launch
+        # (kernels.gated_norm; compiled, inductor makes it two); False runs the model's module. Set before capture
+        self.gated_norm_kernel = True
         dtype, device = self.dtype, self.device
         rope = c.rope_parameters
         # partial rotary: the first `rot` dims of a head rotate (text positions: mrope reduces to plain rope)
@@ -226,6 +230,8 @@ class LeanQwen35(EngineBase):
         """The out projection's input: the gated RMSNorm norm(out) * silu(z) per head, heads concatenated."""
         la = w["la"]
         lead = z.shape[:-1]
+        if self.kernels and self.gated_norm_kernel and len(lead) == 1 and gated_norm.supported(la.norm):
+            return gated_norm.gated_rms_norm(out, z, la.norm.weight, la.norm.variance_epsilon)
         z = z.reshape(*lead, la.num_v_heads, la.head_v_dim)
         return la.norm(out.to(z.dtype), z).reshape(*lead, -1)
 

@@ -1,6 +1,7 @@
 """GPU kernels (Triton) for the batch-1 fast path: a W4A16 matmul that stays memory-bound from 1 to
 16 rows (`w4a16`), a 16-bit GEMV for one row where it beats cuBLAS (`gemv`), and the Gated DeltaNet recurrence that keeps the state after every position of a
-verify block, alone or with the rest of a step's layer middle fused around it (`gated_delta`).
+verify block, alone or with the rest of a step's layer middle fused around it (`gated_delta`), and that layer's
+gated RMSNorm in one launch (`gated_norm`).
 
 Both run wherever Triton does: on a CUDA device, and on the CPU under Triton's interpreter
 (`TRITON_INTERPRET=1`, set before triton is first imported), which is how the tests check them
