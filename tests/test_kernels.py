@@ -728,16 +728,16 @@ def gdn_block_case(tokens, chunked=False):
         CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512)
 
 
-def attention_case(tree, block=False, merge=False):
+def attention_case(tree, block=False):
     from qdflash.kernels.decode_attention import BLOCK_N, MAX_SPLITS
 
     signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "len_ptr": "*i64", "start_ptr": "*i64", "tree_ptr": "*i64",
                  "out_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "stride_row": "i32", "stride_head": "i32",
-                 "stride_pos": "i32", "B": "i32", "final_ptr": "*bf16", "counts_ptr": "*i32"}
+                 "stride_pos": "i32", "B": "i32"}
     # a verify block or a tree: its rows share programs, 2 rows of 7 heads each
     return "qdflash.kernels.decode_attention", "_decode_attention_kernel", signature, dict(
         KVH=2, REP=7, REP_PAD=16, TOKS=2 if tree or block else 1, D=64, BLOCK_N=BLOCK_N, IEEE=False, SPLITS=MAX_SPLITS,
-        HAS_START=False, TREE=tree if tree else 0, MERGE=merge)
+        HAS_START=False, TREE=tree if tree else 0)
 
 
 def rows_gemv_case(tiles):
@@ -841,7 +841,7 @@ def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile)
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block chunked 5",
                                   "gdn block chunked 16", "attention", "attention tree 16", "attention block 16",
-                                  "gemv rows 0", "gemv rows 16", "gated norm 128", "attention merge 16"])
+                                  "gemv rows 0", "gemv rows 16", "gated norm 128"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
@@ -850,8 +850,7 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of 64) for a decode step, a verify block (its rows two to a
     program) and a tree of 16 nodes (what a tree round verifies on the GPU); and the 16-bit GEMV's 2-16-row form at its
     largest tile, its K loop run and unrolled (16 tiles); and the GDN layer's gated norm (`kernels.gated_norm`) at
-    Qwen3.5-4B's value heads. None of them has an atomic but the attention that merges its chunks in its launch (a
-    verify block's), whose one atomic publishes its partial sums (acq_rel at gpu scope, one thread, after a barrier)."""
+    Qwen3.5-4B's value heads. None of them has an atomic."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, CHUNKED_WARPS, STEP_WARPS
 
     kind, _, arg = case.rpartition(" ")
@@ -866,14 +865,13 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
                                                if "block" in kind else gdn_step_case(int(arg)))
     else:
         module, name, signature, constexprs = (rows_gemv_case(int(arg)) if kind.startswith("gemv") else
-                                               attention_case(int(arg) if "tree" in kind else 0,
-                                                              "block" in kind or "merge" in kind, "merge" in kind))
+                                               attention_case(int(arg) if "tree" in kind else 0, "block" in kind))
     # the GEMV's and the chunked GDN block's launches at the engine's shapes: torch's pointers and these strides are
     # multiples of 16 (the chunked block spilled only so)
     aligned = aligned_args(signature) if kind.startswith("gemv") or "chunked" in kind else []
     used = sm90_resources(module, name, signature, constexprs, num_warps, aligned)
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
-    assert used["ATOMS"] == used["PUBLISHED_ATOMS"] == ("merge" in kind), used
+    assert used["ATOMS"] == 0, used
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -1455,27 +1453,6 @@ def test_decode_attention_split_and_shared_row(dtype, splits):
         alone = decode_attention(q[i : i + 1].to(DEVICE), k_cache[-1:].to(DEVICE), v_cache[-1:].to(DEVICE),
                                  lengths[i : i + 1].to(DEVICE), block_n=32, splits=splits)
         assert torch.equal(shared[i], alone[0])  # bit for bit: a row's result depends on its own inputs only
-    if splits == 1:
-        return
-    # the chunks merged in the same launch (split counters): the same attention, the counters left zero; shared and
-    # alone rows still agree bit for bit (the merge's order is fixed, whichever program runs it)
-    counts = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    merged = decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), lengths.to(DEVICE), block_n=32,
-                              splits=splits, counts=counts).cpu().float()
-    torch.testing.assert_close(merged, got, atol=1e-6 if dtype == torch.float32 else 1e-3, rtol=1e-5)
-    assert not counts.any()
-    shared = decode_attention(q.to(DEVICE), k_cache[-1:].expand(b, -1, -1, -1).to(DEVICE),
-                              v_cache[-1:].expand(b, -1, -1, -1).to(DEVICE), lengths.to(DEVICE), block_n=32, splits=splits,
-                              counts=counts)
-    for i in range(b):
-        alone = decode_attention(q[i : i + 1].to(DEVICE), k_cache[-1:].to(DEVICE), v_cache[-1:].to(DEVICE),
-                                 lengths[i : i + 1].to(DEVICE), block_n=32, splits=splits, counts=counts)
-        assert torch.equal(shared[i], alone[0])
-    assert not counts.any()
-    # too few counters for the launch's programs x KV heads: the merge kernel instead, same result
-    unmerged = decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), lengths.to(DEVICE), block_n=32,
-                                splits=splits, counts=counts[:3]).cpu().float()
-    assert torch.equal(unmerged, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -38,17 +38,14 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, start_ptr, tree_ptr, out_ptr, m_ptr, l_ptr, scale,
-                                 stride_row, stride_head, stride_pos, B, final_ptr, counts_ptr, KVH: tl.constexpr,
-                                 REP: tl.constexpr, REP_PAD: tl.constexpr, TOKS: tl.constexpr, D: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr, HAS_START: tl.constexpr,
-                                 TREE: tl.constexpr, MERGE: tl.constexpr = False):
+                                 stride_row, stride_head, stride_pos, B, KVH: tl.constexpr, REP: tl.constexpr,
+                                 REP_PAD: tl.constexpr, TOKS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 IEEE: tl.constexpr, SPLITS: tl.constexpr, HAS_START: tl.constexpr, TREE: tl.constexpr):
         """Program (rows TOKS*i.., KV head h, chunk c) over each row's positions start..length-1 (start 0
         without HAS_START). SPLITS == 1: the normalized output of the row. Else the chunk's unnormalized
         sums: acc [REP, D] into out_ptr, its max m and sum l per head into m_ptr / l_ptr (all fp32, laid out
-        [B, KVH, SPLITS, ...]), merged by _merge_splits_kernel, or with MERGE in this launch into final_ptr by the
-        last of the tile's SPLITS programs to finish (`_merge_tile`; counted on counts_ptr, one counter per
-        program row and KV head). TREE > 0: the last TREE positions are a tree's nodes, of which row b sees those
-        whose bit is set in tree_ptr[b].
+        [B, KVH, SPLITS, ...]), merged by _merge_splits_kernel. TREE > 0: the last TREE positions are a
+        tree's nodes, of which row b sees those whose bit is set in tree_ptr[b].
 
         TOKS > 1 (rows sharing one cache row: a verify block): the REP query heads of TOKS rows fill the
         program's 16-row tile and share each K / V block read. Each row keeps its own chunk and its own
@@ -115,37 +112,6 @@ if triton is not None:
             tl.store(out_ptr + (part[:, None] * REP + rr[:, None] % REP) * D + rd[None, :], acc, mask=heads)
             tl.store(m_ptr + part * REP + rr % REP, m, mask=live)
             tl.store(l_ptr + part * REP + rr % REP, l, mask=live)
-            if MERGE:  # jit.reduce_splits_last's protocol: a CTA barrier, then one acq_rel atomic at gpu scope
-                tl.debug_barrier()
-                counter = counts_ptr + tl.program_id(0) * KVH + h
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                    _merge_tile(out_ptr, m_ptr, l_ptr, final_ptr, (row * KVH + h) * SPLITS, rr % REP, live, q_off,
-                                REP, REP_PAD, D, SPLITS)
-                    tl.store(counter, 0)  # for the next launch
-
-    @triton.jit
-    def _merge_tile(acc_ptr, m_ptr, l_ptr, out_ptr, first_part, head, live, out_off, REP: tl.constexpr,
-                    REP_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
-        """The tile's rows' SPLITS partial softmaxes (tile row i: parts first_part[i].., query head head[i] of its
-        group), rescaled to their common max and summed split by split in a fixed order (deterministic: whichever
-        program runs it), into out_ptr at out_off. Read from L2 (`.cg`: written by other programs, whose stores this
-        SM's L1 does not see). An empty chunk has m = -inf, l = 0, acc = 0; a padding row has only those."""
-        rd = tl.arange(0, D)
-        top = tl.full([REP_PAD], float("-inf"), tl.float32)
-        for s in range(SPLITS):
-            at = (first_part + s) * REP + head
-            top = tl.maximum(top, tl.load(m_ptr + at, mask=live, other=float("-inf"), cache_modifier=".cg"))
-        top = tl.where(top == float("-inf"), 0.0, top)
-        den = tl.zeros([REP_PAD], tl.float32)
-        num = tl.zeros([REP_PAD, D], tl.float32)
-        for s in range(SPLITS):
-            at = (first_part + s) * REP + head
-            w = tl.exp(tl.load(m_ptr + at, mask=live, other=float("-inf"), cache_modifier=".cg") - top)
-            den += tl.load(l_ptr + at, mask=live, other=0.0, cache_modifier=".cg") * w
-            acc = tl.load(acc_ptr + at[:, None] * D + rd[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
-            num += acc * w[:, None]
-        tl.store(out_ptr + out_off, (num / tl.where(den > 0, den, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=live[:, None])
 
     @triton.jit
     def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, REP: tl.constexpr, D: tl.constexpr,
@@ -180,30 +146,15 @@ def batch1_splits(cache_len: int) -> int:
     return min(MAX_SPLITS, -(-cache_len // BLOCK_N))
 
 
-COUNTS = 4096  # split counters per device (`split_counters`): programs x KV heads of a merged launch at most
-_COUNTERS: dict = {}
-
-
-def split_counters(device) -> torch.Tensor:
-    """The zeroed int32 counters a launch that merges its splits itself counts its programs on (every such launch
-    leaves them zero again), one set per device: launches on one stream run one after the other, so they share it.
-    Made at the first call, which for a captured step is its warmup, outside the capture."""
-    device = torch.device(device)
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(COUNTS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                      block_n: int = BLOCK_N, splits: int = 1, starts: torch.Tensor | None = None,
-                     tree: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+                     tree: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, heads, D]; caches [rows >= B, kv_heads, max_len, D] (row b is q's row b; a cache row
     of stride 0 serves every row); row b attends positions starts[b]..lengths[b]-1 (starts: None =
     0; starts[b] < lengths[b]: a sliding window). `splits`: chunks per row (module docstring).
     `tree` [B] int64: the last B positions before lengths[b] are a tree's nodes (every row of the same
     length), of which row b sees node j where bit j of tree[b] is set (its ancestors and itself).
-    `counts` (`split_counters`): with splits > 1, the programs merge their chunks in this launch (one kernel instead
-    of two) where the counters suffice. Returns [B, heads, D] in q's dtype."""
+    Returns [B, heads, D] in q's dtype."""
     b, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     rep = heads // kv_heads
@@ -223,17 +174,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     bits = tree if tree is not None else lengths  # (not read without TREE)
     if splits == 1:
         _decode_attention_kernel[(programs, kv_heads, 1)](q, k_cache, v_cache, lengths, first, bits, out, out, out, d ** -0.5,
-                                                          *strides, b, out, lengths, **common)
+                                                          *strides, b, **common)
         return out
     acc = torch.empty(b, kv_heads, splits, rep, d, device=q.device, dtype=torch.float32)
     m = torch.empty(b, kv_heads, splits, rep, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    merge = counts is not None and counts.numel() >= programs * kv_heads
     _decode_attention_kernel[(programs, kv_heads, splits)](q, k_cache, v_cache, lengths, first, bits, acc, m, l, d ** -0.5,
-                                                           *strides, b, out, counts if merge else lengths, MERGE=merge,
-                                                           **common)
-    if merge:
-        return out
+                                                           *strides, b, **common)
     _merge_splits_kernel[(b, kv_heads, rep)](acc, m, l, out, REP=rep, D=d, SPLITS=splits,
                                              SPLITS_PAD=triton.next_power_of_2(splits))
     return out
@@ -244,21 +191,7 @@ def one_sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """T tokens of one sequence (a decode step, a verify block, a drafted block) over its cache:
     q [T, heads, D], caches [kv_heads, max_len, D]; token t attends positions starts[t]..lengths[t]-1
     (`tree`: decode_attention's, the T tokens being the tree's nodes). The T rows share the one cache row
-    (stride 0), in `batch1_splits` chunks each, merged in the same launch. Returns [T, heads, D]."""
-    return _one_sequence(q, k_cache, v_cache, lengths, starts, tree)
-
-
-# A custom op, as w4_mma's: a compiled step holds the launch as one opaque node, whose split counters it leaves zero
-# again (so `mutates_args=()`: declared mutated, a compiled graph would copy them around each call).
-@torch.library.custom_op("qdflash::one_sequence_attention", mutates_args=())
-def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                  starts: torch.Tensor | None, tree: torch.Tensor | None) -> torch.Tensor:
+    (stride 0), in `batch1_splits` chunks each. Returns [T, heads, D]."""
     t = q.shape[0]
     return decode_attention(q, k_cache[None].expand(t, *k_cache.shape), v_cache[None].expand(t, *v_cache.shape), lengths,
-                            splits=batch1_splits(k_cache.shape[1]), starts=starts, tree=tree,
-                            counts=split_counters(q.device))
-
-
-@_one_sequence.register_fake
-def _(q, k_cache, v_cache, lengths, starts, tree):
-    return torch.empty_like(q)
+                            splits=batch1_splits(k_cache.shape[1]), starts=starts, tree=tree)
