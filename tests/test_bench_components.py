@@ -305,8 +305,9 @@ def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_q
 def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
     """bench_gdn_step.py's variants on one tiny layer through the kernels (Triton's interpreter here; the script
     itself needs CUDA for its timings): dot, given, two_phase and chunked (the block kernels also with the b / a dot in
-    the kernel) give the same outputs for a 4-token block and a decode step (to fp32 rounding), so a device run times
-    the same computation six ways; bad --variants and --launches values are clear errors."""
+    the kernel, the two-phase one also on tensor cores) give the same outputs for a 16-token block and a decode step
+    (to fp32 rounding), so a device run times the same computation seven ways; bad --variants and --launches values
+    are clear errors."""
     import argparse
 
     pytest.importorskip("triton")
@@ -316,15 +317,15 @@ def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
     monkeypatch.setitem(bench_gdn_step.SHAPE, "key_heads", 1)
     for key, value in dict(heads=2, dk=16, dv=16, hidden=32).items():
         monkeypatch.setitem(bench_gdn_step.SHAPE, key, value)
-    for tokens in (4, 1):
+    for tokens in (16, 1):  # 16: a whole tensor-core tile (two_phase_dot_mma engages)
         layer = bench_gdn_step.layer_inputs(tokens, 5, "cpu", torch.Generator().manual_seed(tokens))
         layer = {k: v.float() if v is not None and v.is_floating_point() else v for k, v in layer.items()}
         layer["ba_product"] = layer["x"] @ layer["ba"].T  # from the fp32 copies, as the dot computes it
         start, outs = layer["state"].clone(), {}
-        for variant in ("dot", "given", "two_phase", "two_phase_dot", "chunked", "chunked_dot"):
+        for variant in bench_gdn_step.VARIANTS:
             layer["state"].copy_(start)
             outs[variant] = bench_gdn_step.run(layer, 16, 4, tokens > 1, variant)
-        for variant in ("given", "two_phase", "two_phase_dot", "chunked", "chunked_dot"):
+        for variant in bench_gdn_step.VARIANTS[1:]:
             torch.testing.assert_close(outs[variant], outs["dot"], atol=1e-5, rtol=1e-5)
     assert bench_gdn_step.variant_list("dot,two_phase") == ["dot", "two_phase"]
     for bad in ("dot,dot", "dot,fast", ""):
