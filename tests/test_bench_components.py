@@ -91,6 +91,8 @@ def test_component_bench_runs_on_the_cpu(runs):
     for key, label in (("w4", "target_w4"), ("w4_head", "target_w4_head")):
         assert r[f"{key}_compiled_decode_speedup_over_16bit_compiled"] == pytest.approx(
             r["target16.decode_compiled_ms"] / r[f"{label}.decode_compiled_ms"], abs=1e-3)
+    # --profile with --compile: each target's compiled graphs timed again after the profiler ran
+    assert r["target16.decode_compiled_after_profile_ms"] > 0 and r["target_w4_head.verify_compiled_after_profile_ms"] > 0
     # --inductor-default: each target again compiled with inductor's own options, set against the engine's
     for label in ("target16", "target_w4_head"):
         assert r[f"{label}_inductor_default.decode_compiled_ms"] > 0, r.get(f"{label}_inductor_default.compile_error")
