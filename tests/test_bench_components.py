@@ -377,6 +377,7 @@ def test_layer_tails_bench_checks_both_launches_on_a_tiny_shape(monkeypatch):
     monkeypatch.setattr(bench_layer_tails, "graph_ms", lambda fn, reps: fn() and 1.0)
     monkeypatch.setattr(bench_layer_tails, "copies_past_l2", lambda nbytes: 2)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setenv("TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE", "1")  # compiled_step sets it: undone after
     monkeypatch.setattr(bench_layer_tails, "GDN", dict(heads=2, dv=16, qkvz=80))
     for t in (1, 4):
         norm = bench_layer_tails.gated_norm_rows(t, "cpu", 1, torch.float32)

@@ -373,15 +373,17 @@ def test_compiled_steps_give_inductor_the_engines_options(tiny_llama, monkeypatc
 
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
-    monkeypatch.delenv("TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE", "")  # recorded, so undone after the test
+    monkeypatch.delenv("TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE")
     engine = build_engine(tiny_llama, max_len=64)
     assert engine.inductor_options == base.INDUCTOR_OPTIONS and engine.inductor_options is not base.INDUCTOR_OPTIONS
     engine.capture([1], None, cuda_graphs=False, compile=True)
     engine.inductor_options = {}
     engine.capture([1], None, cuda_graphs=False, compile=True)
     engine.capture([1], None, cuda_graphs=False, compile="aot_eager")
+    engine.capture([1], None, cuda_graphs=False, compile="inductor")  # inductor named: its options too
     assert seen == [dict(dynamic=False, options=base.INDUCTOR_OPTIONS), dict(dynamic=False, options={}),
-                    dict(dynamic=False, backend="aot_eager")]
+                    dict(dynamic=False, backend="aot_eager"), dict(dynamic=False, options={})]
     assert base.INDUCTOR_OPTIONS["triton.multi_kernel"] == 1
     # multi_kernel's picks are not keyed on disk (a drafter compiled after a target failed to: base.compiled_step)
     assert os.environ["TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE"] == "1"

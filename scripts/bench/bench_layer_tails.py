@@ -1,5 +1,5 @@
 """A Gated DeltaNet layer's gated RMSNorm through its kernel (`kernels.gated_norm`) against the model's module
-compiled by inductor, alone, at Qwen3.5-4B's shape.
+compiled by inductor with the engine's options (`engine.base.compiled_step`), alone, at Qwen3.5-4B's shape.
 
     python scripts/bench/bench_layer_tails.py --out tails.json
 
@@ -19,6 +19,7 @@ import platform
 
 import torch
 
+from qdflash.engine.base import compiled_step
 from qdflash.kernels import copies_past_l2, graph_ms
 from qdflash.kernels.gated_norm import gated_rms_norm
 
@@ -31,7 +32,7 @@ def gated_norm_rows(t: int, device, reps: int, dtype=torch.bfloat16) -> dict:
     h, d = GDN["heads"], GDN["dv"]
     g = torch.Generator().manual_seed(t)
     norm = Qwen3_5RMSNormGated(d, eps=1e-6).to(device, dtype).requires_grad_(False)  # inference, as a step runs it
-    norm.weight.data.normal_(1.0, 0.2)
+    norm.weight.data = (1.0 + 0.2 * torch.randn(d, generator=g)).to(device, dtype)
     layers = copies_past_l2(t * GDN["qkvz"] * 2)
     os = [torch.randn(t, h, d, generator=g).to(device) for _ in range(layers)]
     rows = [torch.randn(t, GDN["qkvz"], generator=g).to(device, dtype) for _ in range(layers)]
@@ -40,7 +41,7 @@ def gated_norm_rows(t: int, device, reps: int, dtype=torch.bfloat16) -> dict:
     def module(o, z):
         return norm(o.to(z.dtype), z.reshape(t, h, d)).reshape(t, -1)
 
-    compiled = torch.compile(module, dynamic=False)
+    compiled = compiled_step(module, True)  # as the engine compiles a step (its inductor options)
     out = {"layers": layers}
     ours, theirs = gated_rms_norm(os[0], zs[0], norm.weight, norm.variance_epsilon), compiled(os[0], zs[0])
     out["max_abs"] = float((ours.float() - theirs.float()).abs().max())

@@ -309,15 +309,17 @@ INDUCTOR_OPTIONS = {"triton.multi_kernel": 1}
 
 
 def compiled_step(fn, compile, options: dict | None = None):
-    """`fn` through torch.compile with static shapes: compile=True with inductor and `options` (default
-    INDUCTOR_OPTIONS), any other true value as the torch.compile backend (the CPU tests trace with "aot_eager")."""
-    if compile is not True:
+    """`fn` through torch.compile with static shapes: compile=True (or "inductor") with inductor and `options`
+    (default INDUCTOR_OPTIONS), any other true value as the torch.compile backend (the CPU tests trace with
+    "aot_eager")."""
+    if compile not in (True, "inductor"):
         return torch.compile(fn, dynamic=False, backend=compile)
     options = dict(INDUCTOR_OPTIONS if options is None else options)
     if options.get("triton.multi_kernel"):
         # the picks stay in this process (each benchmarks its kernels again at their first call): with torch 2.11 and
         # Triton 3.6, keying the on-disk pick by a kernel that an earlier compile made (a drafter step compiled after a
-        # target step: the same norm kernels) fails (`JITFunction.cache_key` on a kernel prepared for pickling)
+        # target step: the same norm kernels) fails (`JITFunction.cache_key` on a kernel prepared for pickling). An
+        # environment variable, so it holds for every compile of this process and its children (docs/gpu.md)
         os.environ.setdefault("TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE", "1")
     return torch.compile(fn, dynamic=False, options=options)
 

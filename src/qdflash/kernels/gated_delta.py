@@ -176,7 +176,7 @@ if triton is not None:
                     xt = tl.load(x_ptr + rt[:, None] * HIDDEN + rh[None, :], mask=t_ok[:, None] & mh[None, :],
                                  other=0.0)
                     w = tl.load(ba_ptr + rows[None, :] * HIDDEN + rh[:, None], mask=mh[:, None] & (rn < 2)[None, :],
-                                other=0.0)
+                                other=0.0).to(xt.dtype)
                     if IEEE:
                         ab = tl.dot(xt, w, ab, input_precision="ieee")
                     else:
@@ -475,8 +475,8 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     block kernel with the recurrence in the chunked form (`_chunk_state`: matmuls over the block instead
     of a state reduction per token), its block padded to 16 rows. `num_warps`:
     STEP_WARPS, or BLOCK_WARPS (two-phase) or CHUNKED_WARPS for the block kernel, unless given. `ba_mma`: the block
-    kernel's b / a dot (`ba_weight`) on tensor cores where its block fills a 16-row tile (T > 8), to fp32 rounding
-    of the other dot."""
+    kernel's b / a dot (`ba_weight`) on tensor cores where its block fills a 16-row tile (a two-phase block of T > 8;
+    any chunked block, padded to 16 rows), to fp32 rounding of the other dot."""
     if triton is None:
         raise QdflashError("gated_delta_step needs triton")
     t = qkvz.shape[0]

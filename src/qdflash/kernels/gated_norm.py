@@ -28,7 +28,7 @@ if triton is not None:
         """Program (token t, head h): o [T, H, D] fp32, z rows stride_zt apart ([H * D] each, the model's dtype), the
         weight [D] and out [T, H * D] in the model's dtype. ROUND_PRODUCT: weight x norm is rounded to the model's
         dtype (torch's product of a weight in that dtype; an fp32 weight's product stays fp32)."""
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # a long prefill's T x row stride passes int32
         h = tl.program_id(1)
         rd = tl.arange(0, D)
         dt = out_ptr.dtype.element_ty
