@@ -378,7 +378,8 @@ def test_layer_tails_bench_checks_both_launches_on_a_tiny_shape(monkeypatch):
     monkeypatch.setattr(bench_layer_tails, "copies_past_l2", lambda nbytes: 2)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     monkeypatch.setenv("TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE", "1")  # compiled_step sets it: undone after
-    monkeypatch.setattr(bench_layer_tails, "GDN", dict(heads=2, dv=16, qkvz=80))
+    for key, value in dict(key_heads=1, heads=2, dk=16, dv=16).items():  # the GDN shape it reads (bench_gdn_step's)
+        monkeypatch.setitem(bench_layer_tails.SHAPE, key, value)
     for t in (1, 4):
         norm = bench_layer_tails.gated_norm_rows(t, "cpu", 1, torch.float32)
         assert norm["max_abs"] < 1e-5 and 0 <= norm["equal_fraction"] <= 1 and norm["kernel_us"] == norm["inductor_us"] == 1e3 / 2

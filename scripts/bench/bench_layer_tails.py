@@ -19,23 +19,23 @@ import platform
 
 import torch
 
+from bench_gdn_step import SHAPE  # Qwen3.5-4B's GDN layer shape, one definition for both scripts (run from their folder)
 from qdflash.engine.base import compiled_step
 from qdflash.kernels import copies_past_l2, graph_ms
 from qdflash.kernels.gated_norm import gated_rms_norm
-
-GDN = dict(heads=32, dv=128, qkvz=2 * 16 * 128 + 32 * 128 + 32 * 128)  # value heads, their dim, a qkvz row's width
 
 
 def gated_norm_rows(t: int, device, reps: int, dtype=torch.bfloat16) -> dict:
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
-    h, d = GDN["heads"], GDN["dv"]
+    h, d = SHAPE["heads"], SHAPE["dv"]
+    width = 2 * SHAPE["key_heads"] * SHAPE["dk"] + 2 * h * d  # a qkvz row: q, k, v, then z
     g = torch.Generator().manual_seed(t)
     norm = Qwen3_5RMSNormGated(d, eps=1e-6).to(device, dtype).requires_grad_(False)  # inference, as a step runs it
     norm.weight.data = (1.0 + 0.2 * torch.randn(d, generator=g)).to(device, dtype)
-    layers = copies_past_l2(t * GDN["qkvz"] * 2)
+    layers = copies_past_l2(t * width * 2)
     os = [torch.randn(t, h, d, generator=g).to(device) for _ in range(layers)]
-    rows = [torch.randn(t, GDN["qkvz"], generator=g).to(device, dtype) for _ in range(layers)]
+    rows = [torch.randn(t, width, generator=g).to(device, dtype) for _ in range(layers)]
     zs = [r[:, -h * d:] for r in rows]  # the z tail of a qkvz projection's rows
 
     def module(o, z):
