@@ -356,15 +356,18 @@ def test_kernel_groups_put_inductors_kernels_named_after_a_fused_int4_op_with_in
 
 def test_main_run_targets_take_the_engines_gdn_block_kernel_unless_told():
     """bench_components' main-run engines run a 16-bit model's verify blocks through the two-phase GDN kernel (the
-    engine's default), and through the step kernel with --gdn-step-kernel."""
+    engine's default), and through the step kernel with --gdn-step-kernel; --gdn-ba-mma turns the b / a tensor-core dot
+    on."""
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
     import bench_components
 
     target = bench_components.build_target("tiny", "cpu", torch.bfloat16)
-    args = argparse.Namespace(attention="sdpa", gdn_ba=["dot"], gdn_step_kernel=False)
-    assert bench_components.target_engine(target, args, 32).gdn_two_phase
-    args.gdn_step_kernel = True
-    assert not bench_components.target_engine(target, args, 32).gdn_two_phase
+    args = argparse.Namespace(attention="sdpa", gdn_ba=["dot"], gdn_step_kernel=False, gdn_ba_mma=False)
+    engine = bench_components.target_engine(target, args, 32)
+    assert engine.gdn_two_phase and not engine.gdn_ba_mma
+    args.gdn_step_kernel, args.gdn_ba_mma = True, True
+    engine = bench_components.target_engine(target, args, 32)
+    assert not engine.gdn_two_phase and engine.gdn_ba_mma
 
 
 def test_layer_tails_bench_checks_both_launches_on_a_tiny_shape(monkeypatch):
