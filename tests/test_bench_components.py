@@ -307,9 +307,8 @@ def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_q
 def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
     """bench_gdn_step.py's variants on one tiny layer through the kernels (Triton's interpreter here; the script
     itself needs CUDA for its timings): dot, given, two_phase and chunked (the block kernels also with the b / a dot in
-    the kernel, the two-phase one also on tensor cores) give the same outputs for a 16-token block and a decode step
-    (to fp32 rounding), so a device run times the same computation seven ways; bad --variants and --launches values
-    are clear errors."""
+    the kernel) give the same outputs for a 4-token block and a decode step (to fp32 rounding), so a device run times
+    the same computation six ways; bad --variants and --launches values are clear errors."""
     import argparse
 
     pytest.importorskip("triton")
@@ -319,15 +318,15 @@ def test_gdn_step_bench_variants_run_one_layer_and_agree(monkeypatch):
     monkeypatch.setitem(bench_gdn_step.SHAPE, "key_heads", 1)
     for key, value in dict(heads=2, dk=16, dv=16, hidden=32).items():
         monkeypatch.setitem(bench_gdn_step.SHAPE, key, value)
-    for tokens in (16, 1):  # 16: a whole tensor-core tile (two_phase_dot_mma engages)
+    for tokens in (4, 1):
         layer = bench_gdn_step.layer_inputs(tokens, 5, "cpu", torch.Generator().manual_seed(tokens))
         layer = {k: v.float() if v is not None and v.is_floating_point() else v for k, v in layer.items()}
         layer["ba_product"] = layer["x"] @ layer["ba"].T  # from the fp32 copies, as the dot computes it
         start, outs = layer["state"].clone(), {}
-        for variant in bench_gdn_step.VARIANTS:
+        for variant in ("dot", "given", "two_phase", "two_phase_dot", "chunked", "chunked_dot"):
             layer["state"].copy_(start)
             outs[variant] = bench_gdn_step.run(layer, 16, 4, tokens > 1, variant)
-        for variant in bench_gdn_step.VARIANTS[1:]:
+        for variant in ("given", "two_phase", "two_phase_dot", "chunked", "chunked_dot"):
             torch.testing.assert_close(outs[variant], outs["dot"], atol=1e-5, rtol=1e-5)
     assert bench_gdn_step.variant_list("dot,two_phase") == ["dot", "two_phase"]
     for bad in ("dot,dot", "dot,fast", ""):
@@ -356,18 +355,15 @@ def test_kernel_groups_put_inductors_kernels_named_after_a_fused_int4_op_with_in
 
 def test_main_run_targets_take_the_engines_gdn_block_kernel_unless_told():
     """bench_components' main-run engines run a 16-bit model's verify blocks through the two-phase GDN kernel (the
-    engine's default), and through the step kernel with --gdn-step-kernel; --gdn-ba-mma turns the b / a tensor-core dot
-    on."""
+    engine's default), and through the step kernel with --gdn-step-kernel."""
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
     import bench_components
 
     target = bench_components.build_target("tiny", "cpu", torch.bfloat16)
-    args = argparse.Namespace(attention="sdpa", gdn_ba=["dot"], gdn_step_kernel=False, gdn_ba_mma=False)
-    engine = bench_components.target_engine(target, args, 32)
-    assert engine.gdn_two_phase and not engine.gdn_ba_mma
-    args.gdn_step_kernel, args.gdn_ba_mma = True, True
-    engine = bench_components.target_engine(target, args, 32)
-    assert not engine.gdn_two_phase and engine.gdn_ba_mma
+    args = argparse.Namespace(attention="sdpa", gdn_ba=["dot"], gdn_step_kernel=False)
+    assert bench_components.target_engine(target, args, 32).gdn_two_phase
+    args.gdn_step_kernel = True
+    assert not bench_components.target_engine(target, args, 32).gdn_two_phase
 
 
 def test_layer_tails_bench_checks_both_launches_on_a_tiny_shape(monkeypatch):

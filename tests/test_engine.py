@@ -283,22 +283,6 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
     assert norms == [20] * layers + [4] * layers + [1] * layers  # each GDN layer's gated norm in one launch (gated_norm)
 
 
-def test_a_verify_block_with_the_b_a_dot_on_tensor_cores(tiny_qwen):
-    """gdn_ba_mma: a 16-token verify block's GDN middle through the two-phase kernel with its b / a dot on tensor cores
-    (the interpreter here) predicts what transformers does, and the decode step after it too."""
-    pytest.importorskip("triton")
-    engine = build_engine(tiny_qwen, max_len=64, kernels=True)
-    engine.gdn_two_phase, engine.gdn_ba_mma = True, True
-    x = ids(8, 20)
-    engine.forward(x[:4], 0)
-    block, _ = engine.forward(x[4:20], 4)  # 16 tokens: a whole tile
-    expected = tiny_qwen.model(input_ids=x[None]).logits[0]
-    torch.testing.assert_close(block, expected[4:], atol=1e-4, rtol=1e-4)
-    step, _ = engine.forward(torch.tensor([55]), 20)
-    torch.testing.assert_close(step[-1], tiny_qwen.model(input_ids=torch.cat([x, torch.tensor([55])])[None]).logits[0, -1],
-                               atol=1e-4, rtol=1e-4)
-
-
 def test_two_phase_gdn_blocks_are_the_default_for_16_bit_models_only(tiny_qwen):
     """A verify block's GDN middle runs through the two-phase kernel by default where the model is 16-bit (its blocks
     agree with one-token steps to fp32 rounding, which bf16 output tolerates at near-ties), and through the step kernel

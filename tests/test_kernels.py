@@ -713,10 +713,10 @@ def gdn_step_case(tokens):
         STORE_STATES=True)
 
 
-def gdn_block_case(tokens, chunked=False, mma=False):
+def gdn_block_case(tokens, chunked=False):
     """The two-phase GDN block kernel at Qwen3.5-4B's heads, its default value block (with BLOCK_WARPS), the b / a product
     given; `chunked`: its recurrence in the chunked form, the b / a dot in the kernel (as the engine's default gdn_ba
-    runs it); `mma`: the b / a dot in the kernel on tensor cores (`ba_mma`)."""
+    runs it)."""
     from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
@@ -725,8 +725,7 @@ def gdn_block_case(tokens, chunked=False, mma=False):
                  "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
     return "qdflash.kernels.gated_delta", "_gated_delta_block_kernel", signature, dict(
         T=tokens, T_P=max(tokens, 16) if chunked else tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True,
-        CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked or mma, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512, BA_MMA=mma,
-        IEEE=False)
+        CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512)
 
 
 def attention_case(tree, block=False):
@@ -840,15 +839,14 @@ def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile)
                for layout in used["ASM_LAYOUTS"]), used
 
 
-@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block mma 16", "gdn block chunked 5",
+@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block chunked 5",
                                   "gdn block chunked 16", "attention", "attention tree 16", "attention block 16",
                                   "gemv rows 0", "gemv rows 16", "gated norm 128"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
     the fused GDN kernel at the Qwen3.5-4B head size (dk = dv = 128, a [dk, STEP_BLOCK_V] state slice per program)
-    for a decode step and a verify block, the block kernel in its two-phase (also with its b / a dot on tensor cores)
-    and chunked forms, and the decode
+    for a decode step and a verify block, the block kernel in its two-phase and chunked forms, and the decode
     attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of 64) for a decode step, a verify block (its rows two to a
     program) and a tree of 16 nodes (what a tree round verifies on the GPU); and the 16-bit GEMV's 2-16-row form at its
     largest tile, its K loop run and unrolled (16 tiles); and the GDN layer's gated norm (`kernels.gated_norm`) at
@@ -863,7 +861,7 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
         signature = {"o_ptr": "*fp32", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_zt": "i32", "eps": "fp32"}
     elif kind.startswith("gdn"):
         num_warps = (CHUNKED_WARPS if "chunked" in kind else BLOCK_WARPS) if "block" in kind else STEP_WARPS
-        module, name, signature, constexprs = (gdn_block_case(int(arg), chunked="chunked" in kind, mma="mma" in kind)
+        module, name, signature, constexprs = (gdn_block_case(int(arg), chunked="chunked" in kind)
                                                if "block" in kind else gdn_step_case(int(arg)))
     else:
         module, name, signature, constexprs = (rows_gemv_case(int(arg)) if kind.startswith("gemv") else
@@ -1508,38 +1506,3 @@ def test_gated_rms_norm_is_the_models_gated_norm(dtype):
     with pytest.raises(QdflashError, match=r"z \[5, 128\]"):
         gated_rms_norm(o, z[:, :-1], norm.weight, norm.variance_epsilon)
     assert not supported(Qwen3_5RMSNormGated(24))  # D not a power of two: the module runs
-
-
-@pytest.mark.parametrize("chunked", [False, True])
-def test_the_b_a_dot_on_tensor_cores_is_the_dot(chunked):
-    """gated_delta_step(ba_mma=True): a 16-token block's b / a dot as one [16, chunk] x [chunk, 16] matmul per hidden
-    chunk (the head's two rows as the tile's first columns) gives the block kernel's outputs and states with the
-    products-and-reduction dot to fp32 rounding (two-phase and chunked); a two-phase block of 8 or fewer tokens (less
-    than a tile; the chunked form pads its block to 16 rows) keeps the other dot. fp32 only: Triton's interpreter
-    multiplies a bf16 tl.dot's raw bits, so the bf16 path (a 16-bit model's) is checked on a GPU only
-    (`bench_gdn_step.py` sets each variant's outputs against the default's)."""
-    from qdflash.kernels.gated_delta import gated_delta_step
-
-    g = torch.Generator().manual_seed(5)
-    key_heads, heads, dk, dv, kw, hidden, tokens = 1, 2, 16, 16, 4, 600, 16  # hidden past one 512-wide chunk
-    key_dim, conv_dim = key_heads * dk, 2 * key_heads * dk + heads * dv
-    conv_w = torch.randn(conv_dim, 1, kw, generator=g) * 0.5
-    ba_w = torch.randn(2 * heads, hidden, generator=g) * 0.05
-    decay, dt_bias = -torch.rand(heads, generator=g), torch.randn(heads, generator=g)
-    qkvz, x = torch.randn(tokens, conv_dim + heads * dv, generator=g), torch.randn(tokens, hidden, generator=g)
-    state0 = torch.randn(heads, dk, dv, generator=g) * 0.1
-
-    def block(t, ba_mma):
-        state, states = state0.clone().to(DEVICE), torch.zeros(t + 1, heads, dk, dv, device=DEVICE)
-        out = gated_delta_step(qkvz[:t].to(DEVICE), torch.zeros(32, conv_dim, device=DEVICE), conv_w.to(DEVICE),
-                               torch.arange(t, device=DEVICE), x[:t].to(DEVICE), ba_w.to(DEVICE), decay.to(DEVICE),
-                               dt_bias.to(DEVICE), state, states, key_heads=key_heads, key_dim=key_dim,
-                               two_phase=not chunked, chunked=chunked, ba_mma=ba_mma)
-        return out.cpu(), states.cpu()
-
-    for t in (16, 8):
-        (out, states), (mma_out, mma_states) = block(t, False), block(t, True)
-        torch.testing.assert_close(mma_out, out, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(mma_states, states, atol=1e-5, rtol=1e-5)
-        # the tensor-core dot ran where a tile fills (its sums in another order: not bit for bit), not where none does
-        assert torch.equal(mma_out, out) == (t == 8 and not chunked)

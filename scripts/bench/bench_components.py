@@ -380,8 +380,6 @@ def target_engine(target, args, max_len):
     engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
     if getattr(args, "gdn_step_kernel", False):
         engine.gdn_two_phase = False
-    if getattr(args, "gdn_ba_mma", False):
-        engine.gdn_ba_mma = True
     return engine
 
 
@@ -634,9 +632,6 @@ def main() -> None:
     parser.add_argument("--gdn-step-kernel", action="store_true",
                         help="the main run's targets' verify blocks run their GDN middle through the step kernel, token "
                              "by token, instead of the two-phase kernel (the engine's default for a 16-bit model)")
-    parser.add_argument("--gdn-ba-mma", action="store_true",
-                        help="the main run's targets' verify blocks compute their GDN b / a dot as one tensor-core matmul "
-                             "per hidden chunk (LeanQwen35.gdn_ba_mma) instead of products and a cross-warp reduction")
     parser.add_argument("--gdn-chunked", action="store_true",
                         help="--study: each --gdn-ba mode again with its verify block's GDN recurrence in the "
                              "chunked form (LeanQwen35.gdn_chunked: the block's products as matmuls)")

@@ -18,8 +18,7 @@ hidden row itself, a HIDDEN-wide dot and cross-warp reduction per token), `given
 as a fused qkvz + ba projection would give it: the kernel reads 2 values a token), `two_phase` (`given` through the
 block kernel that computes every token's inputs first, then runs the recurrence alone; a decode step, one token,
 keeps the step kernel), `two_phase_dot` (that block kernel computing the a / b projection itself, as the engine's
-default gdn_ba='dot' runs it), `two_phase_dot_mma` (that, its b / a dot on tensor cores: `gated_delta_step`'s `ba_mma`),
-`chunked` (that block kernel with the block's recurrence as matmuls, the chunked form:
+default gdn_ba='dot' runs it), `chunked` (that block kernel with the block's recurrence as matmuls, the chunked form:
 `kernels.gated_delta._chunk_state`; one token keeps the step kernel) and `chunked_dot` (with the projection in the
 kernel).
 """
@@ -39,7 +38,7 @@ from qdflash.kernels.gated_delta import gated_delta_step
 SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
 # (block_v, num_warps); the default first (the step kernel's, and the two-phase block kernel's: BLOCK_WARPS)
 LAUNCHES = [(16, 4), (16, 8), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]
-VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "two_phase_dot_mma", "chunked", "chunked_dot")
+VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "chunked", "chunked_dot")
 
 
 def launch_list(text: str) -> list[tuple[int, int]]:
@@ -80,8 +79,7 @@ def run(layer: dict, block_v: int, num_warps: int, keep_states: bool, variant: s
                             layer["ba_product"] if given else layer["ba"], layer["decay"], layer["dt_bias"], layer["state"],
                             layer["states"] if keep_states else None, key_heads=SHAPE["key_heads"],
                             key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps,
-                            two_phase=variant.startswith("two_phase"), chunked=variant.startswith("chunked"),
-                            ba_mma=variant.endswith("_mma"))
+                            two_phase=variant.startswith("two_phase"), chunked=variant.startswith("chunked"))
 
 
 def variant_list(text: str) -> list[str]:

@@ -75,9 +75,6 @@ class LeanQwen35(EngineBase):
         # likewise, a verify block's recurrence in the chunked form (gated_delta_step's chunked: the block's products as
         # matmuls, no state reduction per token), to fp32 rounding too. Set before capture
         self.gdn_chunked = False
-        # a 16-token block's b / a dot (gdn_ba "dot") on tensor cores in the block kernel (gated_delta_step's ba_mma),
-        # to fp32 rounding of the other dot. Off until timed in a step. Set before capture
-        self.gdn_ba_mma = False
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
         # False runs the unfused layer (the benchmark's side-by-side arm)
         self.fuse_gdn = True
@@ -213,7 +210,7 @@ class LeanQwen35(EngineBase):
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
                                self.state[i], self.block_states[i] if self._keeps_states(t) else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
-                               two_phase=self.gdn_two_phase, chunked=self.gdn_chunked, ba_mma=self.gdn_ba_mma)
+                               two_phase=self.gdn_two_phase, chunked=self.gdn_chunked)
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
 
     def _gdn_inputs(self, w, mixed, ba):

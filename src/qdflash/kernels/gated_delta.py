@@ -113,7 +113,7 @@ if triton is not None:
                                   DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
                                   STORE_STATES: tl.constexpr, CHUNKED: tl.constexpr, CHUNK_K: tl.constexpr,
                                   BA_DOT: tl.constexpr, HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr,
-                                  BLOCK_H: tl.constexpr, BA_MMA: tl.constexpr = False, IEEE: tl.constexpr = False):
+                                  BLOCK_H: tl.constexpr):
         """`_gated_delta_step_kernel` for a block, in two phases. First every token's inputs at once ([T, channels]
         tiles: the conv's taps as shifted loads, silu, the l2norms' reductions over the key dimension for all tokens
         in one, the gates from the b / a product given or, BA_DOT, computed here from x), written to this program's
@@ -121,10 +121,7 @@ if triton is not None:
         alone (one reduction of the state over the key dimension), its inputs' loads free to be issued ahead of it.
         The same formulas as the one-token kernel, summed in another order (the conv over its taps, the l2norms, the
         b / a dot), so a block and one-token steps agree to fp32 rounding, not bit for bit.
-        CHUNKED (T_P >= 16, a tensor-core tile): phase 2 as `_chunk_state` instead of token by token.
-        BA_MMA (with BA_DOT, T_P >= 16): the b / a dot as one tensor-core matmul per hidden chunk, [T_P, BLOCK_H] x
-        [BLOCK_H, 16] (this head's b and a rows as its first two columns, the rest zero), instead of products and a
-        cross-warp reduction per chunk; IEEE: fp32 operands multiplied in fp32 (not TF32)."""
+        CHUNKED (T_P >= 16, a tensor-core tile): phase 2 as `_chunk_state` instead of token by token."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -166,38 +163,20 @@ if triton is not None:
         qq = qq * rq[:, None] / SCALE
         kk = kk * rk2[:, None]
         if BA_DOT:  # b, a = x @ in_proj_b / a (this head's rows) for every token, rounded as the step kernel rounds them
-            if BA_MMA:  # on tensor cores: columns 0 / 1 of a 16-wide tile are b / a
-                rn = tl.arange(0, 16)
-                rows = tl.where(rn == 0, h, HV + h)
-                ab = tl.zeros([T_P, 16], dtype=tl.float32)
-                for c in tl.static_range(H_CHUNKS):
-                    rh = c * BLOCK_H + tl.arange(0, BLOCK_H)
-                    mh = rh < HIDDEN
-                    xt = tl.load(x_ptr + rt[:, None] * HIDDEN + rh[None, :], mask=t_ok[:, None] & mh[None, :],
-                                 other=0.0)
-                    w = tl.load(ba_ptr + rows[None, :] * HIDDEN + rh[:, None], mask=mh[:, None] & (rn < 2)[None, :],
-                                other=0.0).to(xt.dtype)
-                    if IEEE:
-                        ab = tl.dot(xt, w, ab, input_precision="ieee")
-                    else:
-                        ab = tl.dot(xt, w, ab)
-                b = tl.sum(tl.where(rn[None, :] == 0, ab, 0.0), axis=1).to(dt).to(tl.float32)
-                a = tl.sum(tl.where(rn[None, :] == 1, ab, 0.0), axis=1).to(dt).to(tl.float32)
-            else:
-                b = tl.zeros([T_P], dtype=tl.float32)
-                a = tl.zeros([T_P], dtype=tl.float32)
-                for c in tl.static_range(H_CHUNKS):
-                    rh = c * BLOCK_H + tl.arange(0, BLOCK_H)
-                    mh = rh < HIDDEN
-                    xt = tl.load(x_ptr + rt[:, None] * HIDDEN + rh[None, :], mask=t_ok[:, None] & mh[None, :],
-                                 other=0.0).to(tl.float32)
-                    wb = tl.load(ba_ptr + h * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
-                    wa = tl.load(ba_ptr + (HV + h) * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
-                    db, da = tl.reduce((xt * wb[None, :], xt * wa[None, :]), 1, _add2)
-                    b += db
-                    a += da
-                b = b.to(dt).to(tl.float32)
-                a = a.to(dt).to(tl.float32)
+            b = tl.zeros([T_P], dtype=tl.float32)
+            a = tl.zeros([T_P], dtype=tl.float32)
+            for c in tl.static_range(H_CHUNKS):
+                rh = c * BLOCK_H + tl.arange(0, BLOCK_H)
+                mh = rh < HIDDEN
+                xt = tl.load(x_ptr + rt[:, None] * HIDDEN + rh[None, :], mask=t_ok[:, None] & mh[None, :],
+                             other=0.0).to(tl.float32)
+                wb = tl.load(ba_ptr + h * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+                wa = tl.load(ba_ptr + (HV + h) * HIDDEN + rh, mask=mh, other=0.0).to(tl.float32)
+                db, da = tl.reduce((xt * wb[None, :], xt * wa[None, :]), 1, _add2)
+                b += db
+                a += da
+            b = b.to(dt).to(tl.float32)
+            a = a.to(dt).to(tl.float32)
         else:  # the product given, rows ba_stride apart
             b = tl.load(ba_ptr + rt * ba_stride + h, mask=t_ok, other=0.0).to(tl.float32)
             a = tl.load(ba_ptr + rt * ba_stride + HV + h, mask=t_ok, other=0.0).to(tl.float32)
@@ -459,8 +438,7 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
 
 def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states=None, *,
                      key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = STEP_BLOCK_V,
-                     num_warps: int | None = None, two_phase: bool = False, chunked: bool = False,
-                     ba_mma: bool = False):
+                     num_warps: int | None = None, two_phase: bool = False, chunked: bool = False):
     """A Gated DeltaNet layer's middle for a decode step or verify block (T <= CHUNK tokens) in one launch:
     the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
     (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
@@ -474,9 +452,7 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     inputs first, then the recurrence alone token by token (one token keeps the step kernel). `chunked`: the same
     block kernel with the recurrence in the chunked form (`_chunk_state`: matmuls over the block instead
     of a state reduction per token), its block padded to 16 rows. `num_warps`:
-    STEP_WARPS, or BLOCK_WARPS (two-phase) or CHUNKED_WARPS for the block kernel, unless given. `ba_mma`: the block
-    kernel's b / a dot (`ba_weight`) on tensor cores where its block fills a 16-row tile (a two-phase block of T > 8;
-    any chunked block, padded to 16 rows), to fp32 rounding of the other dot."""
+    STEP_WARPS, or BLOCK_WARPS (two-phase) or CHUNKED_WARPS for the block kernel, unless given."""
     if triton is None:
         raise QdflashError("gated_delta_step needs triton")
     t = qkvz.shape[0]
@@ -514,8 +490,7 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
             state if states is None else states, scratch, heads, key_dim, conv_dim, float(dk ** 0.5),
             T=t, T_P=t_p, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None,
             CHUNKED=chunked, CHUNK_K=min(CHUNK_K, dk), BA_DOT=ba_weight, HIDDEN=hidden,
-            H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, BA_MMA=ba_mma and ba_weight and t_p >= 16,
-            IEEE=x.dtype == torch.float32, num_warps=num_warps)
+            H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, num_warps=num_warps)
     else:
         _gated_delta_step_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
