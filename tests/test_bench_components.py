@@ -93,6 +93,11 @@ def test_component_bench_runs_on_the_cpu(runs):
             r["target16.decode_compiled_ms"] / r[f"{label}.decode_compiled_ms"], abs=1e-3)
     # --profile with --compile: each target's compiled graphs timed again after the profiler ran
     assert r["target16.decode_compiled_after_profile_ms"] > 0 and r["target_w4_head.verify_compiled_after_profile_ms"] > 0
+    # the compiled 16-bit and W4-head steps timed again in turn, issue 23's ratios round by round
+    assert r["side_by_side.rounds"] == 7
+    for key in ("w4_head_decode_speedup_over_16bit", "target16.verify_over_decode", "target_w4_head.verify_over_decode",
+                "target16.decode_of_bound", "target16.decode_ms", "target_w4_head.verify_ms"):
+        assert 0 < r[f"side_by_side.{key}"]["min"] <= r[f"side_by_side.{key}"]["median"] <= r[f"side_by_side.{key}"]["max"]
     # --inductor-default: each target again compiled with inductor's own options, set against the engine's
     for label in ("target16", "target_w4_head"):
         assert r[f"{label}_inductor_default.decode_compiled_ms"] > 0, r.get(f"{label}_inductor_default.compile_error")
@@ -131,6 +136,17 @@ def test_w4_head_only_measures_the_w4_head_target_alone(tmp_path):
     assert "w4a16_rel_err@1" in r or r["w4a16_check"].startswith("no packed")
     assert "implied_speedup.tau6.5.target_w4_head+drafter_w4_head.vs_ar16" in r
     assert r["reference.implied_speedup.tau3.0.target_w4_head+drafter_w4_head.vs_ar16"] > 0
+
+
+def test_targets_only_measures_no_drafter(tmp_path):
+    """--targets-only (issue 23's target ratios in less device time): the tuned 16-bit and W4-head targets, no
+    cuBLAS-only arm, no drafter and so no implied speedup; without --compile no side-by-side rounds either."""
+    run = Started(tmp_path, "targets_only", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
+                  "--w4-head-only", "--targets-only")
+    r = run.result()
+    assert r["target16.decode_ms"] > 0 and r["target_w4_head.verify_ms"] > 0 and r["w4_head_decode_speedup_over_16bit"] > 0
+    assert not any(k.startswith(("drafter", "target16_cublas", "side_by_side")) or "implied_speedup" in k for k in r)
+    assert r["reference.target_w4_head.bound_ms"] > 0
 
 
 def test_study_runs_each_arm_on_the_cpu(runs):

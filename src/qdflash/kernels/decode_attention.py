@@ -170,8 +170,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   TREE=b if tree is not None else 0)
     programs = triton.cdiv(b, toks)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    first = starts if starts is not None else lengths  # (not read without HAS_START)
-    bits = tree if tree is not None else lengths  # (not read without TREE)
+    # no start / tree: None, not another view of `lengths`: the kernel reads neither, and torch.compile makes each
+    # tensor argument of a user kernel a buffer of its own (three kernels a layer computing positions + 1)
+    first, bits = starts, tree
     if splits == 1:
         _decode_attention_kernel[(programs, kv_heads, 1)](q, k_cache, v_cache, lengths, first, bits, out, out, out, d ** -0.5,
                                                           *strides, b, **common)
