@@ -367,6 +367,7 @@ def test_kernel_groups_put_inductors_kernels_named_after_a_fused_int4_op_with_in
     assert group("_w4_mma_kernel") == group("_w4_mma_rows_kernel") == "w4 mma (ours)"
     assert group("triton_poi_fused_mul_silu_split_w4_mma_mm_4") == bench_components.INDUCTOR
     assert group("_gated_rms_norm_kernel") == "gated norm (ours)"  # kernels.gated_norm
+    assert group("_qk_norm_rope_kernel") == "qk norm rope (ours)"  # kernels.qk_norm_rope
 
 
 def test_main_run_targets_take_the_engines_gdn_block_kernel_unless_told():

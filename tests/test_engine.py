@@ -385,6 +385,11 @@ def test_kernel_attention_is_the_sdpa_attention(fixture, request, monkeypatch):
 
     monkeypatch.setattr(kernel_module, "MAX_SPLITS", 2)
     target = request.getfixturevalue(fixture)
+    if fixture == "tiny_qwen":  # its attention layers' q / k norms, rotation and cache writes in one launch
+        import qdflash.engine.qwen3_5 as qwen3_5
+
+        launches, fused = [], qwen3_5.qk_norm_rope.qk_norm_rope
+        monkeypatch.setattr(qwen3_5.qk_norm_rope, "qk_norm_rope", lambda qkv, *a: launches.append(qkv.shape[0]) or fused(qkv, *a))
     layer_ids = init_drafter(target, block_size=4, seed=0).config.target_layer_ids
     sdpa = build_engine(target, max_len=96, kernels=True)
     kernel = build_engine(target, max_len=96, kernels=True, attention="kernel")
@@ -400,6 +405,9 @@ def test_kernel_attention_is_the_sdpa_attention(fixture, request, monkeypatch):
             b = engine.forward(torch.tensor(piece), start, layer_ids)
             torch.testing.assert_close(b[0], a[0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(b[1], a[1], atol=1e-5, rtol=1e-5)
+    if fixture == "tiny_qwen":  # not the 40-token prefill (SDPA); the block and the step of both kernel engines
+        attention_layers = target.model.config.layer_types.count("full_attention")
+        assert launches == ([3] * attention_layers * 2 + [1] * attention_layers * 2)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])

@@ -841,7 +841,7 @@ def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile)
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block chunked 5",
                                   "gdn block chunked 16", "attention", "attention tree 16", "attention block 16",
-                                  "gemv rows 0", "gemv rows 16", "gated norm 128"])
+                                  "gemv rows 0", "gemv rows 16", "gated norm 128", "qk norm rope 256"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
@@ -850,12 +850,18 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of 64) for a decode step, a verify block (its rows two to a
     program) and a tree of 16 nodes (what a tree round verifies on the GPU); and the 16-bit GEMV's 2-16-row form at its
     largest tile, its K loop run and unrolled (16 tiles); and the GDN layer's gated norm (`kernels.gated_norm`) at
-    Qwen3.5-4B's value heads. None of them has an atomic."""
+    Qwen3.5-4B's value heads, and its attention layers' q / k norms and rotation (`kernels.qk_norm_rope`). None of them
+    has an atomic."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, CHUNKED_WARPS, STEP_WARPS
 
     kind, _, arg = case.rpartition(" ")
     num_warps = 4
-    if kind == "gated norm":
+    if kind == "qk norm rope":
+        num_warps = 1  # qk_norm_rope's launch, at Qwen3.5-4B's attention heads (16 over 4 KV heads, 64 of 256 dims rotate)
+        module, name, constexprs = "qdflash.kernels.qk_norm_rope", "_qk_norm_rope_kernel", dict(HEADS=16, KVH=4, D=int(arg), ROT=64)
+        signature = {**{f"{p}_ptr": "*bf16" for p in ("qkv", "pos", "cos", "sin", "qw", "kw", "q", "k", "v")},
+                     "pos_ptr": "*i64", "stride_t": "i32", "stride_cache": "i32", "eps": "fp32"}
+    elif kind == "gated norm":
         num_warps = 1  # gated_norm's launch
         module, name, constexprs = "qdflash.kernels.gated_norm", "_gated_rms_norm_kernel", dict(H=32, D=int(arg), ROUND_PRODUCT=True)
         signature = {"o_ptr": "*fp32", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_zt": "i32", "eps": "fp32"}
@@ -1506,3 +1512,67 @@ def test_gated_rms_norm_is_the_models_gated_norm(dtype):
     with pytest.raises(QdflashError, match=r"z \[5, 128\]"):
         gated_rms_norm(o, z[:, :-1], norm.weight, norm.variance_epsilon)
     assert not supported(Qwen3_5RMSNormGated(24))  # D not a power of two: the module runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_is_the_models_norms_rotation_and_cache_writes(dtype):
+    """kernels.qk_norm_rope: one launch gives the q that transformers' q_norm and rotation give (the engine's module
+    lines), and writes k (k_norm, rotated) and v into the caches at the tokens' positions, nothing else; qkv rows
+    strided (a wider buffer's). fp32: to the reduction order's rounding. bf16: most values bit for bit (a rounding
+    left out or added would move many), none off by more than one ulp; on the CPU against the same lines rounding
+    toward zero, as Triton's interpreter casts to bf16. A layer the kernel cannot compute is refused by name."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from qdflash.kernels.qk_norm_rope import qk_norm_rope, supported
+    from qdflash.ops import apply_rope, rope_tables
+
+    g = torch.Generator().manual_seed(0)
+    t, heads, kv_heads, d, rot, max_len = 3, 4, 2, 32, 8, 24
+    q_norm, k_norm = Qwen3_5RMSNorm(d, eps=1e-6), Qwen3_5RMSNorm(d, eps=1e-6)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = (0.3 * torch.randn(d, generator=g)).to(dtype)
+        norm.to(DEVICE)
+    assert supported(d, rot, q_norm, k_norm) and not supported(24, rot, q_norm, k_norm) and not supported(d, 7, q_norm, k_norm)
+    width = heads * 2 * d + 2 * kv_heads * d
+    buffer = (3 * torch.randn(t, width + 16, generator=g)).to(DEVICE, dtype)
+    qkv = buffer[:, 16:]  # strided rows
+    positions = torch.tensor([5, 6, 17], device=DEVICE)
+    cos, sin = rope_tables(rot, max_len, 10000.0, DEVICE, dtype)
+    k_cache = torch.zeros(kv_heads, max_len, d, device=DEVICE, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    q = qk_norm_rope(qkv, positions, cos, sin, q_norm, k_norm, k_cache, v_cache, heads)
+
+    def cast(x):  # to the dtype as this device's kernel casts: to nearest on a GPU, toward zero in the interpreter
+        if DEVICE == "cuda" or dtype == torch.float32:
+            return x.to(dtype)
+        return (x.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+
+    def lines(x, norm):  # [T, H, D]: the module's norm, then the rotation's bf16 ops, each rounded
+        x = x.float()
+        normed = cast(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight.float()))
+        if DEVICE == "cuda" or dtype == torch.float32:  # the engine's own lines
+            return torch.cat([apply_rope(normed[..., :rot].transpose(0, 1), cos[positions], sin[positions]).transpose(0, 1),
+                              normed[..., rot:]], dim=-1)
+        c, s = cos[positions][:, None].float(), sin[positions][:, None].float()
+        part = normed[..., :rot].float()
+        turned = torch.cat([-part[..., rot // 2:], part[..., : rot // 2]], dim=-1)
+        return torch.cat([cast(cast(part * c).float() + cast(turned * s).float()), normed[..., rot:]], dim=-1)
+
+    want_q = lines(qkv[:, : heads * 2 * d].reshape(t, heads, 2 * d)[..., :d], q_norm)
+    want_k = lines(qkv[:, heads * 2 * d: heads * 2 * d + kv_heads * d].reshape(t, kv_heads, d), k_norm)
+    v = qkv[:, heads * 2 * d + kv_heads * d:].reshape(t, kv_heads, d)
+    got_k, got_v = k_cache[:, positions].transpose(0, 1), v_cache[:, positions].transpose(0, 1)
+    assert torch.equal(got_v, v)  # v copied as it is
+    others = torch.ones(max_len, dtype=torch.bool)
+    others[positions.cpu()] = False
+    assert not k_cache[:, others.to(DEVICE)].any() and not v_cache[:, others.to(DEVICE)].any()  # nothing else written
+    for want, have in ((want_q, q), (want_k, got_k)):
+        assert have.dtype == dtype and have.shape == want.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+        else:
+            assert (have == want).float().mean().item() > 0.97
+            ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp(min=1e-3)
+            assert ((have.float() - want.float()).abs() <= ulp * 1.01).all()
+    with pytest.raises(QdflashError, match=r"qkv \[T, 384\]"):
+        qk_norm_rope(qkv[:, :-1], positions, cos, sin, q_norm, k_norm, k_cache, v_cache, heads)

@@ -116,7 +116,7 @@ def step_bytes(engine, context: int) -> dict[str, int]:
 INDUCTOR = "fused elementwise (inductor)"
 KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins; inductor's kernels are matched first
     ("w4a16 (ours)", ("w4a16",)), ("w4 mma (ours)", ("_w4_mma_",)), ("gemv (ours)", ("_gemv_kernel", "_gemv_rows_kernel")), ("gated delta (ours)", ("gated_delta",)),
-    ("gated norm (ours)", ("_gated_rms_norm_kernel",)),
+    ("gated norm (ours)", ("_gated_rms_norm_kernel",)), ("qk norm rope (ours)", ("_qk_norm_rope_kernel",)),
     ("int4 matmul (tinygemm, Marlin, Machete)", ("tinygemm", "marlin", "machete")),  # before cuBLAS: "tinygemm" holds "gemm"
     ("cuBLAS matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
     ("attention", ("flash", "attention", "fmha", "sdpa")), ("memcpy / memset", ("memcpy", "memset")),

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import QdflashError
-from ..kernels import gated_norm
+from ..kernels import gated_norm, qk_norm_rope
 from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_step
 from .linear import Projection, StreamNorm, residual_norm, swiglu
 from ..ops import apply_rope, tap_features
-from .base import EngineBase, cached_attention
+from .base import KERNEL_TOKENS, EngineBase, cached_attention
 
 
 GDN_BA = ("dot", "given", "fused")  # LeanQwen35's gdn_ba: how a step's GDN gates get their b / a projection
@@ -81,6 +81,10 @@ class LeanQwen35(EngineBase):
         # with the kernels: each GDN layer's gated RMSNorm of a decode step / verify block in one launch
         # (kernels.gated_norm; compiled, inductor makes it two); False runs the model's module. Set before capture
         self.gated_norm_kernel = True
+        # with the kernels and the attention kernel: each attention layer's q / k norms, rotation and KV cache writes of
+        # a decode step / verify block in one launch (kernels.qk_norm_rope; compiled, inductor makes them eight). Set
+        # before capture
+        self.qk_norm_rope_kernel = True
         dtype, device = self.dtype, self.device
         rope = c.rope_parameters
         # partial rotary: the first `rot` dims of a head rotate (text positions: mrope reduces to plain rope)
@@ -156,15 +160,33 @@ class LeanQwen35(EngineBase):
     def _rope(self, x, cos, sin):
         return torch.cat([apply_rope(x[..., : self.rot], cos, sin), x[..., self.rot :]], dim=-1)
 
-    def _attention(self, i, w, x, cos, sin, attend):
+    def _attention(self, i, w, x, cos, sin, attend, positions=None):
+        """The o projection's input of attention layer `i`. `positions` (the batch-1 step's, with the attention kernel):
+        where `_qk_kernel` says so, q / k norms, rotation and cache writes in one launch and the attention kernel
+        after it, instead of the module lines below and `attend`."""
         *lead, t, _ = x.shape
         q_size, kv_size = self.heads * 2 * self.head_dim, self.kv_heads * self.head_dim
+        if positions is not None and self._qk_kernel(w, t):
+            from ..kernels.decode_attention import one_sequence_attention
+
+            qkv = w["qkv"](x)
+            q = qk_norm_rope.qk_norm_rope(qkv, positions, self.cos, self.sin, w["q_norm"], w["k_norm"], self.k_cache[i],
+                                          self.v_cache[i], self.heads)
+            out = one_sequence_attention(q, self.k_cache[i], self.v_cache[i], positions + 1).reshape(t, -1)
+            gate = qkv[:, :q_size].view(t, self.heads, 2 * self.head_dim)[..., self.head_dim:]
+            return out * torch.sigmoid(gate.reshape(t, -1))
         q, k, v = w["qkv"](x).split([q_size, kv_size, kv_size], dim=-1)
         q, gate = q.view(*lead, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self._rope(w["q_norm"](q).transpose(-3, -2), cos, sin)
         k = self._rope(w["k_norm"](k.view(*lead, t, self.kv_heads, self.head_dim)).transpose(-3, -2), cos, sin)
         v = v.view(*lead, t, self.kv_heads, self.head_dim).transpose(-3, -2)
         return attend(i, q, k, v) * torch.sigmoid(gate.reshape(*lead, t, -1))  # the o projection's input
+
+    def _qk_kernel(self, w, t: int) -> bool:
+        """Whether a batch-1 step of `t` tokens runs an attention layer's inputs through kernels.qk_norm_rope: the
+        kernels and the attention kernel on (which reads the cache the launch writes), a decode step or verify block."""
+        return (self.kernels and self.qk_norm_rope_kernel and self.attention == "kernel" and t <= KERNEL_TOKENS
+                and qk_norm_rope.supported(self.head_dim, self.rot, w["q_norm"], w["k_norm"]))
 
     def _delta_net(self, i, w, x, positions):
         """A Gated DeltaNet layer of the batch-1 path up to its out projection's input (the decoder adds the projection
@@ -259,12 +281,14 @@ class LeanQwen35(EngineBase):
         def mix(i, w, x):
             return self._delta_net(i, w, x, positions)
 
-        h, features = self.decoder(ids, positions, attend, layer_ids, mix)
+        h, features = self.decoder(ids, positions, attend, layer_ids, mix, one_sequence=True)
         return self.head(h), features
 
-    def decoder(self, ids, positions, attend, layer_ids=None, mix=None):
+    def decoder(self, ids, positions, attend, layer_ids=None, mix=None, one_sequence=False):
         """LeanLlama.decoder's contract, plus `mix(layer, weights, x)`: the Gated DeltaNet layers up to their out
-        projection's input (the batch-1 path's per-position states, or the batched rows' states)."""
+        projection's input (the batch-1 path's per-position states, or the batched rows' states). `one_sequence`: the
+        batch-1 step's (positions [T]; `attend` the cached attention over this engine's caches), whose attention
+        layers may then run `_attention`'s kernel path."""
         dtype = self.dtype
         cos, sin = self.cos[positions].unsqueeze(-3), self.sin[positions].unsqueeze(-3)  # broadcast over heads
         h = F.embedding(ids, self.embed).to(self.residual_dtype)  # fp32 residual stream: EngineBase says why
@@ -274,7 +298,7 @@ class LeanQwen35(EngineBase):
             if self.types[i] == "linear_attention":
                 mixed, out = mix(i, w, x), w["out"]
             else:
-                mixed, out = self._attention(i, w, x, cos, sin, attend), w["o"]
+                mixed, out = self._attention(i, w, x, cos, sin, attend, positions if one_sequence else None), w["o"]
             # each residual add and the norm after it (the next layer's input norm after the MLP)
             h, x = residual_norm(out, mixed, h, w["norm2"])
             after = self.layers[i + 1]["norm1"] if i + 1 < len(self.layers) else None
