@@ -383,6 +383,32 @@ def test_main_run_targets_take_the_engines_gdn_block_kernel_unless_told():
     assert not bench_components.target_engine(target, args, 32).gdn_two_phase
 
 
+def test_attention_steps_bench_sets_the_two_engines_side_by_side(monkeypatch):
+    """bench_layer_tails.py --attention-steps on the CPU (a tiny shape, fp32, the interpreter, no compile or graphs):
+    the engine with kernels.qk_norm_rope and the one without give the same logits for a decode step and a verify
+    block, the first through the launch and the second not, and each arm's rounds are timed."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_layer_tails
+
+    import qdflash.engine.qwen3_5 as qwen3_5
+    import qdflash.kernels.decode_attention as attention_module
+
+    monkeypatch.setattr(attention_module, "MAX_SPLITS", 2)  # the interpreter's time (test_engine says why)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setenv("TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE", "1")  # compiled_step sets it: undone after
+    launches, fused = [], qwen3_5.qk_norm_rope.qk_norm_rope
+    monkeypatch.setattr(qwen3_5.qk_norm_rope, "qk_norm_rope", lambda qkv, *a: launches.append(qkv.shape[0]) or fused(qkv, *a))
+    args = argparse.Namespace(shape="tiny", device="cpu", dtype=torch.float32, layers=2, context=20, rounds=2, reps=1)
+    r = bench_layer_tails.attention_steps(args)
+    assert r["t1.logits_max_abs"] < 1e-4 and r["t16.logits_max_abs"] < 1e-4
+    assert all(r[f"{arm}.t{t}_us"] > 0 for arm in ("kernel", "inductor") for t in (1, 16))
+    assert set(r["t16.saved_us_per_layer"]) == {"median", "min", "max"}
+    # the kernel arm's steps only (its 20-token prefill runs SDPA): each attention layer, once for the logits and in
+    # each round 3 warm-up calls and a timed one (device_timer's); the other arm never
+    assert sorted(set(launches)) == [1, 16] and launches.count(1) == launches.count(16) == 2 * (1 + 2 * (3 + 1))
+
+
 def test_layer_tails_bench_checks_both_launches_on_a_tiny_shape(monkeypatch):
     """bench_layer_tails.py on the CPU (Triton's interpreter, fp32, its graphs and compile replaced by plain calls: the
     script times on CUDA only): the gated norm kernel gives the module's output for a decode step and a verify block."""

@@ -1,7 +1,9 @@
 """A Gated DeltaNet layer's gated RMSNorm through its kernel (`kernels.gated_norm`) against the model's module
-compiled by inductor with the engine's options (`engine.base.compiled_step`), alone, at Qwen3.5-4B's shape.
+compiled by inductor with the engine's options (`engine.base.compiled_step`), alone, at Qwen3.5-4B's shape; with
+`--attention-steps`, compiled steps of attention layers with and without `kernels.qk_norm_rope`.
 
     python scripts/bench/bench_layer_tails.py --out tails.json
+    python scripts/bench/bench_layer_tails.py --attention-steps --out attention.json
 
 Why: a compiled decode step is ~400 launches, most a few microseconds of latency at one row, and inductor made this
 norm two of them a GDN layer; what matters is whether the one launch does the work in less time than the two did.
@@ -9,6 +11,12 @@ Timed for a decode step (T = 1) and a verify block (T = 16) inside a CUDA graph 
 come from HBM (`copies_past_l2`), launches and the time between them included; outputs set against inductor's
 (`max_abs`, `equal_fraction`: inductor keeps some of the module's bf16 roundings in fp32, the kernel makes them all).
 (A decode attention that merged its chunks in its own launch was timed here too, at `12579ff`: it lost, and is gone.)
+
+`--attention-steps`: a model of `--layers` full-attention layers at Qwen3.5-4B's shape (a small vocabulary: the head
+is not what is timed), two engines (`LeanQwen35.qk_norm_rope_kernel` on and off: an attention layer's q / k norms,
+rotation and cache writes in one launch, or inductor's kernels), each decode step and verify block compiled and
+captured as the engine does at position `--context`, timed in turn for `--rounds` rounds (each a median of `--reps`
+replays): what the launch saves in a whole compiled step, and that it compiles there. Logits set against each other.
 """
 
 from __future__ import annotations
@@ -52,14 +60,73 @@ def gated_norm_rows(t: int, device, reps: int, dtype=torch.bfloat16) -> dict:
     return out
 
 
+def attention_steps(args) -> dict:
+    """`--attention-steps` (module docstring): per step, the engine with the kernel against without it."""
+    import statistics
+
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from bench_components import SHAPES  # the Qwen3.5-4B text config, one definition
+    from qdflash.bench import device_timer
+    from qdflash.engine import build_engine
+
+    device = args.device
+    shape = {**SHAPES[args.shape], "num_hidden_layers": args.layers, "vocab_size": 1024,
+             "layer_types": ["full_attention"] * args.layers}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**shape), dtype=args.dtype).eval()
+    target = type("Target", (), {"model": model, "config": model.config})()
+    prompt = torch.randint(0, 1024, (args.context,), device=device)
+    engines, steps = {}, {}
+    for arm, on in (("kernel", True), ("inductor", False)):
+        engine = build_engine(target, max_len=args.context + 32, kernels=True, attention="kernel")
+        engine.qk_norm_rope_kernel = on
+        with torch.no_grad():
+            engine.forward(prompt, 0)  # the caches hold `context` positions
+        engine.capture([1, 16], None, cuda_graphs=device == "cuda", compile=True, lengths=[engine.max_len])
+        engines[arm] = engine
+        for t in (1, 16):
+            graph, tokens = engine.graph_for(t, None, args.context + t), torch.zeros(t, dtype=torch.long, device=device)
+            steps[f"{arm}.t{t}"] = (lambda graph=graph, tokens=tokens: graph(tokens, args.context))
+    out = {"layers": args.layers, "context": args.context, "rounds": args.rounds}
+    for t in (1, 16):
+        a, b = steps[f"kernel.t{t}"]()[0].float().clone(), steps[f"inductor.t{t}"]()[0].float()
+        out[f"t{t}.logits_max_abs"] = float((a - b).abs().max())
+    run, times = device_timer(device), {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, fn in steps.items():
+            times[name].append(run(fn, args.reps))
+    for name, values in times.items():
+        out[f"{name}_us"] = round(statistics.median(values) * 1e3, 2)
+    for t in (1, 16):
+        saved = [(b - a) * 1e3 / args.layers for a, b in zip(times[f"kernel.t{t}"], times[f"inductor.t{t}"])]
+        out[f"t{t}.saved_us_per_layer"] = {"median": round(statistics.median(saved), 2), "min": round(min(saved), 2),
+                                           "max": round(max(saved), 2)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=20, help="graph replays a time is the median of")
+    parser.add_argument("--attention-steps", action="store_true",
+                        help="compiled steps of attention layers with and without kernels.qk_norm_rope instead")
+    parser.add_argument("--layers", type=int, default=8, help="--attention-steps: attention layers (Qwen3.5-4B has 8)")
+    parser.add_argument("--context", type=int, default=1024, help="--attention-steps: the position steps run at")
+    parser.add_argument("--rounds", type=int, default=7, help="--attention-steps: rounds of the arms timed in turn")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    args.shape, args.device, args.dtype = "qwen3.5-4b", "cuda", torch.bfloat16  # (the CPU test runs tiny ones)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (it times launches in CUDA graphs)")
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version()}
+    if args.attention_steps:
+        result["attention_steps"] = attention_steps(args)
+        print(json.dumps(result, indent=1), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     for t in (1, 16):
         result[f"gated_norm.t{t}"] = gated_norm_rows(t, "cuda", args.reps)
         print(json.dumps({k: v for k, v in result.items() if k.endswith(f"t{t}")}), flush=True)
