@@ -39,7 +39,7 @@ def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench-scripts")
     started = {"components": Started(folder, "components", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
                                      "--w4-head", "--compile", "aot_eager", "--unfused-gdn", "--profile", "--gdn-two-phase",
-                                     "--inductor-default", "--hf-generate", "--hf-tokens", "8", "--hf-reps", "1"),
+                                     "--inductor-default", "--pdl", "--hf-generate", "--hf-tokens", "8", "--hf-reps", "1"),
                # --study: on the CPU (no kernels) the arms run one code path; what is tested is the study's plumbing:
                # each arm tuned, checked, measured and set against the first (not compiled here: the components run
                # above covers --compile, and a compile per arm would double this test's time)
@@ -98,6 +98,11 @@ def test_component_bench_runs_on_the_cpu(runs):
     for key in ("w4_head_decode_speedup_over_16bit", "target16.verify_over_decode", "target_w4_head.verify_over_decode",
                 "target16.decode_of_bound", "target16.decode_ms", "target_w4_head.verify_ms"):
         assert 0 < r[f"side_by_side.{key}"]["min"] <= r[f"side_by_side.{key}"]["median"] <= r[f"side_by_side.{key}"]["max"]
+    # --pdl: each target again with its steps captured under programmatic dependent launch, in side_by_side too
+    for label in ("target16", "target_w4_head"):
+        assert r[f"{label}_pdl.decode_compiled_ms"] > 0 and f"vs_pdl.{label}.decode_compiled_speedup" in r
+        assert r[f"side_by_side.{label}_pdl.decode_speedup"]["median"] > 0 and f"side_by_side.{label}_pdl.verify_ms" in r
+    assert r["side_by_side.w4_head_pdl_decode_speedup_over_16bit_pdl"]["median"] > 0
     # --inductor-default: each target again compiled with inductor's own options, set against the engine's
     for label in ("target16", "target_w4_head"):
         assert r[f"{label}_inductor_default.decode_compiled_ms"] > 0, r.get(f"{label}_inductor_default.compile_error")
@@ -112,9 +117,9 @@ def test_component_bench_runs_on_the_cpu(runs):
     # target runs its dequantized weights, so it reads as much as the 16-bit one: the H200 run packs them)
     assert r["reference.GBps"] == 600.0
     # each part's wall time (what a device window must fit), in the order run
-    assert list(r["wall_s"])[:5] == ["gdn_fused_check", "target16_cublas", "target16", "target16_inductor_default",
-                                     "hf_static"], r["wall_s"]
-    assert "target_w4_head" in r["wall_s"] and "target_w4_head_inductor_default" in r["wall_s"]
+    assert list(r["wall_s"])[:6] == ["gdn_fused_check", "target16_cublas", "target16", "target16_inductor_default",
+                                     "target16_pdl", "hf_static"], r["wall_s"]
+    assert {"target_w4_head", "target_w4_head_inductor_default", "target16_pdl", "target_w4_head_pdl"} <= set(r["wall_s"])
     assert all(v >= 0 for v in r["wall_s"].values())
     for label in ("target16", "target_w4"):
         assert r[f"reference.{label}.bound_ms"] == pytest.approx(r[f"{label}.bytes"]["total"] / 600e9 * 1e3, abs=6e-5)  # rounded to 4 places

@@ -676,6 +676,7 @@ asm_layouts = [{key: [int(v) for v in re.findall(r"\\d+", val)] for key, val in 
 print(json.dumps({**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)},
                   "BF16X2_FMAS": sum("fma.rn.bf16x2" in line for line in ptx), "ATOMS": len(atoms), "PUBLISHED_ATOMS": published,
                   "MMAS": sum("mma.sync" in line for line in ptx), "ASM_LAYOUTS": asm_layouts,
+                  "GDC": [line.split()[0].rstrip(";") for line in ptx if "griddepcontrol" in line],  # in program order
                   "CONVERTS_IN_LOOPS": sum("ttg.convert_layout" in line for line in ttgir.split("scf.for")[1:] for line in
                                            line.split("scf.yield")[0].splitlines())}))
 """
@@ -804,10 +805,11 @@ def test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes(tile):
                  "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "W_PER_SPLIT": "i32", "y_ptr": "*bf16",
                  "counts_ptr": "*i32"}
     used = sm90_resources("qdflash.kernels.w4_mma", "_w4_mma_kernel", signature,
-                          dict(GROUP_WORDS=8, BLOCK_P=block_p, BLOCK_W=block_w, SPLITS=splits, PREFETCH=prefetch), 4,
+                          dict(GROUP_WORDS=8, BLOCK_P=block_p, BLOCK_W=block_w, SPLITS=splits, PREFETCH=prefetch, PDL=False), 4,
                           aligned_args(signature) + ["W_PER_SPLIT"])
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["MMAS"] > 0, used
     assert used["CONVERTS_IN_LOOPS"] == 0 or block_w > 64, used
+    assert used["GDC"] == [], used  # no programmatic dependent launch unless asked (PDL)
     # MMA_WORD (and with prefetch LOAD_B32, for the first two tiles and in the loop for the one two ahead), DIAGONAL:
     # one layout
     assert len(used["ASM_LAYOUTS"]) == 2 + 3 * prefetch and all(a == used["ASM_LAYOUTS"][0] for a in used["ASM_LAYOUTS"]), used
@@ -815,6 +817,55 @@ def test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes(tile):
     per_thread, lanes, warps = layout["sizePerThread"], layout["threadsPerWarp"], layout["warpsPerCTA"]
     assert layout["order"] == [1, 0] and per_thread[0] == 1 and lanes[1] >= 4 and lanes[1] % 4 == 0, layout
     assert lanes[0] * warps[0] <= block_p and per_thread[1] * lanes[1] * warps[1] <= block_w, layout
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_w4_mma_kernels_under_pdl_wait_then_let_the_next_launch(rows):
+    """PDL=True (kernels.pdl): both int4 mma kernels compile for sm_90 with one griddepcontrol.wait and one
+    griddepcontrol.launch_dependents after it (jit.pdl_start: the next launch may start once this one's predecessor is
+    done, never before), still without a spill."""
+    common = {"x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*i32", "out_ptr": "*bf16"}
+    if rows == 1:
+        name, constexprs = "_w4_mma_kernel", dict(GROUP_WORDS=8, BLOCK_P=16, BLOCK_W=64, SPLITS=1, PREFETCH=False, PDL=True)
+        signature = {**common, "N2": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "W_PER_SPLIT": "i32",
+                     "y_ptr": "*bf16", "counts_ptr": "*i32"}
+    else:
+        name, constexprs = "_w4_mma_rows_kernel", dict(GROUP_WORDS=8, BLOCK_P=32, HIGH=True, SPLITS=1, PREFETCH=False, PDL=True)
+        signature = {**common, "M": "i32", "N2": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
+                     "stride_os": "i32", "W_PER_SPLIT": "i32", "y_ptr": "*bf16", "counts_ptr": "*i32"}
+    used = sm90_resources("qdflash.kernels.w4_mma", name, signature, constexprs, 4, aligned_args(signature) + ["W_PER_SPLIT"])
+    assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["MMAS"] > 0, used
+    assert used["GDC"] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"], used  # the wait first
+
+
+def test_w4_mma_launches_with_pdl_only_inside_kernels_pdl(monkeypatch):
+    """w4_mma's launch passes PDL / launch_pdl to its kernel inside `kernels.pdl()` only (read at the launch: what a
+    graph captures), and `pdl` restores the setting it found, also when its body raises."""
+    from qdflash import kernels
+    from qdflash.kernels import w4_mma
+
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs)
+
+    monkeypatch.setattr(w4_mma, "_w4_mma_kernel", Kernel(), raising=False)
+    monkeypatch.setattr(w4_mma, "_w4_mma_rows_kernel", Kernel(), raising=False)
+    monkeypatch.setattr(w4_mma, "triton", type("T", (), {"cdiv": staticmethod(lambda a, b: -(-a // b))}))
+    x, words = torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.int32)
+    scales, counts = torch.zeros(8, 8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    w4_mma._launch(x, words, scales, counts, 16, 32, 8, 64, 1, 4, False)
+    with kernels.pdl():
+        assert kernels.pdl_enabled()
+        w4_mma._launch(x, words, scales, counts, 16, 32, 8, 64, 1, 4, False)
+        w4_mma._launch(torch.zeros(16, 256, dtype=torch.bfloat16), words, scales, counts, 16, 32, 8, 16, 1, 4, False)
+    assert not kernels.pdl_enabled()
+    assert "PDL" not in launched[0] and "launch_pdl" not in launched[0]
+    assert all(k["PDL"] is True and k["launch_pdl"] is True for k in launched[1:]) and len(launched) == 3
+    with pytest.raises(RuntimeError), kernels.pdl():
+        raise RuntimeError
+    assert not kernels.pdl_enabled()
 
 
 @pytest.mark.parametrize("tile", [(32, 4, True, 1, False), (64, 8, False, 2, False), (64, 4, True, 4, False),
@@ -829,7 +880,7 @@ def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile)
                  "N2": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32",
                  "W_PER_SPLIT": "i32", "y_ptr": "*bf16", "counts_ptr": "*i32"}
     used = sm90_resources("qdflash.kernels.w4_mma", "_w4_mma_rows_kernel", signature,
-                          dict(GROUP_WORDS=8, BLOCK_P=block_p, HIGH=high, SPLITS=splits, PREFETCH=prefetch), warps,
+                          dict(GROUP_WORDS=8, BLOCK_P=block_p, HIGH=high, SPLITS=splits, PREFETCH=prefetch, PDL=False), warps,
                           aligned_args(signature) + ["W_PER_SPLIT"])
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["CONVERTS_IN_LOOPS"] == 0, used
     assert used["MMAS"] * 8 == used["BF16X2_FMAS"] * (2 if high else 1) > 0, used  # a word: 8 bf16x2 FMAs, 1 or 2 mmas

@@ -263,10 +263,22 @@ def compiled_steps(engine, args, layer_ids, label, result) -> dict:
     return {f"{label}.decode": lambda: decode(one, args.context), f"{label}.verify": lambda: verify(block, args.context)}
 
 
-# issue 23's ratios of compiled steps: (name, numerator step, denominator step)
-SIDE_BY_SIDE = (("w4_head_decode_speedup_over_16bit", "target16.decode", "target_w4_head.decode"),
-                ("target16.verify_over_decode", "target16.verify", "target16.decode"),
-                ("target_w4_head.verify_over_decode", "target_w4_head.verify", "target_w4_head.decode"))
+def side_by_side_ratios(names) -> list[tuple[str, str, str]]:
+    """(ratio, numerator step, denominator step) of `side_by_side` for the compiled steps `names` holds: issue 23's
+    (the W4-head decode step's speedup over the 16-bit one, each target's verify over decode), for the targets' own
+    graphs and, with --pdl, for their PDL arms' too; and each PDL arm's step against its target's (> 1: PDL faster)."""
+    out = []
+    for arm in ("", "_pdl"):
+        if {f"target16{arm}.decode", f"target_w4_head{arm}.decode"} <= set(names):
+            out.append((f"w4_head{arm}_decode_speedup_over_16bit{arm}", f"target16{arm}.decode", f"target_w4_head{arm}.decode"))
+        for label in ("target16", "target_w4_head"):
+            if {f"{label}{arm}.decode", f"{label}{arm}.verify"} <= set(names):
+                out.append((f"{label}{arm}.verify_over_decode", f"{label}{arm}.verify", f"{label}{arm}.decode"))
+    for label in ("target16", "target_w4_head"):
+        for step in ("decode", "verify"):
+            if {f"{label}.{step}", f"{label}_pdl.{step}"} <= set(names):
+                out.append((f"{label}_pdl.{step}_speedup", f"{label}.{step}", f"{label}_pdl.{step}"))
+    return out
 
 
 def side_by_side(steps: dict, result: dict, args, run) -> dict:
@@ -289,12 +301,29 @@ def side_by_side(steps: dict, result: dict, args, run) -> dict:
 
     out = {"side_by_side.rounds": args.side_by_side_rounds,
            **{f"side_by_side.{name}_ms": spread(values) for name, values in times.items()}}
-    for name, top, bottom in SIDE_BY_SIDE:
-        if top in times and bottom in times:
-            out[f"side_by_side.{name}"] = spread([a / b for a, b in zip(times[top], times[bottom])])
+    for name, top, bottom in side_by_side_ratios(times):
+        out[f"side_by_side.{name}"] = spread([a / b for a, b in zip(times[top], times[bottom])])
     bound = result["target16.bound_ms"]
     out["side_by_side.target16.decode_of_bound"] = spread([bound / ms for ms in times["target16.decode"]])
     return out
+
+
+def pdl_arm(engine, args, device, layer_ids, bandwidth, label, result, steps) -> None:
+    """`--pdl`: `engine` measured again (after `label`, its own run) with its steps captured under programmatic
+    dependent launch (EngineBase.pdl), into `result`, its compiled steps into `steps` for `side_by_side`."""
+    if not (args.pdl and args.compile):
+        return
+    arm = f"{label}_pdl"
+    engine.pdl, engine.graphs = True, {}
+    torch._dynamo.reset()
+    try:
+        result.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
+        steps.update(compiled_steps(engine, args, layer_ids, arm, result))
+    finally:
+        engine.pdl, engine.graphs = False, {}
+        torch._dynamo.reset()
+    result.update(step_speedups(result, arm, label, f"vs_pdl.{label}"))
+    report(result, arm, args.out)
 
 
 def inductor_default_arm(engine, args, device, layer_ids, bandwidth, label, result) -> None:
@@ -693,6 +722,10 @@ def main() -> None:
                         help="the 16-bit and W4 drafter steps alone, each with the masked SDPA and with --attention's kernel "
                              "path (drafter*_sdpa, drafter*_kernel), same process: what the drafter's attention costs, in a "
                              "few minutes of device time; no target steps")
+    parser.add_argument("--pdl", action="store_true",
+                        help="--compile: each target again with its steps captured under programmatic dependent launch "
+                             "(EngineBase.pdl: the int4 mma kernels and inductor's own), after its own run, same tuning, "
+                             "same process (<target>_pdl, vs_pdl.*; in side_by_side beside the targets' own steps)")
     parser.add_argument("--targets-only", action="store_true",
                         help="no drafter steps and no cuBLAS-only arm: the targets' decode steps and verify blocks (and "
                              "with --compile their `side_by_side` ratios), in about half the device time")
@@ -750,6 +783,7 @@ def main() -> None:
     report(result, "target16", args.out)
     steps = compiled_steps(engine16, args, layer_ids, "target16", result)  # kept for `side_by_side`
     inductor_default_arm(engine16, args, device, layer_ids, bandwidth, "target16", result)
+    pdl_arm(engine16, args, device, layer_ids, bandwidth, "target16", result, steps)
     if args.hf_generate:  # transformers' static compiled generate on the same 16-bit model, this process
         try:
             result.update(hf_static_generate(target.model, args, device))
@@ -795,6 +829,7 @@ def main() -> None:
         result.update(measure_target(engine4h, args, device, layer_ids, bandwidth, "target_w4_head"))
         report(result, "target_w4_head", args.out)
         steps |= compiled_steps(engine4h, args, layer_ids, "target_w4_head", result)
+        pdl_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result, steps)
         result.update(side_by_side(steps, result, args, timer(device)))
         report(result, "side_by_side", args.out)
         inductor_default_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result)

@@ -170,6 +170,9 @@ class EngineBase:
         self.graphs = {}  # (tokens per step, layer ids, cache length read, a tree's step) -> CapturedStep
         self.attention = "sdpa"  # set_attention
         self.inductor_options = dict(INDUCTOR_OPTIONS)  # what capture(compile=True) gives inductor
+        # capture's steps with programmatic dependent launch (kernels.pdl: the int4 mma kernels' launches, and with
+        # compile inductor's own kernels, `triton.enable_pdl`): off until timed in a whole step. Set before capture
+        self.pdl = False
 
     def set_attention(self, attention: str) -> None:
         """How decode steps and verify blocks attend over the cache: "sdpa" (torch's attention over
@@ -291,13 +294,17 @@ class EngineBase:
         lengths = sorted(lengths or ([self.max_len] if self.attention == "kernel" else cache_buckets(self.max_len)))
         step = self._step
         if compile:
-            step = compiled_step(self._step, compile, self.inductor_options)
+            options = self.inductor_options | ({"triton.enable_pdl": True} if self.pdl else {})
+            step = compiled_step(self._step, compile, options)
             allow_compiles(len(token_counts) * len(lengths))
-        for t in token_counts:
-            for n in lengths:
-                self.graphs[(t, _key(layer_ids), n, tree)] = (
-                    CapturedStep(self, t, layer_ids, n, step=step, tree=tree) if cuda_graphs
-                    else StaticStep(self, t, layer_ids, n, step=step, tree=tree))
+        from ..kernels import pdl
+
+        with pdl(self.pdl):  # the graphs record their launches as they are made now
+            for t in token_counts:
+                for n in lengths:
+                    self.graphs[(t, _key(layer_ids), n, tree)] = (
+                        CapturedStep(self, t, layer_ids, n, step=step, tree=tree) if cuda_graphs
+                        else StaticStep(self, t, layer_ids, n, step=step, tree=tree))
 
 
 # inductor's options for a compiled step (compile=True). Why multi_kernel: inductor makes a reduction over more than

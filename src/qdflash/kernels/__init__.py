@@ -10,6 +10,7 @@ against the plain-torch reference on a machine without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -43,6 +44,29 @@ def kernels_usable(device: torch.device | str, kernels: bool | str = "auto") -> 
     if kernels and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise QdflashError("kernels=True on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
     return bool(kernels)
+
+
+_PDL = [False]  # `pdl`'s switch: read by a launch as it happens (a captured graph keeps the launch it recorded)
+
+
+@contextlib.contextmanager
+def pdl(enabled: bool = True):
+    """Within it, the kernels that support it launch with programmatic dependent launch (PDL: `launch_pdl`, their
+    programs' `jit.pdl_start`): on a Hopper GPU a launch may then be scheduled while the kernel before it in the stream
+    still runs, and waits in its programs for that kernel's results, instead of the whole launch waiting in the stream.
+    Why: a batch-1 step is ~300 launches of a few microseconds each, and the time between them is ~10-20% of a
+    compiled W4 step. `EngineBase.pdl` sets it around a capture."""
+    before = _PDL[0]
+    _PDL[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _PDL[0] = before
+
+
+def pdl_enabled() -> bool:
+    """Whether a launch now is to use PDL (`pdl`)."""
+    return _PDL[0]
 
 
 def graph_ms(fn, replays: int = 10) -> float:

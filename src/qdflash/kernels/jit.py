@@ -47,6 +47,17 @@ if triton is not None:
             tl.store(counts_ptr + block, 0)
 
     @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """A kernel's first lines under programmatic dependent launch (`kernels.pdl`; PDL a launch's constexpr, with
+        `launch_pdl`): wait until the kernel before it in the stream has finished and its writes are visible (before
+        this program reads anything another kernel may have written), then let the next kernel launch, which waits
+        likewise in its own programs. So a launch depends on its predecessor's completion as without PDL; what goes is
+        the time the launch itself took once its predecessor ended. Nothing without PDL."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def silu_rounded(x, dt: tl.constexpr):
         """silu of x as a 16-bit model's unfused ops give it: x rounded to the model's dtype `dt` (the op before's
         output), silu in fp32 (torch's: x / (1 + e^-x)), rounded to `dt` again; returned in fp32."""

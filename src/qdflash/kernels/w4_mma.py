@@ -39,14 +39,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import QdflashError
-from . import MAX_ROWS, row_bucket  # 1 row: `_w4_mma_kernel`; 2-16 (a verify block): `_w4_mma_rows_kernel`
+from . import MAX_ROWS, pdl_enabled, row_bucket  # 1 row: `_w4_mma_kernel`; 2-16 (a verify block): `_w4_mma_rows_kernel`
 from .jit import NIBBLE_PAIRS
 
 try:
     import triton
     import triton.language as tl
 
-    from .jit import reduce_splits_last
+    from .jit import pdl_start, reduce_splits_last
 except ImportError:  # the CPU install
     triton = tl = None
 
@@ -148,7 +148,7 @@ if triton is not None:
     @triton.jit
     def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N2, stride_wn, stride_sn, stride_os, W_PER_SPLIT, y_ptr, counts_ptr,
                        GROUP_WORDS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr,
-                       PREFETCH: tl.constexpr = False):
+                       PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
         """x_ptr: the row's activations as int64 (4 bf16 each); w_ptr / s_ptr: `pack`'s words and scale pairs; out_ptr
         [SPLITS, 2 * N2]: for one split the output (x's dtype), else fp32 partial sums, reduced in this launch into y_ptr
         by the last program of a column block (`reduce_splits_last`, counted on counts_ptr). PREFETCH: every load of a
@@ -156,7 +156,9 @@ if triton is not None:
         are in flight while a step waits on one. Why two: ptxas places a loop's loads after its mmas, so loads issued
         one step ahead were still waited on at the top of the next step (`scripts/investigations/w4_sass.py`), as
         without prefetch. The last steps load the split's last tile again (nothing past the split is read). On an H100
-        it decided nothing (results/published/2026-12-06-h100-prefetch2-gdn); tuning times it beside the plain tiles."""
+        it decided nothing (results/published/2026-12-06-h100-prefetch2-gdn); tuning times it beside the plain tiles.
+        PDL: launched with programmatic dependent launch (`kernels.pdl`, `jit.pdl_start`)."""
+        pdl_start(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rp = pid_n * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -201,14 +203,16 @@ if triton is not None:
     @triton.jit
     def _w4_mma_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N2, stride_xm, stride_wn, stride_sn, stride_os, W_PER_SPLIT,
                             y_ptr, counts_ptr, GROUP_WORDS: tl.constexpr, BLOCK_P: tl.constexpr, HIGH: tl.constexpr,
-                            SPLITS: tl.constexpr, PREFETCH: tl.constexpr = False):
+                            SPLITS: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
         """2-16 rows of x (x_ptr: int64, 4 bf16 each, rows stride_xm apart), the same words as the one-row kernel, in
         tiles of 16 words: Triton lays a [pairs, 16] int32 tile out with 4 lanes along the words and 8 along the
         pairs, so at each register the warp's 8 quads hold 8 row pairs at the same columns. Quad g then feeds the
         mma's B column g with activation row g (HIGH: a second mma with row g + 8), and C[g][n] / C[g + 8][n] is row
         pair g times activation row n: every lane's accumulators are outputs (lane t of a quad: rows 2t, 2t + 1).
         out_ptr [SPLITS, M, 2 * N2] (the output for one split; else fp32 partial sums reduced in this launch).
-        PREFETCH: as the one-row kernel's (every load of a tile two steps ahead), the activations by LOAD_B64."""
+        PREFETCH: as the one-row kernel's (every load of a tile two steps ahead), the activations by LOAD_B64. PDL: as
+        the one-row kernel's."""
+        pdl_start(PDL)
         BLOCK_W: tl.constexpr = 16
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -438,6 +442,8 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: 
     out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32) if split_k > 1 else y  # the splits' partial sums
     grid = (triton.cdiv(n // 2, block_p), split_k)
     common = dict(GROUP_WORDS=group // 4, BLOCK_P=block_p, SPLITS=split_k, PREFETCH=prefetch, num_warps=num_warps)
+    if pdl_enabled():  # (a captured graph keeps the launch as it was)
+        common.update(PDL=True, launch_pdl=True)
     xs = x.view(torch.int64)
     if m == 1:
         _w4_mma_kernel[grid](xs, words, scales, out, n // 2, words.stride(0), scales.stride(0),
