@@ -367,12 +367,15 @@ def test_compiled_steps_give_inductor_the_engines_options(tiny_llama, monkeypatc
     engine.capture([1], None, cuda_graphs=False, compile=True)
     engine.capture([1], None, cuda_graphs=False, compile="aot_eager")
     engine.capture([1], None, cuda_graphs=False, compile="inductor")  # inductor named: its options too
-    engine.pdl = True  # programmatic dependent launch: inductor's kernels too
+    engine.pdl = True  # programmatic dependent launch: inductor's kernels too, beside the engine's options
     engine.capture([1], None, cuda_graphs=False, compile=True)
-    assert engine.inductor_options == {}  # (the engine's own options unchanged)
+    engine.inductor_options = dict(base.INDUCTOR_OPTIONS)
+    engine.capture([1], None, cuda_graphs=False, compile=True)
+    assert engine.inductor_options == base.INDUCTOR_OPTIONS  # (the engine's own options unchanged)
     assert seen == [dict(dynamic=False, options=base.INDUCTOR_OPTIONS), dict(dynamic=False, options={}),
                     dict(dynamic=False, backend="aot_eager"), dict(dynamic=False, options={}),
-                    dict(dynamic=False, options={"triton.enable_pdl": True})]
+                    dict(dynamic=False, options={"triton.enable_pdl": True}),
+                    dict(dynamic=False, options={**base.INDUCTOR_OPTIONS, "triton.enable_pdl": True})]
     assert base.INDUCTOR_OPTIONS["triton.multi_kernel"] == 1
     # multi_kernel's picks are not keyed on disk (a drafter compiled after a target failed to: base.compiled_step)
     assert os.environ["TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE"] == "1"

@@ -732,13 +732,17 @@ def gdn_block_case(tokens, chunked=False):
 def attention_case(tree, block=False):
     from qdflash.kernels.decode_attention import BLOCK_N, MAX_SPLITS
 
-    signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "len_ptr": "*i64", "start_ptr": "*i64", "tree_ptr": "*i64",
+    signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "len_ptr": "*i64", "tree_ptr": "*i64",
                  "out_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "stride_row": "i32", "stride_head": "i32",
                  "stride_pos": "i32", "B": "i32"}
+    # no start, and no tree but a tree's: None, as decode_attention passes them (a constexpr at the launch)
+    nones = dict(start_ptr=None) if tree else dict(start_ptr=None, tree_ptr=None)
+    if not tree:
+        del signature["tree_ptr"]
     # a verify block or a tree: its rows share programs, 2 rows of 7 heads each
     return "qdflash.kernels.decode_attention", "_decode_attention_kernel", signature, dict(
         KVH=2, REP=7, REP_PAD=16, TOKS=2 if tree or block else 1, D=64, BLOCK_N=BLOCK_N, IEEE=False, SPLITS=MAX_SPLITS,
-        HAS_START=False, TREE=tree if tree else 0)
+        HAS_START=False, TREE=tree if tree else 0, **nones)
 
 
 def rows_gemv_case(tiles):
@@ -911,7 +915,7 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
         num_warps = 1  # qk_norm_rope's launch, at Qwen3.5-4B's attention heads (16 over 4 KV heads, 64 of 256 dims rotate)
         module, name, constexprs = "qdflash.kernels.qk_norm_rope", "_qk_norm_rope_kernel", dict(HEADS=16, KVH=4, D=int(arg), ROT=64)
         signature = {**{f"{p}_ptr": "*bf16" for p in ("qkv", "pos", "cos", "sin", "qw", "kw", "q", "k", "v")},
-                     "pos_ptr": "*i64", "stride_t": "i32", "stride_cache": "i32", "eps": "fp32"}
+                     "pos_ptr": "*i64", "stride_t": "i32", "stride_cache": "i32", "q_eps": "fp32", "k_eps": "fp32"}
     elif kind == "gated norm":
         num_warps = 1  # gated_norm's launch
         module, name, constexprs = "qdflash.kernels.gated_norm", "_gated_rms_norm_kernel", dict(H=32, D=int(arg), ROUND_PRODUCT=True)
@@ -1579,7 +1583,7 @@ def test_qk_norm_rope_is_the_models_norms_rotation_and_cache_writes(dtype):
 
     g = torch.Generator().manual_seed(0)
     t, heads, kv_heads, d, rot, max_len = 3, 4, 2, 32, 8, 24
-    q_norm, k_norm = Qwen3_5RMSNorm(d, eps=1e-6), Qwen3_5RMSNorm(d, eps=1e-6)
+    q_norm, k_norm = Qwen3_5RMSNorm(d, eps=1e-6), Qwen3_5RMSNorm(d, eps=0.5)  # each its own eps (a large one: seen)
     for norm in (q_norm, k_norm):
         norm.weight.data = (0.3 * torch.randn(d, generator=g)).to(dtype)
         norm.to(DEVICE)
@@ -1627,3 +1631,5 @@ def test_qk_norm_rope_is_the_models_norms_rotation_and_cache_writes(dtype):
             assert ((have.float() - want.float()).abs() <= ulp * 1.01).all()
     with pytest.raises(QdflashError, match=r"qkv \[T, 384\]"):
         qk_norm_rope(qkv[:, :-1], positions, cos, sin, q_norm, k_norm, k_cache, v_cache, heads)
+    with pytest.raises(QdflashError, match="int64 positions"):
+        qk_norm_rope(qkv, positions.int(), cos, sin, q_norm, k_norm, k_cache, v_cache, heads)

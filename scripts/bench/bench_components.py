@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from typing import NamedTuple
 
@@ -296,8 +297,7 @@ def side_by_side(steps: dict, result: dict, args, run) -> dict:
             times[name].append(run(fn, args.reps))
 
     def spread(values):
-        ordered = sorted(values)
-        return {"median": round(ordered[len(ordered) // 2], 4), "min": round(ordered[0], 4), "max": round(ordered[-1], 4)}
+        return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
     out = {"side_by_side.rounds": args.side_by_side_rounds,
            **{f"side_by_side.{name}_ms": spread(values) for name, values in times.items()}}
@@ -308,39 +308,59 @@ def side_by_side(steps: dict, result: dict, args, run) -> dict:
     return out
 
 
-def pdl_arm(engine, args, device, layer_ids, bandwidth, label, result, steps) -> None:
-    """`--pdl`: `engine` measured again (after `label`, its own run) with its steps captured under programmatic
-    dependent launch (EngineBase.pdl), into `result`, its compiled steps into `steps` for `side_by_side`."""
-    if not (args.pdl and args.compile):
-        return
-    arm = f"{label}_pdl"
-    engine.pdl, engine.graphs = True, {}
+def engine_arm(engine, args, device, layer_ids, bandwidth, label, result, suffix: str, change: dict, steps=None) -> None:
+    """`engine` measured again after `label` (its own run) with its attributes `change` set (same tuning, same
+    process), into `result` as `<label>_<suffix>` with `vs_<suffix>.<label>.*_speedup`; its compiled steps into
+    `steps` (for `side_by_side`) where given. The attributes and an empty set of graphs are restored after."""
+    arm, saved = f"{label}_{suffix}", {name: getattr(engine, name) for name in change}
+    for name, value in change.items():
+        setattr(engine, name, value)
+    engine.graphs = {}
     torch._dynamo.reset()
     try:
         result.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
-        steps.update(compiled_steps(engine, args, layer_ids, arm, result))
+        if steps is not None:
+            arm_steps = compiled_steps(engine, args, layer_ids, arm, result)
+            result.update(logits_apart(engine, steps, arm_steps, label, arm))
+            steps.update(arm_steps)
     finally:
-        engine.pdl, engine.graphs = False, {}
+        for name, value in saved.items():
+            setattr(engine, name, value)
+        engine.graphs = {}
         torch._dynamo.reset()
-    result.update(step_speedups(result, arm, label, f"vs_pdl.{label}"))
+    result.update(step_speedups(result, arm, label, f"vs_{suffix}.{label}"))
     report(result, arm, args.out)
+
+
+def logits_apart(engine, steps: dict, arm_steps: dict, label: str, arm: str) -> dict:
+    """`<arm>.<step>_logits_vs_base_max_abs`: the arm's compiled decode step / verify block against `label`'s, each
+    from the same recurrent states (0: the same logits; e.g. PDL, which changes when a kernel starts, not what it
+    computes: anything else would be a race)."""
+    out = {}
+    for step in ("decode", "verify"):
+        base, other = steps.get(f"{label}.{step}"), arm_steps.get(f"{arm}.{step}")
+        if base is None or other is None:
+            continue
+        saved = snapshot(engine)
+        with torch.no_grad():
+            a = base()[0].float().clone()
+            restore(engine, saved)
+            b = other()[0].float()
+        restore(engine, saved)
+        out[f"{arm}.{step}_logits_vs_base_max_abs"] = float((a - b).abs().max())
+    return out
+
+
+def pdl_arm(engine, args, device, layer_ids, bandwidth, label, result, steps) -> None:
+    """`--pdl`: the steps captured under programmatic dependent launch (EngineBase.pdl), in `side_by_side` too."""
+    if args.pdl and args.compile:
+        engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "pdl", {"pdl": True}, steps)
 
 
 def inductor_default_arm(engine, args, device, layer_ids, bandwidth, label, result) -> None:
-    """`--inductor-default`: `engine` measured again (after `label`, its own run) compiled with inductor's own options
-    instead of the engine's, into `result`; the engine's options are restored after."""
-    if not (args.inductor_default and args.compile):
-        return
-    arm, options = f"{label}_inductor_default", engine.inductor_options
-    engine.inductor_options, engine.graphs = {}, {}
-    torch._dynamo.reset()
-    try:
-        result.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
-    finally:
-        engine.inductor_options, engine.graphs = options, {}
-        torch._dynamo.reset()
-    result.update(step_speedups(result, arm, label, f"vs_inductor_default.{label}"))
-    report(result, arm, args.out)
+    """`--inductor-default`: compiled with inductor's own options instead of the engine's."""
+    if args.inductor_default and args.compile:
+        engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "inductor_default", {"inductor_options": {}})
 
 
 def hf_static_generate(model, args, device: str) -> dict:
@@ -744,6 +764,12 @@ def main() -> None:
         if not args.study or not set(args.arms) <= known:
             parser.error(f"--arms: with --study, labels of {', '.join(sorted(known))} (as --study-targets and the arm "
                          f"flags give them), got {','.join(args.arms)}")
+    if args.side_by_side_rounds < 1:
+        parser.error(f"--side-by-side-rounds: at least 1, got {args.side_by_side_rounds}")
+    if args.pdl and not args.compile:
+        parser.error("--pdl: an arm of the compiled steps, so with --compile")
+    if args.targets_only and (args.gdn_only or args.study or args.drafter_only):
+        parser.error("--targets-only: the main run's targets; --gdn-only, --study and --drafter-only are runs of their own")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     result = {"config": vars(args) | {"device": device, "dtype": str(dtype)}, **environment()}

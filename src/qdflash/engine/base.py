@@ -297,9 +297,9 @@ class EngineBase:
             options = self.inductor_options | ({"triton.enable_pdl": True} if self.pdl else {})
             step = compiled_step(self._step, compile, options)
             allow_compiles(len(token_counts) * len(lengths))
-        from ..kernels import pdl
+        from ..kernels import pdl, pdl_supported
 
-        with pdl(self.pdl):  # the graphs record their launches as they are made now
+        with pdl(self.pdl and pdl_supported(self.device)):  # the graphs record their launches as they are made now
             for t in token_counts:
                 for n in lengths:
                     self.graphs[(t, _key(layer_ids), n, tree)] = (

@@ -69,6 +69,12 @@ def pdl_enabled() -> bool:
     return _PDL[0]
 
 
+def pdl_supported(device: torch.device | str) -> bool:
+    """Whether kernels on `device` can launch with PDL: a CUDA GPU of compute capability 9 or later (griddepcontrol)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def graph_ms(fn, replays: int = 10) -> float:
     """Median ms of one replay of `fn` captured as a CUDA graph (after a warm-up that compiles): how
     a kernel is timed for tuning, as it runs in a captured decode step (launch overhead excluded)."""

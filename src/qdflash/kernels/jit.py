@@ -50,9 +50,11 @@ if triton is not None:
     def pdl_start(PDL: tl.constexpr):
         """A kernel's first lines under programmatic dependent launch (`kernels.pdl`; PDL a launch's constexpr, with
         `launch_pdl`): wait until the kernel before it in the stream has finished and its writes are visible (before
-        this program reads anything another kernel may have written), then let the next kernel launch, which waits
-        likewise in its own programs. So a launch depends on its predecessor's completion as without PDL; what goes is
-        the time the launch itself took once its predecessor ended. Nothing without PDL."""
+        this program reads or writes anything), then let the next kernel launch. So this kernel depends on its
+        predecessor's completion as without PDL, and a successor that waits in its own programs (ours do, here) on
+        this one's; what goes is the time a launch took once its predecessor ended. Inductor's kernels under PDL
+        (`triton.enable_pdl`) wait only before what depends on the node before them: `bench_components --pdl` sets
+        the steps' logits against the same steps captured without PDL (a race would show there). Nothing without PDL."""
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()

@@ -29,7 +29,7 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, stride_t,
-                             stride_cache, eps, HEADS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                             stride_cache, q_eps, k_eps, HEADS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                              ROT: tl.constexpr):
         """Program (token t, head h): h < HEADS a query head (its q into q_ptr [T, HEADS, D]); else KV head
         h - HEADS (its k and v into the caches, [KVH, stride_cache / D, D], at the token's position). cos / sin:
@@ -43,11 +43,11 @@ if triton is not None:
         partner = tl.where(rd < half, rd + half, tl.where(rd < ROT, rd - half, rd))
         row = qkv_ptr + t * stride_t
         is_q = h < HEADS
-        j = h - HEADS
+        j = (h - HEADS).to(tl.int64)  # (a KV head's cache offset passes int32 at long caches)
         start = tl.where(is_q, h * 2 * D, HEADS * 2 * D + j * D)
         w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
         x = tl.load(row + start + rd).to(tl.float32)
-        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + tl.where(is_q, q_eps, k_eps))
         # every product in fp32 of values rounded to the model's dtype (as torch multiplies two bf16 tensors; Triton's
         # interpreter would multiply bf16 values' raw bits), rounded after
         normed = (x * r * (1.0 + tl.load(w_ptr + rd).to(tl.float32))).to(dt).to(tl.float32)
@@ -86,6 +86,11 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     caches [kv_heads, max_len, D] (written at the positions) -> q [T, heads, D], normed and rotated."""
     if triton is None:
         raise QdflashError("qk_norm_rope needs triton")
+    if k_cache.dim() != 3 or positions.dtype != torch.long or len({qkv.dtype, k_cache.dtype, v_cache.dtype, cos.dtype,
+                                                                    sin.dtype}) != 1:
+        raise QdflashError(f"qk_norm_rope: caches [kv_heads, max_len, D], int64 positions, and qkv, caches and cos / sin "
+                           f"of one dtype expected, got caches {tuple(k_cache.shape)} {k_cache.dtype} / {v_cache.dtype}, "
+                           f"positions {positions.dtype}, qkv {qkv.dtype}, cos / sin {cos.dtype} / {sin.dtype}")
     kv_heads, max_len, d = k_cache.shape
     t, rot = qkv.shape[0], cos.shape[-1]
     width = heads * 2 * d + 2 * kv_heads * d
@@ -100,5 +105,6 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     q = torch.empty(t, heads, d, device=qkv.device, dtype=qkv.dtype)
     _qk_norm_rope_kernel[(t, heads + kv_heads)](qkv, positions, cos.contiguous(), sin.contiguous(), q_norm.weight,
                                                 k_norm.weight, q, k_cache, v_cache, qkv.stride(0), k_cache.stride(0),
-                                                float(q_norm.eps), HEADS=heads, KVH=kv_heads, D=d, ROT=rot, num_warps=1)
+                                                float(q_norm.eps), float(k_norm.eps), HEADS=heads, KVH=kv_heads, D=d, ROT=rot,
+                                                num_warps=1)
     return q
