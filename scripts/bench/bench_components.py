@@ -48,14 +48,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from qdflash.bench import copy_bandwidth, device_timer as timer
+from qdflash.bench import copy_bandwidth, device_timer as timer, spread, timed_in_turn
 from qdflash.cudagraph import capture
 from qdflash.drafter import init_drafter
 from qdflash.drafter.static import DrafterEngine
@@ -291,14 +290,7 @@ def side_by_side(steps: dict, result: dict, args, run) -> dict:
     their ratio, steps timed in turn spread it over both."""
     if not {"target16.decode", "target_w4_head.decode"} <= steps.keys():
         return {}
-    times = {name: [] for name in steps}
-    for _ in range(args.side_by_side_rounds):
-        for name, fn in steps.items():
-            times[name].append(run(fn, args.reps))
-
-    def spread(values):
-        return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
-
+    times = timed_in_turn(run, steps, args.side_by_side_rounds, args.reps)
     out = {"side_by_side.rounds": args.side_by_side_rounds,
            **{f"side_by_side.{name}_ms": spread(values) for name, values in times.items()}}
     for name, top, bottom in side_by_side_ratios(times):

@@ -67,7 +67,7 @@ def attention_steps(args) -> dict:
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
     from bench_components import SHAPES  # the Qwen3.5-4B text config, one definition
-    from qdflash.bench import device_timer
+    from qdflash.bench import device_timer, spread, timed_in_turn
     from qdflash.engine import build_engine
 
     device = args.device
@@ -93,16 +93,12 @@ def attention_steps(args) -> dict:
     for t in (1, 16):
         a, b = steps[f"kernel.t{t}"]()[0].float().clone(), steps[f"inductor.t{t}"]()[0].float()
         out[f"t{t}.logits_max_abs"] = float((a - b).abs().max())
-    run, times = device_timer(device), {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, fn in steps.items():
-            times[name].append(run(fn, args.reps))
+    times = timed_in_turn(device_timer(device), steps, args.rounds, args.reps)
     for name, values in times.items():
         out[f"{name}_us"] = round(statistics.median(values) * 1e3, 2)
     for t in (1, 16):
         saved = [(b - a) * 1e3 / args.layers for a, b in zip(times[f"kernel.t{t}"], times[f"inductor.t{t}"])]
-        out[f"t{t}.saved_us_per_layer"] = {"median": round(statistics.median(saved), 2), "min": round(min(saved), 2),
-                                           "max": round(max(saved), 2)}
+        out[f"t{t}.saved_us_per_layer"] = spread(saved, 2)
     return out
 
 
@@ -123,13 +119,10 @@ def main() -> None:
     if args.attention_steps:
         result["attention_steps"] = attention_steps(args)
         print(json.dumps(result, indent=1), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-        return
-    for t in (1, 16):
-        result[f"gated_norm.t{t}"] = gated_norm_rows(t, "cuda", args.reps)
-        print(json.dumps({k: v for k, v in result.items() if k.endswith(f"t{t}")}), flush=True)
+    else:
+        for t in (1, 16):
+            result[f"gated_norm.t{t}"] = gated_norm_rows(t, "cuda", args.reps)
+            print(json.dumps({k: v for k, v in result.items() if k.endswith(f"t{t}")}), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -390,6 +390,23 @@ def device_timer(device: str):
     return run
 
 
+def timed_in_turn(run, steps: dict, rounds: int, reps: int) -> dict[str, list[float]]:
+    """Each of `steps` (name -> fn) timed by `run(fn, reps)` (`device_timer`'s) once a round, in turn, for `rounds`
+    rounds: name -> its times, round by round. Why in turn: what drifts in a process over minutes (two timings of one
+    CUDA graph moved by up to 6%) then falls on every step of a round alike, and a ratio per round cancels it."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            times[name].append(run(fn, reps))
+    return times
+
+
+def spread(values, places: int = 4) -> dict[str, float]:
+    """Median, min and max of `values`, rounded to `places`."""
+    return {"median": round(statistics.median(values), places), "min": round(min(values), places),
+            "max": round(max(values), places)}
+
+
 def copy_bandwidth(device: str, reps: int = 20) -> float:
     """Bytes/s of a device-to-device copy (read + write): the bandwidth a memory-bound step can use."""
     n = (1 << 30) if device == "cuda" else (1 << 24)
