@@ -186,6 +186,16 @@ def test_targets_only_measures_no_drafter(tmp_path):
     assert r["reference.target_w4_head.bound_ms"] > 0
 
 
+def test_no_cublas_keeps_the_drafters(tmp_path):
+    """--no-cublas (the must-show run in less device time): no cuBLAS-only arm, but the drafters and so the implied
+    speedups are measured."""
+    run = Started(tmp_path, "no_cublas", "bench_components.py", "--shape", "tiny", "--reps", "1", "--context", "32",
+                  "--w4-head-only", "--no-cublas")
+    r = run.result()
+    assert not any(k.startswith("target16_cublas") for k in r)
+    assert r["drafter_w4_head.step_ms"] > 0 and r["implied_speedup.tau3.0.target_w4_head+drafter_w4_head.vs_ar16"] > 0
+
+
 def test_study_runs_each_arm_on_the_cpu(runs):
     r = runs["study"].result()
     assert r["target_w4_gdn_fused"].startswith("skipped: the W4 target's qkvz is 4-bit")

@@ -741,6 +741,9 @@ def main() -> None:
     parser.add_argument("--targets-only", action="store_true",
                         help="no drafter steps and no cuBLAS-only arm: the targets' decode steps and verify blocks (and "
                              "with --compile their `side_by_side` ratios), in about half the device time")
+    parser.add_argument("--no-cublas", action="store_true",
+                        help="no cuBLAS-only arm (target16_cublas: the 16-bit target's matmuls through cuBLAS, "
+                             "uncompiled), the drafters kept: the must-show run in less device time")
     parser.add_argument("--side-by-side-rounds", type=int, default=7,
                         help="--compile: rounds of `side_by_side` (each compiled step timed once a round, in turn)")
     parser.add_argument("--hf-generate", action="store_true",
@@ -793,7 +796,7 @@ def main() -> None:
         report(result, None, args.out)
         return
     plain = argparse.Namespace(**{**vars(args), "compile": False, "profile": False})
-    if not (args.gdn_only or args.targets_only):
+    if not (args.gdn_only or args.targets_only or args.no_cublas):
         result.update(measure_target(engine16, plain, device, layer_ids, bandwidth, "target16_cublas"))
     result["gemv.tuned"] = engine16.tune_kernels()  # the GEMV against cuBLAS per shape ({} off the GPU)
     report(result, "target16_cublas", args.out)
