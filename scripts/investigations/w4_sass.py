@@ -52,12 +52,12 @@ CASES = {
     "fp32 FMA GEMV, 16 x 64 words": ("qdflash.kernels.w4a16", "_w4a16_gemv_kernel", W4_ONE,
                                      dict(GROUP=32, BLOCK_N=16, BLOCK_K8=64, SPLITS=1), 16 * 64 * 8 // 128),
     "mma, 16 pairs x 64 words": ("qdflash.kernels.w4_mma", "_w4_mma_kernel", MMA_ONE,
-                                 dict(GROUP_WORDS=8, BLOCK_P=16, BLOCK_W=64, SPLITS=1, PREFETCH=False), 16 * 64 * 8 // 128),
+                                 dict(GROUP_WORDS=8, BLOCK_P=16, BLOCK_W=64, SPLITS=1, PREFETCH=False, PDL=False), 16 * 64 * 8 // 128),
     "mma prefetch, 16 pairs x 64 words": ("qdflash.kernels.w4_mma", "_w4_mma_kernel", MMA_ONE,
-                                          dict(GROUP_WORDS=8, BLOCK_P=16, BLOCK_W=64, SPLITS=1, PREFETCH=True),
+                                          dict(GROUP_WORDS=8, BLOCK_P=16, BLOCK_W=64, SPLITS=1, PREFETCH=True, PDL=False),
                                           16 * 64 * 8 // 128),
     "mma rows (16), 32 pairs x 16 words": ("qdflash.kernels.w4_mma", "_w4_mma_rows_kernel", MMA_ROWS,
-                                           dict(GROUP_WORDS=8, BLOCK_P=32, HIGH=True, SPLITS=1, PREFETCH=False),
+                                           dict(GROUP_WORDS=8, BLOCK_P=32, HIGH=True, SPLITS=1, PREFETCH=False, PDL=False),
                                            32 * 16 * 8 // 128),
 }
 
