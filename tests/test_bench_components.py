@@ -116,7 +116,10 @@ def test_component_bench_runs_on_the_cpu(runs):
     assert r["compiled.drafter_w4_step_over_target_w4_decode"] == pytest.approx(
         r["drafter_w4.step_compiled_ms"] / r["target_w4.decode_compiled_ms"], abs=1e-4)
     assert r["compiled.implied_speedup.tau3.0.target16+drafter16.vs_ar16"] == pytest.approx(
-        3.0 * r["target16.decode_compiled_ms"] / (r["target16.verify_compiled_ms"] + r["drafter16.step_compiled_ms"]), abs=2e-3)
+        3.0 * r["target16.decode_compiled_ms"]
+        / (r["target16.verify_compiled_ms"] + r["target16.rollback_ms"] + r["drafter16.step_compiled_ms"]), abs=2e-3)
+    # a round's rollback (into the verify block, eager) is timed and counted in its implied speedup
+    assert all(r[f"{label}.rollback_ms"] > 0 for label in ("target16", "target_w4", "target_w4_head"))
     # the bounds at a 600 GB/s reference device: the parts' own bytes at that bandwidth (on the CPU the W4
     # target runs its dequantized weights, so it reads as much as the 16-bit one: the H200 run packs them)
     assert r["reference.GBps"] == 600.0
@@ -472,3 +475,21 @@ def test_layer_tails_bench_checks_both_launches_on_a_tiny_shape(monkeypatch):
     for t in (1, 4):
         norm = bench_layer_tails.gated_norm_rows(t, "cpu", 1, torch.float32)
         assert norm["max_abs"] < 1e-5 and 0 <= norm["equal_fraction"] <= 1 and norm["kernel_us"] == norm["inductor_us"] == 1e3 / 2
+
+
+def test_replay_check_sets_replayed_rollbacks_against_kept_states(tiny_qwen):
+    """replay_check (before the GPU run's timings): with the two-phase block's replay on (its default for a 16-bit
+    model; here the fp32 tiny model through the interpreter), rollbacks into a block replayed and with every state
+    kept give the same states and logits; and the engine is left replaying. Off, there is nothing to check."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_components
+
+    from qdflash.engine import build_engine
+
+    engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+    assert bench_components.replay_check(engine, "cpu")["gdn_replay_check"].startswith("no replay")  # fp32: no two-phase
+    engine.gdn_two_phase = True
+    r = bench_components.replay_check(engine, "cpu", tokens=8, block=3, keeps=(1,))
+    assert r == {"gdn_replay_check.state_max_abs": 0.0, "gdn_replay_check.logits_max_abs": 0.0}, r
+    assert engine.gdn_replay and engine.length == 0

@@ -283,6 +283,38 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
     assert norms == [20] * layers + [4] * layers + [1] * layers  # each GDN layer's gated norm in one launch (gated_norm)
 
 
+def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(tiny_qwen, monkeypatch):
+    """gdn_replay (the default with the two-phase block): a verify block keeps its GDN inputs and the state before it,
+    and a rollback into it recomputes every layer's state in one launch (gated_delta_replay). The engine then holds
+    exactly the states, and predicts exactly the logits, that keeping every position's state gave; a rollback after a
+    decode step, a prompt or an unfused block copies as before."""
+    pytest.importorskip("triton")
+    import qdflash.engine.qwen3_5 as qwen3_5
+
+    replays = []
+    monkeypatch.setattr(qwen3_5, "gated_delta_replay", lambda *a: replays.append(a[-1]) or gated_delta_replay(*a))
+    from qdflash.kernels.gated_delta import gated_delta_replay
+
+    x = ids(6, 20)
+    runs = {}
+    for replay in (True, False):
+        engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+        engine.gdn_two_phase, engine.gdn_replay = True, replay
+        engine.forward(x, 0)
+        out = []
+        for keep, block in ((22, [101, 202, 303, 404, 505]), (24, [7, 8, 9]), (26, [11, 12])):
+            engine.forward(torch.tensor(block), engine.length)
+            engine.rollback(keep)
+            out.append((engine.states.clone(), engine.forward(torch.tensor([777]), keep)[0]))
+        engine.rollback(27)  # after a decode step: nothing kept, nothing to roll back to
+        runs[replay] = out
+    assert replays == [2, 1, 1], "each rollback into a block replayed its accepted tokens, and only with gdn_replay"
+    for (state, logits), (kept_state, kept_logits) in zip(runs[True], runs[False]):
+        assert torch.equal(state, kept_state) and torch.equal(logits, kept_logits)
+    with pytest.raises(QdflashError, match="only positions"):
+        engine.rollback(20)
+
+
 def test_two_phase_gdn_blocks_are_the_default_for_16_bit_models_only(tiny_qwen):
     """A verify block's GDN middle runs through the two-phase kernel by default where the model is 16-bit (its blocks
     agree with one-token steps to fp32 rounding, which bf16 output tolerates at near-ties), and through the step kernel

@@ -611,6 +611,58 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, two_phase):
                          state0.clone(), key_heads=key_heads, key_dim=key_dim, two_phase=True, chunked=True)
 
 
+@pytest.mark.parametrize("tokens", [2, 5, 16])
+def test_a_replayed_block_state_is_the_one_the_block_kept(tokens):
+    """gated_delta_step(kept=): a two-phase block that keeps its tokens' inputs writes the same outputs and state as one
+    that keeps every position's state, but of the states only the first; gated_delta_replay then gives, for every
+    layer in one launch, the state after any n of the block's tokens: the block's own states[n], bit for bit (the same
+    lines on the same inputs). Bad buffers are refused by name."""
+    from qdflash.kernels.gated_delta import gated_delta_replay, gated_delta_step, replay_scratch
+
+    g = torch.Generator().manual_seed(5)
+    layers, key_heads, heads, dk, dv, kw, hidden, max_block = 2, 2, 4, 16, 32, 4, 48, 16
+    key_dim = key_heads * dk
+    conv_dim = 2 * key_dim + heads * dv
+    conv_w = torch.randn(conv_dim, 1, kw, generator=g).to(DEVICE) * 0.5
+    ba_w = (torch.randn(2 * heads, hidden, generator=g) * 0.3).to(DEVICE)
+    decay, dt_bias = -torch.rand(heads, generator=g).to(DEVICE), torch.randn(heads, generator=g).to(DEVICE)
+    common = dict(key_heads=key_heads, key_dim=key_dim, two_phase=True)
+    states0 = torch.zeros(layers, max_block + 1, heads, dk, dv, device=DEVICE)
+    kept = torch.zeros(layers, *replay_scratch(heads, dk, dv, max_block), device=DEVICE)
+    state = (torch.randn(layers, heads, dk, dv, generator=g) * 0.1).to(DEVICE)
+    full = []
+    for layer in range(layers):
+        qkvz = torch.randn(tokens, conv_dim + heads * dv, generator=g).to(DEVICE)
+        x, positions = torch.randn(tokens, hidden, generator=g).to(DEVICE), torch.arange(3, 3 + tokens, device=DEVICE)
+        history = torch.randn(32, conv_dim, generator=g).to(DEVICE)
+        every = torch.zeros(tokens + 1, heads, dk, dv, device=DEVICE)
+        expected_state = state[layer].clone()
+        out = gated_delta_step(qkvz, history.clone(), conv_w, positions, x, ba_w, decay, dt_bias, expected_state, every,
+                               **common)
+        got = gated_delta_step(qkvz, history.clone(), conv_w, positions, x, ba_w, decay, dt_bias, state[layer],
+                               states0[layer], kept=kept[layer], **common)
+        assert torch.equal(got, out) and torch.equal(state[layer], expected_state)
+        assert torch.equal(states0[layer, 0], every[0]) and not states0[layer, 1:].any()  # the first state only
+        full.append(every)
+    for n in (0, 1, tokens - 1, tokens):
+        replayed = torch.full_like(state, float("nan"))
+        gated_delta_replay(states0[:, 0], kept, replayed, n)
+        for layer in range(layers):
+            assert torch.equal(replayed[layer], full[layer][n]), (n, layer)
+    with pytest.raises(QdflashError, match="up to 16"):
+        gated_delta_replay(states0[:, 0], kept, state, 17)
+    with pytest.raises(QdflashError, match="do not match"):
+        gated_delta_replay(states0[:1, 0], kept, state, 1)
+    with pytest.raises(QdflashError, match="kept scratch is for a two-phase block"):
+        gated_delta_step(torch.zeros(2, conv_dim + heads * dv, device=DEVICE), torch.zeros(32, conv_dim, device=DEVICE),
+                         conv_w, torch.arange(2, device=DEVICE), torch.zeros(2, hidden, device=DEVICE), ba_w, decay, dt_bias,
+                         state[0].clone(), states0[0], key_heads=key_heads, key_dim=key_dim, kept=kept[0])
+    with pytest.raises(QdflashError, match="kept must be contiguous fp32"):
+        gated_delta_step(torch.zeros(2, conv_dim + heads * dv, device=DEVICE), torch.zeros(32, conv_dim, device=DEVICE),
+                         conv_w, torch.arange(2, device=DEVICE), torch.zeros(2, hidden, device=DEVICE), ba_w, decay, dt_bias,
+                         state[0].clone(), states0[0], kept=kept[0, :, :1], **common)
+
+
 def test_a_chunked_verify_block_is_its_sixteen_one_token_steps():
     """A 16-token block (a verify block's length) in the chunked form (`_chunk_state`: the block's products as matmuls, a
     16 x 16 lower-triangular inverse) gives the outputs, per-position states and final state of 16 one-token steps of
@@ -714,19 +766,19 @@ def gdn_step_case(tokens):
         STORE_STATES=True)
 
 
-def gdn_block_case(tokens, chunked=False):
+def gdn_block_case(tokens, chunked=False, first_only=False):
     """The two-phase GDN block kernel at Qwen3.5-4B's heads, its default value block (with BLOCK_WARPS), the b / a product
     given; `chunked`: its recurrence in the chunked form, the b / a dot in the kernel (as the engine's default gdn_ba
-    runs it)."""
+    runs it); `first_only`: keeping its inputs for a replay instead of every position's state (gdn_replay)."""
     from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
                  "x_ptr": "*bf16", "ba_ptr": "*bf16", "ba_stride": "i32", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16",
-                 "state_ptr": "*fp32", "out_ptr": "*fp32", "states_ptr": "*fp32", "scratch_ptr": "*fp32", "HV": "i32",
-                 "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
+                 "state_ptr": "*fp32", "out_ptr": "*fp32", "states_ptr": "*fp32", "scratch_ptr": "*fp32",
+                 "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
     return "qdflash.kernels.gated_delta", "_gated_delta_block_kernel", signature, dict(
-        T=tokens, T_P=max(tokens, 16) if chunked else tokens, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True,
-        CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512)
+        T=tokens, T_P=max(tokens, 16) if chunked else tokens, SCRATCH_ROWS=16, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True,
+        FIRST_STATE_ONLY=first_only, CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512)
 
 
 def attention_case(tree, block=False):
@@ -894,7 +946,8 @@ def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile)
                for layout in used["ASM_LAYOUTS"]), used
 
 
-@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block chunked 5",
+@pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block kept 16", "gdn replay 16",
+                                  "gdn block chunked 5",
                                   "gdn block chunked 16", "attention", "attention tree 16", "attention block 16",
                                   "gemv rows 0", "gemv rows 16", "gated norm 128", "qk norm rope 256"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
@@ -903,7 +956,8 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     the fused GDN kernel at the Qwen3.5-4B head size (dk = dv = 128, a [dk, STEP_BLOCK_V] state slice per program)
     for a decode step and a verify block, the block kernel in its two-phase and chunked forms, and the decode
     attention at Qwen2.5-0.5B's heads (14 over 2 KV heads of 64) for a decode step, a verify block (its rows two to a
-    program) and a tree of 16 nodes (what a tree round verifies on the GPU); and the 16-bit GEMV's 2-16-row form at its
+    program) and a tree of 16 nodes (what a tree round verifies on the GPU); the block kernel keeping its inputs and
+    the replay of them (gdn_replay's rollback); and the 16-bit GEMV's 2-16-row form at its
     largest tile, its K loop run and unrolled (16 tiles); and the GDN layer's gated norm (`kernels.gated_norm`) at
     Qwen3.5-4B's value heads, and its attention layers' q / k norms and rotation (`kernels.qk_norm_rope`). None of them
     has an atomic."""
@@ -920,9 +974,16 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
         num_warps = 1  # gated_norm's launch
         module, name, constexprs = "qdflash.kernels.gated_norm", "_gated_rms_norm_kernel", dict(H=32, D=int(arg), ROUND_PRODUCT=True)
         signature = {"o_ptr": "*fp32", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_zt": "i32", "eps": "fp32"}
+    elif kind == "gdn replay":  # the rollback's replay of a kept block, every layer, at the block kernel's launch
+        from qdflash.kernels.gated_delta import STEP_BLOCK_V
+
+        num_warps, module, name = BLOCK_WARPS, "qdflash.kernels.gated_delta", "_gated_delta_replay_kernel"
+        signature = {"states0_ptr": "*fp32", "scratch_ptr": "*fp32", "state_ptr": "*fp32", "N": "i32", "LAYER_STATES0": "i64",
+                     "LAYER_SCRATCH": "i64", "LAYER_STATE": "i64", "HV": "i32"}
+        constexprs = dict(SCRATCH_ROWS=16, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V)
     elif kind.startswith("gdn"):
         num_warps = (CHUNKED_WARPS if "chunked" in kind else BLOCK_WARPS) if "block" in kind else STEP_WARPS
-        module, name, signature, constexprs = (gdn_block_case(int(arg), chunked="chunked" in kind)
+        module, name, signature, constexprs = (gdn_block_case(int(arg), chunked="chunked" in kind, first_only="kept" in kind)
                                                if "block" in kind else gdn_step_case(int(arg)))
     else:
         module, name, signature, constexprs = (rows_gemv_case(int(arg)) if kind.startswith("gemv") else

@@ -202,6 +202,8 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
         eager_logits = engine._step(one, torch.tensor([args.context], device=device), None, None)[0].float()
     decode_ms = run(lambda: decode_graph(one, args.context), args.reps)
     verify_ms = run(lambda: verify_graph(block, args.context), args.reps)
+    rollback = rollback_ms(engine, args, run, block)
+    restore(engine, saved)
     floor_ms = run(matmul_only(engine, device), args.reps)
     compiled = {}
     if args.compile:  # the same decode step and verify block through torch.compile (fused elementwise work), captured
@@ -243,12 +245,30 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
         f"{label}.decode_ms": round(decode_ms, 4), f"{label}.verify_ms": round(verify_ms, 4),
         f"{label}.matmuls_only_ms": round(floor_ms, 4), f"{label}.bound_ms": round(bound_ms, 4),
         f"{label}.decode_of_bound": round(bound_ms / decode_ms, 4),
-        f"{label}.verify_over_decode": round(verify_ms / decode_ms, 4),
+        f"{label}.verify_over_decode": round(verify_ms / decode_ms, 4), f"{label}.rollback_ms": round(rollback, 4),
         f"{label}.achieved_GBps": round(need["total"] / (decode_ms / 1e3) / 1e9, 1),
         f"{label}.bytes": need, f"{label}.tokens_per_s": round(1e3 / decode_ms, 1),
         f"{label}.graph_vs_eager_max_abs": float((graph_logits - eager_logits).abs().max()),
         f"{label}.logit_scale": float(eager_logits.abs().max()), **compiled,
     }
+
+
+def rollback_ms(engine, args, run, block) -> float:
+    """A round's rollback, eager as a round runs it: into a verify block just fed (at `--context`), back to all but its
+    last token (the most tokens a GDN replay recomputes, `LeanQwen35.gdn_replay`; without it, one copy of the kept
+    states). Leaves the engine at `--context` positions."""
+    with torch.no_grad():
+        engine.forward(block, args.context)
+    end = args.context + args.block
+
+    def once():
+        engine.length = end  # (the block stays fed: each call rolls the same block back)
+        engine.rollback(end - 1)
+
+    ms = run(once, args.reps)
+    engine.length = end
+    engine.rollback(args.context)
+    return ms
 
 
 def compiled_steps(engine, args, layer_ids, label, result) -> dict:
@@ -671,6 +691,41 @@ def gdn_check(engine, device: str, tokens: int = 40, block: int = 8, label: str 
             f"{label}.logit_scale": float(logits[False].abs().max())}
 
 
+def replay_check(engine, device: str, tokens: int = 40, block: int = 8, keeps: tuple[int, ...] = (0, 3, 7),
+                 label: str = "gdn_replay_check") -> dict:
+    """Before any timing, where the engine replays a rolled-back verify block (`LeanQwen35.gdn_replay`: a two-phase
+    block keeps its inputs, not every position's state): rollbacks to `keeps` (< `block`) of a block's tokens, then a
+    decode step, against the same with every position's state kept. The states and logits apart (on the CPU's
+    interpreter: 0; on a GPU the replay kernel's sums could compile in another order than the block kernel's). Where
+    the replay raises, the engine keeps every state for the whole run and the error is recorded."""
+    if not (engine.kernels and getattr(engine, "gdn_replay", False) and engine._replays(block)):
+        return {label: "no replay: the engine keeps every position's state"}
+    prompt = torch.randint(0, engine.lm_head.shape[0], (tokens,), device=device)
+    start = tokens - block - 1
+    out = {}
+    try:
+        for replay in (True, False):
+            engine.gdn_replay = replay
+            rows = []
+            for keep in keeps:
+                engine.reset()
+                with torch.no_grad():
+                    engine.forward(prompt[:start], 0)
+                    engine.forward(prompt[start:start + block], start)
+                    engine.rollback(start + keep)
+                    state = engine.states.clone()
+                    rows.append((state, engine.forward(prompt[start + block:], start + keep)[0].float()))
+            out[replay] = rows
+    except Exception as err:  # noqa: BLE001 -- a replay that fails here is a result; the run goes on keeping every state
+        engine.gdn_replay = False
+        engine.reset()
+        return {f"{label}.error": error_text(err)}
+    engine.gdn_replay = True
+    engine.reset()
+    return {f"{label}.state_max_abs": max(float((a[0] - b[0]).abs().max()) for a, b in zip(out[True], out[False])),
+            f"{label}.logits_max_abs": max(float((a[1] - b[1]).abs().max()) for a, b in zip(out[True], out[False]))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-4b")
@@ -790,6 +845,8 @@ def main() -> None:
     engine16 = target_engine(target, args, max_len)
     result.update(gdn_check(engine16, device))
     fuse_gdn = engine16.fuse_gdn  # False where the fused path failed its check: every engine of the run then runs unfused
+    result.update(replay_check(engine16, device))
+    gdn_replay = engine16.gdn_replay  # likewise: False where the replay failed its check
     report(result, "gdn_fused_check", args.out)
     if args.study:
         result.update(study(target, engine16, args, device, layer_ids, bandwidth, max_len, result))
@@ -831,7 +888,7 @@ def main() -> None:
     targets = [("target16", "drafter16")]
     if not args.w4_head_only:
         engine4 = target_engine(target, args, max_len)
-        engine4.fuse_gdn = fuse_gdn
+        engine4.fuse_gdn, engine4.gdn_replay = fuse_gdn, gdn_replay
         result["w4a16.tuned"] = engine4.tune_kernels()
         result.update(kernel_check(engine4, device))
         report(result, "w4a16", args.out)
@@ -843,7 +900,7 @@ def main() -> None:
     if args.w4_head or args.w4_head_only:  # the same W4 target with its LM head on the W4 grid too, in this process (side by side)
         quantize_in_place(target.model, args.group, ["lm_head"])
         engine4h = target_engine(target, args, max_len)
-        engine4h.fuse_gdn = fuse_gdn
+        engine4h.fuse_gdn, engine4h.gdn_replay = fuse_gdn, gdn_replay
         result["w4a16_head.tuned"] = engine4h.tune_kernels()
         if args.w4_head_only:  # the check the W4 target would have had
             result.update(kernel_check(engine4h, device))
@@ -863,7 +920,9 @@ def main() -> None:
         for target_label, drafter_label in targets:
             if f"{drafter_label}.step_ms" not in result:  # --targets-only
                 continue
-            verify, draft = result[f"{target_label}.verify_ms"], result[f"{drafter_label}.step_ms"]
+            # a round: the verify block, the rollback of what it rejected, the drafter's step
+            verify = result[f"{target_label}.verify_ms"] + result.get(f"{target_label}.rollback_ms", 0.0)
+            draft = result[f"{drafter_label}.step_ms"]
             result[f"implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_ar16"] = implied_speedup(
                 tau, result["target16.decode_ms"], verify, draft)
             result[f"implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_same_target_ar"] = implied_speedup(
@@ -886,19 +945,21 @@ TAUS = (3.0, 5.0, 6.5)  # acceptance lengths the implied speedups are given at (
 
 
 def implied_speedup(tau: float, ar_ms: float, verify_ms: float, draft_ms: float) -> float:
-    """tau tokens a round of verify + draft, against one token an autoregressive step of `ar_ms`."""
+    """tau tokens a round of verify (with its rollback) + draft, against one token an autoregressive step of `ar_ms`."""
     return round(tau * ar_ms / (verify_ms + draft_ms), 3)
 
 
 def compiled_rounds(result: dict, targets: list[tuple[str, str]]) -> dict:
     """From the compiled steps (where all three compiled): the drafter step over the decode step, and
-    the implied speedup tau * decode / (verify + drafter step) over compiled 16-bit decoding."""
+    the implied speedup tau * decode / (verify + rollback + drafter step) over compiled 16-bit decoding (the rollback
+    is eager in either case: `rollback_ms`)."""
     out = {}
     for target_label, drafter_label in targets:
         parts = [f"{target_label}.decode_compiled_ms", f"{target_label}.verify_compiled_ms", f"{drafter_label}.step_compiled_ms"]
         if not all(p in result for p in parts + ["target16.decode_compiled_ms"]):
             continue
         decode, verify, draft = (result[p] for p in parts)
+        verify += result.get(f"{target_label}.rollback_ms", 0.0)
         out[f"compiled.{drafter_label}_step_over_{target_label}_decode"] = round(draft / decode, 4)
         for tau in TAUS:
             out[f"compiled.implied_speedup.tau{tau}.{target_label}+{drafter_label}.vs_ar16"] = implied_speedup(

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import QdflashError
 from ..kernels import gated_norm, qk_norm_rope
-from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_step
+from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_replay, gated_delta_step, replay_scratch
 from .linear import Projection, StreamNorm, residual_norm, swiglu
 from ..ops import apply_rope, tap_features
 from .base import KERNEL_TOKENS, EngineBase, cached_attention
@@ -75,6 +75,11 @@ class LeanQwen35(EngineBase):
         # likewise, a verify block's recurrence in the chunked form (gated_delta_step's chunked: the block's products as
         # matmuls, no state reduction per token), to fp32 rounding too. Set before capture
         self.gdn_chunked = False
+        # a two-phase verify block (above) writes the GDN state before it and keeps its tokens' inputs (the kernel's
+        # scratch) instead of writing the state after every position: a rollback into the block recomputes the one
+        # state it needs, every layer in one launch (gated_delta_replay). At Qwen3.5-4B a verify block wrote 16 states
+        # of 2 MB a layer, 24 layers, and a round reads one of them. Set before capture
+        self.gdn_replay = True
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
         # False runs the unfused layer (the benchmark's side-by-side arm)
         self.fuse_gdn = True
@@ -95,6 +100,17 @@ class LeanQwen35(EngineBase):
         kv = (self.kv_heads, max_len, self.head_dim)
         self.layers, self.k_cache, self.v_cache = [], {}, {}
         self.conv_in, self.state, self.block_states = {}, {}, {}
+        # the GDN layers' states, states kept through a block and kept block inputs each one buffer across layers (a
+        # layer's: a slice), so that one launch replays them all (rollback)
+        gdn = [layer.linear_attn for i, layer in enumerate(model.model.layers) if self.types[i] != "full_attention"]
+        self.gdn_index = {i: j for j, i in enumerate(i for i, t in enumerate(self.types) if t != "full_attention")}
+        shape = (gdn[0].num_v_heads, gdn[0].head_k_dim, gdn[0].head_v_dim) if gdn else (0, 1, 1)
+        if any((la.num_v_heads, la.head_k_dim, la.head_v_dim) != shape for la in gdn):
+            raise QdflashError(f"LeanQwen35: its Gated DeltaNet layers differ in heads / head sizes; expected all {shape}")
+        self.states = torch.zeros(len(gdn), *shape, device=device)
+        self.block_states_all = torch.zeros(len(gdn), max_block + 1, *shape, device=device)
+        self.kept = torch.zeros(len(gdn), *replay_scratch(*shape, max_block), device=device) if self.kernels else None
+        self._replay_last = False  # whether the last block fed kept its inputs (rollback replays) or its states
         for i, layer in enumerate(model.model.layers):
             w = {"norm1": self._norm(layer.input_layernorm), "norm2": self._norm(layer.post_attention_layernorm),
                  "w13": Projection.of([layer.mlp.gate_proj, layer.mlp.up_proj], dtype, self.kernels),
@@ -115,8 +131,8 @@ class LeanQwen35(EngineBase):
                 w.update(la=la, out=Projection.of([la.out_proj], dtype, self.kernels),
                          conv=la.conv1d.weight.detach(), decay=-la.A_log.detach().float().exp(), dt_bias=la.dt_bias.detach())
                 self.conv_in[i] = torch.zeros(max_len, la.conv_dim, device=device, dtype=dtype)
-                self.state[i] = torch.zeros(la.num_v_heads, la.head_k_dim, la.head_v_dim, device=device)
-                self.block_states[i] = torch.zeros(max_block + 1, *self.state[i].shape, device=device)
+                self.state[i] = self.states[self.gdn_index[i]]
+                self.block_states[i] = self.block_states_all[self.gdn_index[i]]
             self.layers.append(w)
         kernel = max((w["la"].conv_kernel_size for w in self.layers if "la" in w), default=1)
         self.conv_offsets = torch.arange(-(kernel - 1), max_len, device=device)
@@ -132,6 +148,7 @@ class LeanQwen35(EngineBase):
         for state in self.state.values():
             state.zero_()
         self.length = self.block_start = 0
+        self._replay_last = False
 
     def rollback(self, keep: int) -> None:
         """Back to `keep` positions; exact for any keep within the last block fed (or equal to now)."""
@@ -139,10 +156,12 @@ class LeanQwen35(EngineBase):
             return
         if not self.block_start <= keep < self.length:
             raise QdflashError(f"engine rollback to {keep}: only positions {self.block_start}..{self.length} are kept")
-        # in place (a captured graph reads these buffers), every GDN layer's in one multi-tensor launch: a copy_ per layer
-        # was 24 launches of a 4B model, each more host time than its 2 MB copy takes on a GPU, between two rounds
-        layers = list(self.block_states)
-        torch._foreach_copy_([self.state[i] for i in layers], [self.block_states[i][keep - self.block_start] for i in layers])
+        # in place (a captured graph reads these buffers), every GDN layer's in one launch: a copy_ per layer was 24
+        # launches of a 4B model, each more host time than its 2 MB copy takes on a GPU, between two rounds
+        if self._replay_last:  # the block kept its inputs: the state after `keep` recomputed from the one before it
+            gated_delta_replay(self.block_states_all[:, 0], self.kept, self.states, keep - self.block_start)
+        else:
+            self.states.copy_(self.block_states_all[:, keep - self.block_start])
         self.length = keep
 
     def _keeps_states(self, t: int) -> bool:
@@ -155,8 +174,15 @@ class LeanQwen35(EngineBase):
         if start != self.length:
             raise QdflashError(f"engine holds {self.length} positions; feed from there (or roll back) instead of {start}")
 
+    def _replays(self, t: int) -> bool:
+        """Whether a block of t tokens keeps its GDN inputs and the state before it instead of the state after each
+        position (`gdn_replay`): a block the fused two-phase kernel runs (kernels, fuse_gdn, gdn_two_phase, not chunked)."""
+        return (self._keeps_states(t) and t <= CHUNK and bool(self.kernels) and self.fuse_gdn and self.gdn_two_phase
+                and self.gdn_replay and not self.gdn_chunked)
+
     def _after_feed(self, start: int, end: int) -> None:
         kept = self._keeps_states(end - start)
+        self._replay_last = self._replays(end - start)
         self.block_start, self.length = (start if kept else end), end
 
     def _rope(self, x, cos, sin):
@@ -234,7 +260,8 @@ class LeanQwen35(EngineBase):
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
                                self.state[i], self.block_states[i] if self._keeps_states(t) else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
-                               two_phase=self.gdn_two_phase, chunked=self.gdn_chunked)
+                               two_phase=self.gdn_two_phase, chunked=self.gdn_chunked,
+                               kept=self.kept[self.gdn_index[i]] if self._replays(t) else None)
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
 
     def _gdn_inputs(self, w, mixed, ba):

@@ -109,9 +109,10 @@ if triton is not None:
     @triton.jit
     def _gated_delta_block_kernel(qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, pos_ptr, x_ptr, ba_ptr, ba_stride, decay_ptr,
                                   dt_bias_ptr, state_ptr, out_ptr, states_ptr, scratch_ptr, HV, KEY_DIM, CONV_DIM,
-                                  SCALE, T: tl.constexpr, T_P: tl.constexpr, REP: tl.constexpr, KW: tl.constexpr,
-                                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                                  STORE_STATES: tl.constexpr, CHUNKED: tl.constexpr, CHUNK_K: tl.constexpr,
+                                  SCALE, SCRATCH_ROWS: tl.constexpr, T: tl.constexpr, T_P: tl.constexpr,
+                                  REP: tl.constexpr, KW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                                  STORE_STATES: tl.constexpr, FIRST_STATE_ONLY: tl.constexpr, CHUNKED: tl.constexpr,
+                                  CHUNK_K: tl.constexpr,
                                   BA_DOT: tl.constexpr, HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr,
                                   BLOCK_H: tl.constexpr):
         """`_gated_delta_step_kernel` for a block, in two phases. First every token's inputs at once ([T, channels]
@@ -121,7 +122,10 @@ if triton is not None:
         alone (one reduction of the state over the key dimension), its inputs' loads free to be issued ahead of it.
         The same formulas as the one-token kernel, summed in another order (the conv over its taps, the l2norms, the
         b / a dot), so a block and one-token steps agree to fp32 rounding, not bit for bit.
-        CHUNKED (T_P >= 16, a tensor-core tile): phase 2 as `_chunk_state` instead of token by token."""
+        CHUNKED (T_P >= 16, a tensor-core tile): phase 2 as `_chunk_state` instead of token by token. A program's
+        scratch rows start SCRATCH_ROWS (>= T_P) rows apart. FIRST_STATE_ONLY (with STORE_STATES, not CHUNKED): of the
+        states only states[0], the state before the block; the scratch rows (the caller's, kept) let
+        `_gated_delta_replay_kernel` recompute the state after any position from it."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -190,7 +194,7 @@ if triton is not None:
         tl.store(dst + qc[None, :], tl.load(here + qc[None, :], mask=own), mask=own)
         tl.store(dst + kc[None, :], tl.load(here + kc[None, :], mask=own), mask=own)
         if CHUNKED:  # q and k through this program's scratch rows, read back a key chunk at a time
-            base = scratch_ptr + (h * tl.num_programs(1) + vb) * (T_P * 2 * DK)
+            base = scratch_ptr + (h * tl.num_programs(1) + vb) * (SCRATCH_ROWS * 2 * DK)
             tl.store(base + rt[:, None] * (2 * DK) + rk[None, :], qq)
             tl.store(base + rt[:, None] * (2 * DK) + DK + rk[None, :], kk)
             tl.debug_barrier()  # the rows are read back by other threads of this program
@@ -198,7 +202,7 @@ if triton is not None:
                          rt, rv, h * DK * DV, HV * DK * DV, T, DK, DV, CHUNK_K, STORE_STATES)
         else:  # phase 2: the tokens' inputs through this program's scratch rows, token by token
             SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
-            base = scratch_ptr + (h * tl.num_programs(1) + vb) * (T_P * SCR)
+            base = scratch_ptr + (h * tl.num_programs(1) + vb) * (SCRATCH_ROWS * SCR)
             tl.store(base + rt[:, None] * SCR + rk[None, :], qq)
             tl.store(base + rt[:, None] * SCR + DK + rk[None, :], kk)
             tl.store(base + rt[:, None] * SCR + 2 * DK + rb[None, :], vv)
@@ -213,10 +217,34 @@ if triton is not None:
                 s = _step_state(s, tl.load(row_t + rk), tl.load(row_t + DK + rk), tl.load(row_t + 2 * DK + rb),
                                 tl.load(row_t + 2 * DK + BLOCK_V), tl.load(row_t + 2 * DK + BLOCK_V + 1),
                                 tl.load(row_t + 2 * DK + BLOCK_V + 2), out_ptr + (t * HV + h) * DV + rv)
-                if STORE_STATES:
+                if STORE_STATES and not FIRST_STATE_ONLY:
                     tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
         if not CHUNKED:  # (_chunk_state wrote it)
             tl.store(state_ptr + tile, s)
+
+    @triton.jit
+    def _gated_delta_replay_kernel(states0_ptr, scratch_ptr, state_ptr, N, LAYER_STATES0, LAYER_SCRATCH, LAYER_STATE,
+                                   HV, SCRATCH_ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr):
+        """The state after the first N tokens of the last two-phase block (FIRST_STATE_ONLY), for every layer in one
+        launch (program_id(2): the layer; each buffer's layers LAYER_* elements apart): from the state before the block
+        (states0) through the same `_step_state` lines over the block's scratch rows the block kernel read (its outputs
+        to a dead end: they were the block's), so it is the state the block kernel held after token N - 1."""
+        h = tl.program_id(0)
+        vb = tl.program_id(1)
+        layer = tl.program_id(2).to(tl.int64)
+        rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        rb = tl.arange(0, BLOCK_V)
+        rk = tl.arange(0, DK)
+        tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
+        s = tl.load(states0_ptr + layer * LAYER_STATES0 + tile)
+        SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
+        base = scratch_ptr + layer * LAYER_SCRATCH + (h * tl.num_programs(1) + vb) * (SCRATCH_ROWS * SCR)
+        for t in range(N):
+            row_t = base + t * SCR
+            s, _ = _step_update(s, tl.load(row_t + rk), tl.load(row_t + DK + rk), tl.load(row_t + 2 * DK + rb),
+                                tl.load(row_t + 2 * DK + BLOCK_V), tl.load(row_t + 2 * DK + BLOCK_V + 1),
+                                tl.load(row_t + 2 * DK + BLOCK_V + 2))
+        tl.store(state_ptr + layer * LAYER_STATE + tile, s)
 
     # _chunk_state's matmuls in fp32 FMAs: its tiles are small, and for sm_90 at 8 warps and 32-key chunks this compiles
     # to 128 registers with no spill, where tf32 / tf32x3 tensor-core operands did not fit (tests' sm90_resources)
@@ -383,11 +411,17 @@ if triton is not None:
         the new state. S' = S e^g + k delta^T with delta = (v - e^g S^T k) beta, and o = S'^T q = e^g S^T q +
         (k . q) delta: both reductions of the old state over the key dimension in one pass (a reduction
         across warps is a round trip through shared memory, on the token-by-token critical path)."""
+        s, o = _step_update(s, qq, kk, vv, kq, g, beta)
+        tl.store(out_ptrs, o)
+        return s
+
+    @triton.jit
+    def _step_update(s, qq, kk, vv, kq, g, beta):
+        """`_step_state`'s arithmetic: (the new state, the token's output)."""
         decay = tl.exp(g)
         sk, sq = tl.reduce((s * kk[:, None], s * qq[:, None]), 0, _add2)
         delta = (vv - decay * sk) * beta
-        tl.store(out_ptrs, decay * sq + kq * delta)
-        return s * decay + kk[:, None] * delta[None, :]
+        return s * decay + kk[:, None] * delta[None, :], decay * sq + kq * delta
 
 
 CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs (a prefill) go in chunks
@@ -438,7 +472,8 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
 
 def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states=None, *,
                      key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = STEP_BLOCK_V,
-                     num_warps: int | None = None, two_phase: bool = False, chunked: bool = False):
+                     num_warps: int | None = None, two_phase: bool = False, chunked: bool = False,
+                     kept: torch.Tensor | None = None):
     """A Gated DeltaNet layer's middle for a decode step or verify block (T <= CHUNK tokens) in one launch:
     the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
     (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
@@ -452,7 +487,11 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     inputs first, then the recurrence alone token by token (one token keeps the step kernel). `chunked`: the same
     block kernel with the recurrence in the chunked form (`_chunk_state`: matmuls over the block instead
     of a state reduction per token), its block padded to 16 rows. `num_warps`:
-    STEP_WARPS, or BLOCK_WARPS (two-phase) or CHUNKED_WARPS for the block kernel, unless given."""
+    STEP_WARPS, or BLOCK_WARPS (two-phase) or CHUNKED_WARPS for the block kernel, unless given.
+    `kept` (a two-phase block of T > 1 tokens with `states`; `replay_scratch`'s shape, fp32): the block's per-token
+    inputs are written there and kept, and of the states only states[0], the state before the block: a rollback into
+    the block recomputes the state it needs (`gated_delta_replay`) instead of the block writing all T + 1 (at
+    Qwen3.5-4B, 16 x 2 MB a layer a verify block, most of them never read)."""
     if triton is None:
         raise QdflashError("gated_delta_step needs triton")
     t = qkvz.shape[0]
@@ -474,6 +513,14 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     chunked = chunked and t > 1
     two_phase = two_phase and t > 1
     block_v = _value_block("gated_delta_step", dk, dv, block_v, states, t)
+    if kept is not None:
+        shape = replay_scratch(heads, dk, dv, t, block_v)
+        if not (two_phase and not chunked and states is not None):
+            raise QdflashError("gated_delta_step: kept scratch is for a two-phase block of > 1 tokens with states")
+        if (kept.dtype != torch.float32 or not kept.is_contiguous() or kept.shape[0] != shape[0]
+                or kept.shape[1] < shape[1] or kept.shape[2] != shape[2]):
+            raise QdflashError(f"gated_delta_step: kept must be contiguous fp32 [{shape[0]}, >= {shape[1]}, {shape[2]}], "
+                               f"got {tuple(kept.shape)} {kept.dtype}")
     if chunked and (block_v < 16 or dk < 16):
         raise QdflashError(f"gated_delta_step: chunked multiplies [16, dk] x [dk, value block] tiles: dk={dk} and the value "
                            f"block {block_v} must be >= 16")
@@ -483,13 +530,13 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     if two_phase or chunked:
         t_p = triton.next_power_of_2(t)
         t_p = max(t_p, 16) if chunked else t_p  # a tensor-core tile's least rows
-        scratch = torch.empty(heads * (dv // block_v), t_p, 2 * dk + (0 if chunked else block_v + 3), device=qkvz.device,
-                              dtype=torch.float32)
+        scratch = kept if kept is not None else torch.empty(
+            heads * (dv // block_v), t_p, 2 * dk + (0 if chunked else block_v + 3), device=qkvz.device, dtype=torch.float32)
         _gated_delta_block_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
             state if states is None else states, scratch, heads, key_dim, conv_dim, float(dk ** 0.5),
-            T=t, T_P=t_p, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, STORE_STATES=states is not None,
-            CHUNKED=chunked, CHUNK_K=min(CHUNK_K, dk), BA_DOT=ba_weight, HIDDEN=hidden,
+            SCRATCH_ROWS=scratch.shape[1], T=t, T_P=t_p, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v,
+            STORE_STATES=states is not None, FIRST_STATE_ONLY=kept is not None, CHUNKED=chunked, CHUNK_K=min(CHUNK_K, dk), BA_DOT=ba_weight, HIDDEN=hidden,
             H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, num_warps=num_warps)
     else:
         _gated_delta_step_kernel[(heads, dv // block_v)](
@@ -499,3 +546,35 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
             KW=kw, DK=dk, DV=dv, BLOCK_V=block_v, BA_DOT=ba_weight, STORE_STATES=states is not None,
             num_warps=num_warps)
     return out
+
+
+def replay_scratch(heads: int, dk: int, dv: int, max_block: int, block_v: int = STEP_BLOCK_V) -> tuple[int, int, int]:
+    """The shape of a layer's kept two-phase scratch (`gated_delta_step(kept=)`) for blocks of up to `max_block`
+    tokens: [programs, rows, one token's q, k, this program's v, k . q, g, beta]."""
+    block_v = min(block_v, dv)
+    return heads * (dv // block_v), 1 << (max_block - 1).bit_length(), 2 * dk + block_v + 3  # rows: T_P of the longest
+
+
+def gated_delta_replay(states0: torch.Tensor, kept: torch.Tensor, state: torch.Tensor, n: int,
+                       block_v: int = STEP_BLOCK_V, num_warps: int = BLOCK_WARPS) -> None:
+    """Every layer's state after the first `n` tokens of its last block fed with `gated_delta_step(kept=)`, written to
+    `state`, in one launch. states0 [layers, heads, dk, dv]: the states before the block (that call's states[0]; any
+    stride between layers), kept [layers, *replay_scratch(...)], state [layers, heads, dk, dv] (the layers' states),
+    all fp32. Runs the block kernel's own `_step_state` lines over the kept inputs, its warps (`num_warps`) and value
+    block the block's: so where they compile alike, bit for bit the state the block kernel held after token n - 1."""
+    if triton is None:
+        raise QdflashError("gated_delta_replay needs triton")
+    layers, heads, dk, dv = state.shape
+    block_v = _value_block("gated_delta_replay", dk, dv, block_v, None, 0)
+    shape = replay_scratch(heads, dk, dv, 1, block_v)
+    if states0.shape != state.shape or kept.shape[0] != layers or kept.shape[1] != shape[0] or kept.shape[3] != shape[2]:
+        raise QdflashError(f"gated_delta_replay: states0 {tuple(states0.shape)} and kept {tuple(kept.shape)} do not match "
+                           f"the state {tuple(state.shape)}")
+    if not 0 <= n <= kept.shape[2]:
+        raise QdflashError(f"gated_delta_replay: {n} tokens; the kept scratch holds up to {kept.shape[2]}")
+    for name, x in (("states0", states0[0]), ("kept", kept[0]), ("state", state[0])):
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise QdflashError(f"gated_delta_replay: each layer's {name} must be contiguous fp32 (got {x.dtype})")
+    _gated_delta_replay_kernel[(heads, dv // block_v, layers)](
+        states0, kept, state, n, states0.stride(0), kept.stride(0), state.stride(0), heads, SCRATCH_ROWS=kept.shape[2],
+        DK=dk, DV=dv, BLOCK_V=block_v, num_warps=num_warps)
