@@ -20,7 +20,9 @@ block kernel that computes every token's inputs first, then runs the recurrence 
 keeps the step kernel), `two_phase_dot` (that block kernel computing the a / b projection itself, as the engine's
 default gdn_ba='dot' runs it), `chunked` (that block kernel with the block's recurrence as matmuls, the chunked form:
 `kernels.gated_delta._chunk_state`; one token keeps the step kernel) and `chunked_dot` (with the projection in the
-kernel).
+kernel). `two_phase_dot_kept`: `two_phase_dot` keeping its tokens' inputs and only the state before the block instead
+of every position's state (`gated_delta_step(kept=)`, the engine's `gdn_replay`; timed where states are kept), and
+then the rollback's replay of 15 of its tokens for 24 layers in one launch (`gated_delta_replay`; a row of its own).
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ import platform
 import torch
 
 from qdflash.kernels import copies_past_l2, graph_ms
-from qdflash.kernels.gated_delta import gated_delta_step
+from qdflash.kernels.gated_delta import gated_delta_replay, gated_delta_step, replay_scratch
 
 # Qwen3.5-4B's linear-attention layers: 16 key heads, 32 value heads, head dims 128, conv kernel 4, hidden 2560
 SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
 # (block_v, num_warps); the default first (the step kernel's, and the two-phase block kernel's: BLOCK_WARPS)
 LAUNCHES = [(16, 4), (16, 8), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]
-VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "chunked", "chunked_dot")
+VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "two_phase_dot_kept", "chunked", "chunked_dot")
+REPLAY_LAYERS, REPLAY_TOKENS = 24, 15  # Qwen3.5-4B's GDN layers; a rollback to all but the last of a 16-token block
 
 
 def launch_list(text: str) -> list[tuple[int, int]]:
@@ -70,6 +73,7 @@ def layer_inputs(t: int, position: int, device, g: torch.Generator) -> dict:
         dt_bias=torch.randn(s["heads"], generator=g).to(**bf16),
         state=(torch.randn(s["heads"], s["dk"], s["dv"], generator=g) * 0.1).to(device),
         states=torch.zeros(t + 1, s["heads"], s["dk"], s["dv"], device=device) if t > 1 else None,
+        kept=torch.zeros(replay_scratch(s["heads"], s["dk"], s["dv"], t), device=device) if t > 1 else None,
     )
 
 
@@ -79,7 +83,8 @@ def run(layer: dict, block_v: int, num_warps: int, keep_states: bool, variant: s
                             layer["ba_product"] if given else layer["ba"], layer["decay"], layer["dt_bias"], layer["state"],
                             layer["states"] if keep_states else None, key_heads=SHAPE["key_heads"],
                             key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps,
-                            two_phase=variant.startswith("two_phase"), chunked=variant.startswith("chunked"))
+                            two_phase=variant.startswith("two_phase"), chunked=variant.startswith("chunked"),
+                            kept=layer["kept"] if variant.endswith("_kept") else None)
 
 
 def variant_list(text: str) -> list[str]:
@@ -108,6 +113,8 @@ def main() -> None:
         snapshot = [layer["state"].clone() for layer in layers]
         reference = None
         for variant in args.variants:
+            if variant.endswith("_kept") and not keep_states:  # (it keeps the first state: a block with states)
+                continue
             for block_v, num_warps in args.launches:
                 for layer, state in zip(layers, snapshot):
                     layer["state"].copy_(state)
@@ -120,6 +127,16 @@ def main() -> None:
                        "num_warps": num_warps, "us_per_layer": round(us, 2), "max_abs_vs_first": diff}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    if "two_phase_dot_kept" in args.variants:  # the rollback's replay: every layer in one launch, default launch shape
+        s = SHAPE
+        state = torch.randn(REPLAY_LAYERS, s["heads"], s["dk"], s["dv"], device="cuda")
+        states0, kept = state.clone(), torch.randn(REPLAY_LAYERS, *replay_scratch(s["heads"], s["dk"], s["dv"], 16), device="cuda")
+        us = graph_ms(lambda: gated_delta_replay(states0, kept, state, REPLAY_TOKENS)) * 1e3
+        row = {"replay_layers": REPLAY_LAYERS, "replay_tokens": REPLAY_TOKENS, "us_per_launch": round(us, 2),
+               "bytes": (2 * state.numel() + REPLAY_TOKENS * kept[:, :, 0].numel()) * 4}
+        row["GBps"] = round(row["bytes"] / us / 1e3, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     result = {"shape": SHAPE, "position": args.position, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "rows": rows}
     if args.out:
