@@ -479,8 +479,8 @@ def test_layer_tails_bench_checks_both_launches_on_a_tiny_shape(monkeypatch):
 
 
 def test_replay_check_sets_replayed_rollbacks_against_kept_states(tiny_qwen):
-    """replay_check (before the GPU run's timings): with the two-phase block's replay on (its default for a 16-bit
-    model; here the fp32 tiny model through the interpreter), rollbacks into a block replayed and with every state
+    """replay_check (before the GPU run's timings): with the two-phase block's replay on (--gdn-replay; here the fp32
+    tiny model through the interpreter), rollbacks into a block replayed and with every state
     kept give the same states and logits; and the engine is left replaying. Off, there is nothing to check."""
     pytest.importorskip("triton")
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
@@ -489,6 +489,7 @@ def test_replay_check_sets_replayed_rollbacks_against_kept_states(tiny_qwen):
     from qdflash.engine import build_engine
 
     engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+    engine.gdn_replay = True
     assert bench_components.replay_check(engine, "cpu")["gdn_replay_check"].startswith("no replay")  # fp32: no two-phase
     engine.gdn_two_phase = True
     r = bench_components.replay_check(engine, "cpu", tokens=8, block=3, keeps=(1,))

@@ -284,7 +284,7 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
 
 
 def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(tiny_qwen, monkeypatch):
-    """gdn_replay (the default with the two-phase block): a verify block keeps its GDN inputs and the state before it,
+    """gdn_replay (with the two-phase block): a verify block keeps its GDN inputs and the state before it,
     and a rollback into it recomputes every layer's state in one launch (gated_delta_replay). The engine then holds
     exactly the states, and predicts exactly the logits, that keeping every position's state gave; a rollback after a
     decode step, a prompt or an unfused block copies as before."""
@@ -305,7 +305,7 @@ def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(ti
         for keep, block in ((22, [101, 202, 303, 404, 505]), (24, [7, 8, 9]), (26, [11, 12])):
             engine.forward(torch.tensor(block), engine.length)
             engine.rollback(keep)
-            out.append((engine.states.clone(), engine.forward(torch.tensor([777]), keep)[0]))
+            out.append((torch.stack(list(engine.state.values())), engine.forward(torch.tensor([777]), keep)[0]))
         engine.rollback(27)  # after a decode step: nothing kept, nothing to roll back to
         runs[replay] = out
     assert replays == [2, 1, 1], "each rollback into a block replayed its accepted tokens, and only with gdn_replay"

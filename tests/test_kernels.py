@@ -617,7 +617,7 @@ def test_a_replayed_block_state_is_the_one_the_block_kept(tokens):
     that keeps every position's state, but of the states only the first; gated_delta_replay then gives, for every
     layer in one launch, the state after any n of the block's tokens: the block's own states[n], bit for bit (the same
     lines on the same inputs). Bad buffers are refused by name."""
-    from qdflash.kernels.gated_delta import gated_delta_replay, gated_delta_step, replay_scratch
+    from qdflash.kernels.gated_delta import gated_delta_replay, gated_delta_step, replay_scratch, replay_tables
 
     g = torch.Generator().manual_seed(5)
     layers, key_heads, heads, dk, dv, kw, hidden, max_block = 2, 2, 4, 16, 32, 4, 48, 16
@@ -644,15 +644,21 @@ def test_a_replayed_block_state_is_the_one_the_block_kept(tokens):
         assert torch.equal(got, out) and torch.equal(state[layer], expected_state)
         assert torch.equal(states0[layer, 0], every[0]) and not states0[layer, 1:].any()  # the first state only
         full.append(every)
+    replayed = [torch.full_like(state[0], float("nan")) for _ in range(layers)]  # each layer's an allocation of its own
+    tables = replay_tables([states0[layer, 0] for layer in range(layers)], [kept[layer] for layer in range(layers)],
+                           replayed)
     for n in (0, 1, tokens - 1, tokens):
-        replayed = torch.full_like(state, float("nan"))
-        gated_delta_replay(states0[:, 0], kept, replayed, n)
+        gated_delta_replay(tables, n)
         for layer in range(layers):
             assert torch.equal(replayed[layer], full[layer][n]), (n, layer)
     with pytest.raises(QdflashError, match="up to 16"):
-        gated_delta_replay(states0[:, 0], kept, state, 17)
-    with pytest.raises(QdflashError, match="do not match"):
-        gated_delta_replay(states0[:1, 0], kept, state, 1)
+        gated_delta_replay(tables, 17)
+    with pytest.raises(QdflashError, match="one of each a layer"):
+        replay_tables([states0[0, 0]], [kept[0], kept[1]], replayed)
+    with pytest.raises(QdflashError, match="expected for every layer"):
+        replay_tables([states0[0, 0], states0[1, 0]], [kept[0], kept[1, :, :, :4].contiguous()], replayed)
+    with pytest.raises(QdflashError, match="contiguous fp32"):
+        replay_tables([states0[0, 0], states0[1, 0]], [kept[0], kept[1]], [replayed[0], replayed[1].double()])
     with pytest.raises(QdflashError, match="kept scratch is for a two-phase block"):
         gated_delta_step(torch.zeros(2, conv_dim + heads * dv, device=DEVICE), torch.zeros(32, conv_dim, device=DEVICE),
                          conv_w, torch.arange(2, device=DEVICE), torch.zeros(2, hidden, device=DEVICE), ba_w, decay, dt_bias,
@@ -978,8 +984,7 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
         from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
         num_warps, module, name = BLOCK_WARPS, "qdflash.kernels.gated_delta", "_gated_delta_replay_kernel"
-        signature = {"states0_ptr": "*fp32", "scratch_ptr": "*fp32", "state_ptr": "*fp32", "N": "i32", "LAYER_STATES0": "i64",
-                     "LAYER_SCRATCH": "i64", "LAYER_STATE": "i64", "HV": "i32"}
+        signature = {"tables_ptr": "*i64", "N": "i32", "LAYERS": "i32", "HV": "i32"}
         constexprs = dict(SCRATCH_ROWS=16, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V)
     elif kind.startswith("gdn"):
         num_warps = (CHUNKED_WARPS if "chunked" in kind else BLOCK_WARPS) if "block" in kind else STEP_WARPS

@@ -483,10 +483,12 @@ def study_arms(args) -> list[Arm]:
 def target_engine(target, args, max_len):
     """The main run's engine for `target` (16-bit, W4, W4 head): --attention, the first --gdn-ba mode, and its verify
     block's GDN middle through the two-phase kernel (the engine's default for a 16-bit model) unless --gdn-step-kernel
-    (token by token through the step kernel; decode steps are the same either way)."""
+    (token by token through the step kernel; decode steps are the same either way); with --gdn-replay its verify
+    blocks keep their GDN inputs for a replay instead of every position's state (LeanQwen35.gdn_replay)."""
     engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
     if getattr(args, "gdn_step_kernel", False):
         engine.gdn_two_phase = False
+    engine.gdn_replay = getattr(args, "gdn_replay", False)
     return engine
 
 
@@ -713,7 +715,7 @@ def replay_check(engine, device: str, tokens: int = 40, block: int = 8, keeps: t
                     engine.forward(prompt[:start], 0)
                     engine.forward(prompt[start:start + block], start)
                     engine.rollback(start + keep)
-                    state = engine.states.clone()
+                    state = torch.stack(list(engine.state.values()))
                     rows.append((state, engine.forward(prompt[start + block:], start + keep)[0].float()))
             out[replay] = rows
     except Exception as err:  # noqa: BLE001 -- a replay that fails here is a result; the run goes on keeping every state
@@ -796,6 +798,10 @@ def main() -> None:
     parser.add_argument("--targets-only", action="store_true",
                         help="no drafter steps and no cuBLAS-only arm: the targets' decode steps and verify blocks (and "
                              "with --compile their `side_by_side` ratios), in about half the device time")
+    parser.add_argument("--gdn-replay", action="store_true",
+                        help="the targets' verify blocks keep their GDN inputs and the state before them, and a rollback "
+                             "replays the accepted tokens (LeanQwen35.gdn_replay, off by default), checked against kept "
+                             "states before timing (gdn_replay_check)")
     parser.add_argument("--no-cublas", action="store_true",
                         help="no cuBLAS-only arm (target16_cublas: the 16-bit target's matmuls through cuBLAS, "
                              "uncompiled), the drafters kept: the must-show run in less device time")

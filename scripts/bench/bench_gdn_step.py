@@ -34,7 +34,7 @@ import platform
 import torch
 
 from qdflash.kernels import copies_past_l2, graph_ms
-from qdflash.kernels.gated_delta import gated_delta_replay, gated_delta_step, replay_scratch
+from qdflash.kernels.gated_delta import gated_delta_replay, gated_delta_step, replay_scratch, replay_tables
 
 # Qwen3.5-4B's linear-attention layers: 16 key heads, 32 value heads, head dims 128, conv kernel 4, hidden 2560
 SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
@@ -129,11 +129,13 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     if "two_phase_dot_kept" in args.variants:  # the rollback's replay: every layer in one launch, default launch shape
         s = SHAPE
-        state = torch.randn(REPLAY_LAYERS, s["heads"], s["dk"], s["dv"], device="cuda")
-        states0, kept = state.clone(), torch.randn(REPLAY_LAYERS, *replay_scratch(s["heads"], s["dk"], s["dv"], 16), device="cuda")
-        us = graph_ms(lambda: gated_delta_replay(states0, kept, state, REPLAY_TOKENS)) * 1e3
+        state = [torch.randn(s["heads"], s["dk"], s["dv"], device="cuda") for _ in range(REPLAY_LAYERS)]
+        states0 = [x.clone() for x in state]
+        kept = [torch.randn(replay_scratch(s["heads"], s["dk"], s["dv"], 16), device="cuda") for _ in range(REPLAY_LAYERS)]
+        tables = replay_tables(states0, kept, state)
+        us = graph_ms(lambda: gated_delta_replay(tables, REPLAY_TOKENS)) * 1e3
         row = {"replay_layers": REPLAY_LAYERS, "replay_tokens": REPLAY_TOKENS, "us_per_launch": round(us, 2),
-               "bytes": (2 * state.numel() + REPLAY_TOKENS * kept[:, :, 0].numel()) * 4}
+               "bytes": (2 * state[0].numel() + REPLAY_TOKENS * kept[0][:, 0].numel()) * REPLAY_LAYERS * 4}
         row["GBps"] = round(row["bytes"] / us / 1e3, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)

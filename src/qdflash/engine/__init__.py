@@ -7,8 +7,8 @@ The model code is a few hundred lines with nothing between the math and the tens
 gate/up projections, one static KV cache written in place (a rollback is a change of length: no copy),
 so that the decode step and the verify block can later be captured as CUDA graphs. What every engine
 shares is `base.py`. Families: llama and Qwen2 (`llama.py`; Qwen2 adds q/k/v biases) and the Qwen3.5 hybrid (`qwen3_5.py`: Gated DeltaNet
-with per-position recurrent states kept during a verify, or on a GPU the block's inputs to re-run the accepted
-tokens' state updates from, so a rollback restores the state without feeding tokens again). Others get a clear error, and `qdflash.spec` then runs transformers'
+with per-position recurrent states kept during a verify, or optionally on a GPU the block's inputs to re-run the
+accepted tokens' state updates from, so a rollback restores the state without feeding tokens again). Others get a clear error, and `qdflash.spec` then runs transformers'
 forward.
 
 `batched.BatchGenerator` runs the same weights over many rows at once (self-distillation data:

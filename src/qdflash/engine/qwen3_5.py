@@ -3,9 +3,10 @@
 Gated DeltaNet layers run the recurrent form token by token and keep the recurrent state after every
 position of the last block fed (up to `max_block` tokens), so a rollback to any accepted prefix
 restores the exact state without feeding anything again (docs/recipe.md: "keep per-position states during
-verify"). A block through the two-phase kernel (a 16-bit model's verify block on a GPU) keeps instead the state
-before it and its tokens' kernel inputs, and a rollback re-runs the accepted tokens' state updates from those, every
-layer in one launch (`gdn_replay`; docs/recipe.md's other way: "re-run the recurrence on the accepted prefix"). Their causal-conv inputs live in a per-position buffer like a KV cache, so a rollback there
+verify"). With `gdn_replay` (off by default) a block through the two-phase kernel (a 16-bit model's verify block on a
+GPU) keeps instead the state before it and its tokens' kernel inputs, and a rollback re-runs the accepted tokens' state
+updates from those, every layer in one launch (docs/recipe.md's other way: "re-run the recurrence on the accepted
+prefix"). Their causal-conv inputs live in a per-position buffer like a KV cache, so a rollback there
 is a change of length too. Every cache is a fixed buffer updated in place and positions are a tensor,
 so a decode step and a verify block can be captured as CUDA graphs (`qdflash.engine.graphs`).
 On a GPU a decode step's or verify block's layer middle (buffer write, causal conv, silu, l2norm, gates with
@@ -22,7 +23,8 @@ from torch import nn
 
 from ..errors import QdflashError
 from ..kernels import gated_norm, qk_norm_rope
-from ..kernels.gated_delta import CHUNK, gated_delta_recurrence, gated_delta_replay, gated_delta_step, replay_scratch
+from ..kernels.gated_delta import (CHUNK, gated_delta_recurrence, gated_delta_replay, gated_delta_step, replay_scratch,
+                                   replay_tables)
 from .linear import Projection, StreamNorm, residual_norm, swiglu
 from ..ops import apply_rope, tap_features
 from .base import KERNEL_TOKENS, EngineBase, cached_attention
@@ -80,8 +82,10 @@ class LeanQwen35(EngineBase):
         # a two-phase verify block (above) writes the GDN state before it and keeps its tokens' inputs (the kernel's
         # scratch) instead of writing the state after every position: a rollback into the block recomputes the one
         # state it needs, every layer in one launch (gated_delta_replay). At Qwen3.5-4B a verify block wrote 16 states
-        # of 2 MB a layer, 24 layers, and a round reads one of them. Set before capture
-        self.gdn_replay = True
+        # of 2 MB a layer, 24 layers, and a round reads one of them. Off until a device run times it in compiled
+        # steps: the one run so far checked it eagerly (equal to the kept states) and then failed in its compiled
+        # steps (results/published/2026-12-06-h100-gdn-kept). Set before capture
+        self.gdn_replay = False
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
         # False runs the unfused layer (the benchmark's side-by-side arm)
         self.fuse_gdn = True
@@ -101,17 +105,7 @@ class LeanQwen35(EngineBase):
         self.types = list(c.layer_types)
         kv = (self.kv_heads, max_len, self.head_dim)
         self.layers, self.k_cache, self.v_cache = [], {}, {}
-        self.conv_in, self.state, self.block_states = {}, {}, {}
-        # the GDN layers' states, states kept through a block and kept block inputs each one buffer across layers (a
-        # layer's: a slice), so that one launch replays them all (rollback)
-        gdn = [layer.linear_attn for i, layer in enumerate(model.model.layers) if self.types[i] != "full_attention"]
-        self.gdn_index = {i: j for j, i in enumerate(i for i, t in enumerate(self.types) if t != "full_attention")}
-        shape = (gdn[0].num_v_heads, gdn[0].head_k_dim, gdn[0].head_v_dim) if gdn else (0, 1, 1)
-        if any((la.num_v_heads, la.head_k_dim, la.head_v_dim) != shape for la in gdn):
-            raise QdflashError(f"LeanQwen35: its Gated DeltaNet layers differ in heads / head sizes; expected all {shape}")
-        self.states = torch.zeros(len(gdn), *shape, device=device)
-        self.block_states_all = torch.zeros(len(gdn), max_block + 1, *shape, device=device)
-        self.kept = torch.zeros(len(gdn), *replay_scratch(*shape, max_block), device=device) if self.kernels else None
+        self.conv_in, self.state, self.block_states, self.kept = {}, {}, {}, {}
         self._replay_last = False  # whether the last block fed kept its inputs (rollback replays) or its states
         for i, layer in enumerate(model.model.layers):
             w = {"norm1": self._norm(layer.input_layernorm), "norm2": self._norm(layer.post_attention_layernorm),
@@ -133,13 +127,18 @@ class LeanQwen35(EngineBase):
                 w.update(la=la, out=Projection.of([la.out_proj], dtype, self.kernels),
                          conv=la.conv1d.weight.detach(), decay=-la.A_log.detach().float().exp(), dt_bias=la.dt_bias.detach())
                 self.conv_in[i] = torch.zeros(max_len, la.conv_dim, device=device, dtype=dtype)
-                self.state[i] = self.states[self.gdn_index[i]]
-                self.block_states[i] = self.block_states_all[self.gdn_index[i]]
+                self.state[i] = torch.zeros(la.num_v_heads, la.head_k_dim, la.head_v_dim, device=device)
+                self.block_states[i] = torch.zeros(max_block + 1, *self.state[i].shape, device=device)
+                if self.kernels:  # a two-phase block's inputs, kept for a replay (gdn_replay)
+                    self.kept[i] = torch.zeros(replay_scratch(*self.state[i].shape, max_block), device=device)
             self.layers.append(w)
         kernel = max((w["la"].conv_kernel_size for w in self.layers if "la" in w), default=1)
         self.conv_offsets = torch.arange(-(kernel - 1), max_len, device=device)
         self.length = 0
         self.block_start = 0  # the last block fed: states of positions block_start..length are kept
+        layers = list(self.kept)
+        self._replay_tables = replay_tables([self.block_states[i][0] for i in layers], [self.kept[i] for i in layers],
+                                            [self.state[i] for i in layers]) if layers else None
 
     def _norm(self, module: nn.Module) -> StreamNorm:
         """The model's own norm module into the model's dtype (it computes in fp32 and returns its input's dtype)."""
@@ -161,9 +160,11 @@ class LeanQwen35(EngineBase):
         # in place (a captured graph reads these buffers), every GDN layer's in one launch: a copy_ per layer was 24
         # launches of a 4B model, each more host time than its 2 MB copy takes on a GPU, between two rounds
         if self._replay_last:  # the block kept its inputs: the state after `keep` recomputed from the one before it
-            gated_delta_replay(self.block_states_all[:, 0], self.kept, self.states, keep - self.block_start)
+            gated_delta_replay(self._replay_tables, keep - self.block_start)
         else:
-            self.states.copy_(self.block_states_all[:, keep - self.block_start])
+            layers = list(self.block_states)
+            torch._foreach_copy_([self.state[i] for i in layers],
+                                 [self.block_states[i][keep - self.block_start] for i in layers])
         self.length = keep
 
     def _keeps_states(self, t: int) -> bool:
@@ -263,7 +264,7 @@ class LeanQwen35(EngineBase):
                                self.state[i], self.block_states[i] if self._keeps_states(t) else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
                                two_phase=self.gdn_two_phase, chunked=self.gdn_chunked,
-                               kept=self.kept[self.gdn_index[i]] if self._replays(t) else None)
+                               kept=self.kept[i] if self._replays(t) else None)
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
 
     def _gdn_inputs(self, w, mixed, ba):

@@ -28,6 +28,8 @@ layer's 16-bit outputs round, so the two paths differ only by summation order.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..errors import QdflashError
@@ -223,28 +225,32 @@ if triton is not None:
             tl.store(state_ptr + tile, s)
 
     @triton.jit
-    def _gated_delta_replay_kernel(states0_ptr, scratch_ptr, state_ptr, N, LAYER_STATES0, LAYER_SCRATCH, LAYER_STATE,
-                                   HV, SCRATCH_ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _gated_delta_replay_kernel(tables_ptr, N, LAYERS, HV, SCRATCH_ROWS: tl.constexpr, DK: tl.constexpr,
+                                   DV: tl.constexpr, BLOCK_V: tl.constexpr):
         """The state after the first N tokens of the last two-phase block (FIRST_STATE_ONLY), for every layer in one
-        launch (program_id(2): the layer; each buffer's layers LAYER_* elements apart): from the state before the block
-        (states0) through the same `_step_state` lines over the block's scratch rows the block kernel read (its outputs
-        to a dead end: they were the block's), so it is the state the block kernel held after token N - 1."""
+        launch (program_id(2): the layer; `tables` [3, LAYERS] int64: each layer's states[0], kept scratch and state
+        addresses, so the layers' buffers stay allocations of their own): from the state before the block through the
+        same `_step_update` lines over the block's scratch rows the block kernel read (the outputs dropped: they were
+        the block's), so it is the state the block kernel held after token N - 1."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
-        layer = tl.program_id(2).to(tl.int64)
+        layer = tl.program_id(2)
+        states0_ptr = tl.load(tables_ptr + layer).to(tl.pointer_type(tl.float32))
+        scratch_ptr = tl.load(tables_ptr + LAYERS + layer).to(tl.pointer_type(tl.float32))
+        state_ptr = tl.load(tables_ptr + 2 * LAYERS + layer).to(tl.pointer_type(tl.float32))
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         rb = tl.arange(0, BLOCK_V)
         rk = tl.arange(0, DK)
         tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
-        s = tl.load(states0_ptr + layer * LAYER_STATES0 + tile)
+        s = tl.load(states0_ptr + tile)
         SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
-        base = scratch_ptr + layer * LAYER_SCRATCH + (h * tl.num_programs(1) + vb) * (SCRATCH_ROWS * SCR)
+        base = scratch_ptr + (h * tl.num_programs(1) + vb) * (SCRATCH_ROWS * SCR)
         for t in range(N):
             row_t = base + t * SCR
             s, _ = _step_update(s, tl.load(row_t + rk), tl.load(row_t + DK + rk), tl.load(row_t + 2 * DK + rb),
                                 tl.load(row_t + 2 * DK + BLOCK_V), tl.load(row_t + 2 * DK + BLOCK_V + 1),
                                 tl.load(row_t + 2 * DK + BLOCK_V + 2))
-        tl.store(state_ptr + layer * LAYER_STATE + tile, s)
+        tl.store(state_ptr + tile, s)
 
     # _chunk_state's matmuls in fp32 FMAs: its tiles are small, and for sm_90 at 8 warps and 32-key chunks this compiles
     # to 128 registers with no spill, where tf32 / tf32x3 tensor-core operands did not fit (tests' sm90_resources)
@@ -555,26 +561,54 @@ def replay_scratch(heads: int, dk: int, dv: int, max_block: int, block_v: int = 
     return heads * (dv // block_v), 1 << (max_block - 1).bit_length(), 2 * dk + block_v + 3  # rows: T_P of the longest
 
 
-def gated_delta_replay(states0: torch.Tensor, kept: torch.Tensor, state: torch.Tensor, n: int,
-                       block_v: int = STEP_BLOCK_V, num_warps: int = BLOCK_WARPS) -> None:
+class ReplayTables(NamedTuple):
+    """What `gated_delta_replay` reads: each layer's states[0], kept scratch and state (`tensors`, held so that their
+    addresses in `addresses` [3, layers] int64 stay theirs), and their shapes."""
+    addresses: torch.Tensor
+    tensors: tuple
+    heads: int
+    dk: int
+    dv: int
+    rows: int
+
+
+def replay_tables(states0: list[torch.Tensor], kept: list[torch.Tensor], state: list[torch.Tensor],
+                  block_v: int = STEP_BLOCK_V) -> ReplayTables:
+    """The layers' buffers for `gated_delta_replay`, checked once: per layer the state before its last block (that
+    `gated_delta_step(kept=)` call's states[0]), its kept scratch (`replay_scratch`'s shape) and its state, all fp32,
+    contiguous, on one device. Why addresses and not one buffer of all layers sliced: the engine's states were
+    allocations of their own, and the one device run with them as views of one buffer (results/published/
+    2026-12-06-h100-gdn-kept) failed with an illegal memory access in its first compiled steps (the cause not isolated:
+    those views, or the kept scratch in the compiled block), so the layers' buffers stay as they were."""
+    layers = len(state)
+    if not layers or len(states0) != layers or len(kept) != layers:
+        raise QdflashError(f"replay_tables: {len(states0)} states0, {len(kept)} kept and {layers} states; one of each a layer")
+    heads, dk, dv = state[0].shape
+    shape = replay_scratch(heads, dk, dv, 1, min(block_v, dv))
+    for name, group in (("states0", states0), ("kept", kept), ("state", state)):
+        for x in group:
+            if x.dtype != torch.float32 or not x.is_contiguous() or x.device != state[0].device:
+                raise QdflashError(f"replay_tables: each layer's {name} must be contiguous fp32 on {state[0].device}")
+    if any(x.shape != state[0].shape for x in (*states0, *state)) or any(
+            x.dim() != 3 or x.shape[0] != shape[0] or x.shape[2] != shape[2] or x.shape[1] != kept[0].shape[1] for x in kept):
+        raise QdflashError(f"replay_tables: states0 / state of {tuple(state[0].shape)} and kept of [{shape[0]}, rows, "
+                           f"{shape[2]}] expected for every layer")
+    addresses = torch.tensor([[x.data_ptr() for x in group] for group in (states0, kept, state)], dtype=torch.int64,
+                             device=state[0].device)
+    return ReplayTables(addresses, (*states0, *kept, *state), heads, dk, dv, kept[0].shape[1])
+
+
+def gated_delta_replay(tables: ReplayTables, n: int, block_v: int = STEP_BLOCK_V, num_warps: int = BLOCK_WARPS) -> None:
     """Every layer's state after the first `n` tokens of its last block fed with `gated_delta_step(kept=)`, written to
-    `state`, in one launch. states0 [layers, heads, dk, dv]: the states before the block (that call's states[0]; any
-    stride between layers), kept [layers, *replay_scratch(...)], state [layers, heads, dk, dv] (the layers' states),
-    all fp32. Runs the block kernel's own `_step_state` lines over the kept inputs, its warps (`num_warps`) and value
-    block the block's: so where they compile alike, bit for bit the state the block kernel held after token n - 1."""
+    its state, in one launch (`replay_tables`: the layers' buffers). Runs the block kernel's own step lines over the
+    kept inputs, with its warps (`num_warps`) and value block: where they compile alike, bit for bit the state the
+    block kernel held after token n - 1."""
     if triton is None:
         raise QdflashError("gated_delta_replay needs triton")
-    layers, heads, dk, dv = state.shape
-    block_v = _value_block("gated_delta_replay", dk, dv, block_v, None, 0)
-    shape = replay_scratch(heads, dk, dv, 1, block_v)
-    if states0.shape != state.shape or kept.shape[0] != layers or kept.shape[1] != shape[0] or kept.shape[3] != shape[2]:
-        raise QdflashError(f"gated_delta_replay: states0 {tuple(states0.shape)} and kept {tuple(kept.shape)} do not match "
-                           f"the state {tuple(state.shape)}")
-    if not 0 <= n <= kept.shape[2]:
-        raise QdflashError(f"gated_delta_replay: {n} tokens; the kept scratch holds up to {kept.shape[2]}")
-    for name, x in (("states0", states0[0]), ("kept", kept[0]), ("state", state[0])):
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            raise QdflashError(f"gated_delta_replay: each layer's {name} must be contiguous fp32 (got {x.dtype})")
-    _gated_delta_replay_kernel[(heads, dv // block_v, layers)](
-        states0, kept, state, n, states0.stride(0), kept.stride(0), state.stride(0), heads, SCRATCH_ROWS=kept.shape[2],
-        DK=dk, DV=dv, BLOCK_V=block_v, num_warps=num_warps)
+    if not 0 <= n <= tables.rows:
+        raise QdflashError(f"gated_delta_replay: {n} tokens; the kept scratch holds up to {tables.rows}")
+    block_v = _value_block("gated_delta_replay", tables.dk, tables.dv, block_v, None, 0)
+    layers = tables.addresses.shape[1]
+    _gated_delta_replay_kernel[(tables.heads, tables.dv // block_v, layers)](
+        tables.addresses, n, layers, tables.heads, SCRATCH_ROWS=tables.rows, DK=tables.dk, DV=tables.dv, BLOCK_V=block_v,
+        num_warps=num_warps)
