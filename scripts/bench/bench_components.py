@@ -224,6 +224,9 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
                 compiled[f"{label}.verify_compiled_ms"] / compiled[f"{label}.decode_compiled_ms"], 4)
         except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
             compiled[f"{label}.compile_error"] = error_text(err)
+            # to the log at once: a CUDA error is sticky, and the next device call raises it again before the result
+            # is written (results/published/2026-12-06-h100-gdn-kept lost which step failed so)
+            print(f"{label}: compiled steps failed: {compiled[f'{label}.compile_error']}", flush=True)
     if args.profile:  # the compiled graphs where they were captured
         step = engine.graph_for(1, None, args.context + 1)
         verify = engine.graph_for(args.block, layer_ids, args.context + args.block)
