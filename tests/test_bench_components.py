@@ -478,10 +478,11 @@ def test_layer_tails_bench_checks_both_launches_on_a_tiny_shape(monkeypatch):
         assert norm["max_abs"] < 1e-5 and 0 <= norm["equal_fraction"] <= 1 and norm["kernel_us"] == norm["inductor_us"] == 1e3 / 2
 
 
-def test_replay_check_sets_replayed_rollbacks_against_kept_states(tiny_qwen):
+def test_replay_check_sets_replayed_rollbacks_against_kept_states(tiny_qwen, monkeypatch):
     """replay_check (before the GPU run's timings): with the two-phase block's replay on (--gdn-replay; here the fp32
     tiny model through the interpreter), rollbacks into a block replayed and with every state
-    kept give the same states and logits; and the engine is left replaying. Off, there is nothing to check."""
+    kept give the same states and logits; and the engine is left replaying. Off, there is nothing to check; a replay
+    whose states differ turns it off."""
     pytest.importorskip("triton")
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
     import bench_components
@@ -495,3 +496,10 @@ def test_replay_check_sets_replayed_rollbacks_against_kept_states(tiny_qwen):
     r = bench_components.replay_check(engine, "cpu", tokens=8, block=3, keeps=(1,))
     assert r == {"gdn_replay_check.state_max_abs": 0.0, "gdn_replay_check.logits_max_abs": 0.0}, r
     assert engine.gdn_replay and engine.length == 0
+    # a replay that leaves the state as it was (here: replays nothing) is caught, and the run keeps every state
+    import qdflash.engine.qwen3_5 as qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "gated_delta_replay", lambda tables, n: None)
+    r = bench_components.replay_check(engine, "cpu", tokens=8, block=3, keeps=(1,))
+    assert r["gdn_replay_check.state_max_abs"] > 0 and r["gdn_replay_check.error"].startswith("the replayed states differ")
+    assert not engine.gdn_replay

@@ -313,6 +313,9 @@ def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(ti
         assert torch.equal(state, kept_state) and torch.equal(logits, kept_logits)
     with pytest.raises(QdflashError, match="only positions"):
         engine.rollback(20)
+    engine.kept = {}  # no kept scratch (kernels off, or no GDN layer): nothing to replay, whatever gdn_replay says
+    engine.gdn_replay = True
+    assert engine._replays(3) is False
 
 
 def test_two_phase_gdn_blocks_are_the_default_for_16_bit_models_only(tiny_qwen):

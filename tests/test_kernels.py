@@ -667,6 +667,11 @@ def test_a_replayed_block_state_is_the_one_the_block_kept(tokens):
         gated_delta_step(torch.zeros(2, conv_dim + heads * dv, device=DEVICE), torch.zeros(32, conv_dim, device=DEVICE),
                          conv_w, torch.arange(2, device=DEVICE), torch.zeros(2, hidden, device=DEVICE), ba_w, decay, dt_bias,
                          state[0].clone(), states0[0], kept=kept[0, :, :1], **common)
+    with pytest.raises(QdflashError, match="kept must be contiguous fp32"):  # not [programs, rows, row]
+        gated_delta_step(torch.zeros(2, conv_dim + heads * dv, device=DEVICE), torch.zeros(32, conv_dim, device=DEVICE),
+                         conv_w, torch.arange(2, device=DEVICE), torch.zeros(2, hidden, device=DEVICE), ba_w, decay, dt_bias,
+                         state[0].clone(), states0[0], kept=kept[0].flatten(1), **common)
+    assert tables.block_v == 16 and tables.rows == 16  # the launch the scratch was written with travels with it
 
 
 def test_a_chunked_verify_block_is_its_sixteen_one_token_steps():

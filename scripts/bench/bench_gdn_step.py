@@ -73,7 +73,6 @@ def layer_inputs(t: int, position: int, device, g: torch.Generator) -> dict:
         dt_bias=torch.randn(s["heads"], generator=g).to(**bf16),
         state=(torch.randn(s["heads"], s["dk"], s["dv"], generator=g) * 0.1).to(device),
         states=torch.zeros(t + 1, s["heads"], s["dk"], s["dv"], device=device) if t > 1 else None,
-        kept=torch.zeros(replay_scratch(s["heads"], s["dk"], s["dv"], t), device=device) if t > 1 else None,
     )
 
 
@@ -84,7 +83,18 @@ def run(layer: dict, block_v: int, num_warps: int, keep_states: bool, variant: s
                             layer["states"] if keep_states else None, key_heads=SHAPE["key_heads"],
                             key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps,
                             two_phase=variant.startswith("two_phase"), chunked=variant.startswith("chunked"),
-                            kept=layer["kept"] if variant.endswith("_kept") else None)
+                            kept=kept_scratch(layer, block_v) if variant.endswith("_kept") else None)
+
+
+def kept_scratch(layer: dict, block_v: int) -> torch.Tensor:
+    """The layer's kept scratch for a launch of `block_v` value columns (its layout's), made at its first call (a
+    graph's warm-up, before capture)."""
+    key = f"kept_{block_v}"
+    if key not in layer:
+        s = SHAPE
+        layer[key] = torch.zeros(replay_scratch(s["heads"], s["dk"], s["dv"], layer["qkvz"].shape[0], block_v),
+                                 device=layer["qkvz"].device)
+    return layer[key]
 
 
 def variant_list(text: str) -> list[str]:

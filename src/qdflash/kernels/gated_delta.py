@@ -523,8 +523,8 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
         shape = replay_scratch(heads, dk, dv, t, block_v)
         if not (two_phase and not chunked and states is not None):
             raise QdflashError("gated_delta_step: kept scratch is for a two-phase block of > 1 tokens with states")
-        if (kept.dtype != torch.float32 or not kept.is_contiguous() or kept.shape[0] != shape[0]
-                or kept.shape[1] < shape[1] or kept.shape[2] != shape[2]):
+        if (kept.dtype != torch.float32 or not kept.is_contiguous() or kept.device != state.device or kept.dim() != 3
+                or kept.shape[0] != shape[0] or kept.shape[1] < shape[1] or kept.shape[2] != shape[2]):
             raise QdflashError(f"gated_delta_step: kept must be contiguous fp32 [{shape[0]}, >= {shape[1]}, {shape[2]}], "
                                f"got {tuple(kept.shape)} {kept.dtype}")
     if chunked and (block_v < 16 or dk < 16):
@@ -563,13 +563,15 @@ def replay_scratch(heads: int, dk: int, dv: int, max_block: int, block_v: int = 
 
 class ReplayTables(NamedTuple):
     """What `gated_delta_replay` reads: each layer's states[0], kept scratch and state (`tensors`, held so that their
-    addresses in `addresses` [3, layers] int64 stay theirs), and their shapes."""
+    addresses in `addresses` [3, layers] int64 stay theirs), their shapes, and the value block the scratch was written
+    with."""
     addresses: torch.Tensor
     tensors: tuple
     heads: int
     dk: int
     dv: int
     rows: int
+    block_v: int
 
 
 def replay_tables(states0: list[torch.Tensor], kept: list[torch.Tensor], state: list[torch.Tensor],
@@ -584,7 +586,8 @@ def replay_tables(states0: list[torch.Tensor], kept: list[torch.Tensor], state: 
     if not layers or len(states0) != layers or len(kept) != layers:
         raise QdflashError(f"replay_tables: {len(states0)} states0, {len(kept)} kept and {layers} states; one of each a layer")
     heads, dk, dv = state[0].shape
-    shape = replay_scratch(heads, dk, dv, 1, min(block_v, dv))
+    block_v = _value_block("replay_tables", dk, dv, block_v, None, 0)
+    shape = replay_scratch(heads, dk, dv, 1, block_v)
     for name, group in (("states0", states0), ("kept", kept), ("state", state)):
         for x in group:
             if x.dtype != torch.float32 or not x.is_contiguous() or x.device != state[0].device:
@@ -595,20 +598,20 @@ def replay_tables(states0: list[torch.Tensor], kept: list[torch.Tensor], state: 
                            f"{shape[2]}] expected for every layer")
     addresses = torch.tensor([[x.data_ptr() for x in group] for group in (states0, kept, state)], dtype=torch.int64,
                              device=state[0].device)
-    return ReplayTables(addresses, (*states0, *kept, *state), heads, dk, dv, kept[0].shape[1])
+    return ReplayTables(addresses, (*states0, *kept, *state), heads, dk, dv, kept[0].shape[1], block_v)
 
 
-def gated_delta_replay(tables: ReplayTables, n: int, block_v: int = STEP_BLOCK_V, num_warps: int = BLOCK_WARPS) -> None:
+def gated_delta_replay(tables: ReplayTables, n: int, num_warps: int = BLOCK_WARPS) -> None:
     """Every layer's state after the first `n` tokens of its last block fed with `gated_delta_step(kept=)`, written to
     its state, in one launch (`replay_tables`: the layers' buffers). Runs the block kernel's own step lines over the
-    kept inputs, with its warps (`num_warps`) and value block: where they compile alike, bit for bit the state the
-    block kernel held after token n - 1."""
+    kept inputs, with its warps (`num_warps`) and value block (the tables'): where they compile alike, bit for bit the
+    state the block kernel held after token n - 1. `n` at most that block's length (the caller's to know: the scratch
+    holds up to `tables.rows`)."""
     if triton is None:
         raise QdflashError("gated_delta_replay needs triton")
     if not 0 <= n <= tables.rows:
         raise QdflashError(f"gated_delta_replay: {n} tokens; the kept scratch holds up to {tables.rows}")
-    block_v = _value_block("gated_delta_replay", tables.dk, tables.dv, block_v, None, 0)
     layers = tables.addresses.shape[1]
-    _gated_delta_replay_kernel[(tables.heads, tables.dv // block_v, layers)](
-        tables.addresses, n, layers, tables.heads, SCRATCH_ROWS=tables.rows, DK=tables.dk, DV=tables.dv, BLOCK_V=block_v,
-        num_warps=num_warps)
+    _gated_delta_replay_kernel[(tables.heads, tables.dv // tables.block_v, layers)](
+        tables.addresses, n, layers, tables.heads, SCRATCH_ROWS=tables.rows, DK=tables.dk, DV=tables.dv,
+        BLOCK_V=tables.block_v, num_warps=num_warps)
