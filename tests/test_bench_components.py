@@ -423,7 +423,7 @@ def test_kernel_groups_put_inductors_kernels_named_after_a_fused_int4_op_with_in
 
 def test_main_run_targets_take_the_engines_gdn_block_kernel_unless_told():
     """bench_components' main-run engines run a 16-bit model's verify blocks through the two-phase GDN kernel (the
-    engine's default), and through the step kernel with --gdn-step-kernel."""
+    engine's default), and through the step kernel with --gdn-step-kernel; with --gdn-replay they replay rollbacks."""
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
     import bench_components
 
@@ -432,6 +432,10 @@ def test_main_run_targets_take_the_engines_gdn_block_kernel_unless_told():
     assert bench_components.target_engine(target, args, 32).gdn_two_phase
     args.gdn_step_kernel = True
     assert not bench_components.target_engine(target, args, 32).gdn_two_phase
+    # --gdn-replay: the engines keep a verify block's GDN inputs for a replay (off unless asked)
+    assert not bench_components.target_engine(target, args, 32).gdn_replay
+    args.gdn_replay = True
+    assert bench_components.target_engine(target, args, 32).gdn_replay
 
 
 def test_attention_steps_bench_sets_the_two_engines_side_by_side(monkeypatch):
