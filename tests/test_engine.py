@@ -313,9 +313,12 @@ def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(ti
         assert torch.equal(state, kept_state) and torch.equal(logits, kept_logits)
     with pytest.raises(QdflashError, match="only positions"):
         engine.rollback(20)
-    engine.kept = {}  # no kept scratch (kernels off, or no GDN layer): nothing to replay, whatever gdn_replay says
+    assert not engine.kept  # the engine that never replayed allocated no kept inputs
     engine.gdn_replay = True
-    assert engine._replays(3) is False
+    assert set(engine.kept) == set(engine.state)  # allocated when the replay is turned on
+    plain = build_engine(tiny_qwen, max_len=64, kernels=False)  # no kernels, no kept scratch: nothing to replay
+    plain.gdn_two_phase = plain.gdn_replay = True
+    assert not plain.kept and plain._replays(3) is False
 
 
 def test_two_phase_gdn_blocks_are_the_default_for_16_bit_models_only(tiny_qwen):

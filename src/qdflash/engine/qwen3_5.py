@@ -84,8 +84,9 @@ class LeanQwen35(EngineBase):
         # state it needs, every layer in one launch (gated_delta_replay). At Qwen3.5-4B a verify block wrote 16 states
         # of 2 MB a layer, 24 layers, and a round reads one of them. Off until a device run times it in compiled
         # steps: the one run so far checked it eagerly (equal to the kept states) and then failed in its compiled
-        # steps (results/published/2026-12-06-h100-gdn-kept). Set before capture
-        self.gdn_replay = False
+        # steps (results/published/2026-12-06-h100-gdn-kept). Set before capture (turning it on allocates the kept
+        # inputs: 4.5 MB a layer at Qwen3.5-4B)
+        self.kept, self._replay_tables, self._gdn_replay = {}, None, False
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
         # False runs the unfused layer (the benchmark's side-by-side arm)
         self.fuse_gdn = True
@@ -105,7 +106,7 @@ class LeanQwen35(EngineBase):
         self.types = list(c.layer_types)
         kv = (self.kv_heads, max_len, self.head_dim)
         self.layers, self.k_cache, self.v_cache = [], {}, {}
-        self.conv_in, self.state, self.block_states, self.kept = {}, {}, {}, {}
+        self.conv_in, self.state, self.block_states = {}, {}, {}
         self._replay_last = False  # whether the last block fed kept its inputs (rollback replays) or its states
         for i, layer in enumerate(model.model.layers):
             w = {"norm1": self._norm(layer.input_layernorm), "norm2": self._norm(layer.post_attention_layernorm),
@@ -129,16 +130,26 @@ class LeanQwen35(EngineBase):
                 self.conv_in[i] = torch.zeros(max_len, la.conv_dim, device=device, dtype=dtype)
                 self.state[i] = torch.zeros(la.num_v_heads, la.head_k_dim, la.head_v_dim, device=device)
                 self.block_states[i] = torch.zeros(max_block + 1, *self.state[i].shape, device=device)
-                if self.kernels:  # a two-phase block's inputs, kept for a replay (gdn_replay)
-                    self.kept[i] = torch.zeros(replay_scratch(*self.state[i].shape, max_block), device=device)
             self.layers.append(w)
         kernel = max((w["la"].conv_kernel_size for w in self.layers if "la" in w), default=1)
         self.conv_offsets = torch.arange(-(kernel - 1), max_len, device=device)
         self.length = 0
         self.block_start = 0  # the last block fed: states of positions block_start..length are kept
-        layers = list(self.kept)
-        self._replay_tables = replay_tables([self.block_states[i][0] for i in layers], [self.kept[i] for i in layers],
-                                            [self.state[i] for i in layers]) if layers else None
+
+    @property
+    def gdn_replay(self) -> bool:
+        """Whether a two-phase verify block keeps its GDN inputs for a replay (see __init__)."""
+        return self._gdn_replay
+
+    @gdn_replay.setter
+    def gdn_replay(self, on: bool) -> None:
+        if on and not self.kept and self.kernels and self.state:  # a two-phase block's inputs, kept for a replay
+            for i, state in self.state.items():
+                self.kept[i] = torch.zeros(replay_scratch(*state.shape, self.max_block), device=self.device)
+            layers = list(self.kept)
+            self._replay_tables = replay_tables([self.block_states[i][0] for i in layers], [self.kept[i] for i in layers],
+                                                [self.state[i] for i in layers])
+        self._gdn_replay = bool(on)
 
     def _norm(self, module: nn.Module) -> StreamNorm:
         """The model's own norm module into the model's dtype (it computes in fp32 and returns its input's dtype)."""
