@@ -215,10 +215,7 @@ if triton is not None:
             if STORE_STATES:
                 tl.store(states_ptr + tile, s)
             for t in range(T):
-                row_t = base + t * SCR
-                s = _step_state(s, tl.load(row_t + rk), tl.load(row_t + DK + rk), tl.load(row_t + 2 * DK + rb),
-                                tl.load(row_t + 2 * DK + BLOCK_V), tl.load(row_t + 2 * DK + BLOCK_V + 1),
-                                tl.load(row_t + 2 * DK + BLOCK_V + 2), out_ptr + (t * HV + h) * DV + rv)
+                s = _step_state(s, *_scratch_row(base + t * SCR, rk, rb, DK, BLOCK_V), out_ptr + (t * HV + h) * DV + rv)
                 if STORE_STATES and not FIRST_STATE_ONLY:
                     tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
         if not CHUNKED:  # (_chunk_state wrote it)
@@ -246,11 +243,15 @@ if triton is not None:
         SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
         base = scratch_ptr + (h * tl.num_programs(1) + vb) * (SCRATCH_ROWS * SCR)
         for t in range(N):
-            row_t = base + t * SCR
-            s, _ = _step_update(s, tl.load(row_t + rk), tl.load(row_t + DK + rk), tl.load(row_t + 2 * DK + rb),
-                                tl.load(row_t + 2 * DK + BLOCK_V), tl.load(row_t + 2 * DK + BLOCK_V + 1),
-                                tl.load(row_t + 2 * DK + BLOCK_V + 2))
+            s, _ = _step_update(s, *_scratch_row(base + t * SCR, rk, rb, DK, BLOCK_V))
         tl.store(state_ptr + tile, s)
+
+    @triton.jit
+    def _scratch_row(row, rk, rb, DK: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One token's row of a two-phase block's scratch, as its phase 1 stored it: q, k, this program's v, k . q, g
+        and beta (what `_step_update` takes after the state)."""
+        return (tl.load(row + rk), tl.load(row + DK + rk), tl.load(row + 2 * DK + rb), tl.load(row + 2 * DK + BLOCK_V),
+                tl.load(row + 2 * DK + BLOCK_V + 1), tl.load(row + 2 * DK + BLOCK_V + 2))
 
     # _chunk_state's matmuls in fp32 FMAs: its tiles are small, and for sm_90 at 8 warps and 32-key chunks this compiles
     # to 128 registers with no spill, where tf32 / tf32x3 tensor-core operands did not fit (tests' sm90_resources)
@@ -519,8 +520,8 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     chunked = chunked and t > 1
     two_phase = two_phase and t > 1
     block_v = _value_block("gated_delta_step", dk, dv, block_v, states, t)
+    shape = replay_scratch(heads, dk, dv, t, block_v)  # a two-phase block's scratch (the chunked one's rows: q, k)
     if kept is not None:
-        shape = replay_scratch(heads, dk, dv, t, block_v)
         if not (two_phase and not chunked and states is not None):
             raise QdflashError("gated_delta_step: kept scratch is for a two-phase block of > 1 tokens with states")
         if (kept.dtype != torch.float32 or not kept.is_contiguous() or kept.device != state.device or kept.dim() != 3
@@ -537,13 +538,14 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
         t_p = triton.next_power_of_2(t)
         t_p = max(t_p, 16) if chunked else t_p  # a tensor-core tile's least rows
         scratch = kept if kept is not None else torch.empty(
-            heads * (dv // block_v), t_p, 2 * dk + (0 if chunked else block_v + 3), device=qkvz.device, dtype=torch.float32)
+            shape[0], t_p, 2 * dk if chunked else shape[2], device=qkvz.device, dtype=torch.float32)
         _gated_delta_block_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
             state if states is None else states, scratch, heads, key_dim, conv_dim, float(dk ** 0.5),
             SCRATCH_ROWS=scratch.shape[1], T=t, T_P=t_p, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v,
-            STORE_STATES=states is not None, FIRST_STATE_ONLY=kept is not None, CHUNKED=chunked, CHUNK_K=min(CHUNK_K, dk), BA_DOT=ba_weight, HIDDEN=hidden,
-            H_CHUNKS=-(-hidden // STEP_BLOCK_H), BLOCK_H=STEP_BLOCK_H, num_warps=num_warps)
+            STORE_STATES=states is not None, FIRST_STATE_ONLY=kept is not None, CHUNKED=chunked,
+            CHUNK_K=min(CHUNK_K, dk), BA_DOT=ba_weight, HIDDEN=hidden, H_CHUNKS=-(-hidden // STEP_BLOCK_H),
+            BLOCK_H=STEP_BLOCK_H, num_warps=num_warps)
     else:
         _gated_delta_step_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
