@@ -22,7 +22,8 @@ default gdn_ba='dot' runs it), `chunked` (that block kernel with the block's rec
 `kernels.gated_delta._chunk_state`; one token keeps the step kernel) and `chunked_dot` (with the projection in the
 kernel). `two_phase_dot_kept`: `two_phase_dot` keeping its tokens' inputs and only the state before the block instead
 of every position's state (`gated_delta_step(kept=)`, the engine's `gdn_replay`; timed where states are kept), and
-then the rollback's replay of 15 of its tokens for 24 layers in one launch (`gated_delta_replay`; a row of its own).
+then the rollback's replay of 1, 2, 4, 6 and 15 of its tokens for 24 layers in one launch (`gated_delta_replay`; a row
+each).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
 # (block_v, num_warps); the default first (the step kernel's, and the two-phase block kernel's: BLOCK_WARPS)
 LAUNCHES = [(16, 4), (16, 8), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]
 VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "two_phase_dot_kept", "chunked", "chunked_dot")
-REPLAY_LAYERS, REPLAY_TOKENS = 24, 15  # Qwen3.5-4B's GDN layers; a rollback to all but the last of a 16-token block
+REPLAY_LAYERS = 24  # Qwen3.5-4B's GDN layers
+# a round replays tau - 1 tokens (tau 2-7 in practice); 15 is a rollback to all but the last of a 16-token block
+REPLAY_TOKENS = (1, 2, 4, 6, 15)
 
 
 def launch_list(text: str) -> list[tuple[int, int]]:
@@ -143,12 +146,13 @@ def main() -> None:
         states0 = [x.clone() for x in state]
         kept = [torch.randn(replay_scratch(s["heads"], s["dk"], s["dv"], 16), device="cuda") for _ in range(REPLAY_LAYERS)]
         tables = replay_tables(states0, kept, state)
-        us = graph_ms(lambda: gated_delta_replay(tables, REPLAY_TOKENS)) * 1e3
-        row = {"replay_layers": REPLAY_LAYERS, "replay_tokens": REPLAY_TOKENS, "us_per_launch": round(us, 2),
-               "bytes": (2 * state[0].numel() + REPLAY_TOKENS * kept[0][:, 0].numel()) * REPLAY_LAYERS * 4}
-        row["GBps"] = round(row["bytes"] / us / 1e3, 1)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for n in REPLAY_TOKENS:
+            us = graph_ms(lambda: gated_delta_replay(tables, n)) * 1e3
+            row = {"replay_layers": REPLAY_LAYERS, "replay_tokens": n, "us_per_launch": round(us, 2),
+                   "bytes": (2 * state[0].numel() + n * kept[0][:, 0].numel()) * REPLAY_LAYERS * 4}
+            row["GBps"] = round(row["bytes"] / us / 1e3, 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     result = {"shape": SHAPE, "position": args.position, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "rows": rows}
     if args.out:
