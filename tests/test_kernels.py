@@ -648,9 +648,12 @@ def test_a_replayed_block_state_is_the_one_the_block_kept(tokens):
     tables = replay_tables([states0[layer, 0] for layer in range(layers)], [kept[layer] for layer in range(layers)],
                            replayed)
     for n in (0, 1, tokens - 1, tokens):
-        gated_delta_replay(tables, n)
-        for layer in range(layers):
-            assert torch.equal(replayed[layer], full[layer][n]), (n, layer)
+        for lean in (False, True):  # the lean form: the state's reduction alone, the next row loaded ahead
+            for x in replayed:
+                x.fill_(float("nan"))
+            gated_delta_replay(tables, n, lean=lean)
+            for layer in range(layers):
+                assert torch.equal(replayed[layer], full[layer][n]), (n, layer, lean)
     with pytest.raises(QdflashError, match="up to 16"):
         gated_delta_replay(tables, 17)
     with pytest.raises(QdflashError, match="one of each a layer"):
@@ -958,6 +961,7 @@ def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile)
 
 
 @pytest.mark.parametrize("case", ["gdn step 1", "gdn step 16", "gdn block 16", "gdn block kept 16", "gdn replay 16",
+                                  "gdn replay lean 16",
                                   "gdn block chunked 5",
                                   "gdn block chunked 16", "attention", "attention tree 16", "attention block 16",
                                   "gemv rows 0", "gemv rows 16", "gated norm 128", "qk norm rope 256"])
@@ -985,12 +989,12 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
         num_warps = 1  # gated_norm's launch
         module, name, constexprs = "qdflash.kernels.gated_norm", "_gated_rms_norm_kernel", dict(H=32, D=int(arg), ROUND_PRODUCT=True)
         signature = {"o_ptr": "*fp32", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_zt": "i32", "eps": "fp32"}
-    elif kind == "gdn replay":  # the rollback's replay of a kept block, every layer, at the block kernel's launch
+    elif kind.startswith("gdn replay"):  # the rollback's replay of a kept block, every layer, at the block kernel's launch
         from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
         num_warps, module, name = BLOCK_WARPS, "qdflash.kernels.gated_delta", "_gated_delta_replay_kernel"
         signature = {"tables_ptr": "*i64", "N": "i32", "LAYERS": "i32", "HV": "i32"}
-        constexprs = dict(SCRATCH_ROWS=16, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V)
+        constexprs = dict(SCRATCH_ROWS=16, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, LEAN=kind.endswith("lean"))
     elif kind.startswith("gdn"):
         num_warps = (CHUNKED_WARPS if "chunked" in kind else BLOCK_WARPS) if "block" in kind else STEP_WARPS
         module, name, signature, constexprs = (gdn_block_case(int(arg), chunked="chunked" in kind, first_only="kept" in kind)

@@ -23,7 +23,7 @@ default gdn_ba='dot' runs it), `chunked` (that block kernel with the block's rec
 kernel). `two_phase_dot_kept`: `two_phase_dot` keeping its tokens' inputs and only the state before the block instead
 of every position's state (`gated_delta_step(kept=)`, the engine's `gdn_replay`; timed where states are kept), and
 then the rollback's replay of 1, 2, 4, 6 and 15 of its tokens for 24 layers in one launch (`gated_delta_replay`; a row
-each).
+each, as it is and lean, with the states' max abs difference).
 """
 
 from __future__ import annotations
@@ -147,12 +147,19 @@ def main() -> None:
         kept = [torch.randn(replay_scratch(s["heads"], s["dk"], s["dv"], 16), device="cuda") for _ in range(REPLAY_LAYERS)]
         tables = replay_tables(states0, kept, state)
         for n in REPLAY_TOKENS:
-            us = graph_ms(lambda: gated_delta_replay(tables, n)) * 1e3
-            row = {"replay_layers": REPLAY_LAYERS, "replay_tokens": n, "us_per_launch": round(us, 2),
-                   "bytes": (2 * state[0].numel() + n * kept[0][:, 0].numel()) * REPLAY_LAYERS * 4}
-            row["GBps"] = round(row["bytes"] / us / 1e3, 1)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            first = None
+            for lean in (False, True):  # gated_delta_replay(lean=): the state's reduction alone, the next row ahead
+                gated_delta_replay(tables, n, lean=lean)
+                torch.cuda.synchronize()
+                got = torch.stack(state)
+                first = got if first is None else first
+                us = graph_ms(lambda: gated_delta_replay(tables, n, lean=lean)) * 1e3
+                row = {"replay_layers": REPLAY_LAYERS, "replay_tokens": n, "lean": lean, "us_per_launch": round(us, 2),
+                       "bytes": (2 * state[0].numel() + n * kept[0][:, 0].numel()) * REPLAY_LAYERS * 4,
+                       "max_abs_vs_first": float((got - first).abs().max())}
+                row["GBps"] = round(row["bytes"] / us / 1e3, 1)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     result = {"shape": SHAPE, "position": args.position, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "rows": rows}
     if args.out:

@@ -223,12 +223,14 @@ if triton is not None:
 
     @triton.jit
     def _gated_delta_replay_kernel(tables_ptr, N, LAYERS, HV, SCRATCH_ROWS: tl.constexpr, DK: tl.constexpr,
-                                   DV: tl.constexpr, BLOCK_V: tl.constexpr):
+                                   DV: tl.constexpr, BLOCK_V: tl.constexpr, LEAN: tl.constexpr):
         """The state after the first N tokens of the last two-phase block (FIRST_STATE_ONLY), for every layer in one
         launch (program_id(2): the layer; `tables` [3, LAYERS] int64: each layer's states[0], kept scratch and state
         addresses, so the layers' buffers stay allocations of their own): from the state before the block through the
         same `_step_update` lines over the block's scratch rows the block kernel read (the outputs dropped: they were
-        the block's), so it is the state the block kernel held after token N - 1."""
+        the block's), so it is the state the block kernel held after token N - 1. LEAN: the update without the output's
+        reduction (`_step_update(OUTPUT=False)`: S^T k alone on the token-by-token critical path) and the next token's
+        row loaded before this token's update, so its load is in flight during the reduction."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         layer = tl.program_id(2)
@@ -242,8 +244,16 @@ if triton is not None:
         s = tl.load(states0_ptr + tile)
         SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
         base = scratch_ptr + (h * tl.num_programs(1) + vb) * (SCRATCH_ROWS * SCR)
-        for t in range(N):
-            s, _ = _step_update(s, *_scratch_row(base + t * SCR, rk, rb, DK, BLOCK_V))
+        if LEAN:
+            kk, vv, g, beta = _scratch_row_state(base, rk, rb, DK, BLOCK_V)
+            for t in range(N):
+                # the next row (the last one again at the end: a row the scratch has), loaded ahead of the update
+                k1, v1, g1, beta1 = _scratch_row_state(base + tl.minimum(t + 1, SCRATCH_ROWS - 1) * SCR, rk, rb, DK, BLOCK_V)
+                s, _ = _step_update(s, kk, kk, vv, g, g, beta, OUTPUT=False)
+                kk, vv, g, beta = k1, v1, g1, beta1
+        else:
+            for t in range(N):
+                s, _ = _step_update(s, *_scratch_row(base + t * SCR, rk, rb, DK, BLOCK_V))
         tl.store(state_ptr + tile, s)
 
     @triton.jit
@@ -252,6 +262,12 @@ if triton is not None:
         and beta (what `_step_update` takes after the state)."""
         return (tl.load(row + rk), tl.load(row + DK + rk), tl.load(row + 2 * DK + rb), tl.load(row + 2 * DK + BLOCK_V),
                 tl.load(row + 2 * DK + BLOCK_V + 1), tl.load(row + 2 * DK + BLOCK_V + 2))
+
+    @triton.jit
+    def _scratch_row_state(row, rk, rb, DK: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Of `_scratch_row`, what the state's update reads (k, v, g, beta): a lean replay's row."""
+        return tl.load(row + DK + rk), tl.load(row + 2 * DK + rb), tl.load(row + 2 * DK + BLOCK_V + 1), \
+            tl.load(row + 2 * DK + BLOCK_V + 2)
 
     # _chunk_state's matmuls in fp32 FMAs: its tiles are small, and for sm_90 at 8 warps and 32-key chunks this compiles
     # to 128 registers with no spill, where tf32 / tf32x3 tensor-core operands did not fit (tests' sm90_resources)
@@ -331,6 +347,10 @@ if triton is not None:
     @triton.jit
     def _add3(a0, b0, c0, a1, b1, c1):
         return a0 + a1, b0 + b1, c0 + c1
+
+    @triton.jit
+    def _add(a, b):
+        return a + b
 
     @triton.jit
     def _add2(a0, b0, a1, b1):
@@ -423,10 +443,16 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _step_update(s, qq, kk, vv, kq, g, beta):
-        """`_step_state`'s arithmetic: (the new state, the token's output)."""
+    def _step_update(s, qq, kk, vv, kq, g, beta, OUTPUT: tl.constexpr = True):
+        """`_step_state`'s arithmetic: (the new state, the token's output). OUTPUT=False (a replay, whose outputs
+        were its block's): S^T k alone, the same reduction tree as the pair's first, so the same state bit for bit,
+        and the output returned is not one (qq and kq unread)."""
         decay = tl.exp(g)
-        sk, sq = tl.reduce((s * kk[:, None], s * qq[:, None]), 0, _add2)
+        if OUTPUT:
+            sk, sq = tl.reduce((s * kk[:, None], s * qq[:, None]), 0, _add2)
+        else:
+            sk = tl.reduce(s * kk[:, None], 0, _add)
+            sq = sk
         delta = (vv - decay * sk) * beta
         return s * decay + kk[:, None] * delta[None, :], decay * sq + kq * delta
 
@@ -603,12 +629,13 @@ def replay_tables(states0: list[torch.Tensor], kept: list[torch.Tensor], state: 
     return ReplayTables(addresses, (*states0, *kept, *state), heads, dk, dv, kept[0].shape[1], block_v)
 
 
-def gated_delta_replay(tables: ReplayTables, n: int, num_warps: int = BLOCK_WARPS) -> None:
+def gated_delta_replay(tables: ReplayTables, n: int, num_warps: int = BLOCK_WARPS, lean: bool = False) -> None:
     """Every layer's state after the first `n` tokens of its last block fed with `gated_delta_step(kept=)`, written to
     its state, in one launch (`replay_tables`: the layers' buffers). Runs the block kernel's own step lines over the
     kept inputs, with its warps (`num_warps`) and value block (the tables'): where they compile alike, bit for bit the
     state the block kernel held after token n - 1. `n` at most that block's length (the caller's to know: the scratch
-    holds up to `tables.rows`)."""
+    holds up to `tables.rows`). `lean`: the kernel's LEAN form (the state's reduction alone, the next row in flight),
+    the same states."""
     if triton is None:
         raise QdflashError("gated_delta_replay needs triton")
     if not 0 <= n <= tables.rows:
@@ -616,4 +643,4 @@ def gated_delta_replay(tables: ReplayTables, n: int, num_warps: int = BLOCK_WARP
     layers = tables.addresses.shape[1]
     _gated_delta_replay_kernel[(tables.heads, tables.dv // tables.block_v, layers)](
         tables.addresses, n, layers, tables.heads, SCRATCH_ROWS=tables.rows, DK=tables.dk, DV=tables.dv,
-        BLOCK_V=tables.block_v, num_warps=num_warps)
+        BLOCK_V=tables.block_v, LEAN=lean, num_warps=num_warps)
