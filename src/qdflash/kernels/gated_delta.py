@@ -629,13 +629,14 @@ def replay_tables(states0: list[torch.Tensor], kept: list[torch.Tensor], state: 
     return ReplayTables(addresses, (*states0, *kept, *state), heads, dk, dv, kept[0].shape[1], block_v)
 
 
-def gated_delta_replay(tables: ReplayTables, n: int, num_warps: int = BLOCK_WARPS, lean: bool = False) -> None:
+def gated_delta_replay(tables: ReplayTables, n: int, num_warps: int = BLOCK_WARPS, lean: bool = True) -> None:
     """Every layer's state after the first `n` tokens of its last block fed with `gated_delta_step(kept=)`, written to
     its state, in one launch (`replay_tables`: the layers' buffers). Runs the block kernel's own step lines over the
     kept inputs, with its warps (`num_warps`) and value block (the tables'): where they compile alike, bit for bit the
     state the block kernel held after token n - 1. `n` at most that block's length (the caller's to know: the scratch
-    holds up to `tables.rows`). `lean`: the kernel's LEAN form (the state's reduction alone, the next row in flight),
-    the same states."""
+    holds up to `tables.rows`). `lean`: the kernel's LEAN form (the state's reduction alone, the next row in flight;
+    the same states, less work on the critical path); lean=False runs the block kernel's pair reduction as it is, a
+    bench's comparison (bench_gdn_step)."""
     if triton is None:
         raise QdflashError("gated_delta_replay needs triton")
     if not 0 <= n <= tables.rows:
