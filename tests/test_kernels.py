@@ -662,6 +662,9 @@ def test_a_replayed_block_state_is_the_one_the_block_kept(tokens):
         replay_tables([states0[0, 0], states0[1, 0]], [kept[0], kept[1, :, :, :4].contiguous()], replayed)
     with pytest.raises(QdflashError, match="contiguous fp32"):
         replay_tables([states0[0, 0], states0[1, 0]], [kept[0], kept[1]], [replayed[0], replayed[1].double()])
+    with pytest.raises(QdflashError, match="16-byte aligned"):  # (a state one float into its buffer)
+        replay_tables([states0[0, 0], states0[1, 0]], [kept[0], kept[1]],
+                      [replayed[0], torch.zeros(replayed[1].numel() + 1, device=DEVICE)[1:].view_as(replayed[1])])
     with pytest.raises(QdflashError, match="kept scratch is for a two-phase block"):
         gated_delta_step(torch.zeros(2, conv_dim + heads * dv, device=DEVICE), torch.zeros(32, conv_dim, device=DEVICE),
                          conv_w, torch.arange(2, device=DEVICE), torch.zeros(2, hidden, device=DEVICE), ba_w, decay, dt_bias,
@@ -739,10 +742,18 @@ ttgir = kernel.asm["ttgir"]
 aliases = dict(re.findall(r"^(#\\w+) = #ttg\\.blocked<\\{([^}]*)\\}>", ttgir, re.M))
 asm_layouts = [{key: [int(v) for v in re.findall(r"\\d+", val)] for key, val in re.findall(r"(\\w+) = \\[([^]]*)\\]", aliases[name])}
                for name in re.findall(r"tt\\.elementwise_inline_asm .*?-> tensor<[^#]*(#\\w+)>", ttgir)]
+# the layout of each reduction along axis 0's first operand (the layout decides the order of the sums, so the rounding)
+lines = ttgir.splitlines()
+starts = [i for i, line in enumerate(lines) if '"tt.reduce"' in line and "axis = 0 " in line]
+reduce0 = []
+for i in starts:
+    close = next(line for line in lines[i:] if line.lstrip().startswith("}) : ("))
+    reduce0.append(re.search(r"tensor<[^#]*(#\\w+)>", close).group(1))
 print(json.dumps({**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\\d+)", usage)},
                   "BF16X2_FMAS": sum("fma.rn.bf16x2" in line for line in ptx), "ATOMS": len(atoms), "PUBLISHED_ATOMS": published,
                   "MMAS": sum("mma.sync" in line for line in ptx), "ASM_LAYOUTS": asm_layouts,
                   "GDC": [line.split()[0].rstrip(";") for line in ptx if "griddepcontrol" in line],  # in program order
+                  "REDUCE0_LAYOUTS": [aliases.get(name, name) for name in reduce0],
                   "CONVERTS_IN_LOOPS": sum("ttg.convert_layout" in line for line in ttgir.split("scf.for")[1:] for line in
                                            line.split("scf.yield")[0].splitlines())}))
 """
@@ -793,6 +804,27 @@ def gdn_block_case(tokens, chunked=False, first_only=False):
     return "qdflash.kernels.gated_delta", "_gated_delta_block_kernel", signature, dict(
         T=tokens, T_P=max(tokens, 16) if chunked else tokens, SCRATCH_ROWS=16, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True,
         FIRST_STATE_ONLY=first_only, CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512)
+
+
+@pytest.mark.parametrize("dk", [32, 128])
+def test_the_replay_sums_the_state_in_the_block_kernels_layout(dk):
+    """gated_delta_replay reruns the block kernel's update lines in a kernel of its own, so the replayed state equals the
+    block's bit for bit only where the state's reduction over dk has the same layout in both (the layout orders the
+    sums). Its addresses come from a table, and without their 16-byte alignment declared Triton gave the replay's state
+    another layout (sizePerThread [1, 1] against [1, 4]), and on the H100 the tiny shape's replay was 4.7e-10 off
+    (results/published/2026-12-06-h100-lean-replay). Here, for sm_90, both forms of the replay, at the tiny shape's
+    heads (dk 32) and Qwen3.5-4B's (128), sum in the block kernel's layout (as launched: torch's pointers aligned)."""
+    from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_BLOCK_V
+
+    module, name, signature, constexprs = gdn_block_case(16, first_only=True)
+    constexprs.update(DK=dk, DV=dk)
+    pointers = [arg for arg in signature if arg.endswith("_ptr")]  # (aligned at any shape; HV, KEY_DIM need not be)
+    block = sm90_resources(module, name, signature, constexprs, BLOCK_WARPS, pointers)
+    assert len(block["REDUCE0_LAYOUTS"]) == 1, block  # the state's S^T k (and S^T q)
+    for lean in (False, True):
+        replay = sm90_resources(module, "_gated_delta_replay_kernel", {"tables_ptr": "*i64", "N": "i32", "LAYERS": "i32", "HV": "i32"},
+                                dict(SCRATCH_ROWS=16, DK=dk, DV=dk, BLOCK_V=STEP_BLOCK_V, LEAN=lean), BLOCK_WARPS, ["tables_ptr"])
+        assert replay["REDUCE0_LAYOUTS"] == block["REDUCE0_LAYOUTS"], (lean, replay, block)
 
 
 def attention_case(tree, block=False):

@@ -325,7 +325,9 @@ def side_by_side(steps: dict, result: dict, args, run) -> dict:
 
 def engine_arm(engine, args, device, layer_ids, bandwidth, label, result, suffix: str, change: dict, steps=None) -> None:
     """`engine` measured again after `label` (its own run) with its attributes `change` set (same tuning, same
-    process), into `result` as `<label>_<suffix>` with `vs_<suffix>.<label>.*_speedup`; its compiled steps into
+    process), into `result` as `<label>_<suffix>` with `vs_<suffix>.<label>.*_speedup`: the arm's time over
+    `label`'s (> 1: the engine as it is, `label`, faster than the arm; `side_by_side`'s `<label>_pdl.*_speedup` is the
+    other way round, > 1: PDL faster); its compiled steps into
     `steps` (for `side_by_side`) where given. The attributes and an empty set of graphs are restored after."""
     arm, saved = f"{label}_{suffix}", {name: getattr(engine, name) for name in change}
     for name, value in change.items():

@@ -234,9 +234,12 @@ if triton is not None:
         h = tl.program_id(0)
         vb = tl.program_id(1)
         layer = tl.program_id(2)
-        states0_ptr = tl.load(tables_ptr + layer).to(tl.pointer_type(tl.float32))
-        scratch_ptr = tl.load(tables_ptr + LAYERS + layer).to(tl.pointer_type(tl.float32))
-        state_ptr = tl.load(tables_ptr + 2 * LAYERS + layer).to(tl.pointer_type(tl.float32))
+        # the addresses' 16-byte alignment (replay_tables checks it), as Triton knows it of the block kernel's pointer
+        # arguments: without it the loads get other layouts, so the reduction over dk another tree, and the replayed
+        # state another rounding of the block's (the 2026-12-06 H100 run at the tiny shape: 4.7e-10 apart)
+        states0_ptr = tl.multiple_of(tl.load(tables_ptr + layer).to(tl.pointer_type(tl.float32)), 16)
+        scratch_ptr = tl.multiple_of(tl.load(tables_ptr + LAYERS + layer).to(tl.pointer_type(tl.float32)), 16)
+        state_ptr = tl.multiple_of(tl.load(tables_ptr + 2 * LAYERS + layer).to(tl.pointer_type(tl.float32)), 16)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         rb = tl.arange(0, BLOCK_V)
         rk = tl.arange(0, DK)
@@ -620,6 +623,9 @@ def replay_tables(states0: list[torch.Tensor], kept: list[torch.Tensor], state: 
         for x in group:
             if x.dtype != torch.float32 or not x.is_contiguous() or x.device != state[0].device:
                 raise QdflashError(f"replay_tables: each layer's {name} must be contiguous fp32 on {state[0].device}")
+            if x.data_ptr() % 16:  # the replay kernel declares it (tl.multiple_of), as the block kernel's launch knows it
+                raise QdflashError(f"replay_tables: each layer's {name} must start 16-byte aligned (got an address "
+                                   f"{x.data_ptr() % 16} past it)")
     if any(x.shape != state[0].shape for x in (*states0, *state)) or any(
             x.dim() != 3 or x.shape[0] != shape[0] or x.shape[2] != shape[2] or x.shape[1] != kept[0].shape[1] for x in kept):
         raise QdflashError(f"replay_tables: states0 / state of {tuple(state[0].shape)} and kept of [{shape[0]}, rows, "
