@@ -226,7 +226,9 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
             compiled[f"{label}.compile_error"] = error_text(err)
             # to the log at once: a CUDA error is sticky, and the next device call raises it again before the result
             # is written (results/published/2026-12-06-h100-gdn-kept lost which step failed so)
-            print(f"{label}: compiled steps failed: {compiled[f'{label}.compile_error']}", flush=True)
+            # in full: the result's 300 characters of an inductor SubprocException end before its worker's error
+            # (results/published/2026-12-06-h100-lean-replay lost the tiny W4 head's so)
+            print(f"{label}: compiled steps failed: {type(err).__name__}: {str(err)[-6000:]}", flush=True)
     if args.profile:  # the compiled graphs where they were captured
         step = engine.graph_for(1, None, args.context + 1)
         verify = engine.graph_for(args.block, layer_ids, args.context + args.block)
