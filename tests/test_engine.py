@@ -316,6 +316,12 @@ def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(ti
     assert not engine.kept  # the engine that never replayed allocated no kept inputs
     engine.gdn_replay = True
     assert set(engine.kept) == set(engine.state)  # allocated when the replay is turned on
+    engine.capture([1], cuda_graphs=False)
+    with pytest.raises(QdflashError, match="before capture"):  # a captured block would keep the other thing
+        engine.gdn_replay = False
+    engine.gdn_replay = True  # (the same setting: nothing changes)
+    engine.graphs = {}
+    engine.gdn_replay = False
     plain = build_engine(tiny_qwen, max_len=64, kernels=False)  # no kernels, no kept scratch: nothing to replay
     plain.gdn_two_phase = plain.gdn_replay = True
     assert not plain.kept and plain._replays(3) is False
