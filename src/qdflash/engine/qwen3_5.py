@@ -83,9 +83,11 @@ class LeanQwen35(EngineBase):
         # scratch) instead of writing the state after every position: a rollback into the block recomputes the one
         # state it needs, every layer in one launch (gated_delta_replay). At Qwen3.5-4B a verify block wrote 16 states
         # of 2 MB a layer, 24 layers, and a round reads one of them. Off until a device run times it in compiled
-        # steps: the one run so far checked it eagerly (equal to the kept states) and then failed in its compiled
-        # steps (results/published/2026-12-06-h100-gdn-kept). Set before capture (turning it on allocates the kept
-        # inputs: 4.5 MB a layer at Qwen3.5-4B)
+        # steps: the first run checked it eagerly (equal to the kept states) and then failed in its compiled steps
+        # (results/published/2026-12-06-h100-gdn-kept); the second found it 4.7e-10 off at the tiny shape, the
+        # replay's state in another layout than the block kernel's (results/published/2026-12-06-h100-lean-replay;
+        # fixed since, not yet rerun). Set before capture (turning it on allocates the kept inputs: 4.5 MB a layer
+        # at Qwen3.5-4B)
         self.kept, self._replay_tables, self._gdn_replay = {}, None, False
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
         # False runs the unfused layer (the benchmark's side-by-side arm)

@@ -448,8 +448,9 @@ if triton is not None:
     @triton.jit
     def _step_update(s, qq, kk, vv, kq, g, beta, OUTPUT: tl.constexpr = True):
         """`_step_state`'s arithmetic: (the new state, the token's output). OUTPUT=False (a replay, whose outputs
-        were its block's): S^T k alone, the same reduction tree as the pair's first, so the same state bit for bit,
-        and the output returned is not one (qq and kq unread)."""
+        were its block's): S^T k alone, the same reduction tree as the pair's first (in one layout: the H100 gave the
+        same states both ways, results/published/2026-12-06-h100-lean-replay), and the output returned is not one
+        (qq and kq unread)."""
         decay = tl.exp(g)
         if OUTPUT:
             sk, sq = tl.reduce((s * kk[:, None], s * qq[:, None]), 0, _add2)
