@@ -507,3 +507,36 @@ def test_replay_check_sets_replayed_rollbacks_against_kept_states(tiny_qwen, mon
     r = bench_components.replay_check(engine, "cpu", tokens=8, block=3, keeps=(1,))
     assert r["gdn_replay_check.state_max_abs"] > 0 and r["gdn_replay_check.error"].startswith("the replayed states differ")
     assert not engine.gdn_replay
+
+
+def test_replay_in_graph_checks_a_captured_block_left_what_a_rollback_replays(tiny_qwen, monkeypatch):
+    """replay_in_graph (after a verify block is captured, with the replay on): the captured block writes the state
+    before it and its tokens' inputs to the engine's own buffers, so replaying none of its tokens gives the state before
+    it and all of them the state it left, exactly; the states are restored after. A block that kept its inputs
+    somewhere else (here: a copy of the scratch, as a graph could) is caught; with the replay off there is no check."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_components
+
+    import qdflash.engine.qwen3_5 as qwen3_5
+    from qdflash.engine import build_engine
+
+    engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+    engine.gdn_two_phase = engine.gdn_replay = True
+    engine.forward(torch.arange(1, 9), 0)
+    engine.capture([3], cuda_graphs=False, lengths=[64])
+    verify, block = engine.graph_for(3, None, 11), torch.tensor([5, 6, 7])
+    states = torch.stack(list(engine.state.values())).clone()
+    r = bench_components.replay_in_graph(engine, verify, block, 8, "t")
+    assert r == {"t.n0_max_abs": 0.0, "t.n3_max_abs": 0.0}, r
+    assert torch.equal(torch.stack(list(engine.state.values())), states)  # restored
+    step = qwen3_5.gated_delta_step
+    for kept in engine.kept.values():  # (else the last run's inputs, the same block's, are still there)
+        kept.zero_()
+    monkeypatch.setattr(qwen3_5, "gated_delta_step",
+                        lambda *a, kept=None, **k: step(*a, kept=None if kept is None else kept.clone(), **k))
+    r = bench_components.replay_in_graph(engine, verify, block, 8, "t")
+    assert r["t.n0_max_abs"] == 0.0 and r["t.n3_max_abs"] > 0 and r["t.error"].startswith("the captured block"), r
+    engine.graphs = {}
+    engine.gdn_replay = False
+    assert bench_components.replay_in_graph(engine, verify, block, 8, "t") == {}

@@ -202,6 +202,7 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
         eager_logits = engine._step(one, torch.tensor([args.context], device=device), None, None)[0].float()
     decode_ms = run(lambda: decode_graph(one, args.context), args.reps)
     verify_ms = run(lambda: verify_graph(block, args.context), args.reps)
+    replayed = replay_in_graph(engine, verify_graph, block, args.context, f"{label}.replay_in_graph")
     rollback = rollback_ms(engine, args, run, block)
     restore(engine, saved)
     floor_ms = run(matmul_only(engine, device), args.reps)
@@ -220,6 +221,7 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
             engine.capture([args.block], layer_ids, cuda_graphs=cuda, compile=args.compile, lengths=[engine.max_len])
             verify_compiled = engine.graph_for(args.block, layer_ids, args.context + args.block)
             compiled[f"{label}.verify_compiled_ms"] = round(run(lambda: verify_compiled(block, args.context), args.reps), 4)
+            compiled.update(replay_in_graph(engine, verify_compiled, block, args.context, f"{label}.replay_in_compiled"))
             compiled[f"{label}.verify_compiled_over_decode_compiled"] = round(
                 compiled[f"{label}.verify_compiled_ms"] / compiled[f"{label}.decode_compiled_ms"], 4)
         except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
@@ -254,7 +256,7 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
         f"{label}.achieved_GBps": round(need["total"] / (decode_ms / 1e3) / 1e9, 1),
         f"{label}.bytes": need, f"{label}.tokens_per_s": round(1e3 / decode_ms, 1),
         f"{label}.graph_vs_eager_max_abs": float((graph_logits - eager_logits).abs().max()),
-        f"{label}.logit_scale": float(eager_logits.abs().max()), **compiled,
+        f"{label}.logit_scale": float(eager_logits.abs().max()), **replayed, **compiled,
     }
 
 
@@ -349,6 +351,37 @@ def engine_arm(engine, args, device, layer_ids, bandwidth, label, result, suffix
         torch._dynamo.reset()
     result.update(step_speedups(result, arm, label, f"vs_{suffix}.{label}"))
     report(result, arm, args.out)
+
+
+def replay_in_graph(engine, verify, block: torch.Tensor, context: int, label: str) -> dict:
+    """With the replay on (`LeanQwen35.gdn_replay`), a captured verify block `verify` (a CUDA graph, or compiled) run
+    once from the engine's states: a rollback replays from the state before the block and the tokens' inputs that the
+    block kept, so the block must have written them to the engine's own buffers. Then replaying none of its tokens
+    gives the state before it and replaying all of them the state it left, bit for bit (`<label>.n<n>_max_abs`).
+    Why: `replay_check` runs the eager step; in a compiled graph those buffers are graph inputs that inductor writes
+    through its own handling of a Triton kernel's mutations, and the replay's first device run failed in its
+    compiled steps (results/published/2026-12-06-h100-gdn-kept). The states are restored after."""
+    t = block.shape[0]
+    if not (getattr(engine, "gdn_replay", False) and engine._replays(t)):
+        return {}
+    from qdflash.kernels.gated_delta import gated_delta_replay
+
+    saved, out = snapshot(engine), {}
+    try:
+        with torch.no_grad():
+            before = torch.stack(list(engine.state.values())).clone()
+            verify(block, context)
+            after = torch.stack(list(engine.state.values())).clone()
+            for n, expected in ((0, before), (t, after)):
+                gated_delta_replay(engine._replay_tables, n)
+                out[f"{label}.n{n}_max_abs"] = float((torch.stack(list(engine.state.values())) - expected).abs().max())
+    except Exception as err:  # noqa: BLE001 -- a result; the run goes on
+        out[f"{label}.error"] = error_text(err)
+    finally:
+        restore(engine, saved)
+    if any(v != 0.0 for k, v in out.items() if k.endswith("_max_abs")):
+        out[f"{label}.error"] = "the captured block did not leave its first state and kept inputs where a rollback replays from"
+    return out
 
 
 def logits_apart(engine, steps: dict, arm_steps: dict, label: str, arm: str) -> dict:
