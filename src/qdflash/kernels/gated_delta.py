@@ -442,7 +442,11 @@ if triton is not None:
         (k . q) delta: both reductions of the old state over the key dimension in one pass (a reduction
         across warps is a round trip through shared memory, on the token-by-token critical path)."""
         s, o = _step_update(s, qq, kk, vv, kq, g, beta)
-        tl.store(out_ptrs, o)
+        # stored from the reduction's own layout, as a [dk, value block] tile of which row 0 alone is written: stored as
+        # the [value block] row it is, Triton moved it through shared memory first, two CTA barriers a token on its
+        # chain (of 9 a token in the block kernel's loop, sm_90 PTX)
+        first = tl.arange(0, s.shape[0])[:, None] == 0
+        tl.store(tl.broadcast_to(out_ptrs[None, :], s.shape), tl.broadcast_to(o[None, :], s.shape), mask=first)
         return s
 
     @triton.jit
