@@ -507,6 +507,10 @@ def test_replay_check_sets_replayed_rollbacks_against_kept_states(tiny_qwen, mon
     r = bench_components.replay_check(engine, "cpu", tokens=8, block=3, keeps=(1,))
     assert r["gdn_replay_check.state_max_abs"] > 0 and r["gdn_replay_check.error"].startswith("the replayed states differ")
     assert not engine.gdn_replay
+    engine.gdn_replay = True  # under captured verify blocks it does not switch the replay (the engine would refuse)
+    engine.capture([3], cuda_graphs=False)
+    assert bench_components.replay_check(engine, "cpu", tokens=8, block=3, keeps=(1,)) == {
+        "gdn_replay_check.error": "not checked: the engine holds captured steps (the check runs before capture)"}
 
 
 def test_replay_in_graph_checks_a_captured_block_left_what_a_rollback_replays(tiny_qwen, monkeypatch):

@@ -317,6 +317,9 @@ def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(ti
     engine.gdn_replay = True
     assert set(engine.kept) == set(engine.state)  # allocated when the replay is turned on
     engine.capture([1], cuda_graphs=False)
+    engine.gdn_replay = False  # a decode step keeps no per-position states: its graph is the same either way
+    engine.gdn_replay = True
+    engine.capture([3], cuda_graphs=False)
     with pytest.raises(QdflashError, match="before capture"):  # a captured block would keep the other thing
         engine.gdn_replay = False
     engine.gdn_replay = True  # (the same setting: nothing changes)

@@ -334,9 +334,9 @@ def engine_arm(engine, args, device, layer_ids, bandwidth, label, result, suffix
     other way round, > 1: PDL faster); its compiled steps into
     `steps` (for `side_by_side`) where given. The attributes and an empty set of graphs are restored after."""
     arm, saved = f"{label}_{suffix}", {name: getattr(engine, name) for name in change}
+    engine.graphs = {}  # first: a setting a captured step was made with (e.g. gdn_replay) may not change under it
     for name, value in change.items():
         setattr(engine, name, value)
-    engine.graphs = {}
     torch._dynamo.reset()
     try:
         result.update(measure_target(engine, args, device, layer_ids, bandwidth, arm))
@@ -345,9 +345,9 @@ def engine_arm(engine, args, device, layer_ids, bandwidth, label, result, suffix
             result.update(logits_apart(engine, steps, arm_steps, label, arm))
             steps.update(arm_steps)
     finally:
+        engine.graphs = {}
         for name, value in saved.items():
             setattr(engine, name, value)
-        engine.graphs = {}
         torch._dynamo.reset()
     result.update(step_speedups(result, arm, label, f"vs_{suffix}.{label}"))
     report(result, arm, args.out)
@@ -380,7 +380,11 @@ def replay_in_graph(engine, verify, block: torch.Tensor, context: int, label: st
     finally:
         restore(engine, saved)
     if any(v != 0.0 for k, v in out.items() if k.endswith("_max_abs")):
-        out[f"{label}.error"] = "the captured block did not leave its first state and kept inputs where a rollback replays from"
+        out[f"{label}.error"] = "; ".join(filter(None, (
+            "the captured block did not leave its first state and kept inputs where a rollback replays from (the "
+            "timings go on with the replay on: its rollbacks would be wrong)", out.get(f"{label}.error"))))
+    if f"{label}.error" in out:  # to the log at once, as a failed compile (a CUDA error is sticky)
+        print(f"{label}: {out[f'{label}.error']}", flush=True)
     return out
 
 
@@ -742,6 +746,8 @@ def replay_check(engine, device: str, tokens: int = 40, block: int = 8, keeps: t
     states differ at all, the engine keeps every state for the whole run and the error is recorded."""
     if not (engine.kernels and getattr(engine, "gdn_replay", False) and engine._replays(block)):
         return {label: "no replay: the engine keeps every position's state"}
+    if engine.graphs:  # (it switches the replay off and on: an engine refuses that under captured steps)
+        return {f"{label}.error": "not checked: the engine holds captured steps (the check runs before capture)"}
     prompt = torch.randint(0, engine.lm_head.shape[0], (tokens,), device=device)
     start = tokens - block - 1
     out = {}

@@ -145,10 +145,10 @@ class LeanQwen35(EngineBase):
 
     @gdn_replay.setter
     def gdn_replay(self, on: bool) -> None:
-        if bool(on) != self._gdn_replay and self.graphs:
+        if bool(on) != self._gdn_replay and any(self._keeps_states(key[0]) for key in self.graphs):
             # a captured verify block keeps its inputs or its states as it was captured, and a rollback would then
             # read the other: states not written (silently wrong, not an error at the GPU)
-            raise QdflashError("gdn_replay: set it before capture; this engine holds captured steps (clear "
+            raise QdflashError("gdn_replay: set it before capture; this engine holds captured verify blocks (clear "
                                "engine.graphs first)")
         if on and not self.kept and self.kernels and self.state:  # a two-phase block's inputs, kept for a replay
             for i, state in self.state.items():
