@@ -524,16 +524,17 @@ def test_replay_in_graph_checks_a_captured_block_left_what_a_rollback_replays(ti
 
     import qdflash.engine.qwen3_5 as qwen3_5
     from qdflash.engine import build_engine
+    from qdflash.engine.graphs import stacked_states
 
     engine = build_engine(tiny_qwen, max_len=64, kernels=True)
     engine.gdn_two_phase = engine.gdn_replay = True
     engine.forward(torch.arange(1, 9), 0)
     engine.capture([3], cuda_graphs=False, lengths=[64])
     verify, block = engine.graph_for(3, None, 11), torch.tensor([5, 6, 7])
-    states = torch.stack(list(engine.state.values())).clone()
+    states = stacked_states(engine)
     r = bench_components.replay_in_graph(engine, verify, block, 8, "t")
     assert r == {"t.n0_max_abs": 0.0, "t.n3_max_abs": 0.0}, r
-    assert torch.equal(torch.stack(list(engine.state.values())), states)  # restored
+    assert torch.equal(stacked_states(engine), states)  # restored
     step = qwen3_5.gated_delta_step
     for kept in engine.kept.values():  # (else the last run's inputs, the same block's, are still there)
         kept.zero_()

@@ -9,6 +9,7 @@ import torch
 
 from qdflash.drafter import init_drafter
 from qdflash.engine import build_engine
+from qdflash.engine.graphs import stacked_states
 from qdflash.errors import QdflashError
 from qdflash.spec import autoregressive_generate, speculative_generate
 
@@ -305,7 +306,7 @@ def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(ti
         for keep, block in ((22, [101, 202, 303, 404, 505]), (24, [7, 8, 9]), (26, [11, 12])):
             engine.forward(torch.tensor(block), engine.length)
             engine.rollback(keep)
-            out.append((torch.stack(list(engine.state.values())), engine.forward(torch.tensor([777]), keep)[0]))
+            out.append((stacked_states(engine), engine.forward(torch.tensor([777]), keep)[0]))
         engine.rollback(27)  # after a decode step: nothing kept, nothing to roll back to
         runs[replay] = out
     assert replays == [2, 1, 1], "each rollback into a block replayed its accepted tokens, and only with gdn_replay"

@@ -60,7 +60,7 @@ from qdflash.drafter import init_drafter
 from qdflash.drafter.static import DrafterEngine
 from qdflash.engine import build_engine
 from qdflash.engine.base import allow_compiles, compiled_step
-from qdflash.engine.graphs import restore, snapshot
+from qdflash.engine.graphs import restore, snapshot, stacked_states
 from qdflash.errors import raised_at
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
 from qdflash.quant.apply import replace_linears, select_linears
@@ -369,12 +369,12 @@ def replay_in_graph(engine, verify, block: torch.Tensor, context: int, label: st
     saved, out = snapshot(engine), {}
     try:
         with torch.no_grad():
-            before = torch.stack(list(engine.state.values())).clone()
+            before = stacked_states(engine)
             verify(block, context)
-            after = torch.stack(list(engine.state.values())).clone()
+            after = stacked_states(engine)
             for n, expected in ((0, before), (t, after)):
                 gated_delta_replay(engine._replay_tables, n)
-                out[f"{label}.n{n}_max_abs"] = float((torch.stack(list(engine.state.values())) - expected).abs().max())
+                out[f"{label}.n{n}_max_abs"] = float((stacked_states(engine) - expected).abs().max())
     except Exception as err:  # noqa: BLE001 -- a result; the run goes on
         out[f"{label}.error"] = error_text(err)
     finally:
@@ -761,7 +761,7 @@ def replay_check(engine, device: str, tokens: int = 40, block: int = 8, keeps: t
                     engine.forward(prompt[:start], 0)
                     engine.forward(prompt[start:start + block], start)
                     engine.rollback(start + keep)
-                    state = torch.stack(list(engine.state.values()))
+                    state = stacked_states(engine)
                     rows.append((state, engine.forward(prompt[start + block:], start + keep)[0].float()))
             out[replay] = rows
     except Exception as err:  # noqa: BLE001 -- a replay that fails here is a result; the run goes on keeping every state

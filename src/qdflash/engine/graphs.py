@@ -78,6 +78,11 @@ def snapshot(engine) -> dict:
     return {i: s.clone() for i, s in getattr(engine, "state", {}).items()}
 
 
+def stacked_states(engine) -> torch.Tensor:
+    """Every recurrent state stacked into one tensor: a copy, to compare one moment's states with another's."""
+    return torch.stack(list(engine.state.values()))
+
+
 def restore(engine, saved: dict) -> None:
     for i, s in saved.items():
         engine.state[i].copy_(s)
