@@ -268,9 +268,10 @@ if triton is not None:
 
     @triton.jit
     def _scratch_row_state(row, rk, rb, DK: tl.constexpr, BLOCK_V: tl.constexpr):
-        """Of `_scratch_row`, what the state's update reads (k, v, g, beta): a lean replay's row."""
-        return tl.load(row + DK + rk), tl.load(row + 2 * DK + rb), tl.load(row + 2 * DK + BLOCK_V + 1), \
-            tl.load(row + 2 * DK + BLOCK_V + 2)
+        """Of `_scratch_row`, what the state's update reads (k, v, g, beta): a lean replay's row (q's and k . q's loads,
+        unused, are dropped by the compiler)."""
+        _, kk, vv, _, g, beta = _scratch_row(row, rk, rb, DK, BLOCK_V)
+        return kk, vv, g, beta
 
     # _chunk_state's matmuls in fp32 FMAs: its tiles are small, and for sm_90 at 8 warps and 32-key chunks this compiles
     # to 128 registers with no spill, where tf32 / tf32x3 tensor-core operands did not fit (tests' sm90_resources)
