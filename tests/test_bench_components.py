@@ -152,14 +152,15 @@ def test_w4_head_only_measures_the_w4_head_target_alone(tmp_path):
 
 def test_side_by_side_ratios_are_each_rounds_own_the_right_way_round(monkeypatch, capsys):
     """side_by_side: each step timed once a round, in turn; each ratio per round from that round's times (16-bit over
-    W4-head decode: > 1 where W4 is faster; verify over decode; a target's step over its PDL arm's: > 1 where PDL is
-    faster), its median / min / max over rounds; the 16-bit decode step's fraction of its bound too."""
+    W4-head decode: > 1 where W4 is faster; verify over decode; a target's step over its PDL or kept-states arm's: > 1
+    where the arm is faster), its median / min / max over rounds; the 16-bit decode step's fraction of its bound too."""
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
     import bench_components
 
     rounds = {"target16.decode": [4.0, 3.0, 5.0], "target16.verify": [6.0, 6.0, 6.0],
               "target_w4_head.decode": [2.0, 2.0, 2.0], "target_w4_head.verify": [3.0, 3.0, 3.0],
-              "target_w4_head_pdl.decode": [1.0, 1.6, 2.0], "target_w4_head_pdl.verify": [3.0, 3.0, 3.0]}
+              "target_w4_head_pdl.decode": [1.0, 1.6, 2.0], "target_w4_head_pdl.verify": [3.0, 3.0, 3.0],
+              "target16_kept_states.verify": [7.5, 6.0, 12.0]}
     calls = {name: iter(values) for name, values in rounds.items()}
     steps = {name: name for name in rounds}  # a step is its name here: the fake timer looks its times up
     args = argparse.Namespace(side_by_side_rounds=3, reps=1)
@@ -168,6 +169,8 @@ def test_side_by_side_ratios_are_each_rounds_own_the_right_way_round(monkeypatch
     assert r["side_by_side.target16.verify_over_decode"] == {"median": 1.5, "min": 1.2, "max": 2.0}
     assert r["side_by_side.target_w4_head.verify_over_decode"]["median"] == 1.5
     assert r["side_by_side.target_w4_head_pdl.decode_speedup"] == {"median": 1.25, "min": 1.0, "max": 2.0}
+    # --kept-states-arm likewise (< 1: the replay's blocks, the target's own, faster than keeping every state)
+    assert r["side_by_side.target16_kept_states.verify_speedup"] == {"median": 0.8, "min": 0.5, "max": 1.0}
     assert r["side_by_side.target16.decode_of_bound"] == {"median": 0.5, "min": 0.4, "max": 0.6667}
     assert r["side_by_side.target16.decode_ms"] == {"median": 4.0, "min": 3.0, "max": 5.0}
     assert "side_by_side.w4_head_pdl_decode_speedup_over_16bit_pdl" not in r  # no 16-bit PDL arm timed
@@ -423,7 +426,7 @@ def test_kernel_groups_put_inductors_kernels_named_after_a_fused_int4_op_with_in
 
 def test_main_run_targets_take_the_engines_gdn_block_kernel_unless_told():
     """bench_components' main-run engines run a 16-bit model's verify blocks through the two-phase GDN kernel (the
-    engine's default), and through the step kernel with --gdn-step-kernel; with --gdn-replay they replay rollbacks."""
+    engine's default), and through the step kernel with --gdn-step-kernel; they replay rollbacks unless --no-gdn-replay."""
     sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
     import bench_components
 
@@ -432,10 +435,11 @@ def test_main_run_targets_take_the_engines_gdn_block_kernel_unless_told():
     assert bench_components.target_engine(target, args, 32).gdn_two_phase
     args.gdn_step_kernel = True
     assert not bench_components.target_engine(target, args, 32).gdn_two_phase
-    # --gdn-replay: the engines keep a verify block's GDN inputs for a replay (off unless asked)
-    assert not bench_components.target_engine(target, args, 32).gdn_replay
-    args.gdn_replay = True
+    # the engines keep a two-phase verify block's GDN inputs for a replay (the engine's default) unless --no-gdn-replay
+    args.gdn_step_kernel = False
     assert bench_components.target_engine(target, args, 32).gdn_replay
+    args.no_gdn_replay = True
+    assert not bench_components.target_engine(target, args, 32).gdn_replay
 
 
 def test_attention_steps_bench_sets_the_two_engines_side_by_side(monkeypatch):

@@ -324,6 +324,10 @@ def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(ti
     with pytest.raises(QdflashError, match="before capture"):  # a captured block would keep the other thing
         engine.gdn_replay = False
     engine.gdn_replay = True  # (the same setting: nothing changes)
+    for name, value in (("fuse_gdn", False), ("gdn_two_phase", False), ("gdn_chunked", True)):
+        with pytest.raises(QdflashError, match=f"{name}: set it before capture"):  # each would stop the replay too
+            setattr(engine, name, value)
+    assert engine.fuse_gdn and engine.gdn_two_phase and not engine.gdn_chunked and engine._replays(3)
     engine.graphs = {}
     engine.gdn_replay = False
     plain = build_engine(tiny_qwen, max_len=64, kernels=False)  # no kernels, no kept scratch: nothing to replay
@@ -337,10 +341,12 @@ def test_two_phase_gdn_blocks_are_the_default_for_16_bit_models_only(tiny_qwen):
     where it is fp32 (whose speculative output must equal the autoregressive one bit for bit)."""
     import copy
 
-    assert not build_engine(tiny_qwen, max_len=32, kernels=False).gdn_two_phase  # tiny_qwen is fp32
+    full = build_engine(tiny_qwen, max_len=32, kernels=False)  # tiny_qwen is fp32
+    assert not full.gdn_two_phase and not full.gdn_replay
     half = copy.deepcopy(tiny_qwen)
     half.model.to(torch.bfloat16)
-    assert build_engine(half, max_len=32, kernels=False).gdn_two_phase
+    engine = build_engine(half, max_len=32, kernels=False)
+    assert engine.gdn_two_phase and engine.gdn_replay  # ... whose two-phase blocks keep their inputs for a replay
 
 
 def test_gdn_ba_fused_without_kernels_and_where_it_cannot_fuse(tiny_qwen, tiny_llama):

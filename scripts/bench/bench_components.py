@@ -290,21 +290,26 @@ def compiled_steps(engine, args, layer_ids, label, result) -> dict:
     return {f"{label}.decode": lambda: decode(one, args.context), f"{label}.verify": lambda: verify(block, args.context)}
 
 
+SIDE_BY_SIDE_ARMS = ("_pdl", "_kept_states")  # engine arms whose compiled steps `side_by_side` times beside the targets'
+
+
 def side_by_side_ratios(names) -> list[tuple[str, str, str]]:
     """(ratio, numerator step, denominator step) of `side_by_side` for the compiled steps `names` holds: issue 23's
     (the W4-head decode step's speedup over the 16-bit one, each target's verify over decode), for the targets' own
-    graphs and, with --pdl, for their PDL arms' too; and each PDL arm's step against its target's (> 1: PDL faster)."""
+    graphs and, with --pdl (--kept-states-arm), for those arms' too; and each arm's step against its target's (> 1:
+    the arm faster)."""
     out = []
-    for arm in ("", "_pdl"):
+    for arm in ("", *SIDE_BY_SIDE_ARMS):
         if {f"target16{arm}.decode", f"target_w4_head{arm}.decode"} <= set(names):
             out.append((f"w4_head{arm}_decode_speedup_over_16bit{arm}", f"target16{arm}.decode", f"target_w4_head{arm}.decode"))
         for label in ("target16", "target_w4_head"):
             if {f"{label}{arm}.decode", f"{label}{arm}.verify"} <= set(names):
                 out.append((f"{label}{arm}.verify_over_decode", f"{label}{arm}.verify", f"{label}{arm}.decode"))
-    for label in ("target16", "target_w4_head"):
-        for step in ("decode", "verify"):
-            if {f"{label}.{step}", f"{label}_pdl.{step}"} <= set(names):
-                out.append((f"{label}_pdl.{step}_speedup", f"{label}.{step}", f"{label}_pdl.{step}"))
+    for arm in SIDE_BY_SIDE_ARMS:
+        for label in ("target16", "target_w4_head"):
+            for step in ("decode", "verify"):
+                if {f"{label}.{step}", f"{label}{arm}.{step}"} <= set(names):
+                    out.append((f"{label}{arm}.{step}_speedup", f"{label}.{step}", f"{label}{arm}.{step}"))
     return out
 
 
@@ -411,6 +416,13 @@ def pdl_arm(engine, args, device, layer_ids, bandwidth, label, result, steps) ->
     """`--pdl`: the steps captured under programmatic dependent launch (EngineBase.pdl), in `side_by_side` too."""
     if args.pdl and args.compile:
         engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "pdl", {"pdl": True}, steps)
+
+
+def kept_states_arm(engine, args, device, layer_ids, bandwidth, label, result, steps) -> None:
+    """`--kept-states-arm`: the verify blocks keeping every position's GDN state instead of their inputs for a replay
+    (LeanQwen35.gdn_replay off), in `side_by_side` too: the A/B behind the replay's default, in one process."""
+    if args.kept_states_arm and getattr(engine, "gdn_replay", False):
+        engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "kept_states", {"gdn_replay": False}, steps)
 
 
 def inductor_default_arm(engine, args, device, layer_ids, bandwidth, label, result) -> None:
@@ -527,12 +539,14 @@ def study_arms(args) -> list[Arm]:
 def target_engine(target, args, max_len):
     """The main run's engine for `target` (16-bit, W4, W4 head): --attention, the first --gdn-ba mode, and its verify
     block's GDN middle through the two-phase kernel (the engine's default for a 16-bit model) unless --gdn-step-kernel
-    (token by token through the step kernel; decode steps are the same either way); with --gdn-replay its verify
-    blocks keep their GDN inputs for a replay instead of every position's state (LeanQwen35.gdn_replay)."""
+    (token by token through the step kernel; decode steps are the same either way); its two-phase verify blocks keep
+    their GDN inputs for a replay (LeanQwen35.gdn_replay, the engine's default), or with --no-gdn-replay every
+    position's state."""
     engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=args.gdn_ba[0])
     if getattr(args, "gdn_step_kernel", False):
         engine.gdn_two_phase = False
-    engine.gdn_replay = getattr(args, "gdn_replay", False)
+    if getattr(args, "no_gdn_replay", False):
+        engine.gdn_replay = False
     return engine
 
 
@@ -848,10 +862,13 @@ def main() -> None:
     parser.add_argument("--targets-only", action="store_true",
                         help="no drafter steps and no cuBLAS-only arm: the targets' decode steps and verify blocks (and "
                              "with --compile their `side_by_side` ratios), in about half the device time")
-    parser.add_argument("--gdn-replay", action="store_true",
-                        help="the targets' verify blocks keep their GDN inputs and the state before them, and a rollback "
-                             "replays the accepted tokens (LeanQwen35.gdn_replay, off by default), checked against kept "
-                             "states before timing (gdn_replay_check)")
+    parser.add_argument("--no-gdn-replay", action="store_true",
+                        help="the targets' verify blocks keep every position's GDN state, where by default "
+                             "(LeanQwen35.gdn_replay) they keep their inputs and the state before them and a rollback "
+                             "replays the accepted tokens, checked against kept states before timing (gdn_replay_check)")
+    parser.add_argument("--kept-states-arm", action="store_true",
+                        help="each target again with its verify blocks keeping every position's GDN state (gdn_replay "
+                             "off), same process (<target>_kept_states, vs_kept_states.*; in side_by_side with --compile)")
     parser.add_argument("--no-cublas", action="store_true",
                         help="no cuBLAS-only arm (target16_cublas: the 16-bit target's matmuls through cuBLAS, "
                              "uncompiled), the drafters kept: the must-show run in less device time")
@@ -918,6 +935,7 @@ def main() -> None:
     steps = compiled_steps(engine16, args, layer_ids, "target16", result)  # kept for `side_by_side`
     inductor_default_arm(engine16, args, device, layer_ids, bandwidth, "target16", result)
     pdl_arm(engine16, args, device, layer_ids, bandwidth, "target16", result, steps)
+    kept_states_arm(engine16, args, device, layer_ids, bandwidth, "target16", result, steps)
     if args.hf_generate:  # transformers' static compiled generate on the same 16-bit model, this process
         try:
             result.update(hf_static_generate(target.model, args, device))
@@ -964,6 +982,7 @@ def main() -> None:
         report(result, "target_w4_head", args.out)
         steps |= compiled_steps(engine4h, args, layer_ids, "target_w4_head", result)
         pdl_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result, steps)
+        kept_states_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result, steps)
         result.update(side_by_side(steps, result, args, timer(device)))
         report(result, "side_by_side", args.out)
         inductor_default_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result)

@@ -3,8 +3,8 @@
 Gated DeltaNet layers run the recurrent form token by token and keep the recurrent state after every
 position of the last block fed (up to `max_block` tokens), so a rollback to any accepted prefix
 restores the exact state without feeding anything again (docs/recipe.md: "keep per-position states during
-verify"). With `gdn_replay` (off by default) a block through the two-phase kernel (a 16-bit model's verify block on a
-GPU) keeps instead the state before it and its tokens' kernel inputs, and a rollback re-runs the accepted tokens' state
+verify"). With `gdn_replay` (on by default where blocks run two-phase) a block through the two-phase kernel (a 16-bit
+model's verify block on a GPU) keeps instead the state before it and its tokens' kernel inputs, and a rollback re-runs the accepted tokens' state
 updates from those, every layer in one launch (docs/recipe.md's other way: "re-run the recurrence on the accepted
 prefix"). Their causal-conv inputs live in a per-position buffer like a KV cache, so a rollback there
 is a change of length too. Every cache is a fixed buffer updated in place and positions are a tensor,
@@ -29,7 +29,8 @@ from .linear import Projection, StreamNorm, residual_norm, swiglu
 from ..ops import apply_rope, tap_features
 from .base import KERNEL_TOKENS, EngineBase, cached_attention
 
-
+# the settings that decide what a verify block keeps for a rollback (`LeanQwen35._replays`): fixed under captured blocks
+ROLLBACK_SETTINGS = frozenset({"gdn_replay", "fuse_gdn", "gdn_two_phase", "gdn_chunked"})
 GDN_BA = ("dot", "given", "fused")  # LeanQwen35's gdn_ba: how a step's GDN gates get their b / a projection
 
 
@@ -82,12 +83,10 @@ class LeanQwen35(EngineBase):
         # a two-phase verify block (above) writes the GDN state before it and keeps its tokens' inputs (the kernel's
         # scratch) instead of writing the state after every position: a rollback into the block recomputes the one
         # state it needs, every layer in one launch (gated_delta_replay). At Qwen3.5-4B a verify block wrote 16 states
-        # of 2 MB a layer, 24 layers, and a round reads one of them. Off until a device run times it in compiled
-        # steps: the first run checked it eagerly (equal to the kept states) and then failed in its compiled steps
-        # (results/published/2026-12-06-h100-gdn-kept); the second found it 4.7e-10 off at the tiny shape, the
-        # replay's state in another layout than the block kernel's (results/published/2026-12-06-h100-lean-replay;
-        # fixed since, not yet rerun). Set before capture (turning it on allocates the kept inputs: 4.5 MB a layer
-        # at Qwen3.5-4B)
+        # of 2 MB a layer, 24 layers, and a round reads one of them. On where blocks run two-phase (set at the end of
+        # __init__: turning it on allocates the kept inputs, 4.5 MB a layer at Qwen3.5-4B), since a device run found
+        # its states and logits 0 apart from the kept ones, eagerly and after CUDA-graph and compiled verify blocks, and
+        # the compiled verify blocks faster (results/published/2026-12-06-h100-gdn-replay). Set before capture
         self.kept, self._replay_tables, self._gdn_replay = {}, None, False
         # with the kernels: a decode step's / verify block's GDN middle in one launch (`_delta_net_fused`);
         # False runs the unfused layer (the benchmark's side-by-side arm)
@@ -137,6 +136,7 @@ class LeanQwen35(EngineBase):
         self.conv_offsets = torch.arange(-(kernel - 1), max_len, device=device)
         self.length = 0
         self.block_start = 0  # the last block fed: states of positions block_start..length are kept
+        self.gdn_replay = self.gdn_two_phase  # (needs self.state: the kept inputs are sized from it)
 
     @property
     def gdn_replay(self) -> bool:
@@ -145,11 +145,6 @@ class LeanQwen35(EngineBase):
 
     @gdn_replay.setter
     def gdn_replay(self, on: bool) -> None:
-        if bool(on) != self._gdn_replay and any(self._keeps_states(key[0]) for key in self.graphs):
-            # a captured verify block keeps its inputs or its states as it was captured, and a rollback would then
-            # read the other: states not written (silently wrong, not an error at the GPU)
-            raise QdflashError("gdn_replay: set it before capture; this engine holds captured verify blocks (clear "
-                               "engine.graphs first)")
         if on and not self.kept and self.kernels and self.state:  # a two-phase block's inputs, kept for a replay
             for i, state in self.state.items():
                 self.kept[i] = torch.zeros(replay_scratch(*state.shape, self.max_block), device=self.device)
@@ -157,6 +152,21 @@ class LeanQwen35(EngineBase):
             self._replay_tables = replay_tables([self.block_states[i][0] for i in layers], [self.kept[i] for i in layers],
                                                 [self.state[i] for i in layers])
         self._gdn_replay = bool(on)
+
+    def __setattr__(self, name: str, value) -> None:
+        """A setting of ROLLBACK_SETTINGS refuses a change under captured verify blocks that would change what they
+        keep for a rollback (`_replays`): a captured block keeps its inputs or every position's state as it was
+        captured, and a rollback would then read the other, states never written (silently wrong, no GPU error)."""
+        if name not in ROLLBACK_SETTINGS or not self.__dict__.get("graphs"):  # (first: every attribute set comes here)
+            return super().__setattr__(name, value)
+        blocks = {key[0] for key in self.graphs}
+        before, old = {t: self._replays(t) for t in blocks}, getattr(self, name)
+        super().__setattr__(name, value)
+        if {t: self._replays(t) for t in blocks} != before:
+            super().__setattr__(name, old)
+            kept = "their GDN inputs" if any(before.values()) else "every position's GDN state"
+            raise QdflashError(f"{name}: set it before capture; this engine holds captured verify blocks that keep "
+                               f"{kept} for a rollback (clear engine.graphs first)")
 
     def _norm(self, module: nn.Module) -> StreamNorm:
         """The model's own norm module into the model's dtype (it computes in fp32 and returns its input's dtype)."""
