@@ -87,8 +87,11 @@ def test_component_bench_runs_on_the_cpu(runs):
     # --compile (here traced with aot_eager): decode, verify and drafter steps compiled, and the round they imply
     for label in ("target16", "target_w4", "target_w4_head"):
         assert r[f"{label}.decode_compiled_ms"] > 0 and r[f"{label}.verify_compiled_ms"] > 0, r.get(f"{label}.compile_error")
+        # each compiled as one graph (the graph breaks dynamo counted, by reason: none)
+        assert r[f"{label}.decode_compiled_graph_breaks"] == {} and r[f"{label}.verify_compiled_graph_breaks"] == {}
     for label in ("drafter16", "drafter_w4"):
         assert r[f"{label}.step_compiled_ms"] > 0 and r[f"{label}.compiled_drafts_agree"] == 1.0, r.get(f"{label}.compile_error")
+        assert r[f"{label}.step_compiled_graph_breaks"] == {}
     for key, label in (("w4", "target_w4"), ("w4_head", "target_w4_head")):
         assert r[f"{key}_compiled_decode_speedup_over_16bit_compiled"] == pytest.approx(
             r["target16.decode_compiled_ms"] / r[f"{label}.decode_compiled_ms"], abs=1e-3)

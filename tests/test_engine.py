@@ -402,6 +402,30 @@ def test_compiled_capture_raises_the_recompile_limit(tiny_llama):
     assert dynamo_config.recompile_limit >= max(before, 8 + 8)
 
 
+def test_compiled_capture_logs_the_graph_breaks_of_its_steps(tiny_llama, monkeypatch, caplog):
+    """capture(compile=...) logs, by reason, each graph break dynamo made in the steps it compiled (a step meant as one
+    graph then runs unfused around each break); a step that compiles as one graph logs none."""
+    import qdflash.engine.graphs as graphs
+
+    # a CUDA graph's capture runs the step (its warm-up, where it compiles); here the warm-up alone, on the CPU
+    monkeypatch.setattr(graphs, "capture", lambda fn, warmup, device: (None, [fn() for _ in range(warmup)][-1]))
+    engine = build_engine(tiny_llama, max_len=64)
+    with caplog.at_level("WARNING", logger="qdflash.engine.base"):
+        engine.capture([1], None, compile="eager")
+    assert "graph breaks" not in caplog.text
+    step = engine._step
+
+    def broken(*args, **kwargs):  # a step with something dynamo cannot trace in it
+        out = step(*args, **kwargs)
+        torch._dynamo.graph_break()
+        return out
+
+    monkeypatch.setattr(engine, "_step", broken)
+    with caplog.at_level("WARNING", logger="qdflash.engine.base"):
+        engine.capture([2], None, compile="eager")
+    assert "compiled steps for [2] tokens: 1 graph breaks" in caplog.text and "graph_break()" in caplog.text
+
+
 def test_compiled_steps_give_inductor_the_engines_options(tiny_llama, monkeypatch):
     """capture(compile=True) hands inductor the engine's options (INDUCTOR_OPTIONS unless changed: multi_kernel, so a
     wide norm may run persistent), with `pdl` its PDL option too; another backend gets none (aot_eager takes no

@@ -59,7 +59,7 @@ from qdflash.cudagraph import capture
 from qdflash.drafter import init_drafter
 from qdflash.drafter.static import DrafterEngine
 from qdflash.engine import build_engine
-from qdflash.engine.base import allow_compiles, compiled_step
+from qdflash.engine.base import allow_compiles, compiled_step, graph_breaks, graph_breaks_since
 from qdflash.engine.graphs import restore, snapshot, stacked_states
 from qdflash.errors import raised_at
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
@@ -209,8 +209,10 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
     compiled = {}
     if args.compile:  # the same decode step and verify block through torch.compile (fused elementwise work), captured
         try:
-            t0 = time.perf_counter()
+            t0, before = time.perf_counter(), graph_breaks()
             engine.capture([1], None, cuda_graphs=cuda, compile=args.compile, lengths=[engine.max_len])  # replaces the eager one
+            # {} where the step compiled as one graph (what dynamo could not trace, where it broke)
+            compiled[f"{label}.decode_compiled_graph_breaks"] = graph_breaks_since(before)
             restore(engine, saved)
             got = engine.graph_for(1, None, args.context + 1)(one, args.context)[0].float()
             compiled[f"{label}.compiled_vs_eager_max_abs"] = float((got - eager_logits).abs().max())
@@ -218,7 +220,9 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
             compiled[f"{label}.decode_compiled_ms"] = round(run(lambda: compiled_graph(one, args.context), args.reps), 4)
             compiled[f"{label}.compile_s"] = round(time.perf_counter() - t0, 1)
             # the verify block compiled too: a round's target part, beside the compiled decode step
+            before = graph_breaks()
             engine.capture([args.block], layer_ids, cuda_graphs=cuda, compile=args.compile, lengths=[engine.max_len])
+            compiled[f"{label}.verify_compiled_graph_breaks"] = graph_breaks_since(before)
             verify_compiled = engine.graph_for(args.block, layer_ids, args.context + args.block)
             compiled[f"{label}.verify_compiled_ms"] = round(run(lambda: verify_compiled(block, args.context), args.reps), 4)
             compiled.update(replay_in_graph(engine, verify_compiled, block, args.context, f"{label}.replay_in_compiled"))
@@ -680,9 +684,10 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
     if args.compile:  # the same step through torch.compile, then captured (as the target's compiled steps)
         try:
             allow_compiles(1)
-            fast = compiled_step(step, args.compile)
+            fast, before = compiled_step(step, args.compile), graph_breaks()
             eager_drafts = step()
             compiled[f"{label}.compiled_drafts_agree"] = float((fast() == eager_drafts).float().mean())
+            compiled[f"{label}.step_compiled_graph_breaks"] = graph_breaks_since(before)
             fast_graph = graphed(fast, device)
             compiled[f"{label}.step_compiled_ms"] = round(run(fast_graph, args.reps), 4)
             profiled = fast_graph

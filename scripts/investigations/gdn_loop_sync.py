@@ -14,7 +14,9 @@ across warps, or a vector Triton moves to another layout through shared memory) 
 It also prints the registers and stack per thread: at the engine's launch (the b / a dot in the kernel, gdn_ba="dot";
 pointers aligned) the block kernel spills with Triton 3.9 (64 bytes keeping every state; keeping inputs 24 at
 50e4fdc, 8 at 110a81e), where tests/test_kernels.py's no-spill case, the product given, does not.
-Run it with the device's Triton (3.6 on the H200 image) for the device's code: other versions schedule differently.
+Run it with the device's Triton (3.6 on the H200 image) for the device's code: other versions schedule differently
+(with triton 3.6.0 on PYTHONPATH, e.g. `pip install --no-deps --target /tmp/tr36 triton==3.6.0`, the block kernel
+at 7 barriers a token has 255 registers and no stack in both forms: the spill is Triton 3.9's).
 Each tree compiles in a process of its own (the trees' modules share a name).
 """
 

@@ -6,6 +6,7 @@ graphs, and the attention over a static KV cache (batch 1: `cached_attention`; m
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 import torch
@@ -17,6 +18,8 @@ from ..errors import QdflashError
 from ..kernels import kernels_usable
 from ..ops import rope_tables
 from .linear import Concat, Projection, head_projection, tune_projections
+
+log = logging.getLogger(__name__)
 
 
 KERNEL_TOKENS = 16  # tokens per step that the attention kernel takes (a verify block); a prefill runs SDPA
@@ -299,12 +302,16 @@ class EngineBase:
             allow_compiles(len(token_counts) * len(lengths))
         from ..kernels import pdl, pdl_supported
 
+        before = graph_breaks()
         with pdl(self.pdl and pdl_supported(self.device)):  # the graphs record their launches as they are made now
             for t in token_counts:
                 for n in lengths:
                     self.graphs[(t, _key(layer_ids), n, tree)] = (
                         CapturedStep(self, t, layer_ids, n, step=step, tree=tree) if cuda_graphs
                         else StaticStep(self, t, layer_ids, n, step=step, tree=tree))
+        if compile and (breaks := graph_breaks_since(before)):
+            log.warning("compiled steps for %s tokens: %d graph breaks (%s)", token_counts, sum(breaks.values()),
+                        "; ".join(f"{n} x {reason}" for reason, n in breaks.items()))
 
 
 # inductor's options for a compiled step (compile=True). Why multi_kernel: inductor makes a reduction over more than
@@ -329,6 +336,29 @@ def compiled_step(fn, compile, options: dict | None = None):
         # environment variable, so it holds for every compile of this process and its children (docs/gpu.md)
         os.environ.setdefault("TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE", "1")
     return torch.compile(fn, dynamic=False, options=options)
+
+
+def graph_breaks() -> dict:
+    """Dynamo's graph breaks so far in this process (reason -> count), for `graph_breaks_since`."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def graph_breaks_since(before: dict) -> dict:
+    """The graph breaks dynamo counted since `before` (`graph_breaks()`), by their reason's first line and debug
+    context (what dynamo could not trace). Why: a
+    compiled step meant as one graph that breaks runs its pieces as separate graphs, unfused around each break, and
+    a step past dynamo's recompile limit runs uncompiled; neither is an error (results/published/
+    2026-12-04-h200-components-marlin: 1,151 kernels a step instead of 635 at a break per Marlin projection)."""
+    out = {}
+    for reason, count in graph_breaks().items():
+        if count > before.get(reason, 0):
+            lines = [part.strip() for part in reason.strip().splitlines()]
+            context = [part for part in lines if part.startswith("Developer debug context:")]  # what was called
+            line = " / ".join(lines[:1] + context)[:300]
+            out[line] = out.get(line, 0) + count - before.get(reason, 0)
+    return out
 
 
 _COMPILES = [0]  # compiled steps asked for in this process (allow_compiles)
