@@ -88,10 +88,11 @@ def test_component_bench_runs_on_the_cpu(runs):
     for label in ("target16", "target_w4", "target_w4_head"):
         assert r[f"{label}.decode_compiled_ms"] > 0 and r[f"{label}.verify_compiled_ms"] > 0, r.get(f"{label}.compile_error")
         # each compiled as one graph (the graph breaks dynamo counted, by reason: none)
-        assert r[f"{label}.decode_compiled_graph_breaks"] == {} and r[f"{label}.verify_compiled_graph_breaks"] == {}
+        for step in ("decode", "verify"):
+            assert r[f"{label}.{step}_compiled_graphs"] == 1 and r[f"{label}.{step}_compiled_graph_breaks"] == {}
     for label in ("drafter16", "drafter_w4"):
         assert r[f"{label}.step_compiled_ms"] > 0 and r[f"{label}.compiled_drafts_agree"] == 1.0, r.get(f"{label}.compile_error")
-        assert r[f"{label}.step_compiled_graph_breaks"] == {}
+        assert r[f"{label}.step_compiled_graphs"] == 1 and r[f"{label}.step_compiled_graph_breaks"] == {}
     for key, label in (("w4", "target_w4"), ("w4_head", "target_w4_head")):
         assert r[f"{key}_compiled_decode_speedup_over_16bit_compiled"] == pytest.approx(
             r["target16.decode_compiled_ms"] / r[f"{label}.decode_compiled_ms"], abs=1e-3)
@@ -518,6 +519,30 @@ def test_replay_check_sets_replayed_rollbacks_against_kept_states(tiny_qwen, mon
     engine.capture([3], cuda_graphs=False)
     assert bench_components.replay_check(engine, "cpu", tokens=8, block=3, keeps=(1,)) == {
         "gdn_replay_check.error": "not checked: the engine holds captured steps (the check runs before capture)"}
+
+
+def test_arms_that_change_an_engines_gdn_path_clear_its_captured_blocks_first(tiny_qwen, monkeypatch):
+    """The unfused-GDN arm measures an engine that holds captured verify blocks (the base's): with the replay on, the
+    engine refuses a change of fuse_gdn under them, so the arm clears them first, and again before restoring it."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_components
+
+    from qdflash.engine import build_engine
+
+    engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+    engine.gdn_two_phase = engine.gdn_replay = True  # (fp32 tiny: set as a 16-bit model has them)
+    engine.capture([3], cuda_graphs=False)
+    seen = []
+
+    def measured(engine, *args):  # the arm's measurement: a captured block, as measure_target leaves it
+        seen.append(engine.fuse_gdn)
+        engine.capture([3], cuda_graphs=False)
+        return {"measured": True}
+
+    monkeypatch.setattr(bench_components, "measure_target", measured)
+    assert bench_components.unfused_gdn_arm(engine, None, "cpu", None, 0.0) == {"measured": True}
+    assert seen == [False] and engine.fuse_gdn and not engine.graphs
 
 
 def test_replay_in_graph_checks_a_captured_block_left_what_a_rollback_replays(tiny_qwen, monkeypatch):

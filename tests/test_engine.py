@@ -423,7 +423,8 @@ def test_compiled_capture_logs_the_graph_breaks_of_its_steps(tiny_llama, monkeyp
     monkeypatch.setattr(engine, "_step", broken)
     with caplog.at_level("WARNING", logger="qdflash.engine.base"):
         engine.capture([2], None, compile="eager")
-    assert "compiled steps for [2] tokens: 1 graph breaks" in caplog.text and "graph_break()" in caplog.text
+    assert "compiled steps for [2] tokens: 1 graphs for 1 steps, 1 graph breaks" in caplog.text  # (nothing after it)
+    assert "graph_break()" in caplog.text
 
 
 def test_compiled_steps_give_inductor_the_engines_options(tiny_llama, monkeypatch):

@@ -59,7 +59,7 @@ from qdflash.cudagraph import capture
 from qdflash.drafter import init_drafter
 from qdflash.drafter.static import DrafterEngine
 from qdflash.engine import build_engine
-from qdflash.engine.base import allow_compiles, compiled_step, graph_breaks, graph_breaks_since
+from qdflash.engine.base import allow_compiles, compiled_since, compiled_step, dynamo_counts
 from qdflash.engine.graphs import restore, snapshot, stacked_states
 from qdflash.errors import raised_at
 from qdflash.kernels.w4a16 import MAX_ROWS, w4a16_matmul
@@ -209,22 +209,22 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
     compiled = {}
     if args.compile:  # the same decode step and verify block through torch.compile (fused elementwise work), captured
         try:
-            t0, before = time.perf_counter(), graph_breaks()
+            t0, before = time.perf_counter(), dynamo_counts()
             engine.capture([1], None, cuda_graphs=cuda, compile=args.compile, lengths=[engine.max_len])  # replaces the eager one
-            # {} where the step compiled as one graph (what dynamo could not trace, where it broke)
-            compiled[f"{label}.decode_compiled_graph_breaks"] = graph_breaks_since(before)
             restore(engine, saved)
             got = engine.graph_for(1, None, args.context + 1)(one, args.context)[0].float()
+            # (after a first call: without CUDA graphs a step compiles there) {graphs: 1, graph_breaks: {}} for one graph
+            compiled.update({f"{label}.decode_compiled_{k}": v for k, v in compiled_since(before).items()})
             compiled[f"{label}.compiled_vs_eager_max_abs"] = float((got - eager_logits).abs().max())
             compiled_graph = engine.graph_for(1, None, args.context + 1)
             compiled[f"{label}.decode_compiled_ms"] = round(run(lambda: compiled_graph(one, args.context), args.reps), 4)
             compiled[f"{label}.compile_s"] = round(time.perf_counter() - t0, 1)
             # the verify block compiled too: a round's target part, beside the compiled decode step
-            before = graph_breaks()
+            before = dynamo_counts()
             engine.capture([args.block], layer_ids, cuda_graphs=cuda, compile=args.compile, lengths=[engine.max_len])
-            compiled[f"{label}.verify_compiled_graph_breaks"] = graph_breaks_since(before)
             verify_compiled = engine.graph_for(args.block, layer_ids, args.context + args.block)
             compiled[f"{label}.verify_compiled_ms"] = round(run(lambda: verify_compiled(block, args.context), args.reps), 4)
+            compiled.update({f"{label}.verify_compiled_{k}": v for k, v in compiled_since(before).items()})
             compiled.update(replay_in_graph(engine, verify_compiled, block, args.context, f"{label}.replay_in_compiled"))
             compiled[f"{label}.verify_compiled_over_decode_compiled"] = round(
                 compiled[f"{label}.verify_compiled_ms"] / compiled[f"{label}.decode_compiled_ms"], 4)
@@ -494,11 +494,13 @@ def unfused_gdn_arm(engine, args, device, layer_ids, bandwidth) -> dict:
         return {"target16_unfused_gdn": "skipped: the engine's kernels are off, so the GDN layers run one torch path"}
     if not engine.fuse_gdn:
         return {"target16_unfused_gdn": "skipped: the fused path failed its check (gdn_fused_check.error), so every arm ran unfused"}
-    engine.fuse_gdn, engine.graphs = False, {}
+    engine.graphs = {}  # first: the engine refuses a change of what its captured verify blocks keep (gdn_replay)
+    engine.fuse_gdn = False
     try:
         return measure_target(engine, args, device, layer_ids, bandwidth, "target16_unfused_gdn")
     finally:
-        engine.fuse_gdn, engine.graphs = True, {}
+        engine.graphs = {}
+        engine.fuse_gdn = True
 
 
 def error_text(err: BaseException) -> str:
@@ -577,6 +579,7 @@ def study(target, engine16, args, device, layer_ids, bandwidth, max_len, result)
         if label == "target_w4":
             out["target_w4.quantized_layers"] = quantize_in_place(target.model, args.group)
         engine = engine16 if label == "target16" else None
+        replay = engine16.gdn_replay  # as checked (replay_check) or asked (--no-gdn-replay): every arm's engine too
         tuned_for = None  # the engine the kernels were last tuned for: an arm of the same engine keeps that tuning
         for suffix, gdn_ba, two_phase, chunked in study_arms(args):
             arm = label + suffix
@@ -588,7 +591,8 @@ def study(target, engine16, args, device, layer_ids, bandwidth, max_len, result)
             if engine is None or engine.gdn_ba != gdn_ba:
                 engine = None  # an arm's own engine is freed before the next is built (each copies the weights)
                 engine = build_engine(target, max_len=max_len, attention=args.attention, gdn_ba=gdn_ba)
-            engine.gdn_two_phase, engine.gdn_chunked, engine.graphs = two_phase, chunked, {}
+            engine.graphs = {}  # first: the engine refuses a change of what its captured verify blocks keep
+            engine.gdn_two_phase, engine.gdn_chunked, engine.gdn_replay = two_phase, chunked, replay
             try:
                 if suffix:  # the arm's GDN path against the unfused layer, as main() checks the base's
                     out.update(gdn_check(engine, device, label=f"{arm}.gdn_check"))
@@ -684,10 +688,10 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
     if args.compile:  # the same step through torch.compile, then captured (as the target's compiled steps)
         try:
             allow_compiles(1)
-            fast, before = compiled_step(step, args.compile), graph_breaks()
+            fast, before = compiled_step(step, args.compile), dynamo_counts()
             eager_drafts = step()
             compiled[f"{label}.compiled_drafts_agree"] = float((fast() == eager_drafts).float().mean())
-            compiled[f"{label}.step_compiled_graph_breaks"] = graph_breaks_since(before)
+            compiled.update({f"{label}.step_compiled_{k}": v for k, v in compiled_since(before).items()})
             fast_graph = graphed(fast, device)
             compiled[f"{label}.step_compiled_ms"] = round(run(fast_graph, args.reps), 4)
             profiled = fast_graph

@@ -302,16 +302,18 @@ class EngineBase:
             allow_compiles(len(token_counts) * len(lengths))
         from ..kernels import pdl, pdl_supported
 
-        before = graph_breaks()
+        before = dynamo_counts()
         with pdl(self.pdl and pdl_supported(self.device)):  # the graphs record their launches as they are made now
             for t in token_counts:
                 for n in lengths:
                     self.graphs[(t, _key(layer_ids), n, tree)] = (
                         CapturedStep(self, t, layer_ids, n, step=step, tree=tree) if cuda_graphs
                         else StaticStep(self, t, layer_ids, n, step=step, tree=tree))
-        if compile and (breaks := graph_breaks_since(before)):
-            log.warning("compiled steps for %s tokens: %d graph breaks (%s)", token_counts, sum(breaks.values()),
-                        "; ".join(f"{n} x {reason}" for reason, n in breaks.items()))
+        done = compiled_since(before)  # (a CUDA graph's warm-up compiled each step; a StaticStep compiles at its first call)
+        if compile and (done["graph_breaks"] or done["graphs"] > len(token_counts) * len(lengths)):
+            log.warning("compiled steps for %s tokens: %d graphs for %d steps, %d graph breaks (%s)", token_counts,
+                        done["graphs"], len(token_counts) * len(lengths), sum(done["graph_breaks"].values()),
+                        "; ".join(f"{n} x {reason}" for reason, n in done["graph_breaks"].items()))
 
 
 # inductor's options for a compiled step (compile=True). Why multi_kernel: inductor makes a reduction over more than
@@ -338,27 +340,30 @@ def compiled_step(fn, compile, options: dict | None = None):
     return torch.compile(fn, dynamic=False, options=options)
 
 
-def graph_breaks() -> dict:
-    """Dynamo's graph breaks so far in this process (reason -> count), for `graph_breaks_since`."""
+def dynamo_counts() -> tuple[dict, int]:
+    """Dynamo's graph breaks so far in this process (reason -> count) and the graphs it compiled, for
+    `compiled_since`."""
     from torch._dynamo.utils import counters
 
-    return dict(counters["graph_break"])
+    return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
 
 
-def graph_breaks_since(before: dict) -> dict:
-    """The graph breaks dynamo counted since `before` (`graph_breaks()`), by their reason's first line and debug
-    context (what dynamo could not trace). Why: a
-    compiled step meant as one graph that breaks runs its pieces as separate graphs, unfused around each break, and
-    a step past dynamo's recompile limit runs uncompiled; neither is an error (results/published/
-    2026-12-04-h200-components-marlin: 1,151 kernels a step instead of 635 at a break per Marlin projection)."""
+def compiled_since(before: tuple[dict, int]) -> dict:
+    """What dynamo did since `before` (`dynamo_counts()`): `graphs`, the graphs it compiled (a step that compiled as
+    one graph: 1), and `graph_breaks`, reason (its first line and debug context: what dynamo could not trace) ->
+    count. Why: a compiled step meant as one graph that breaks runs its pieces as separate graphs, unfused around
+    each break (results/published/2026-12-04-h200-components-marlin: 1,151 kernels a step instead of 635 at a break
+    per Marlin projection), and neither is an error. A piece recompiled past dynamo's recompile limit runs uncompiled
+    and is counted in neither (dynamo logs that): more graphs than steps is the sign of breaks either way."""
+    breaks, graphs = dynamo_counts()
     out = {}
-    for reason, count in graph_breaks().items():
-        if count > before.get(reason, 0):
+    for reason, count in breaks.items():
+        if count > before[0].get(reason, 0):
             lines = [part.strip() for part in reason.strip().splitlines()]
-            context = [part for part in lines if part.startswith("Developer debug context:")]  # what was called
+            context = [part for part in lines if part.startswith("Developer debug context:")]
             line = " / ".join(lines[:1] + context)[:300]
-            out[line] = out.get(line, 0) + count - before.get(reason, 0)
-    return out
+            out[line] = out.get(line, 0) + count - before[0].get(reason, 0)
+    return {"graphs": graphs - before[1], "graph_breaks": out}
 
 
 _COMPILES = [0]  # compiled steps asked for in this process (allow_compiles)
