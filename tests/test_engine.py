@@ -427,6 +427,32 @@ def test_compiled_capture_logs_the_graph_breaks_of_its_steps(tiny_llama, monkeyp
     assert "graph_break()" in caplog.text
 
 
+def test_the_kernel_paths_python_traces_as_one_graph_per_step(tiny_qwen, monkeypatch):
+    """A 16-bit Qwen3.5 engine's steps with the kernels on (the fused GDN middle, two-phase blocks keeping their inputs
+    for a replay, the gated norm, qk_norm_rope and the attention kernel), its launches no-ops: dynamo traces the Python
+    around them as one graph a step, no break. Why: a break there splits every layer's step on the GPU (a layer's
+    closure then compiles once per layer index, and past dynamo's recompile limit runs uncompiled). On the CPU the
+    launches are the interpreter's, which dynamo cannot trace, so they are stubbed; the device's launches are
+    dynamo's own Triton support, which this does not cover (the benchmark's `*_compiled_graphs` does)."""
+    import copy
+
+    pytest.importorskip("triton")
+    from torch._dynamo.utils import counters
+    from triton.runtime.interpreter import InterpretedFunction
+
+    half = copy.deepcopy(tiny_qwen)
+    half.model.to(torch.bfloat16)
+    engine = build_engine(half, max_len=64, kernels=True, attention="kernel")
+    assert engine.gdn_two_phase and engine.gdn_replay and engine.kept
+    engine.forward(ids(6, 8), 0)
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: None)
+    counters.clear()
+    step = torch.compile(engine._step, backend="eager", dynamic=False)
+    for t in (1, 4):  # a decode step and a verify block
+        step(ids(6, t), torch.arange(8, 8 + t), 16, None)
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 2
+
+
 def test_compiled_steps_give_inductor_the_engines_options(tiny_llama, monkeypatch):
     """capture(compile=True) hands inductor the engine's options (INDUCTOR_OPTIONS unless changed: multi_kernel, so a
     wide norm may run persistent), with `pdl` its PDL option too; another backend gets none (aot_eager takes no
