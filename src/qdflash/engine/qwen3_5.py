@@ -4,9 +4,9 @@ Gated DeltaNet layers run the recurrent form token by token and keep the recurre
 position of the last block fed (up to `max_block` tokens), so a rollback to any accepted prefix
 restores the exact state without feeding anything again (docs/recipe.md: "keep per-position states during
 verify"). With `gdn_replay` (on by default where blocks run two-phase) a block through the two-phase kernel (a 16-bit
-model's verify block on a GPU) keeps instead the state before it and its tokens' kernel inputs, and a rollback re-runs the accepted tokens' state
-updates from those, every layer in one launch (docs/recipe.md's other way: "re-run the recurrence on the accepted
-prefix"). Their causal-conv inputs live in a per-position buffer like a KV cache, so a rollback there
+model's verify block on a GPU) keeps instead the state before it and its tokens' kernel inputs, and a rollback re-runs
+the accepted tokens' state updates from those, every layer in one launch (docs/recipe.md's other way: "re-run the
+recurrence on the accepted prefix"). Their causal-conv inputs live in a per-position buffer like a KV cache, so a rollback there
 is a change of length too. Every cache is a fixed buffer updated in place and positions are a tensor,
 so a decode step and a verify block can be captured as CUDA graphs (`qdflash.engine.graphs`).
 On a GPU a decode step's or verify block's layer middle (buffer write, causal conv, silu, l2norm, gates with
