@@ -90,6 +90,7 @@ def test_component_bench_runs_on_the_cpu(runs):
         # each compiled as one graph (the graph breaks dynamo counted, by reason: none)
         for step in ("decode", "verify"):
             assert r[f"{label}.{step}_compiled_graphs"] == 1 and r[f"{label}.{step}_compiled_graph_breaks"] == {}
+            assert r[f"{label}.{step}_compiled_recompile_limits"] == []
     for label in ("drafter16", "drafter_w4"):
         assert r[f"{label}.step_compiled_ms"] > 0 and r[f"{label}.compiled_drafts_agree"] == 1.0, r.get(f"{label}.compile_error")
         assert r[f"{label}.step_compiled_graphs"] == 1 and r[f"{label}.step_compiled_graph_breaks"] == {}

@@ -427,6 +427,27 @@ def test_compiled_capture_logs_the_graph_breaks_of_its_steps(tiny_llama, monkeyp
     assert "graph_break()" in caplog.text
 
 
+def test_compiled_since_reports_graphs_breaks_and_recompile_limits_hit():
+    """engine.base.compiled_since: the graphs dynamo compiled, its graph breaks by reason, and its warnings that a
+    piece hit the recompile limit (past which the piece runs uncompiled: dynamo only logs that)."""
+    import torch._dynamo.config as dynamo_config
+
+    from qdflash.engine.base import compiled_since, dynamo_counts
+
+    def scaled(x, n):
+        return x * n
+
+    before = dynamo_counts()
+    step = torch.compile(scaled, backend="eager", dynamic=False)
+    with dynamo_config.patch(recompile_limit=2, automatic_dynamic_shapes=False):
+        for n in range(4):  # an int argument is a constant to dynamo: a recompile per value, the last two past the limit
+            assert torch.equal(step(torch.ones(2), n), torch.full((2,), float(n)))
+    done = compiled_since(before)
+    assert done["graphs"] == 2 and done["graph_breaks"] == {}
+    assert len(done["recompile_limits"]) >= 1 and "recompile_limit" in done["recompile_limits"][0]
+    assert "scaled" in done["recompile_limits"][0]
+
+
 def test_the_kernel_paths_python_traces_as_one_graph_per_step(tiny_qwen, monkeypatch):
     """A 16-bit Qwen3.5 engine's steps with the kernels on (the fused GDN middle, two-phase blocks keeping their inputs
     for a replay, the gated norm, qk_norm_rope and the attention kernel), its launches no-ops: dynamo traces the Python

@@ -310,10 +310,12 @@ class EngineBase:
                         CapturedStep(self, t, layer_ids, n, step=step, tree=tree) if cuda_graphs
                         else StaticStep(self, t, layer_ids, n, step=step, tree=tree))
         done = compiled_since(before)  # (a CUDA graph's warm-up compiled each step; a StaticStep compiles at its first call)
-        if compile and (done["graph_breaks"] or done["graphs"] > len(token_counts) * len(lengths)):
-            log.warning("compiled steps for %s tokens: %d graphs for %d steps, %d graph breaks (%s)", token_counts,
-                        done["graphs"], len(token_counts) * len(lengths), sum(done["graph_breaks"].values()),
-                        "; ".join(f"{n} x {reason}" for reason, n in done["graph_breaks"].items()))
+        if compile and (done["graph_breaks"] or done["recompile_limits"] or done["graphs"] > len(token_counts) * len(lengths)):
+            log.warning("compiled steps for %s tokens: %d graphs for %d steps, %d graph breaks (%s), %d recompile "
+                        "limits hit", token_counts, done["graphs"], len(token_counts) * len(lengths),
+                        sum(done["graph_breaks"].values()),
+                        "; ".join(f"{n} x {reason}" for reason, n in done["graph_breaks"].items()),
+                        len(done["recompile_limits"]))
 
 
 # inductor's options for a compiled step (compile=True). Why multi_kernel: inductor makes a reduction over more than
@@ -340,22 +342,41 @@ def compiled_step(fn, compile, options: dict | None = None):
     return torch.compile(fn, dynamic=False, options=options)
 
 
-def dynamo_counts() -> tuple[dict, int]:
-    """Dynamo's graph breaks so far in this process (reason -> count) and the graphs it compiled, for
-    `compiled_since`."""
+class _RecompileLimits(logging.Handler):
+    """Dynamo's warnings that a piece of code hit its recompile limit, in this process: past it the piece runs
+    uncompiled, which dynamo only logs (no counter holds it)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.hits: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "hit config." in message:  # "torch._dynamo hit config.recompile_limit (N)", the function, the last reason
+            self.hits.append(" / ".join(line.strip() for line in message.splitlines()[:3])[:300])
+
+
+_RECOMPILE_LIMITS = _RecompileLimits()
+logging.getLogger("torch._dynamo.convert_frame").addHandler(_RECOMPILE_LIMITS)
+
+
+def dynamo_counts() -> tuple[dict, int, int]:
+    """Dynamo's graph breaks so far in this process (reason -> count), the graphs it compiled and its recompile-limit
+    warnings, for `compiled_since`."""
     from torch._dynamo.utils import counters
 
-    return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+    return dict(counters["graph_break"]), counters["stats"]["unique_graphs"], len(_RECOMPILE_LIMITS.hits)
 
 
-def compiled_since(before: tuple[dict, int]) -> dict:
+def compiled_since(before: tuple[dict, int, int]) -> dict:
     """What dynamo did since `before` (`dynamo_counts()`): `graphs`, the graphs it compiled (a step that compiled as
-    one graph: 1), and `graph_breaks`, reason (its first line and debug context: what dynamo could not trace) ->
-    count. Why: a compiled step meant as one graph that breaks runs its pieces as separate graphs, unfused around
-    each break (results/published/2026-12-04-h200-components-marlin: 1,151 kernels a step instead of 635 at a break
-    per Marlin projection), and neither is an error. A piece recompiled past dynamo's recompile limit runs uncompiled
-    and is counted in neither (dynamo logs that): more graphs than steps is the sign of breaks either way."""
-    breaks, graphs = dynamo_counts()
+    one graph: 1); `graph_breaks`, reason (its first line and debug context: what dynamo could not trace) -> count;
+    `recompile_limits`, its warnings that a piece hit the recompile limit (past it, that piece runs uncompiled). Why:
+    a compiled step meant as one graph that breaks runs its pieces as separate graphs, unfused around each break
+    (results/published/2026-12-04-h200-components-marlin: 1,151 kernels a step instead of 635 at a break per Marlin
+    projection; results/published/2026-12-06-h100-gdn-replay: a GDN layer's closure recompiled per layer until the
+    limit), and none of this is an error."""
+    breaks, graphs, limits = dynamo_counts()
     out = {}
     for reason, count in breaks.items():
         if count > before[0].get(reason, 0):
@@ -363,7 +384,7 @@ def compiled_since(before: tuple[dict, int]) -> dict:
             context = [part for part in lines if part.startswith("Developer debug context:")]
             line = " / ".join(lines[:1] + context)[:300]
             out[line] = out.get(line, 0) + count - before[0].get(reason, 0)
-    return {"graphs": graphs - before[1], "graph_breaks": out}
+    return {"graphs": graphs - before[1], "graph_breaks": out, "recompile_limits": _RECOMPILE_LIMITS.hits[before[2]:limits]}
 
 
 _COMPILES = [0]  # compiled steps asked for in this process (allow_compiles)
