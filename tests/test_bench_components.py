@@ -546,6 +546,39 @@ def test_arms_that_change_an_engines_gdn_path_clear_its_captured_blocks_first(ti
     assert seen == [False] and engine.fuse_gdn and not engine.graphs
 
 
+def test_drafter_qk_kernel_arm_times_the_step_with_the_kernel_and_keeps_its_failure(tiny_llama, monkeypatch):
+    """--drafter-qk-kernel's arm: the drafter's step again with DrafterEngine.qk_norm_rope_kernel (here uncompiled:
+    Triton's interpreter does not trace), its drafts against the eager step's and its time over the step's; a
+    failure is the arm's result; the engine is left without the kernel either way."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
+    import bench_components
+
+    from qdflash.drafter import init_drafter
+    from qdflash.drafter.static import DrafterEngine
+
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=2, seed=7).eval()
+    engine = DrafterEngine(drafter, max_len=32, attention="kernel", kernels=True)
+    engine.append(torch.randn(8, len(drafter.config.target_layer_ids) * drafter.config.hidden_size), 0)
+    engine.draft_logits(drafter.mask_id, 8)
+    used = []
+
+    def step():
+        used.append(engine.qk_norm_rope_kernel)
+        with torch.no_grad():
+            return engine._step(engine._bucket(), None)[1]
+
+    eager = step()
+    monkeypatch.setattr(bench_components, "compiled_step", lambda fn, compile: fn)
+    monkeypatch.setattr(bench_components, "graphed", lambda fn, device: fn)
+    args = argparse.Namespace(compile=True, reps=1)
+    r = bench_components.drafter_qk_kernel_arm(engine, step, eager, args, lambda fn, reps: (fn(), 0.5)[1], "cpu", "d", 1.0)
+    assert r["d.qk_kernel_drafts_agree"] == 1.0 and r["d.step_compiled_qk_kernel_ms"] == 0.5
+    assert r["d.qk_kernel_speedup"] == 2.0 and used[1:] == [True, True] and not engine.qk_norm_rope_kernel
+    r = bench_components.drafter_qk_kernel_arm(engine, lambda: 1 / 0, eager, args, None, "cpu", "d", 1.0)
+    assert r["d.qk_kernel_error"].startswith("ZeroDivisionError") and not engine.qk_norm_rope_kernel
+
+
 def test_replay_in_graph_checks_a_captured_block_left_what_a_rollback_replays(tiny_qwen, monkeypatch):
     """replay_in_graph (after a verify block is captured, with the replay on): the captured block writes the state
     before it and its tokens' inputs to the engine's own buffers, so replaying none of its tokens gives the state before

@@ -996,7 +996,8 @@ def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile)
                                   "gdn replay lean 16",
                                   "gdn block chunked 5",
                                   "gdn block chunked 16", "attention", "attention tree 16", "attention block 16",
-                                  "gemv rows 0", "gemv rows 16", "gated norm 128", "qk norm rope 256"])
+                                  "gemv rows 0", "gemv rows 16", "gated norm 128", "qk norm rope 256",
+                                  "qk norm rope plain 256"])
 def test_kernels_compile_for_the_h200_without_spilling(case):
     """Kernels lower for sm_90 (the interpreter accepts what a GPU compile may not: scalar masks, dtype mixes)
     and keep what they hold per program in registers (a spill is a local-memory round trip in the loop):
@@ -1006,15 +1007,19 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     program) and a tree of 16 nodes (what a tree round verifies on the GPU); the block kernel keeping its inputs and
     the replay of them (gdn_replay's rollback); and the 16-bit GEMV's 2-16-row form at its
     largest tile, its K loop run and unrolled (16 tiles); and the GDN layer's gated norm (`kernels.gated_norm`) at
-    Qwen3.5-4B's value heads, and its attention layers' q / k norms and rotation (`kernels.qk_norm_rope`). None of them
-    has an atomic."""
+    Qwen3.5-4B's value heads, and its attention layers' q / k norms and rotation (`kernels.qk_norm_rope`), as a DFlash
+    drafter layer's too. None of them has an atomic."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, CHUNKED_WARPS, STEP_WARPS
 
     kind, _, arg = case.rpartition(" ")
     num_warps = 4
-    if kind == "qk norm rope":
-        num_warps = 1  # qk_norm_rope's launch, at Qwen3.5-4B's attention heads (16 over 4 KV heads, 64 of 256 dims rotate)
-        module, name, constexprs = "qdflash.kernels.qk_norm_rope", "_qk_norm_rope_kernel", dict(HEADS=16, KVH=4, D=int(arg), ROT=64)
+    if kind.startswith("qk norm rope"):
+        # qk_norm_rope's launch, at Qwen3.5-4B's attention heads (16 over 4 KV heads, 64 of 256 dims rotate, gated q,
+        # zero-centered norms); "plain": a DFlash drafter layer's at that target (all 256 rotate, q ungated, plain norms)
+        num_warps, plain = 1, kind.endswith("plain")
+        module, name = "qdflash.kernels.qk_norm_rope", "_qk_norm_rope_kernel"
+        constexprs = (dict(HEADS=16, KVH=4, D=int(arg), ROT=int(arg), GATED=False, ZERO_CENTERED=False) if plain
+                      else dict(HEADS=16, KVH=4, D=int(arg), ROT=64, GATED=True, ZERO_CENTERED=True))
         signature = {**{f"{p}_ptr": "*bf16" for p in ("qkv", "pos", "cos", "sin", "qw", "kw", "q", "k", "v")},
                      "pos_ptr": "*i64", "stride_t": "i32", "stride_cache": "i32", "q_eps": "fp32", "k_eps": "fp32"}
     elif kind == "gated norm":
@@ -1740,3 +1745,47 @@ def test_qk_norm_rope_is_the_models_norms_rotation_and_cache_writes(dtype):
         qk_norm_rope(qkv[:, :-1], positions, cos, sin, q_norm, k_norm, k_cache, v_cache, heads)
     with pytest.raises(QdflashError, match="int64 positions"):
         qk_norm_rope(qkv, positions.int(), cos, sin, q_norm, k_norm, k_cache, v_cache, heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_computes_the_drafters_q_k_norms_and_rotation(dtype):
+    """kernels.qk_norm_rope with gated=False and the drafter's plain RMSNorms (`drafter.model.RMSNorm`, Triton's
+    interpreter): q, and the k / v it writes into the caches at the tokens' positions, as the drafter layer's own
+    lines compute them (`rms_norm`: the normalized row rounded, times w, rounded; `rotary`), for a block's rows and
+    for k / v-only context rows (heads=0); the caches' other positions untouched. fp32 to its rounding; bf16 to a
+    unit in its last place, since the interpreter truncates fp32 to bf16 where a GPU rounds to nearest (a
+    zero-centered norm's 1 + w, with w in 0.5..1.5 here, would be off by ~2x)."""
+    pytest.importorskip("triton")
+    from qdflash.drafter.model import RMSNorm, rotary
+    from qdflash.kernels import qk_norm_rope
+    from qdflash.ops import rope_tables
+
+    torch.manual_seed(0)
+    heads, kv_heads, d, t, theta = 4, 2, 16, 3, 1e6
+    q_norm, k_norm = RMSNorm(d, 1e-6).to(dtype), RMSNorm(d, 1e-5).to(dtype)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(0.5, 1.5)
+    assert qk_norm_rope.supported(d, d, q_norm, k_norm) and not qk_norm_rope.zero_centered(q_norm)
+    cos, sin = rope_tables(d, 32, theta, "cpu", dtype)
+    positions = torch.tensor([5, 6, 7])
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * d) * 3).to(dtype)
+    k_cache, v_cache = torch.zeros(kv_heads, 32, d, dtype=dtype), torch.zeros(kv_heads, 32, d, dtype=dtype)
+    q = qk_norm_rope.qk_norm_rope(qkv, positions, cos, sin, q_norm, k_norm, k_cache, v_cache, heads, gated=False)
+
+    def heads_of(x, n):  # [T, n * D] -> [n, T, D]
+        return x.reshape(t, n, d).transpose(0, 1)
+
+    with torch.no_grad():
+        want_q = rotary(q_norm(heads_of(qkv[:, : heads * d], heads)), positions, theta)
+        want_k = rotary(k_norm(heads_of(qkv[:, heads * d : (heads + kv_heads) * d], kv_heads)), positions, theta)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q.transpose(0, 1), want_q, **tol)
+    torch.testing.assert_close(k_cache[:, 5:8], want_k, **tol)
+    assert torch.equal(v_cache[:, 5:8], heads_of(qkv[:, (heads + kv_heads) * d :], kv_heads))
+    assert not k_cache[:, :5].any() and not k_cache[:, 8:].any()
+    # a context row: its k / v projection alone, no query heads
+    kv = qkv[:, heads * d :].contiguous()
+    k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    out = qk_norm_rope.qk_norm_rope(kv, positions, cos, sin, k_norm, k_norm, k2, v2, 0, gated=False)
+    assert out.shape == (t, 0, d) and torch.equal(k2, k_cache) and torch.equal(v2, v_cache)

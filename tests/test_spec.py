@@ -453,6 +453,31 @@ def test_static_drafter_through_the_attention_kernel_drafts_what_the_eager_sessi
         DrafterEngine(drafter, max_len=48, attention="flash")
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_static_drafter_with_the_qk_kernel_drafts_what_the_eager_session_drafts(tiny_llama, window, monkeypatch):
+    """DrafterEngine.qk_norm_rope_kernel: each layer's q / k norms, rotation and cache writes through
+    kernels.qk_norm_rope (Triton's interpreter here: the drafter's plain RMSNorms, its q rows without an output gate),
+    a launch per layer for the block (its query heads) and one for the context rows a draft writes (k and v alone):
+    the eager session's logits and drafts as the context grows."""
+    pytest.importorskip("triton")
+    import qdflash.drafter.static as static
+    from qdflash.drafter.train import target_pass
+
+    launches, fused = [], static.qk_norm_rope.qk_norm_rope
+    monkeypatch.setattr(static.qk_norm_rope, "qk_norm_rope",
+                        lambda qkv, *args, **kwargs: launches.append((qkv.shape[0], args[-1])) or fused(qkv, *args, **kwargs))
+    drafter = init_drafter(tiny_llama, block_size=4, num_layers=2, seed=7).eval()
+    ids = prompt(3, 40)
+    features, _ = target_pass(tiny_llama, ids, drafter.config.target_layer_ids)
+    engine = DrafterEngine(drafter, max_len=48, attention="kernel", kernels=True)
+    assert not launches and not engine.qk_norm_rope_kernel  # off unless asked (not yet timed on a GPU)
+    engine.qk_norm_rope_kernel = True
+    assert_same_drafts(spec.DrafterSession(drafter, window), engine.session(window), features, ids)
+    heads, drafts = drafter.config.num_heads, 6  # assert_same_drafts drafts after 6 of its 7 pieces
+    assert launches.count((4, heads)) == drafts * 2  # each draft's block, both layers (the 4 rows of its block)
+    assert sum(1 for rows, h in launches if h == 0) >= drafts * 2  # and the context rows it writes first
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
 @pytest.mark.parametrize("window", [None, 5])
 def test_greedy_speculative_with_the_static_drafter_is_unchanged(fixture, window, request):

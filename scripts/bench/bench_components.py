@@ -642,6 +642,28 @@ def drafts_agreement(drafts: torch.Tensor, reference_logits: torch.Tensor, label
             f"{label}.drafts_max_gap": float(gap.max()), f"{label}.drafts_logit_scale": float(ref.abs().max())}
 
 
+def drafter_qk_kernel_arm(engine, step, eager_drafts, args, run, device, label, base_ms: float) -> dict:
+    """`--drafter-qk-kernel`: the drafter's compiled step again, compiled anew with its q / k norms, rotation and
+    cache writes through kernels.qk_norm_rope (DrafterEngine.qk_norm_rope_kernel), same process: its drafts against
+    the eager step's, its time, `qk_kernel_speedup` (the step's time over the arm's: > 1 the kernel faster). Its own
+    failure is its result; the drafter's numbers stand."""
+    out = {}
+    engine.qk_norm_rope_kernel = True
+    try:
+        allow_compiles(1)
+        fast, before = compiled_step(step, args.compile), dynamo_counts()
+        out[f"{label}.qk_kernel_drafts_agree"] = float((fast() == eager_drafts).float().mean())
+        out.update({f"{label}.step_compiled_qk_kernel_{k}": v for k, v in compiled_since(before).items()})
+        out[f"{label}.step_compiled_qk_kernel_ms"] = ms = round(run(graphed(fast, device), args.reps), 4)
+        out[f"{label}.qk_kernel_speedup"] = round(base_ms / ms, 3)
+    except Exception as err:  # noqa: BLE001 -- the arm failing is a result; the drafter's own step was measured
+        out[f"{label}.qk_kernel_error"] = error_text(err)
+        print(f"{label}: the qk kernel arm failed: {type(err).__name__}: {str(err)[-3000:]}", flush=True)
+    finally:
+        engine.qk_norm_rope_kernel = False
+    return out
+
+
 def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int | None) -> dict:
     run = timer(device)
     drafter = init_drafter(target, block_size=args.block, **DRAFTERS[args.shape]).to(dtype)
@@ -695,6 +717,9 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
             fast_graph = graphed(fast, device)
             compiled[f"{label}.step_compiled_ms"] = round(run(fast_graph, args.reps), 4)
             profiled = fast_graph
+            if getattr(args, "drafter_qk_kernel", False) and engine.kernels:
+                compiled.update(drafter_qk_kernel_arm(engine, step, eager_drafts, args, run, device, label,
+                                                      compiled[f"{label}.step_compiled_ms"]))
         except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
             compiled[f"{label}.compile_error"] = error_text(err)
     if args.profile:  # the step as timed last (compiled where it compiled): what bounds its ratio to a decode step
@@ -878,6 +903,10 @@ def main() -> None:
     parser.add_argument("--kept-states-arm", action="store_true",
                         help="each target again with its verify blocks keeping every position's GDN state (gdn_replay "
                              "off), same process (<target>_kept_states, vs_kept_states.*; in side_by_side with --compile)")
+    parser.add_argument("--drafter-qk-kernel", action="store_true",
+                        help="--compile: each drafter's compiled step again with its q / k norms, rotation and cache writes "
+                             "through kernels.qk_norm_rope (DrafterEngine.qk_norm_rope_kernel), same process "
+                             "(<drafter>.step_compiled_qk_kernel_ms, .qk_kernel_speedup: > 1 the kernel faster)")
     parser.add_argument("--no-cublas", action="store_true",
                         help="no cuBLAS-only arm (target16_cublas: the 16-bit target's matmuls through cuBLAS, "
                              "uncompiled), the drafters kept: the must-show run in less device time")

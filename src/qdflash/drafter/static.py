@@ -32,9 +32,9 @@ from ..distill import lm_head_weight
 from ..engine.base import allow_compiles, cache_buckets, compiled_step
 from ..engine.linear import Concat, Projection, head_projection, tune_projections
 from ..errors import QdflashError
-from ..kernels import kernels_usable
-from ..ops import rows_argmax
-from .model import PROJECTION_GROUPS
+from ..kernels import kernels_usable, qk_norm_rope
+from ..ops import rope_tables, rows_argmax
+from .model import KV, PROJECTION_GROUPS, QKV
 
 
 def fused_projections(drafter, dtype: torch.dtype, kernels: bool) -> tuple[list[dict | None], "Projection | None"]:
@@ -131,6 +131,13 @@ class DrafterEngine:
         self.kernels = kernels_usable(self.device, kernels)
         self.head = target_head(drafter._target.model, self.kernels)
         self.fused, self.fc = fused_projections(drafter, self.dtype, self.kernels)
+        # with the kernels: each layer's q / k norms, rotation and cache writes (the block's, and the context rows' a
+        # draft writes) in one launch (kernels.qk_norm_rope) instead of the model's lines, which inductor made ~6
+        # kernels a layer (~60 us of a 4B W4 drafter step on an H100, results/published/2026-12-06-h100-gdn-replay).
+        # Off until a device run times it (bench_components --drafter-qk-kernel). Set before capture
+        self.qk_norm_rope_kernel = False
+        self.cos, self.sin = (rope_tables(c.head_dim, max_len + self.block, c.rope_theta, self.device, self.dtype)
+                              if self.kernels else (None, None))
 
     def projections(self):
         """The drafter's projections this engine runs (the parts of a Concat one by one; not the target's head)."""
@@ -178,10 +185,20 @@ class DrafterEngine:
         self.length += n
         self.pending = True
 
+    def _qk_kernel(self, layer, fused) -> bool:
+        """Whether `layer`'s q / k norms, rotation and cache writes run through kernels.qk_norm_rope (see __init__)."""
+        c = self.drafter.config
+        return (self.qk_norm_rope_kernel and self.kernels and fused is not None
+                and qk_norm_rope.supported(c.head_dim, c.head_dim, layer.q_norm, layer.k_norm))
+
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Context K/V of target features [n, k*H] at `positions` [n], written in place in every layer."""
         context = self.drafter.context_features(features[None].to(self.dtype), self.fc)
         for layer, fused, keys, values in zip(self.drafter.layers, self.fused, self.keys, self.values):
+            if self._qk_kernel(layer, fused):  # the rows' k normed and rotated, and v, into the caches: one launch
+                qk_norm_rope.qk_norm_rope(fused[KV](context)[0], positions, self.cos, self.sin, layer.k_norm,
+                                          layer.k_norm, keys[0], values[0], 0, gated=False)
+                continue
             k, v = layer.context_kv(context, positions[None], fused)
             keys.index_copy_(2, positions, k)
             values.index_copy_(2, positions, v)
@@ -216,10 +233,16 @@ class DrafterEngine:
         lengths = (self.context_len + b).repeat(b)  # one per block position (the kernel reads a row each)
         starts = None if window is None else (q_pos - window + 1).clamp_min(0)
         for layer, fused, keys, values in zip(d.layers, self.fused, self.keys, self.values):
-            q, k, v = layer.block_qkv(h, self.q_pos, fused)
-            keys.index_copy_(2, q_pos, k)
-            values.index_copy_(2, q_pos, v)
-            out = one_sequence_attention(q[0].transpose(0, 1), keys[0], values[0], lengths, starts)
+            if self._qk_kernel(layer, fused):  # q normed and rotated; the block's k and v into the caches: one launch
+                q = qk_norm_rope.qk_norm_rope(fused[QKV](layer.input_norm(h))[0], q_pos, self.cos, self.sin,
+                                              layer.q_norm, layer.k_norm, keys[0], values[0], d.config.num_heads,
+                                              gated=False)
+            else:
+                q, k, v = layer.block_qkv(h, self.q_pos, fused)
+                keys.index_copy_(2, q_pos, k)
+                values.index_copy_(2, q_pos, v)
+                q = q[0].transpose(0, 1)
+            out = one_sequence_attention(q, keys[0], values[0], lengths, starts)
             h = layer.finish(h, out.transpose(0, 1)[None], fused)
         return self._drafts(h)
 
