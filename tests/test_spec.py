@@ -453,12 +453,14 @@ def test_static_drafter_through_the_attention_kernel_drafts_what_the_eager_sessi
         DrafterEngine(drafter, max_len=48, attention="flash")
 
 
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_static_drafter_with_the_qk_kernel_drafts_what_the_eager_session_drafts(tiny_llama, window, monkeypatch):
+def test_static_drafter_with_the_qk_kernel_drafts_what_the_eager_session_drafts(tiny_llama, window, attention,
+                                                                                 monkeypatch):
     """DrafterEngine.qk_norm_rope_kernel: each layer's q / k norms, rotation and cache writes through
     kernels.qk_norm_rope (Triton's interpreter here: the drafter's plain RMSNorms, its q rows without an output gate),
-    a launch per layer for the block (its query heads) and one for the context rows a draft writes (k and v alone):
-    the eager session's logits and drafts as the context grows."""
+    a launch per layer for the context rows a draft writes (k and v alone) and, with the attention kernel, one for the
+    block (its query heads): the eager session's logits and drafts as the context grows."""
     pytest.importorskip("triton")
     import qdflash.drafter.static as static
     from qdflash.drafter.train import target_pass
@@ -469,12 +471,13 @@ def test_static_drafter_with_the_qk_kernel_drafts_what_the_eager_session_drafts(
     drafter = init_drafter(tiny_llama, block_size=4, num_layers=2, seed=7).eval()
     ids = prompt(3, 40)
     features, _ = target_pass(tiny_llama, ids, drafter.config.target_layer_ids)
-    engine = DrafterEngine(drafter, max_len=48, attention="kernel", kernels=True)
+    engine = DrafterEngine(drafter, max_len=48, attention=attention, kernels=True, smallest_bucket=8)
     assert not launches and not engine.qk_norm_rope_kernel  # off unless asked (not yet timed on a GPU)
     engine.qk_norm_rope_kernel = True
     assert_same_drafts(spec.DrafterSession(drafter, window), engine.session(window), features, ids)
     heads, drafts = drafter.config.num_heads, 6  # assert_same_drafts drafts after 6 of its 7 pieces
-    assert launches.count((4, heads)) == drafts * 2  # each draft's block, both layers (the 4 rows of its block)
+    # each draft's block, both layers (the 4 rows of its block), with the attention kernel (SDPA's block: the model's)
+    assert launches.count((4, heads)) == (drafts * 2 if attention == "kernel" else 0)
     assert sum(1 for rows, h in launches if h == 0) >= drafts * 2  # and the context rows it writes first
 
 

@@ -108,7 +108,9 @@ class DrafterEngine:
         self.attention = attention
         # B positions past max_len: the kernel path writes the block's own K/V at length..length+B-1, and a
         # draft rewrites the last append's B rows, its stale ones past the context
-        shape = (1, c.num_kv_heads, max_len + self.block, c.head_dim)
+        # [kv_heads, positions, D]: base tensors, which a kernel writes in place (qk_norm_rope; a view of a compiled
+        # graph's input written by a user kernel may be copied whole around the launch)
+        shape = (c.num_kv_heads, max_len + self.block, c.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
         self.buckets = [max_len] if attention == "kernel" else cache_buckets(max_len, smallest_bucket)
@@ -189,6 +191,7 @@ class DrafterEngine:
         """Whether `layer`'s q / k norms, rotation and cache writes run through kernels.qk_norm_rope (see __init__)."""
         c = self.drafter.config
         return (self.qk_norm_rope_kernel and self.kernels and fused is not None
+                and layer.q_norm.weight.dtype == layer.k_norm.weight.dtype == self.dtype
                 and qk_norm_rope.supported(c.head_dim, c.head_dim, layer.q_norm, layer.k_norm))
 
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
@@ -197,11 +200,11 @@ class DrafterEngine:
         for layer, fused, keys, values in zip(self.drafter.layers, self.fused, self.keys, self.values):
             if self._qk_kernel(layer, fused):  # the rows' k normed and rotated, and v, into the caches: one launch
                 qk_norm_rope.qk_norm_rope(fused[KV](context)[0], positions, self.cos, self.sin, layer.k_norm,
-                                          layer.k_norm, keys[0], values[0], 0, gated=False)
+                                          layer.k_norm, keys, values, 0, gated=False)
                 continue
             k, v = layer.context_kv(context, positions[None], fused)
-            keys.index_copy_(2, positions, k)
-            values.index_copy_(2, positions, v)
+            keys.index_copy_(1, positions, k[0])
+            values.index_copy_(1, positions, v[0])
 
     def _step(self, attend: int, window: int | None):
         """Logits [B, V] and greedy drafts [B-1] of the block in `self.ids` over the first `attend`
@@ -218,7 +221,7 @@ class DrafterEngine:
             visible = visible & ((self.q_pos[:, :, None] - k_pos[None, None, :]) < window)
         mask = torch.cat([visible, torch.ones(1, b, b, dtype=torch.bool, device=self.device)], dim=-1)
         for layer, fused, keys, values in zip(d.layers, self.fused, self.keys, self.values):
-            h = layer.forward_cached(h, self.q_pos, keys[:, :, :attend], values[:, :, :attend], mask, fused)
+            h = layer.forward_cached(h, self.q_pos, keys[None, :, :attend], values[None, :, :attend], mask, fused)
         return self._drafts(h)
 
     def _kernel_step(self, h, window: int | None):
@@ -235,14 +238,14 @@ class DrafterEngine:
         for layer, fused, keys, values in zip(d.layers, self.fused, self.keys, self.values):
             if self._qk_kernel(layer, fused):  # q normed and rotated; the block's k and v into the caches: one launch
                 q = qk_norm_rope.qk_norm_rope(fused[QKV](layer.input_norm(h))[0], q_pos, self.cos, self.sin,
-                                              layer.q_norm, layer.k_norm, keys[0], values[0], d.config.num_heads,
+                                              layer.q_norm, layer.k_norm, keys, values, d.config.num_heads,
                                               gated=False)
             else:
                 q, k, v = layer.block_qkv(h, self.q_pos, fused)
-                keys.index_copy_(2, q_pos, k)
-                values.index_copy_(2, q_pos, v)
+                keys.index_copy_(1, q_pos, k[0])
+                values.index_copy_(1, q_pos, v[0])
                 q = q[0].transpose(0, 1)
-            out = one_sequence_attention(q, keys[0], values[0], lengths, starts)
+            out = one_sequence_attention(q, keys, values, lengths, starts)
             h = layer.finish(h, out.transpose(0, 1)[None], fused)
         return self._drafts(h)
 

@@ -123,6 +123,12 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         raise QdflashError(f"qk_norm_rope: contiguous caches [kv_heads, max_len, D], positions [{t}], cos / sin "
                            f"[>= max_len, rot] and the layer's q / k norms expected, got caches {tuple(k_cache.shape)} / "
                            f"{tuple(v_cache.shape)}, positions {tuple(positions.shape)}, cos {tuple(cos.shape)}")
+    # one weight dtype (the kernel picks q's or k's weight pointer per program); a plain norm's w multiplies a row
+    # already rounded to the model's dtype, which torch would promote to a wider weight's dtype (a zero-centered norm
+    # computes 1 + w in fp32 either way)
+    if q_norm.weight.dtype != k_norm.weight.dtype or not (zero_centered(k_norm) or k_norm.weight.dtype == qkv.dtype):
+        raise QdflashError(f"qk_norm_rope: q / k norm weights of one dtype (a plain norm's: qkv's, {qkv.dtype}) expected, "
+                           f"got {q_norm.weight.dtype} / {k_norm.weight.dtype}")
     q = torch.empty(t, heads, d, device=qkv.device, dtype=qkv.dtype)
     _qk_norm_rope_kernel[(t, heads + kv_heads)](qkv, positions, cos.contiguous(), sin.contiguous(), q_norm.weight,
                                                 k_norm.weight, q, k_cache, v_cache, qkv.stride(0), k_cache.stride(0),
