@@ -1699,7 +1699,8 @@ def test_qk_norm_rope_is_the_models_norms_rotation_and_cache_writes(dtype):
     for norm in (q_norm, k_norm):
         norm.weight.data = (0.3 * torch.randn(d, generator=g)).to(dtype)
         norm.to(DEVICE)
-    assert supported(d, rot, q_norm, k_norm) and not supported(24, rot, q_norm, k_norm) and not supported(d, 7, q_norm, k_norm)
+    assert supported(d, rot, q_norm, k_norm, dtype) and not supported(24, rot, q_norm, k_norm, dtype)
+    assert not supported(d, 7, q_norm, k_norm, dtype)
     width = heads * 2 * d + 2 * kv_heads * d
     buffer = (3 * torch.randn(t, width + 16, generator=g)).to(DEVICE, dtype)
     qkv = buffer[:, 16:]  # strided rows
@@ -1766,7 +1767,8 @@ def test_qk_norm_rope_computes_the_drafters_q_k_norms_and_rotation(dtype):
     with torch.no_grad():
         q_norm.weight.uniform_(0.5, 1.5)
         k_norm.weight.uniform_(0.5, 1.5)
-    assert qk_norm_rope.supported(d, d, q_norm, k_norm) and not qk_norm_rope.zero_centered(q_norm)
+    assert qk_norm_rope.supported(d, d, q_norm, k_norm, dtype) and not qk_norm_rope.zero_centered(q_norm)
+    assert not qk_norm_rope.supported(d, d, q_norm, k_norm, torch.float16)  # a plain norm's weight in another dtype
     cos, sin = rope_tables(d, 32, theta, "cpu", dtype)
     positions = torch.tensor([5, 6, 7])
     qkv = (torch.randn(t, (heads + 2 * kv_heads) * d) * 3).to(dtype)

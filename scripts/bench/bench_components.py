@@ -182,6 +182,11 @@ def graphed(fn, device: str):
     return capture(fn)[0].replay if device == "cuda" else fn
 
 
+def dynamo_report(before, prefix: str) -> dict:
+    """`compiled_since(before)` as results `<prefix>_graphs`, `_graph_breaks`, `_recompile_limits`."""
+    return {f"{prefix}_{key}": value for key, value in compiled_since(before).items()}
+
+
 def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
     run = timer(device)
     prompt = torch.randint(0, engine.lm_head.shape[0], (args.context,), device=device)
@@ -214,7 +219,7 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
             restore(engine, saved)
             got = engine.graph_for(1, None, args.context + 1)(one, args.context)[0].float()
             # (after a first call: without CUDA graphs a step compiles there) {graphs: 1, graph_breaks: {}} for one graph
-            compiled.update({f"{label}.decode_compiled_{k}": v for k, v in compiled_since(before).items()})
+            compiled.update(dynamo_report(before, f"{label}.decode_compiled"))
             compiled[f"{label}.compiled_vs_eager_max_abs"] = float((got - eager_logits).abs().max())
             compiled_graph = engine.graph_for(1, None, args.context + 1)
             compiled[f"{label}.decode_compiled_ms"] = round(run(lambda: compiled_graph(one, args.context), args.reps), 4)
@@ -224,7 +229,7 @@ def measure_target(engine, args, device, layer_ids, bandwidth, label) -> dict:
             engine.capture([args.block], layer_ids, cuda_graphs=cuda, compile=args.compile, lengths=[engine.max_len])
             verify_compiled = engine.graph_for(args.block, layer_ids, args.context + args.block)
             compiled[f"{label}.verify_compiled_ms"] = round(run(lambda: verify_compiled(block, args.context), args.reps), 4)
-            compiled.update({f"{label}.verify_compiled_{k}": v for k, v in compiled_since(before).items()})
+            compiled.update(dynamo_report(before, f"{label}.verify_compiled"))
             compiled.update(replay_in_graph(engine, verify_compiled, block, args.context, f"{label}.replay_in_compiled"))
             compiled[f"{label}.verify_compiled_over_decode_compiled"] = round(
                 compiled[f"{label}.verify_compiled_ms"] / compiled[f"{label}.decode_compiled_ms"], 4)
@@ -653,7 +658,7 @@ def drafter_qk_kernel_arm(engine, step, eager_drafts, args, run, device, label, 
         allow_compiles(1)
         fast, before = compiled_step(step, args.compile), dynamo_counts()
         out[f"{label}.qk_kernel_drafts_agree"] = float((fast() == eager_drafts).float().mean())
-        out.update({f"{label}.step_compiled_qk_kernel_{k}": v for k, v in compiled_since(before).items()})
+        out.update(dynamo_report(before, f"{label}.step_compiled_qk_kernel"))
         out[f"{label}.step_compiled_qk_kernel_ms"] = ms = round(run(graphed(fast, device), args.reps), 4)
         out[f"{label}.qk_kernel_speedup"] = round(base_ms / ms, 3)
     except Exception as err:  # noqa: BLE001 -- the arm failing is a result; the drafter's own step was measured
@@ -713,7 +718,7 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
             fast, before = compiled_step(step, args.compile), dynamo_counts()
             eager_drafts = step()
             compiled[f"{label}.compiled_drafts_agree"] = float((fast() == eager_drafts).float().mean())
-            compiled.update({f"{label}.step_compiled_{k}": v for k, v in compiled_since(before).items()})
+            compiled.update(dynamo_report(before, f"{label}.step_compiled"))
             fast_graph = graphed(fast, device)
             compiled[f"{label}.step_compiled_ms"] = round(run(fast_graph, args.reps), 4)
             profiled = fast_graph

@@ -191,8 +191,7 @@ class DrafterEngine:
         """Whether `layer`'s q / k norms, rotation and cache writes run through kernels.qk_norm_rope (see __init__)."""
         c = self.drafter.config
         return (self.qk_norm_rope_kernel and self.kernels and fused is not None
-                and layer.q_norm.weight.dtype == layer.k_norm.weight.dtype == self.dtype
-                and qk_norm_rope.supported(c.head_dim, c.head_dim, layer.q_norm, layer.k_norm))
+                and qk_norm_rope.supported(c.head_dim, c.head_dim, layer.q_norm, layer.k_norm, self.dtype))
 
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Context K/V of target features [n, k*H] at `positions` [n], written in place in every layer."""

@@ -295,11 +295,11 @@ class EngineBase:
 
         # the kernel reads each token's own length whatever a graph was captured for: one length does
         lengths = sorted(lengths or ([self.max_len] if self.attention == "kernel" else cache_buckets(self.max_len)))
-        step = self._step
+        step, steps = self._step, len(token_counts) * len(lengths)
         if compile:
             options = self.inductor_options | ({"triton.enable_pdl": True} if self.pdl else {})
             step = compiled_step(self._step, compile, options)
-            allow_compiles(len(token_counts) * len(lengths))
+            allow_compiles(steps)
         from ..kernels import pdl, pdl_supported
 
         before = dynamo_counts()
@@ -310,10 +310,9 @@ class EngineBase:
                         CapturedStep(self, t, layer_ids, n, step=step, tree=tree) if cuda_graphs
                         else StaticStep(self, t, layer_ids, n, step=step, tree=tree))
         done = compiled_since(before)  # (a CUDA graph's warm-up compiled each step; a StaticStep compiles at its first call)
-        if compile and (done["graph_breaks"] or done["recompile_limits"] or done["graphs"] > len(token_counts) * len(lengths)):
+        if compile and (done["graph_breaks"] or done["recompile_limits"] or done["graphs"] > steps):
             log.warning("compiled steps for %s tokens: %d graphs for %d steps, %d graph breaks (%s), %d recompile "
-                        "limits hit", token_counts, done["graphs"], len(token_counts) * len(lengths),
-                        sum(done["graph_breaks"].values()),
+                        "limits hit", token_counts, done["graphs"], steps, sum(done["graph_breaks"].values()),
                         "; ".join(f"{n} x {reason}" for reason, n in done["graph_breaks"].items()),
                         len(done["recompile_limits"]))
 

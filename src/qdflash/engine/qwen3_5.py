@@ -245,7 +245,7 @@ class LeanQwen35(EngineBase):
         """Whether a batch-1 step of `t` tokens runs an attention layer's inputs through kernels.qk_norm_rope: the
         kernels and the attention kernel on (which reads the cache the launch writes), a decode step or verify block."""
         return (self.kernels and self.qk_norm_rope_kernel and self.attention == "kernel" and t <= KERNEL_TOKENS
-                and qk_norm_rope.supported(self.head_dim, self.rot, w["q_norm"], w["k_norm"]))
+                and qk_norm_rope.supported(self.head_dim, self.rot, w["q_norm"], w["k_norm"], self.dtype))
 
     def _delta_net(self, i, w, x, positions):
         """A Gated DeltaNet layer of the batch-1 path up to its out projection's input (the decoder adds the projection

@@ -87,17 +87,20 @@ def zero_centered(norm) -> bool | None:
     return NORMS.get(cls.__name__, NORMS.get(f"{cls.__module__}.{cls.__qualname__}"))
 
 
-def supported(head_dim: int, rot: int, q_norm, k_norm) -> bool:
-    """Whether the kernel computes this layer: D a power of two, an even rotated part within it, and RMSNorms of one
-    kind of NORMS (a weight [D], an `eps`) for q and k: Qwen3.5's zero-centered ones, or the drafter's plain ones
-    (`drafter.model.RMSNorm`)."""
+def supported(head_dim: int, rot: int, q_norm, k_norm, dtype: torch.dtype) -> bool:
+    """Whether the kernel computes this layer in `dtype` (its activations'): D a power of two, an even rotated part
+    within it, and RMSNorms of one kind of NORMS (a weight [D], an `eps`) for q and k: Qwen3.5's zero-centered ones,
+    or the drafter's plain ones (`drafter.model.RMSNorm`). Their weights of one dtype (the kernel picks q's or k's
+    weight pointer per program); a plain norm's in `dtype` (its w multiplies a row already rounded to `dtype`, which
+    torch would promote to a wider weight's dtype; a zero-centered norm computes 1 + w in fp32 either way)."""
     def norm_ok(norm):
         weight = getattr(norm, "weight", None)
         return (zero_centered(norm) is not None and weight is not None and tuple(weight.shape) == (head_dim,)
                 and hasattr(norm, "eps"))
 
     return (triton is not None and head_dim > 0 and head_dim & (head_dim - 1) == 0 and 0 < rot <= head_dim
-            and rot % 2 == 0 and norm_ok(q_norm) and norm_ok(k_norm) and type(q_norm) is type(k_norm))
+            and rot % 2 == 0 and norm_ok(q_norm) and norm_ok(k_norm) and type(q_norm) is type(k_norm)
+            and q_norm.weight.dtype == k_norm.weight.dtype and (zero_centered(k_norm) or k_norm.weight.dtype == dtype))
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm,
@@ -119,16 +122,11 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         raise QdflashError(f"qk_norm_rope: qkv [T, {width}] with unit column stride expected, got {tuple(qkv.shape)} "
                            f"(strides {qkv.stride()})")
     if (v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or positions.shape != (t,) or cos.shape != sin.shape or cos.shape[0] < max_len or not supported(d, rot, q_norm, k_norm)):
+            or positions.shape != (t,) or cos.shape != sin.shape or cos.shape[0] < max_len
+            or not supported(d, rot, q_norm, k_norm, qkv.dtype)):
         raise QdflashError(f"qk_norm_rope: contiguous caches [kv_heads, max_len, D], positions [{t}], cos / sin "
-                           f"[>= max_len, rot] and the layer's q / k norms expected, got caches {tuple(k_cache.shape)} / "
+                           f"[>= max_len, rot] and the layer's q / k norms (`supported`) expected, got caches {tuple(k_cache.shape)} / "
                            f"{tuple(v_cache.shape)}, positions {tuple(positions.shape)}, cos {tuple(cos.shape)}")
-    # one weight dtype (the kernel picks q's or k's weight pointer per program); a plain norm's w multiplies a row
-    # already rounded to the model's dtype, which torch would promote to a wider weight's dtype (a zero-centered norm
-    # computes 1 + w in fp32 either way)
-    if q_norm.weight.dtype != k_norm.weight.dtype or not (zero_centered(k_norm) or k_norm.weight.dtype == qkv.dtype):
-        raise QdflashError(f"qk_norm_rope: q / k norm weights of one dtype (a plain norm's: qkv's, {qkv.dtype}) expected, "
-                           f"got {q_norm.weight.dtype} / {k_norm.weight.dtype}")
     q = torch.empty(t, heads, d, device=qkv.device, dtype=qkv.dtype)
     _qk_norm_rope_kernel[(t, heads + kv_heads)](qkv, positions, cos.contiguous(), sin.contiguous(), q_norm.weight,
                                                 k_norm.weight, q, k_cache, v_cache, qkv.stride(0), k_cache.stride(0),
