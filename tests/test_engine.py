@@ -448,22 +448,35 @@ def test_compiled_since_reports_graphs_breaks_and_recompile_limits_hit():
     assert "scaled" in done["recompile_limits"][0]
 
 
-def test_the_kernel_paths_python_traces_as_one_graph_per_step(tiny_qwen, monkeypatch):
-    """A 16-bit Qwen3.5 engine's steps with the kernels on (the fused GDN middle, two-phase blocks keeping their inputs
-    for a replay, the gated norm, qk_norm_rope and the attention kernel), its launches no-ops: dynamo traces the Python
-    around them as one graph a step, no break. Why: a break there splits every layer's step on the GPU (a layer's
-    closure then compiles once per layer index, and past dynamo's recompile limit runs uncompiled). On the CPU the
-    launches are the interpreter's, which dynamo cannot trace, so they are stubbed; the device's launches are
-    dynamo's own Triton support, which this does not cover (the benchmark's `*_compiled_graphs` does)."""
+@pytest.mark.parametrize("w4", [False, True])
+def test_the_kernel_paths_python_traces_as_one_graph_per_step(tiny_qwen, w4, monkeypatch):
+    """A Qwen3.5 engine's steps with the kernels on (the fused GDN middle, two-phase blocks keeping their inputs
+    for a replay, the gated norm, qk_norm_rope and the attention kernel; W4: the projections that pack through
+    w4a16_matmul, untuned), its launches no-ops: dynamo traces the Python around them as one graph a step, no break.
+    Why: a break there splits every layer's step on the GPU (a layer's closure then compiles once per layer index, and
+    past dynamo's recompile limit runs uncompiled). Two did: `max(..., key=)` in w4a16.default_config, and on the
+    device's torch (2.11, not this one) `bool(dict)` in `_replays`. On the CPU the launches are the interpreter's,
+    which dynamo cannot trace, so they are stubbed; the device's launches are dynamo's own Triton support, which this
+    does not cover (the benchmark's `*_compiled_graphs` does)."""
     import copy
 
     pytest.importorskip("triton")
     from torch._dynamo.utils import counters
     from triton.runtime.interpreter import InterpretedFunction
 
+    from qdflash.quant.apply import replace_linears, select_linears
+    from qdflash.quant.gptq import rtn_quantize
+    from qdflash.quant.grid import GridSpec
+
     half = copy.deepcopy(tiny_qwen)
     half.model.to(torch.bfloat16)
+    if w4:
+        modules = dict(half.model.named_modules())
+        replace_linears(half.model, {n: rtn_quantize(modules[n].weight.detach(), GridSpec(4, 32, True))
+                                     for n in select_linears(half.model)})
     engine = build_engine(half, max_len=64, kernels=True, attention="kernel")
+    # (the tiny target's K=128 projections pack; its K=64 ones are too short for a kernel tile and run dense)
+    assert any(p.words is not None for p in engine.projections()) == w4
     assert engine.gdn_two_phase and engine.gdn_replay and engine.kept
     engine.forward(ids(6, 8), 0)
     monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: None)

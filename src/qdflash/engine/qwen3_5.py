@@ -208,8 +208,10 @@ class LeanQwen35(EngineBase):
     def _replays(self, t: int) -> bool:
         """Whether a block of t tokens keeps its GDN inputs and the state before it instead of the state after each
         position (`gdn_replay`): a block the fused two-phase kernel runs (kernels, fuse_gdn, gdn_two_phase, not chunked)."""
-        return (self._keeps_states(t) and t <= CHUNK and bool(self.kept) and self.fuse_gdn and self.gdn_two_phase
-                and self.gdn_replay and not self.gdn_chunked)  # (kept: the kernels are on and there are GDN layers)
+        # (kept: the kernels are on and there are GDN layers; len, not bool: torch 2.11's dynamo breaks the graph on
+        # bool(dict), which then splits every GDN layer of a compiled step)
+        return (self._keeps_states(t) and t <= CHUNK and len(self.kept) > 0 and self.fuse_gdn and self.gdn_two_phase
+                and self.gdn_replay and not self.gdn_chunked)
 
     def _after_feed(self, start: int, end: int) -> None:
         kept = self._keeps_states(end - start)
