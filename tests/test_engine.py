@@ -448,43 +448,32 @@ def test_compiled_since_reports_graphs_breaks_and_recompile_limits_hit():
     assert "scaled" in done["recompile_limits"][0]
 
 
-@pytest.mark.parametrize("w4", [False, True])
-def test_the_kernel_paths_python_traces_as_one_graph_per_step(tiny_qwen, w4, monkeypatch):
-    """A Qwen3.5 engine's steps with the kernels on (the fused GDN middle, two-phase blocks keeping their inputs
-    for a replay, the gated norm, qk_norm_rope and the attention kernel; W4: the projections that pack through
-    w4a16_matmul, untuned), its launches no-ops: dynamo traces the Python around them as one graph a step, no break.
-    Why: a break there splits every layer's step on the GPU (a layer's closure then compiles once per layer index, and
-    past dynamo's recompile limit runs uncompiled). Two did: `max(..., key=)` in w4a16.default_config, and on the
-    device's torch (2.11, not this one) `bool(dict)` in `_replays`. On the CPU the launches are the interpreter's,
-    which dynamo cannot trace, so they are stubbed; the device's launches are dynamo's own Triton support, which this
-    does not cover (the benchmark's `*_compiled_graphs` does)."""
-    import copy
+def test_each_compiled_step_traces_as_one_graph():
+    """scripts/bench/check_step_graphs.py: dynamo traces a 16-bit and a W4 Qwen3.5 engine's decode step and verify block
+    with the kernels on (the fused GDN middle, two-phase blocks keeping their inputs for a replay, the gated norm,
+    qk_norm_rope, the attention kernel, w4a16_matmul untuned) and a drafter's steps with its qk kernel, each as one
+    graph, no break, its launches real triton.jit functions made no-ops. Why: a break splits every GDN layer's step
+    on the GPU (a layer's closure then compiles once per layer index, and past dynamo's recompile limit runs
+    uncompiled). Two did: `max(..., key=)` in w4a16.default_config and, under the device's torch 2.11, `bool(dict)` in
+    `_replays`. A subprocess: this session's kernels are the interpreter's (conftest), which dynamo cannot lift."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
     pytest.importorskip("triton")
-    from torch._dynamo.utils import counters
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from qdflash.quant.apply import replace_linears, select_linears
-    from qdflash.quant.gptq import rtn_quantize
-    from qdflash.quant.grid import GridSpec
-
-    half = copy.deepcopy(tiny_qwen)
-    half.model.to(torch.bfloat16)
-    if w4:
-        modules = dict(half.model.named_modules())
-        replace_linears(half.model, {n: rtn_quantize(modules[n].weight.detach(), GridSpec(4, 32, True))
-                                     for n in select_linears(half.model)})
-    engine = build_engine(half, max_len=64, kernels=True, attention="kernel")
-    # (the tiny target's K=128 projections pack; its K=64 ones are too short for a kernel tile and run dense)
-    assert any(p.words is not None for p in engine.projections()) == w4
-    assert engine.gdn_two_phase and engine.gdn_replay and engine.kept
-    engine.forward(ids(6, 8), 0)
-    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: None)
-    counters.clear()
-    step = torch.compile(engine._step, backend="eager", dynamic=False)
-    for t in (1, 4):  # a decode step and a verify block
-        step(ids(6, t), torch.arange(8, 8 + t), 16, None)
-    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 2
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(root / "scripts/bench/check_step_graphs.py")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    for name in ("qwen3.5_16bit", "qwen3.5_w4", "drafter_kernel", "drafter_sdpa"):
+        assert result[name]["graph_breaks"] == {} and result[name]["graphs"] == result[name]["steps"] >= 1, name
+    # the launches dynamo met: the GDN step and block kernels, the W4 matmul, the drafter's and target's qk kernel
+    assert {"_gated_delta_block_kernel", "_gated_delta_step_kernel", "_w4a16_kernel", "_qk_norm_rope_kernel",
+            "_decode_attention_kernel"} <= set(result["launched"])
 
 
 def test_compiled_steps_give_inductor_the_engines_options(tiny_llama, monkeypatch):
