@@ -1791,3 +1791,36 @@ def test_qk_norm_rope_computes_the_drafters_q_k_norms_and_rotation(dtype):
     k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     out = qk_norm_rope.qk_norm_rope(kv, positions, cos, sin, k_norm, k_norm, k2, v2, 0, gated=False)
     assert out.shape == (t, 0, d) and torch.equal(k2, k_cache) and torch.equal(v2, v_cache)
+
+
+def test_first_best_is_max_with_a_key_and_traces_as_one_graph():
+    """kernels.first_best: max(items, key=score) (the first of equals), and min by a negated score, for the config
+    heuristics of w4a16 and w4_mma (the 4B shapes, both row buckets); dynamo traces it without a break (fullgraph),
+    where max / min with a key broke a compiled step; nothing to choose from is an error."""
+    import random
+
+    from qdflash.kernels import first_best, w4_mma, w4a16
+
+    rng = random.Random(0)
+    for _ in range(200):
+        items = [(rng.randint(0, 3), rng.randint(0, 3), i) for i in range(rng.randint(1, 12))]
+        assert first_best(items, lambda t: t[:2]) == max(items, key=lambda t: t[:2])
+        assert first_best(items, lambda t: (-t[0], t[1])) == min(items, key=lambda t: (t[0], -t[1]))
+    for n, k in ((2560, 9728), (9728, 2560), (12288, 2560), (248320, 2560)):
+        for rows in (1, 16):
+            fitting = w4_mma.configs(n, k, 128, rows)
+            if fitting:
+                assert w4_mma.default_config(n, k, 128, rows) == min(
+                    fitting, key=lambda c: (abs(-(-n // (2 * c.block_p)) * c.split_k - 512), -c.block_w))
+            fitting = candidate_configs(k, 128, n, rows)
+            enough = [c for c in fitting if -(-n // c.block_n) * c.split_k >= 256] or fitting
+            assert w4a16.default_config(n, k, 128, rows) == max(
+                enough, key=lambda c: (c.block_k8, -c.split_k, c.block_n if rows > 1 else -c.block_n))
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def pick(x):
+        return x * first_best([(2, 1), (3, 0), (3, 5), (1, 9)], lambda t: t[0])[1]
+
+    assert pick(torch.ones(2)).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="first_best of nothing"):
+        first_best([], lambda t: t)

@@ -25,6 +25,20 @@ def row_bucket(rows: int) -> int:
     return 1 if rows == 1 else MAX_ROWS
 
 
+def first_best(items, score):
+    """The first of `items` with the highest `score(item)`: max(items, key=score) as a loop, which dynamo traces. Why:
+    dynamo cannot trace max / min with a key, and a config heuristic runs inside a compiled step (an untuned shape):
+    a graph break there splits every layer's step (scripts/bench/check_step_graphs.py)."""
+    best, pick = None, None
+    for item in items:
+        value = score(item)
+        if best is None or value > best:  # strictly: the first of equals, as max
+            best, pick = value, item
+    if best is None:
+        raise ValueError("first_best of nothing")
+    return pick
+
+
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

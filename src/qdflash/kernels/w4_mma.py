@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import QdflashError
-from . import MAX_ROWS, pdl_enabled, row_bucket  # 1 row: `_w4_mma_kernel`; 2-16 (a verify block): `_w4_mma_rows_kernel`
+from . import MAX_ROWS, first_best, pdl_enabled, row_bucket  # 1 row: `_w4_mma_kernel`; 2-16 (a verify block): `_w4_mma_rows_kernel`
 from .jit import NIBBLE_PAIRS
 
 try:
@@ -401,7 +401,8 @@ def default_config(n: int, k: int, group: int, rows: int = 1) -> Config:
     fitting = configs(n, k, group, rows)
     if not fitting:
         raise QdflashError(f"w4_mma: no tile fits a {n}x{k} weight at {rows} rows")
-    return min(fitting, key=lambda c: (abs(-(-n // (2 * c.block_p)) * c.split_k - 512), -c.block_w))
+    # the tile launching nearest 512 programs, then the widest (min(fitting, key=...) written as first_best: dynamo traces it)
+    return first_best(fitting, lambda c: (-abs(-(-n // (2 * c.block_p)) * c.split_k - 512), c.block_w))
 
 
 def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, n: int, group: int,

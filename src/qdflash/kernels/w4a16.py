@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import QdflashError, raised_at
 from ..quant.grid import GridSpec, dequantize
-from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, gemlite_w4, machete_w4, marlin_w4, row_bucket, tinygemm, w4_mma
+from . import MAX_ROWS, copies_past_l2, fastest, fbgemm_w4, first_best, gemlite_w4, machete_w4, marlin_w4, row_bucket, tinygemm, w4_mma
 from .jit import NIBBLE_PAIRS
 
 try:
@@ -319,14 +319,7 @@ def default_config(n: int, k: int, group: int, rows: int = 1, dtype: torch.dtype
     if not fitting:
         raise QdflashError(f"w4a16_matmul: no tile config divides K={k} (group {group}); K must be a multiple of 128")
     enough = [c for c in fitting if -(-n // c.block_n) * c.split_k >= 256] or fitting
-    # max(enough, key=...) spelled out: dynamo cannot trace max with a key, and a graph break here (an untuned shape
-    # in a compiled step) splits every layer's step
-    best, pick = None, None
-    for c in enough:
-        score = (c.block_k8, -c.split_k, c.block_n if rows > 1 else -c.block_n)
-        if best is None or score > best:  # strictly: the first of equals, as max
-            best, pick = score, c
-    return pick
+    return first_best(enough, lambda c: (c.block_k8, -c.split_k, c.block_n if rows > 1 else -c.block_n))
 
 
 _TUNED: dict[tuple[int, int, int, int, torch.dtype], Config] = {}
