@@ -10,7 +10,8 @@ splits each GDN layer into a frame of its own, recompiled per layer index until 
 those layers run uncompiled; two such breaks (`bool(dict)`, which the device's torch 2.11 could not trace, and
 `max(..., key=)`) went unseen until the benchmark's logs. Run it under another torch by putting that torch first on
 PYTHONPATH (a CUDA build imports on a machine without a GPU only where its CUDA libraries can be found). Prints and
-writes the breaks and graph counts per step; exits 1 on any break.
+writes the breaks, graph counts and launches lifted into the graphs per step; exits 1 on a break or where no launch
+was lifted.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # before triton is imported: its 
     sys.exit("check_step_graphs: unset TRITON_INTERPRET (the point is dynamo meeting real triton.jit functions)")
 
 import torch  # noqa: E402
+import torch.utils._triton  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import qdflash.drafter.static as static  # noqa: E402
@@ -49,15 +51,25 @@ def _no_launch(self, *args, **kwargs):
     LAUNCHED.add(self.fn.__name__)
 
 
+KERNEL_NODES = [0]  # triton_kernel_wrapper_* nodes in the graphs dynamo handed the backend
+
+
+def counting(gm, example_inputs):
+    """The backend: counts the launches dynamo lifted into the graph as Triton kernels, then runs the graph as is."""
+    KERNEL_NODES[0] += sum(1 for node in gm.graph.nodes if "triton_kernel_wrapper" in str(node.target))
+    return gm.forward
+
+
 def traced(run) -> dict:
-    """Graph breaks (by reason) and graphs while `run()` compiles and calls its steps."""
+    """Graph breaks (by reason), graphs and lifted Triton launches while `run()` compiles and calls its steps."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
+    KERNEL_NODES[0] = 0
     run()
     return {"graph_breaks": {k.split("\n")[0]: v for k, v in counters["graph_break"].items()},
-            "graphs": counters["stats"]["unique_graphs"]}
+            "graphs": counters["stats"]["unique_graphs"], "kernel_nodes": KERNEL_NODES[0]}
 
 
 def target_steps(target, w4: bool) -> dict:
@@ -69,7 +81,9 @@ def target_steps(target, w4: bool) -> dict:
         replace_linears(model.model, {n: rtn_quantize(modules[n].weight.detach(), GridSpec(4, 32, True))
                                       for n in select_linears(model.model)})
     engine = build_engine(model, max_len=64, kernels=True, attention="kernel")
-    step = torch.compile(engine._step, backend="eager", dynamic=False)
+    if not engine._replays(4):  # the verify block's path this checks (the two-phase block keeping its inputs)
+        raise SystemExit("check_step_graphs: the engine's verify block no longer replays; update the check")
+    step = torch.compile(engine._step, backend=counting, dynamic=False)
 
     def run():
         for t in (1, 4):  # a decode step and a verify block (positions past a prefill that was never run: no launch reads)
@@ -84,7 +98,7 @@ def drafter_steps(target, attention: str) -> dict:
     ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(0))
     features, _ = target_pass(target, ids, drafter.config.target_layer_ids)
     engine = static.DrafterEngine(drafter, max_len=48, attention=attention, kernels=True, smallest_bucket=8,
-                                  compile="eager")
+                                  compile=counting)
     engine.qk_norm_rope_kernel = True
 
     def run():
@@ -102,6 +116,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write the results here too (JSON)")
     args = parser.parse_args(argv)
     JITFunction.run = _no_launch  # the launches (and their compiles) are what a CPU cannot do
+    # dynamo lifts a triton.jit launch into the graph only where torch finds a GPU Triton can drive: without one it
+    # would trace the launch as plain Python (into the no-op above), and not meet what the device's steps meet
+    torch.utils._triton.has_triton = lambda: True
     # build_engine refuses kernels on the CPU unless the interpreter is on; the kernels are already real jit functions
     os.environ["TRITON_INTERPRET"] = "1"
     qwen, llama = load_target("tiny-qwen3.5", device="cpu"), load_target("tiny-llama", device="cpu")
@@ -114,9 +131,10 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    broke = [name for name, r in result.items() if isinstance(r, dict) and (r["graph_breaks"] or r["graphs"] != r["steps"])]
+    broke = [name for name, r in result.items()
+             if isinstance(r, dict) and (r["graph_breaks"] or r["graphs"] != r["steps"] or not r["kernel_nodes"])]
     if broke:
-        print(f"check_step_graphs: graph breaks or extra graphs in {', '.join(broke)}", file=sys.stderr)
+        print(f"check_step_graphs: graph breaks, extra graphs or no lifted launch in {', '.join(broke)}", file=sys.stderr)
     return 1 if broke else 0
 
 

@@ -313,7 +313,7 @@ def supported(n: int, k: int, group: int, dtype: torch.dtype, device: torch.devi
     """CUDA with triton, bf16 activations (the PTX is bf16), N even (row pairs), a group of GROUPS dividing K, more
     than one group per row, and a tile that fits (`configs`: K a multiple of 128, enough rows to fill the GPU)."""
     return (triton is not None and torch.device(device).type == "cuda" and dtype == torch.bfloat16 and n % 2 == 0
-            and group in GROUPS and k % group == 0 and k > group and bool(configs(n, k, group)))
+            and group in GROUPS and k % group == 0 and k > group and len(configs(n, k, group)) > 0)  # len: bool(list) breaks dynamo 2.11
 
 
 def pack_words(words: torch.Tensor) -> torch.Tensor:
