@@ -4,8 +4,8 @@ without a GPU: the launches themselves are no-ops, so this checks tracing, not n
 
     python scripts/bench/check_step_graphs.py [--out graphs.json]
 
-Why a script of its own: the tests run the kernels under Triton's interpreter, whose functions dynamo cannot lift, so
-there they are stubbed out before tracing; here dynamo meets the launches as on the device. A graph break in a step
+Why a script of its own (the tests run it in a subprocess): the test session's kernels are Triton's interpreter
+functions, which dynamo cannot lift; here dynamo meets the launches as on the device. A graph break in a step
 splits each GDN layer into a frame of its own, recompiled per layer index until dynamo's recompile limit, past which
 those layers run uncompiled; two such breaks (`bool(dict)`, which the device's torch 2.11 could not trace, and
 `max(..., key=)`) went unseen until the benchmark's logs. Run it under another torch by putting that torch first on
