@@ -471,6 +471,7 @@ def test_each_compiled_step_traces_as_one_graph():
     result = json.loads(run.stdout)
     for name in ("qwen3.5_16bit", "qwen3.5_w4", "drafter_kernel", "drafter_sdpa"):
         assert result[name]["graph_breaks"] == {} and result[name]["graphs"] == result[name]["steps"] >= 1, name
+        assert result[name]["recompile_limits"] == [], name
         assert result[name]["kernel_nodes"] > 0, name  # the launches were lifted into the graph, as on the device
     # the launches dynamo met: the GDN step and block kernels, the W4 matmul, the drafter's and target's qk kernel
     assert {"_gated_delta_block_kernel", "_gated_delta_step_kernel", "_w4a16_kernel", "_qk_norm_rope_kernel",

@@ -10,8 +10,8 @@ splits each GDN layer into a frame of its own, recompiled per layer index until 
 those layers run uncompiled; two such breaks (`bool(dict)`, which the device's torch 2.11 could not trace, and
 `max(..., key=)`) went unseen until the benchmark's logs. Run it under another torch by putting that torch first on
 PYTHONPATH (a CUDA build imports on a machine without a GPU only where its CUDA libraries can be found). Prints and
-writes the breaks, graph counts and launches lifted into the graphs per step; exits 1 on a break or where no launch
-was lifted.
+writes per step the graphs, breaks, recompile-limit warnings and launches lifted into the graphs; exits 1 on a break, a
+recompile limit, an extra graph or where no launch was lifted.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import qdflash.kernels  # noqa: E402
 from qdflash.drafter import init_drafter  # noqa: E402
 from qdflash.drafter.train import target_pass  # noqa: E402
 from qdflash.engine import build_engine  # noqa: E402
+from qdflash.engine.base import compiled_since, dynamo_counts  # noqa: E402
 from qdflash.models import load_target  # noqa: E402
-from qdflash.quant.apply import replace_linears, select_linears  # noqa: E402
-from qdflash.quant.gptq import rtn_quantize  # noqa: E402
+from qdflash.quant.apply import quantize_weights, replace_linears, select_linears  # noqa: E402
 from qdflash.quant.grid import GridSpec  # noqa: E402
 
 for _module in pkgutil.iter_modules(qdflash.kernels.__path__):  # every kernel decorated now, while the interpreter is off
@@ -61,15 +61,12 @@ def counting(gm, example_inputs):
 
 
 def traced(run) -> dict:
-    """Graph breaks (by reason), graphs and lifted Triton launches while `run()` compiles and calls its steps."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    KERNEL_NODES[0] = 0
+    """What dynamo did while `run()` compiled and called its steps (engine.base.compiled_since: graphs, graph breaks by
+    reason, recompile-limit warnings), and the Triton launches it lifted into the graphs."""
+    torch._dynamo.reset()  # each engine's steps compile afresh (no earlier engine's code counts towards a limit)
+    KERNEL_NODES[0], before = 0, dynamo_counts()
     run()
-    return {"graph_breaks": {k.split("\n")[0]: v for k, v in counters["graph_break"].items()},
-            "graphs": counters["stats"]["unique_graphs"], "kernel_nodes": KERNEL_NODES[0]}
+    return {**compiled_since(before), "kernel_nodes": KERNEL_NODES[0]}
 
 
 def target_steps(target, w4: bool) -> dict:
@@ -77,9 +74,8 @@ def target_steps(target, w4: bool) -> dict:
     model = copy.deepcopy(target)
     model.model.to(torch.bfloat16)
     if w4:
-        modules = dict(model.model.named_modules())
-        replace_linears(model.model, {n: rtn_quantize(modules[n].weight.detach(), GridSpec(4, 32, True))
-                                      for n in select_linears(model.model)})
+        names = select_linears(model.model)
+        replace_linears(model.model, quantize_weights(model.model, names, GridSpec(4, 32, True), method="rtn"))
     engine = build_engine(model, max_len=64, kernels=True, attention="kernel")
     if not engine._replays(4):  # the verify block's path this checks (the two-phase block keeping its inputs)
         raise SystemExit("check_step_graphs: the engine's verify block no longer replays; update the check")
@@ -132,9 +128,10 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     broke = [name for name, r in result.items()
-             if isinstance(r, dict) and (r["graph_breaks"] or r["graphs"] != r["steps"] or not r["kernel_nodes"])]
+             if isinstance(r, dict) and (r["graph_breaks"] or r["recompile_limits"] or r["graphs"] != r["steps"]
+                                         or not r["kernel_nodes"])]
     if broke:
-        print(f"check_step_graphs: graph breaks, extra graphs or no lifted launch in {', '.join(broke)}", file=sys.stderr)
+        print(f"check_step_graphs: graph breaks, recompile limits, extra graphs or no lifted launch in {', '.join(broke)}", file=sys.stderr)
     return 1 if broke else 0
 
 
