@@ -636,13 +636,24 @@ def test_a_replayed_block_state_is_the_one_the_block_kept(tokens):
         x, positions = torch.randn(tokens, hidden, generator=g).to(DEVICE), torch.arange(3, 3 + tokens, device=DEVICE)
         history = torch.randn(32, conv_dim, generator=g).to(DEVICE)
         every = torch.zeros(tokens + 1, heads, dk, dv, device=DEVICE)
-        expected_state = state[layer].clone()
+        expected_state, before = state[layer].clone(), state[layer].clone()
         out = gated_delta_step(qkvz, history.clone(), conv_w, positions, x, ba_w, decay, dt_bias, expected_state, every,
                                **common)
         got = gated_delta_step(qkvz, history.clone(), conv_w, positions, x, ba_w, decay, dt_bias, state[layer],
                                states0[layer], kept=kept[layer], **common)
         assert torch.equal(got, out) and torch.equal(state[layer], expected_state)
         assert torch.equal(states0[layer, 0], every[0]) and not states0[layer, 1:].any()  # the first state only
+        # ahead (each token's row loaded during the update of the token before): the same lines, so the same bits,
+        # keeping every state and keeping the inputs
+        ahead_state, ahead_every = before.clone(), torch.zeros_like(every)
+        assert torch.equal(gated_delta_step(qkvz, history.clone(), conv_w, positions, x, ba_w, decay, dt_bias, ahead_state,
+                                            ahead_every, ahead=True, **common), out)
+        assert torch.equal(ahead_state, expected_state) and torch.equal(ahead_every, every)
+        ahead_state, ahead_kept, ahead_first = before.clone(), torch.zeros_like(kept[layer]), torch.zeros_like(states0[layer])
+        assert torch.equal(gated_delta_step(qkvz, history.clone(), conv_w, positions, x, ba_w, decay, dt_bias, ahead_state,
+                                            ahead_first, kept=ahead_kept, ahead=True, **common), out)
+        assert torch.equal(ahead_state, expected_state) and torch.equal(ahead_kept, kept[layer])
+        assert torch.equal(ahead_first, states0[layer])
         full.append(every)
     replayed = [torch.full_like(state[0], float("nan")) for _ in range(layers)]  # each layer's an allocation of its own
     tables = replay_tables([states0[layer, 0] for layer in range(layers)], [kept[layer] for layer in range(layers)],
