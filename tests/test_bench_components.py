@@ -572,8 +572,13 @@ def test_drafter_qk_kernel_arm_times_the_step_with_the_kernel_and_keeps_its_fail
     monkeypatch.setattr(bench_components, "compiled_step", lambda fn, compile: fn)
     monkeypatch.setattr(bench_components, "graphed", lambda fn, device: fn)
     args = argparse.Namespace(compile=True, reps=1)
-    r = bench_components.drafter_qk_kernel_arm(engine, step, eager, args, lambda fn, reps: (fn(), 0.5)[1], "cpu", "d", 1.0)
+    forward = torch.zeros(eager.shape[0], int(eager.max()) + 2)
+    forward[torch.arange(eager.shape[0]), eager.long()] = 2.0  # the drafter's forward, its top token the eager draft's
+    forward[0, -1] = 3.0  # but for row 0, where the draft is 1.0 below the top
+    r = bench_components.drafter_qk_kernel_arm(engine, step, eager, args, lambda fn, reps: (fn(), 0.5)[1], "cpu", "d", 1.0,
+                                               forward)
     assert r["d.qk_kernel_drafts_agree"] == 1.0 and r["d.step_compiled_qk_kernel_ms"] == 0.5
+    assert r["d.qk_kernel.drafts_max_gap"] == 1.0 and r["d.qk_kernel.drafts_agree_with_forward"] == pytest.approx(1 - 1 / eager.shape[0])
     assert r["d.qk_kernel_speedup"] == 2.0 and used[1:] == [True, True] and not engine.qk_norm_rope_kernel
     r = bench_components.drafter_qk_kernel_arm(engine, lambda: 1 / 0, eager, args, None, "cpu", "d", 1.0)
     assert r["d.qk_kernel_error"].startswith("ZeroDivisionError") and not engine.qk_norm_rope_kernel

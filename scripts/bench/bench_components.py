@@ -655,17 +655,22 @@ def drafts_agreement(drafts: torch.Tensor, reference_logits: torch.Tensor, label
             f"{label}.drafts_max_gap": float(gap.max()), f"{label}.drafts_logit_scale": float(ref.abs().max())}
 
 
-def drafter_qk_kernel_arm(engine, step, eager_drafts, args, run, device, label, base_ms: float) -> dict:
+def drafter_qk_kernel_arm(engine, step, eager_drafts, args, run, device, label, base_ms: float,
+                          reference_logits: torch.Tensor | None = None) -> dict:
     """`--drafter-qk-kernel`: the drafter's compiled step again, compiled anew with its q / k norms, rotation and
     cache writes through kernels.qk_norm_rope (DrafterEngine.qk_norm_rope_kernel), same process: its drafts against
-    the eager step's, its time, `qk_kernel_speedup` (the step's time over the arm's: > 1 the kernel faster). Its own
-    failure is its result; the drafter's numbers stand."""
+    the eager step's and, given the drafter's own forward logits, against those (`<label>.qk_kernel.drafts_*`: where
+    they differ, how near a tie), its time, `qk_kernel_speedup` (the step's time over the arm's: > 1 the kernel
+    faster). Its own failure is its result; the drafter's numbers stand."""
     out = {}
     engine.qk_norm_rope_kernel = True
     try:
         allow_compiles(1)
         fast, before = compiled_step(step, args.compile), dynamo_counts()
-        out[f"{label}.qk_kernel_drafts_agree"] = float((fast() == eager_drafts).float().mean())
+        drafts = fast()
+        out[f"{label}.qk_kernel_drafts_agree"] = float((drafts == eager_drafts).float().mean())
+        if reference_logits is not None:
+            out.update(drafts_agreement(drafts, reference_logits, f"{label}.qk_kernel"))
         out.update(dynamo_report(before, f"{label}.step_compiled_qk_kernel"))
         out[f"{label}.step_compiled_qk_kernel_ms"] = ms = round(run(graphed(fast, device), args.reps), 4)
         out[f"{label}.qk_kernel_speedup"] = round(base_ms / ms, 3)
@@ -716,7 +721,8 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
         with torch.no_grad():
             return engine._step(engine._bucket(), None)[1]
 
-    agree = drafts_agreement(step(), forward_step(), label)
+    reference = forward_step()
+    agree = drafts_agreement(step(), reference, label)
     profiled = graphed(step, device)
     ms = run(profiled, args.reps)
     compiled = {}
@@ -725,14 +731,16 @@ def measure_drafter(target, args, device, dtype, bandwidth, label, w4_group: int
             allow_compiles(1)
             fast, before = compiled_step(step, args.compile), dynamo_counts()
             eager_drafts = step()
-            compiled[f"{label}.compiled_drafts_agree"] = float((fast() == eager_drafts).float().mean())
+            compiled_drafts = fast()
+            compiled[f"{label}.compiled_drafts_agree"] = float((compiled_drafts == eager_drafts).float().mean())
+            compiled.update(drafts_agreement(compiled_drafts, reference, f"{label}.compiled"))
             compiled.update(dynamo_report(before, f"{label}.step_compiled"))
             fast_graph = graphed(fast, device)
             compiled[f"{label}.step_compiled_ms"] = round(run(fast_graph, args.reps), 4)
             profiled = fast_graph
             if getattr(args, "drafter_qk_kernel", False) and engine.kernels:
                 compiled.update(drafter_qk_kernel_arm(engine, step, eager_drafts, args, run, device, label,
-                                                      compiled[f"{label}.step_compiled_ms"]))
+                                                      compiled[f"{label}.step_compiled_ms"], reference))
         except Exception as err:  # noqa: BLE001 -- a failed compile is a result to report, not a crash
             compiled[f"{label}.compile_error"] = error_text(err)
     if args.profile:  # the step as timed last (compiled where it compiled): what bounds its ratio to a decode step
