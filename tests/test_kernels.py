@@ -802,10 +802,11 @@ def gdn_step_case(tokens):
         STORE_STATES=True)
 
 
-def gdn_block_case(tokens, chunked=False, first_only=False):
+def gdn_block_case(tokens, chunked=False, first_only=False, ahead=False):
     """The two-phase GDN block kernel at Qwen3.5-4B's heads, its default value block (with BLOCK_WARPS), the b / a product
     given; `chunked`: its recurrence in the chunked form, the b / a dot in the kernel (as the engine's default gdn_ba
-    runs it); `first_only`: keeping its inputs for a replay instead of every position's state (gdn_replay)."""
+    runs it); `first_only`: keeping its inputs for a replay instead of every position's state (gdn_replay); `ahead`:
+    each token's row loaded during the update of the token before (AHEAD, gdn_ahead)."""
     from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
@@ -814,20 +815,22 @@ def gdn_block_case(tokens, chunked=False, first_only=False):
                  "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
     return "qdflash.kernels.gated_delta", "_gated_delta_block_kernel", signature, dict(
         T=tokens, T_P=max(tokens, 16) if chunked else tokens, SCRATCH_ROWS=16, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True,
-        FIRST_STATE_ONLY=first_only, CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512)
+        FIRST_STATE_ONLY=first_only, CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512,
+        AHEAD=ahead)
 
 
-@pytest.mark.parametrize("dk", [32, 128])
-def test_the_replay_sums_the_state_in_the_block_kernels_layout(dk):
+@pytest.mark.parametrize("dk,ahead", [(32, False), (128, False), (128, True)])
+def test_the_replay_sums_the_state_in_the_block_kernels_layout(dk, ahead):
     """gated_delta_replay reruns the block kernel's update lines in a kernel of its own, so the replayed state equals the
     block's bit for bit only where the state's reduction over dk has the same layout in both (the layout orders the
     sums). Its addresses come from a table, and without their 16-byte alignment declared Triton gave the replay's state
     another layout (sizePerThread [1, 1] against [1, 4]), and on the H100 the tiny shape's replay was 4.7e-10 off
     (results/published/2026-12-06-h100-lean-replay). Here, for sm_90, both forms of the replay, at the tiny shape's
-    heads (dk 32) and Qwen3.5-4B's (128), sum in the block kernel's layout (as launched: torch's pointers aligned)."""
+    heads (dk 32) and Qwen3.5-4B's (128), sum in the block kernel's layout (as launched: torch's pointers aligned), also
+    where the block loads each token's row ahead (gdn_ahead)."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_BLOCK_V
 
-    module, name, signature, constexprs = gdn_block_case(16, first_only=True)
+    module, name, signature, constexprs = gdn_block_case(16, first_only=True, ahead=ahead)
     constexprs.update(DK=dk, DV=dk)
     pointers = [arg for arg in signature if arg.endswith("_ptr")]  # (aligned at any shape; HV, KEY_DIM need not be)
     block = sm90_resources(module, name, signature, constexprs, BLOCK_WARPS, pointers)

@@ -116,7 +116,7 @@ if triton is not None:
                                   STORE_STATES: tl.constexpr, FIRST_STATE_ONLY: tl.constexpr, CHUNKED: tl.constexpr,
                                   CHUNK_K: tl.constexpr,
                                   BA_DOT: tl.constexpr, HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr,
-                                  BLOCK_H: tl.constexpr, AHEAD: tl.constexpr = False):
+                                  BLOCK_H: tl.constexpr, AHEAD: tl.constexpr):
         """`_gated_delta_step_kernel` for a block, in two phases. First every token's inputs at once ([T, channels]
         tiles: the conv's taps as shifted loads, silu, the l2norms' reductions over the key dimension for all tokens
         in one, the gates from the b / a product given or, BA_DOT, computed here from x), written to this program's
