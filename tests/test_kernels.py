@@ -122,6 +122,9 @@ def run_ptx(asm: str, operands: dict) -> dict:
 
     def value(token):
         token = token.strip()
+        if "+" in token:  # an address with an offset: [reg+imm]
+            base, offset = token.split("+")
+            return value(base) + value(offset)
         if token.startswith("0f"):  # a float literal's bits
             return int(token[2:], 16)
         return int(token, 16) if token.startswith("0x") else int(token) if token.isdigit() else regs[token]
@@ -140,6 +143,8 @@ def run_ptx(asm: str, operands: dict) -> dict:
         if op.startswith("ld.global"):  # dst or {lo, hi} (v2.b32: one 64-bit value), [address]: operands["memory"][address]
             *dsts, address = (a.strip(" []{}") for a in args.split(","))
             bits, width = regs["memory"][value(address)], 64 if op.endswith(".b64") else 32
+            if op.endswith(".v4.b32"):  # 16 bytes: two 64-bit cells, the memory's addresses bytes here
+                bits |= regs["memory"][value(address) + 8] << 64
             for i, dst in enumerate(dsts):
                 regs[dst] = bits >> width * i & ((1 << width) - 1)
             continue
@@ -149,9 +154,9 @@ def run_ptx(asm: str, operands: dict) -> dict:
             regs[lo], regs[hi] = value(src) & ((1 << bits) - 1), value(src) >> bits
             continue
         dst, *srcs = [a.strip() for a in args.split(",", 1)[0:1] + [args.split(",", 1)[1]]]
-        if op == "mov.b32" and "{" in srcs[0]:  # pack: dst, {lo, hi}
+        if op in ("mov.b32", "mov.b64") and "{" in srcs[0]:  # pack: dst, {lo, hi}
             lo, hi = (value(a.strip(" {}")) for a in srcs[0].split(","))
-            regs[dst] = lo | hi << 16
+            regs[dst] = lo | hi << (16 if op == "mov.b32" else 32)
             continue
         a = [value(t) for t in srcs[0].split(",")]
         if op in ("mov.b32", "mov.u32"):
@@ -284,7 +289,10 @@ def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m, given):
     """The 2-16-row kernel's PTX (w4_mma.rows_asm: 16 rows two mmas, up to 8 one) on `pack`'s words, one warp of its
     layout (lanes: 8 row pairs x 4 along 16-word tiles, 4 words a lane), run by `run_warp`: quad g feeds activation
     rows g and g + 8 (past m: row m - 1, as the kernel clamps), and lane t of quad g ends with row pair g times
-    activation rows 2t, 2t + 1 (+ 8): with the 4 registers summed, X @ the weight dequantized and rounded to bf16."""
+    activation rows 2t, 2t + 1 (+ 8): with the 4 registers summed, X @ the weight dequantized and rounded to bf16.
+    `given` (the kernel's form): each lane's scale pairs and activations for its 4 words loaded first, by
+    LOAD_B32_X4 / LOAD_B64_X4 (one scale load, two 16-byte loads an activation row; the memory byte-addressed for
+    those); else the asm loads them a word at a time."""
     from qdflash.kernels import w4_mma
 
     n, k, group = 16, 128, 32
@@ -295,12 +303,24 @@ def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m, given):
     mma_words, pairs = w4_mma.pack_words(words), w4_mma.pack_scales(scale)
     xs = x.view(torch.int64)  # [m, k / 4]
     memory = {i: int(v) & 0xFFFFFFFF for i, v in enumerate(pairs.flatten())}
-    memory.update({1000 + i: int(v) & 0xFFFFFFFFFFFFFFFF for i, v in enumerate(xs.flatten())})  # activations from 1000 on
+    # activations from 1000 on: a 64-bit cell an address, or (given: 16-byte loads) 8 bytes apart
+    stride = 8 if given else 1
+    memory.update({1000 + stride * i: int(v) & 0xFFFFFFFFFFFFFFFF for i, v in enumerate(xs.flatten())})
     high = m > 8
     asm, outs = w4_mma.rows_asm(high, given), 8 if high else 4
     first_acc = outs + (4 if high else 3)
     accs = [[[0] * outs for _ in range(32)] for _ in range(4)]
     for tile in range(k // 4 // 16):
+        loaded = []  # given: per lane, its 4 words' scale pairs and activations (rows a, b), loaded first
+        for lane in range(32):
+            pair, word = lane // 4, tile * 16 + 4 * (lane % 4)  # the lane's first word (LOAD_*_X4 read the first address)
+            row_a, row_b = min(pair, m - 1), min(pair + 8, m - 1)
+            if given:
+                run = lambda load, address: run_ptx(load, {"$4": address, "memory": memory})  # noqa: E731
+                s4 = run(w4_mma.LOAD_B32_X4, pair * pairs.shape[1] + word * 4 // group)
+                xa4 = run(w4_mma.LOAD_B64_X4, 1000 + stride * (row_a * xs.shape[1] + word))
+                xb4 = run(w4_mma.LOAD_B64_X4, 1000 + stride * (row_b * xs.shape[1] + word))
+                loaded.append([(s4[f"${j}"], xa4[f"${j}"], xb4[f"${j}"]) for j in range(4)])
         for j in range(4):
             operands = []
             for lane in range(32):
@@ -312,9 +332,10 @@ def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m, given):
                         **{f"${first_acc + i}": accs[j][lane][i] for i in range(outs)}}
                 if high:
                     regs[f"${outs + 3}"] = 1000 + row_b * xs.shape[1] + word
-                if given:  # the prefetch tiles: LOAD_B32 / LOAD_B64 first, ops of their own
-                    for i, load in ((1, w4_mma.LOAD_B32), (2, w4_mma.LOAD_B64), (3, w4_mma.LOAD_B64))[:3 if high else 2]:
-                        regs[f"${outs + i}"] = run_ptx("{" + load + "}", {"$1": regs[f"${outs + i}"], "memory": memory})["$0"]
+                if given:
+                    regs[f"${outs + 1}"], regs[f"${outs + 2}"], xb = loaded[lane][j]
+                    if high:
+                        regs[f"${outs + 3}"] = xb
                 operands.append(regs)
             accs[j] = [[regs[f"${i}"] for i in range(outs)] for regs in run_warp(asm, operands)]
     got = np.zeros((m, n))
@@ -1000,8 +1021,9 @@ def test_w4_mma_rows_kernel_compiles_for_the_h200_in_the_layout_it_assumes(tile)
                           aligned_args(signature) + ["W_PER_SPLIT"])
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["CONVERTS_IN_LOOPS"] == 0, used
     assert used["MMAS"] * 8 == used["BF16X2_FMAS"] * (2 if high else 1) > 0, used  # a word: 8 bf16x2 FMAs, 1 or 2 mmas
-    # the mma asm (and with prefetch its loads, for the first two tiles and in the loop for the one two ahead)
-    assert len(used["ASM_LAYOUTS"]) == 1 + 3 * prefetch * (3 if high else 2), used
+    # the mma asm and its loads (LOAD_B32_X4, LOAD_B64_X4 for one or two activation rows: pack=4, so a lane's 4 words
+    # must be its [1, 4] registers, as asserted below), with prefetch for the first two tiles and the one two ahead
+    assert len(used["ASM_LAYOUTS"]) == 1 + (3 if prefetch else 1) * (3 if high else 2), used
     assert all(layout == {"sizePerThread": [1, 4], "threadsPerWarp": [8, 4], "warpsPerCTA": [warps, 1], "order": [1, 0]}
                for layout in used["ASM_LAYOUTS"]), used
 

@@ -91,14 +91,24 @@ MMA_WORD, MMA_WORD_GIVEN = word_asm(False), word_asm(True)
 # A 32-bit load as an elementwise op of its own (no tl.load: it would set the layout, see DEQUANT's comment), whose
 # only input is its address: issued as early as that is known, not behind the word it scales as inside MMA_WORD.
 LOAD_B32 = "ld.global.nc.b32 $0, [$1];"
-LOAD_B64 = "ld.global.nc.b64 $0, [$1];"  # 4 activations (the rows kernel's, as LOAD_B32 for the same reason)
+# The rows kernel's loads, a lane's 4 words at once (pack=4: its [1, 4] registers, words 4t..4t+3 of a 16-word tile,
+# consecutive and in one scale group, GROUP_WORDS >= 4): the scale pair once for the four ($4: the first word's
+# address), and an activation row's values at their 16 columns (32 bytes, 16-byte aligned) in two 16-byte loads. Why:
+# loaded a word at a time, the 16-row kernel issued 3 loads a word (its scale pair, 8 bytes of each of two activation
+# rows), and a warp's 8-byte activation loads spread over 8 rows x 4 lanes 32 bytes apart; here 1.25 a word, each
+# lane's 32 bytes whole.
+LOAD_B32_X4 = "{\n.reg .b32 s;\nld.global.nc.b32 s, [$4];\nmov.b32 $0, s;\nmov.b32 $1, s;\nmov.b32 $2, s;\nmov.b32 $3, s;\n}"
+LOAD_B64_X4 = ("{\n.reg .b32 a0, a1, a2, a3, a4, a5, a6, a7;\nld.global.nc.v4.b32 {a0, a1, a2, a3}, [$4];\n"
+               "ld.global.nc.v4.b32 {a4, a5, a6, a7}, [$4+16];\nmov.b64 $0, {a0, a1};\nmov.b64 $1, {a2, a3};\n"
+               "mov.b64 $2, {a4, a5};\nmov.b64 $3, {a6, a7};\n}")
 
 
-def rows_asm(high: bool, given: bool = False) -> str:
-    """2-16 rows (`_w4_mma_rows_kernel`): the word, its scales' address, the addresses of the 4 activations at its
-    columns in activation row g and (`high`) g + 8, the accumulators -> the accumulators after one mma per 8 activation
-    rows, the word's A fragment made once. `given`: the scale pair and the activations themselves instead of their
-    addresses (loaded before by LOAD_B32 / LOAD_B64). Operands: 8 outputs with `high`, else 4, then the inputs."""
+def rows_asm(high: bool, given: bool = True) -> str:
+    """2-16 rows (`_w4_mma_rows_kernel`): the word, its scale pair, the 4 activations at its columns in activation row g
+    and (`high`) g + 8 (each loaded before, LOAD_B32_X4 / LOAD_B64_X4), the accumulators -> the accumulators after one
+    mma per 8 activation rows, the word's A fragment made once. `given=False`: the scales' and activations' addresses
+    instead, loaded here a word at a time (the kernel's form before the 4-word loads; kept as the reference the tests
+    run the fragments against). Operands: 8 outputs with `high`, else 4, then the inputs."""
     outs = 8 if high else 4
     word, scales, xa, xb = (f"${i}" for i in range(outs, outs + 4))
     acc = outs + (4 if high else 3)
@@ -112,8 +122,7 @@ def rows_asm(high: bool, given: bool = False) -> str:
     return "\n".join(lines + ["}"])
 
 
-MMA_ROWS8, MMA_ROWS16 = rows_asm(False), rows_asm(True)
-MMA_ROWS8_GIVEN, MMA_ROWS16_GIVEN = rows_asm(False, True), rows_asm(True, True)
+MMA_ROWS8_GIVEN, MMA_ROWS16_GIVEN = rows_asm(False), rows_asm(True)
 
 # The accumulators ($2-$5) -> row n1's and n2's sums ($0, $1) in the lane that holds C[g][g] and C[g + 8][g]
 # (lane 4g + g / 2: c0 / c2 for even g, c1 / c3 for odd), 0 in every other lane.
@@ -139,11 +148,10 @@ if triton is not None:
     _MMA_WORD_GIVEN = tl.constexpr(MMA_WORD_GIVEN)
     _LOAD_B32 = tl.constexpr(LOAD_B32)
     _DIAGONAL = tl.constexpr(DIAGONAL)
-    _MMA_ROWS8 = tl.constexpr(MMA_ROWS8)
-    _MMA_ROWS16 = tl.constexpr(MMA_ROWS16)
     _MMA_ROWS8_GIVEN = tl.constexpr(MMA_ROWS8_GIVEN)
     _MMA_ROWS16_GIVEN = tl.constexpr(MMA_ROWS16_GIVEN)
-    _LOAD_B64 = tl.constexpr(LOAD_B64)
+    _LOAD_B32_X4 = tl.constexpr(LOAD_B32_X4)
+    _LOAD_B64_X4 = tl.constexpr(LOAD_B64_X4)
 
     @triton.jit
     def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N2, stride_wn, stride_sn, stride_os, W_PER_SPLIT, y_ptr, counts_ptr,
@@ -210,8 +218,8 @@ if triton is not None:
         mma's B column g with activation row g (HIGH: a second mma with row g + 8), and C[g][n] / C[g + 8][n] is row
         pair g times activation row n: every lane's accumulators are outputs (lane t of a quad: rows 2t, 2t + 1).
         out_ptr [SPLITS, M, 2 * N2] (the output for one split; else fp32 partial sums reduced in this launch).
-        PREFETCH: as the one-row kernel's (every load of a tile two steps ahead), the activations by LOAD_B64. PDL: as
-        the one-row kernel's."""
+        A tile's scales and activations are loaded 4 words a lane (`_rows_loads`) before its mmas; PREFETCH: two steps
+        ahead, as the one-row kernel's. PDL: as the one-row kernel's. x_ptr 16-byte aligned (`_launch`)."""
         pdl_start(PDL)
         BLOCK_W: tl.constexpr = 16
         pid_n = tl.program_id(0)
@@ -246,20 +254,18 @@ if triton is not None:
                 nxt = tl.minimum(step + 2 * BLOCK_W, W_PER_SPLIT - BLOCK_W)
                 words2, s2, xa2, xb2 = _rows_loads(words_at, row_scales, xa, xb, pid_k * W_PER_SPLIT, nxt, rw, p_ok,
                                                    GROUP_WORDS, HIGH)
-            else:  # ... their addresses, loaded in it
-                cols = (pid_k * W_PER_SPLIT + step + rw)[None, :]
-                words = tl.load(words_at + step, mask=p_ok, other=0)
-                s_in, xa_in, xb_in = row_scales + cols // GROUP_WORDS, xa + cols, xb + cols
+            else:  # this tile's loads, then its mmas
+                words, s_in, xa_in, xb_in = _rows_loads(words_at, row_scales, xa, xb, pid_k * W_PER_SPLIT, step, rw, p_ok,
+                                                        GROUP_WORDS, HIGH)
             if HIGH:
                 a0, a1, a2, a3, b0, b1, b2, b3 = tl.inline_asm_elementwise(
-                    _MMA_ROWS16_GIVEN if PREFETCH else _MMA_ROWS16,
-                    "=f,=f,=f,=f,=f,=f,=f,=f,r," + ("r" if PREFETCH else "l") + ",l,l,f,f,f,f,f,f,f,f",
+                    _MMA_ROWS16_GIVEN, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,l,l,f,f,f,f,f,f,f,f",
                     [words, s_in, xa_in, xb_in, a0, a1, a2, a3, b0, b1, b2, b3], dtype=(tl.float32,) * 8,
                     is_pure=True, pack=1)
             else:
                 a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                    _MMA_ROWS8_GIVEN if PREFETCH else _MMA_ROWS8, "=f,=f,=f,=f,r," + ("r" if PREFETCH else "l") + ",l,f,f,f,f",
-                    [words, s_in, xa_in, a0, a1, a2, a3], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+                    _MMA_ROWS8_GIVEN, "=f,=f,=f,=f,r,r,l,f,f,f,f", [words, s_in, xa_in, a0, a1, a2, a3],
+                    dtype=(tl.float32,) * 4, is_pure=True, pack=1)
         base = out_ptr + pid_k * stride_os + 2 * rp[:, None]
         lane_rows = 2 * tl.arange(0, 4)[None, :]  # lane t's accumulators c0 / c1: activation rows 2t / 2t + 1
         _store_rows(base, a0, a1, lane_rows, 0, M, N2, p_ok, BLOCK_P)
@@ -285,16 +291,19 @@ if triton is not None:
     @triton.jit
     def _rows_loads(words_at, row_scales, xa, xb, first, step, rw, p_ok, GROUP_WORDS: tl.constexpr, HIGH: tl.constexpr):
         """The rows kernel's loads of the tile `step` words into its split (which starts at word `first`): its words,
-        scale pairs and activations (rows g and, HIGH, g + 8), the last three by asm loads of their own (no tl.load: it
-        would set the layout); without HIGH the second activations are the first."""
+        scale pairs and activations (rows g and, HIGH, g + 8), the last three by asm loads of their own, a lane's 4
+        words at once (LOAD_B32_X4, LOAD_B64_X4; no tl.load: it would set the layout); without HIGH the second
+        activations are the first."""
         cols = (first + step + rw)[None, :]
         words = tl.load(words_at + step, mask=p_ok, other=0)
-        s_in = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [row_scales + cols // GROUP_WORDS], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-        xa_in = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xa + cols], dtype=tl.int64, is_pure=True, pack=1)
+        s_in = tl.inline_asm_elementwise(_LOAD_B32_X4, "=r,=r,=r,=r,l,l,l,l", [row_scales + cols // GROUP_WORDS],
+                                         dtype=tl.int32, is_pure=True, pack=4)
+        xa_in = tl.inline_asm_elementwise(_LOAD_B64_X4, "=l,=l,=l,=l,l,l,l,l", [xa + cols], dtype=tl.int64, is_pure=True,
+                                          pack=4)
         xb_in = xa_in
         if HIGH:
-            xb_in = tl.inline_asm_elementwise(_LOAD_B64, "=l,l", [xb + cols], dtype=tl.int64, is_pure=True, pack=1)
+            xb_in = tl.inline_asm_elementwise(_LOAD_B64_X4, "=l,=l,=l,=l,l,l,l,l", [xb + cols], dtype=tl.int64,
+                                              is_pure=True, pack=4)
         return words, s_in, xa_in, xb_in
 
     @triton.jit
@@ -437,7 +446,7 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: 
             block_p: int, block_w: int, split_k: int, num_warps: int, prefetch: bool) -> torch.Tensor:
     m, k = x.shape[0], words.shape[1] * 4
     x = x.contiguous()
-    if x.storage_offset() % 4:  # read 4 activations at a time: 8-byte aligned
+    if x.storage_offset() % (4 if m == 1 else 8):  # read 4 activations at a time (8-byte aligned), 16 (16-byte) for 2-16 rows
         x = x.clone()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32) if split_k > 1 else y  # the splits' partial sums
