@@ -657,24 +657,13 @@ def test_a_replayed_block_state_is_the_one_the_block_kept(tokens):
         x, positions = torch.randn(tokens, hidden, generator=g).to(DEVICE), torch.arange(3, 3 + tokens, device=DEVICE)
         history = torch.randn(32, conv_dim, generator=g).to(DEVICE)
         every = torch.zeros(tokens + 1, heads, dk, dv, device=DEVICE)
-        expected_state, before = state[layer].clone(), state[layer].clone()
+        expected_state = state[layer].clone()
         out = gated_delta_step(qkvz, history.clone(), conv_w, positions, x, ba_w, decay, dt_bias, expected_state, every,
                                **common)
         got = gated_delta_step(qkvz, history.clone(), conv_w, positions, x, ba_w, decay, dt_bias, state[layer],
                                states0[layer], kept=kept[layer], **common)
         assert torch.equal(got, out) and torch.equal(state[layer], expected_state)
         assert torch.equal(states0[layer, 0], every[0]) and not states0[layer, 1:].any()  # the first state only
-        # ahead (each token's row loaded during the update of the token before): the same lines, so the same bits,
-        # keeping every state and keeping the inputs
-        ahead_state, ahead_every = before.clone(), torch.zeros_like(every)
-        assert torch.equal(gated_delta_step(qkvz, history.clone(), conv_w, positions, x, ba_w, decay, dt_bias, ahead_state,
-                                            ahead_every, ahead=True, **common), out)
-        assert torch.equal(ahead_state, expected_state) and torch.equal(ahead_every, every)
-        ahead_state, ahead_kept, ahead_first = before.clone(), torch.zeros_like(kept[layer]), torch.zeros_like(states0[layer])
-        assert torch.equal(gated_delta_step(qkvz, history.clone(), conv_w, positions, x, ba_w, decay, dt_bias, ahead_state,
-                                            ahead_first, kept=ahead_kept, ahead=True, **common), out)
-        assert torch.equal(ahead_state, expected_state) and torch.equal(ahead_kept, kept[layer])
-        assert torch.equal(ahead_first, states0[layer])
         full.append(every)
     replayed = [torch.full_like(state[0], float("nan")) for _ in range(layers)]  # each layer's an allocation of its own
     tables = replay_tables([states0[layer, 0] for layer in range(layers)], [kept[layer] for layer in range(layers)],
@@ -823,11 +812,10 @@ def gdn_step_case(tokens):
         STORE_STATES=True)
 
 
-def gdn_block_case(tokens, chunked=False, first_only=False, ahead=False):
+def gdn_block_case(tokens, chunked=False, first_only=False):
     """The two-phase GDN block kernel at Qwen3.5-4B's heads, its default value block (with BLOCK_WARPS), the b / a product
     given; `chunked`: its recurrence in the chunked form, the b / a dot in the kernel (as the engine's default gdn_ba
-    runs it); `first_only`: keeping its inputs for a replay instead of every position's state (gdn_replay); `ahead`:
-    each token's row loaded during the update of the token before (AHEAD, gdn_ahead)."""
+    runs it); `first_only`: keeping its inputs for a replay instead of every position's state (gdn_replay)."""
     from qdflash.kernels.gated_delta import STEP_BLOCK_V
 
     signature = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", "conv_w_ptr": "*bf16", "pos_ptr": "*i64",
@@ -836,22 +824,20 @@ def gdn_block_case(tokens, chunked=False, first_only=False, ahead=False):
                  "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
     return "qdflash.kernels.gated_delta", "_gated_delta_block_kernel", signature, dict(
         T=tokens, T_P=max(tokens, 16) if chunked else tokens, SCRATCH_ROWS=16, REP=2, KW=4, DK=128, DV=128, BLOCK_V=STEP_BLOCK_V, STORE_STATES=True,
-        FIRST_STATE_ONLY=first_only, CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512,
-        AHEAD=ahead)
+        FIRST_STATE_ONLY=first_only, CHUNKED=chunked, CHUNK_K=32, BA_DOT=chunked, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512)
 
 
-@pytest.mark.parametrize("dk,ahead", [(32, False), (128, False), (128, True)])
-def test_the_replay_sums_the_state_in_the_block_kernels_layout(dk, ahead):
+@pytest.mark.parametrize("dk", [32, 128])
+def test_the_replay_sums_the_state_in_the_block_kernels_layout(dk):
     """gated_delta_replay reruns the block kernel's update lines in a kernel of its own, so the replayed state equals the
     block's bit for bit only where the state's reduction over dk has the same layout in both (the layout orders the
     sums). Its addresses come from a table, and without their 16-byte alignment declared Triton gave the replay's state
     another layout (sizePerThread [1, 1] against [1, 4]), and on the H100 the tiny shape's replay was 4.7e-10 off
     (results/published/2026-12-06-h100-lean-replay). Here, for sm_90, both forms of the replay, at the tiny shape's
-    heads (dk 32) and Qwen3.5-4B's (128), sum in the block kernel's layout (as launched: torch's pointers aligned), also
-    where the block loads each token's row ahead (gdn_ahead)."""
+    heads (dk 32) and Qwen3.5-4B's (128), sum in the block kernel's layout (as launched: torch's pointers aligned)."""
     from qdflash.kernels.gated_delta import BLOCK_WARPS, STEP_BLOCK_V
 
-    module, name, signature, constexprs = gdn_block_case(16, first_only=True, ahead=ahead)
+    module, name, signature, constexprs = gdn_block_case(16, first_only=True)
     constexprs.update(DK=dk, DV=dk)
     pointers = [arg for arg in signature if arg.endswith("_ptr")]  # (aligned at any shape; HV, KEY_DIM need not be)
     block = sm90_resources(module, name, signature, constexprs, BLOCK_WARPS, pointers)

@@ -299,7 +299,7 @@ def compiled_steps(engine, args, layer_ids, label, result) -> dict:
     return {f"{label}.decode": lambda: decode(one, args.context), f"{label}.verify": lambda: verify(block, args.context)}
 
 
-SIDE_BY_SIDE_ARMS = ("_pdl", "_kept_states", "_gdn_ahead")  # engine arms whose compiled steps `side_by_side` times beside the targets'
+SIDE_BY_SIDE_ARMS = ("_pdl", "_kept_states")  # engine arms whose compiled steps `side_by_side` times beside the targets'
 
 
 def side_by_side_ratios(names) -> list[tuple[str, str, str]]:
@@ -432,14 +432,6 @@ def kept_states_arm(engine, args, device, layer_ids, bandwidth, label, result, s
     (LeanQwen35.gdn_replay off), in `side_by_side` too: the A/B behind the replay's default, in one process."""
     if args.kept_states_arm and getattr(engine, "gdn_replay", False):
         engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "kept_states", {"gdn_replay": False}, steps)
-
-
-def gdn_ahead_arm(engine, args, device, layer_ids, bandwidth, label, result, steps) -> None:
-    """`--gdn-ahead-arm`: the verify blocks' two-phase GDN kernel with each token's inputs loaded during the token
-    before's update (LeanQwen35.gdn_ahead), in `side_by_side` too: the A/B behind its default, in one process."""
-    if args.gdn_ahead_arm and getattr(engine, "gdn_two_phase", False):
-        engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "gdn_ahead",
-                   {"gdn_ahead": not engine.gdn_ahead}, steps)
 
 
 def inductor_default_arm(engine, args, device, layer_ids, bandwidth, label, result) -> None:
@@ -924,10 +916,6 @@ def main() -> None:
     parser.add_argument("--kept-states-arm", action="store_true",
                         help="each target again with its verify blocks keeping every position's GDN state (gdn_replay "
                              "off), same process (<target>_kept_states, vs_kept_states.*; in side_by_side with --compile)")
-    parser.add_argument("--gdn-ahead-arm", action="store_true",
-                        help="each target again with its two-phase verify blocks loading each token's GDN inputs during the "
-                             "token before's update (LeanQwen35.gdn_ahead flipped), same process (<target>_gdn_ahead, "
-                             "vs_gdn_ahead.*; in side_by_side with --compile)")
     parser.add_argument("--drafter-qk-kernel", action="store_true",
                         help="--compile: each drafter's compiled step again with its q / k norms, rotation and cache writes "
                              "through kernels.qk_norm_rope (DrafterEngine.qk_norm_rope_kernel), same process "
@@ -999,7 +987,6 @@ def main() -> None:
     inductor_default_arm(engine16, args, device, layer_ids, bandwidth, "target16", result)
     pdl_arm(engine16, args, device, layer_ids, bandwidth, "target16", result, steps)
     kept_states_arm(engine16, args, device, layer_ids, bandwidth, "target16", result, steps)
-    gdn_ahead_arm(engine16, args, device, layer_ids, bandwidth, "target16", result, steps)
     if args.hf_generate:  # transformers' static compiled generate on the same 16-bit model, this process
         try:
             result.update(hf_static_generate(target.model, args, device))
@@ -1047,7 +1034,6 @@ def main() -> None:
         steps |= compiled_steps(engine4h, args, layer_ids, "target_w4_head", result)
         pdl_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result, steps)
         kept_states_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result, steps)
-        gdn_ahead_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result, steps)
         result.update(side_by_side(steps, result, args, timer(device)))
         report(result, "side_by_side", args.out)
         inductor_default_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result)

@@ -23,9 +23,7 @@ default gdn_ba='dot' runs it), `chunked` (that block kernel with the block's rec
 kernel). `two_phase_dot_kept`: `two_phase_dot` keeping its tokens' inputs and only the state before the block instead
 of every position's state (`gated_delta_step(kept=)`, the engine's `gdn_replay`; timed where states are kept), and
 then the rollback's replay of 1, 2, 4, 6 and 15 of its tokens for 24 layers in one launch (`gated_delta_replay`; a row
-each, as it is and lean, with the states' max abs difference). `two_phase_dot_ahead` / `two_phase_dot_kept_ahead`: those
-two with the block kernel's AHEAD (`gated_delta_step(ahead=True)`, the engine's `gdn_ahead`): each token's inputs loaded
-during the token before's update.
+each, as it is and lean, with the states' max abs difference).
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ from qdflash.kernels.gated_delta import gated_delta_replay, gated_delta_step, re
 SHAPE = dict(key_heads=16, heads=32, dk=128, dv=128, kw=4, hidden=2560)
 # (block_v, num_warps); the default first (the step kernel's, and the two-phase block kernel's: BLOCK_WARPS)
 LAUNCHES = [(16, 4), (16, 8), (32, 4), (32, 8), (8, 4), (16, 2), (8, 2), (64, 8)]
-VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "two_phase_dot_kept", "two_phase_dot_ahead",
-            "two_phase_dot_kept_ahead", "chunked", "chunked_dot")
+VARIANTS = ("dot", "given", "two_phase", "two_phase_dot", "two_phase_dot_kept", "chunked", "chunked_dot")
 REPLAY_LAYERS = 24  # Qwen3.5-4B's GDN layers
 # a round replays tau - 1 tokens (tau 2-7 in practice); 15 is a rollback to all but the last of a 16-token block
 REPLAY_TOKENS = (1, 2, 4, 6, 15)
@@ -89,8 +86,7 @@ def run(layer: dict, block_v: int, num_warps: int, keep_states: bool, variant: s
                             layer["states"] if keep_states else None, key_heads=SHAPE["key_heads"],
                             key_dim=SHAPE["key_heads"] * SHAPE["dk"], ba_weight=not given, block_v=block_v, num_warps=num_warps,
                             two_phase=variant.startswith("two_phase"), chunked=variant.startswith("chunked"),
-                            kept=kept_scratch(layer, block_v) if "_kept" in variant else None,
-                            ahead=variant.endswith("_ahead"))
+                            kept=kept_scratch(layer, block_v) if variant.endswith("_kept") else None)
 
 
 def kept_scratch(layer: dict, block_v: int) -> torch.Tensor:
@@ -130,7 +126,7 @@ def main() -> None:
         snapshot = [layer["state"].clone() for layer in layers]
         reference = None
         for variant in args.variants:
-            if "_kept" in variant and not keep_states:  # (it keeps the first state: a block with states)
+            if variant.endswith("_kept") and not keep_states:  # (it keeps the first state: a block with states)
                 continue
             for block_v, num_warps in args.launches:
                 for layer, state in zip(layers, snapshot):

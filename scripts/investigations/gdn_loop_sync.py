@@ -71,8 +71,7 @@ pointers = [name for name in block_sig if name.endswith("_ptr")]
 out = {}
 for kept in (False, True):
     constexprs = dict(T=16, T_P=16, SCRATCH_ROWS=16, REP=2, KW=4, DK=128, DV=128, BLOCK_V=gd.STEP_BLOCK_V, STORE_STATES=True,
-                      FIRST_STATE_ONLY=kept, CHUNKED=False, CHUNK_K=32, BA_DOT=True, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512,
-                      AHEAD=False)
+                      FIRST_STATE_ONLY=kept, CHUNKED=False, CHUNK_K=32, BA_DOT=True, HIDDEN=2560, H_CHUNKS=5, BLOCK_H=512)
     k = compiled(gd._gated_delta_block_kernel, block_sig, constexprs, pointers)
     out["block keeping inputs" if kept else "block keeping every state"] = {**resources(k), **token_loop(k.asm["ptx"])}
 replay_sig = {"tables_ptr": "*i64", "N": "i32", "LAYERS": "i32", "HV": "i32"}

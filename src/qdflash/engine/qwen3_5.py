@@ -80,10 +80,6 @@ class LeanQwen35(EngineBase):
         # likewise, a verify block's recurrence in the chunked form (gated_delta_step's chunked: the block's products as
         # matmuls, no state reduction per token), to fp32 rounding too. Set before capture
         self.gdn_chunked = False
-        # a two-phase verify block's token loop with each token's inputs loaded during the token before's update
-        # (gated_delta_step's ahead; the same arithmetic). Off until a device run times it (bench_components
-        # --gdn-ahead-arm, bench_gdn_step's _ahead variants). Set before capture
-        self.gdn_ahead = False
         # a two-phase verify block (above) writes the GDN state before it and keeps its tokens' inputs (the kernel's
         # scratch) instead of writing the state after every position: a rollback into the block recomputes the one
         # state it needs, every layer in one launch (gated_delta_replay). At Qwen3.5-4B a verify block wrote 16 states
@@ -297,7 +293,7 @@ class LeanQwen35(EngineBase):
         out = gated_delta_step(qkvz, self.conv_in[i], w["conv"], positions, x, ba.weight if dot else ba, w["decay"], w["dt_bias"],
                                self.state[i], self.block_states[i] if self._keeps_states(t) else None,
                                key_heads=la.num_k_heads, key_dim=la.key_dim, ba_weight=dot,
-                               two_phase=self.gdn_two_phase, chunked=self.gdn_chunked, ahead=self.gdn_ahead,
+                               two_phase=self.gdn_two_phase, chunked=self.gdn_chunked,
                                kept=self.kept[i] if self._replays(t) else None)
         return self._gdn_out(w, out, qkvz[:, la.conv_dim:])
 

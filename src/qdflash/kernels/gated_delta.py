@@ -116,7 +116,7 @@ if triton is not None:
                                   STORE_STATES: tl.constexpr, FIRST_STATE_ONLY: tl.constexpr, CHUNKED: tl.constexpr,
                                   CHUNK_K: tl.constexpr,
                                   BA_DOT: tl.constexpr, HIDDEN: tl.constexpr, H_CHUNKS: tl.constexpr,
-                                  BLOCK_H: tl.constexpr, AHEAD: tl.constexpr):
+                                  BLOCK_H: tl.constexpr):
         """`_gated_delta_step_kernel` for a block, in two phases. First every token's inputs at once ([T, channels]
         tiles: the conv's taps as shifted loads, silu, the l2norms' reductions over the key dimension for all tokens
         in one, the gates from the b / a product given or, BA_DOT, computed here from x), written to this program's
@@ -127,9 +127,7 @@ if triton is not None:
         CHUNKED (T_P >= 16, a tensor-core tile): phase 2 as `_chunk_state` instead of token by token. A program's
         scratch rows start SCRATCH_ROWS (>= T_P) rows apart. FIRST_STATE_ONLY (with STORE_STATES, not CHUNKED): of the
         states only states[0], the state before the block; the scratch rows (the caller's, kept) let
-        `_gated_delta_replay_kernel` recompute the state after any position from it. AHEAD (not CHUNKED): phase 2 loads
-        token t + 1's scratch row before token t's update, as the lean replay does, so its loads are in flight during the
-        update instead of on the chain before it (the arithmetic is the same)."""
+        `_gated_delta_replay_kernel` recompute the state after any position from it."""
         h = tl.program_id(0)
         vb = tl.program_id(1)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -216,20 +214,10 @@ if triton is not None:
             tl.debug_barrier()  # the rows are read back by other threads of this program
             if STORE_STATES:
                 tl.store(states_ptr + tile, s)
-            if AHEAD:
-                qq, kk, vv, kq, g, beta = _scratch_row(base, rk, rb, DK, BLOCK_V)
-                for t in range(T):
-                    # the next row (the last one again at the end: a row the scratch has), loaded ahead of the update
-                    q1, k1, v1, kq1, g1, beta1 = _scratch_row(base + tl.minimum(t + 1, T - 1) * SCR, rk, rb, DK, BLOCK_V)
-                    s = _step_state(s, qq, kk, vv, kq, g, beta, out_ptr + (t * HV + h) * DV + rv)
-                    if STORE_STATES and not FIRST_STATE_ONLY:
-                        tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
-                    qq, kk, vv, kq, g, beta = q1, k1, v1, kq1, g1, beta1
-            else:
-                for t in range(T):
-                    s = _step_state(s, *_scratch_row(base + t * SCR, rk, rb, DK, BLOCK_V), out_ptr + (t * HV + h) * DV + rv)
-                    if STORE_STATES and not FIRST_STATE_ONLY:
-                        tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
+            for t in range(T):
+                s = _step_state(s, *_scratch_row(base + t * SCR, rk, rb, DK, BLOCK_V), out_ptr + (t * HV + h) * DV + rv)
+                if STORE_STATES and not FIRST_STATE_ONLY:
+                    tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
         if not CHUNKED:  # (_chunk_state wrote it)
             tl.store(state_ptr + tile, s)
 
@@ -527,7 +515,7 @@ def gated_delta_recurrence(q, k, v, g, beta, state, states=None, block_v: int = 
 def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bias, state, states=None, *,
                      key_heads: int, key_dim: int, ba_weight: bool = True, block_v: int = STEP_BLOCK_V,
                      num_warps: int | None = None, two_phase: bool = False, chunked: bool = False,
-                     kept: torch.Tensor | None = None, ahead: bool = False):
+                     kept: torch.Tensor | None = None):
     """A Gated DeltaNet layer's middle for a decode step or verify block (T <= CHUNK tokens) in one launch:
     the causal conv over `qkvz`'s conv part [T, conv_dim (+ z)] with the `conv_in` history [max_len, conv_dim]
     (this block's rows written there too), silu, q / k l2-normed (q / sqrt(dk)), the gates
@@ -545,8 +533,7 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
     `kept` (a two-phase block of T > 1 tokens with `states`; `replay_scratch`'s shape, fp32): the block's per-token
     inputs are written there and kept, and of the states only states[0], the state before the block: a rollback into
     the block recomputes the state it needs (`gated_delta_replay`) instead of the block writing all T + 1 (at
-    Qwen3.5-4B, 16 x 2 MB a layer a verify block, most of them never read). `ahead` (two-phase): the block kernel's
-    AHEAD, each token's scratch row loaded during the token before's update (the same arithmetic)."""
+    Qwen3.5-4B, 16 x 2 MB a layer a verify block, most of them never read)."""
     if triton is None:
         raise QdflashError("gated_delta_step needs triton")
     t = qkvz.shape[0]
@@ -593,7 +580,7 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
             SCRATCH_ROWS=scratch.shape[1], T=t, T_P=t_p, REP=heads // key_heads, KW=kw, DK=dk, DV=dv, BLOCK_V=block_v,
             STORE_STATES=states is not None, FIRST_STATE_ONLY=kept is not None, CHUNKED=chunked,
             CHUNK_K=min(CHUNK_K, dk), BA_DOT=ba_weight, HIDDEN=hidden, H_CHUNKS=-(-hidden // STEP_BLOCK_H),
-            BLOCK_H=STEP_BLOCK_H, AHEAD=bool(ahead), num_warps=num_warps)
+            BLOCK_H=STEP_BLOCK_H, num_warps=num_warps)
     else:
         _gated_delta_step_kernel[(heads, dv // block_v)](
             qkvz, qkvz.stride(0), conv_in, conv_weight, positions, x, ba, ba.stride(0), decay, dt_bias, state, out,
