@@ -144,6 +144,7 @@ def run_ptx(asm: str, operands: dict) -> dict:
             *dsts, address = (a.strip(" []{}") for a in args.split(","))
             bits, width = regs["memory"][value(address)], 64 if op.endswith(".b64") else 32
             if op.endswith(".v4.b32"):  # 16 bytes: two 64-bit cells, the memory's addresses bytes here
+                assert value(address) % 16 == 0, f"run_ptx: {op} at {value(address)}, not 16-byte aligned"
                 bits |= regs["memory"][value(address) + 8] << 64
             for i, dst in enumerate(dsts):
                 regs[dst] = bits >> width * i & ((1 << width) - 1)
@@ -303,9 +304,9 @@ def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m, given):
     mma_words, pairs = w4_mma.pack_words(words), w4_mma.pack_scales(scale)
     xs = x.view(torch.int64)  # [m, k / 4]
     memory = {i: int(v) & 0xFFFFFFFF for i, v in enumerate(pairs.flatten())}
-    # activations from 1000 on: a 64-bit cell an address, or (given: 16-byte loads) 8 bytes apart
-    stride = 8 if given else 1
-    memory.update({1000 + stride * i: int(v) & 0xFFFFFFFFFFFFFFFF for i, v in enumerate(xs.flatten())})
+    # activations from 1024 on: a 64-bit cell an address, or (given: 16-byte loads, aligned) 8 bytes apart
+    stride, start = (8, 1024) if given else (1, 1000)
+    memory.update({start + stride * i: int(v) & 0xFFFFFFFFFFFFFFFF for i, v in enumerate(xs.flatten())})
     high = m > 8
     asm, outs = w4_mma.rows_asm(high, given), 8 if high else 4
     first_acc = outs + (4 if high else 3)
@@ -318,8 +319,8 @@ def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m, given):
             if given:
                 run = lambda load, address: run_ptx(load, {"$4": address, "memory": memory})  # noqa: E731
                 s4 = run(w4_mma.LOAD_B32_X4, pair * pairs.shape[1] + word * 4 // group)
-                xa4 = run(w4_mma.LOAD_B64_X4, 1000 + stride * (row_a * xs.shape[1] + word))
-                xb4 = run(w4_mma.LOAD_B64_X4, 1000 + stride * (row_b * xs.shape[1] + word))
+                xa4 = run(w4_mma.LOAD_B64_X4, start + stride * (row_a * xs.shape[1] + word))
+                xb4 = run(w4_mma.LOAD_B64_X4, start + stride * (row_b * xs.shape[1] + word))
                 loaded.append([(s4[f"${j}"], xa4[f"${j}"], xb4[f"${j}"]) for j in range(4)])
         for j in range(4):
             operands = []

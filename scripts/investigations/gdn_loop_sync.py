@@ -14,11 +14,12 @@ across warps, or a vector Triton moves to another layout through shared memory) 
 scratch rows 16-byte aligned and q / k read as [dk, value block] tiles, so the loop's state has its lanes along dk and
 its warps along the value columns: 2 keeping its inputs, 4 keeping every state, the replay none, with Triton 3.6.)
 It also prints the registers and stack per thread: at the engine's launch (the b / a dot in the kernel, gdn_ba="dot";
-pointers aligned) the block kernel spills with Triton 3.9 (64 bytes keeping every state; keeping inputs 24 at
-50e4fdc, 8 at 110a81e), where tests/test_kernels.py's no-spill case, the product given, does not.
+the pointers, strides and head sizes multiples of 16, as a launch at Qwen3.5-4B's shapes specializes them; before
+4c5776a only the pointers were marked) the block kernel spills with Triton 3.9 (8 bytes keeping every state, 24
+keeping its inputs at 4c5776a), where tests/test_kernels.py's no-spill case, the product given, does not.
 Run it with the device's Triton (3.6 on the H200 image) for the device's code: other versions schedule differently
 (with triton 3.6.0 on PYTHONPATH, e.g. `pip install --no-deps --target /tmp/tr36 triton==3.6.0`, the block kernel
-at 7 barriers a token has 255 registers and no stack in both forms: the spill is Triton 3.9's).
+has 254 registers and no stack in both forms at 4c5776a: the spill is Triton 3.9's).
 Each tree compiles in a process of its own (the trees' modules share a name).
 """
 
@@ -69,7 +70,8 @@ block_sig = {"qkvz_ptr": "*bf16", "qkvz_stride": "i32", "conv_in_ptr": "*bf16", 
              "x_ptr": "*bf16", "ba_ptr": "*bf16", "ba_stride": "i32", "decay_ptr": "*fp32", "dt_bias_ptr": "*bf16",
              "state_ptr": "*fp32", "out_ptr": "*fp32", "states_ptr": "*fp32", "scratch_ptr": "*fp32",
              "HV": "i32", "KEY_DIM": "i32", "CONV_DIM": "i32", "SCALE": "fp32"}
-pointers = [name for name in block_sig if name.endswith("_ptr")]
+# as a launch at Qwen3.5-4B's shapes specializes them: torch's pointers, the strides and the head sizes multiples of 16
+pointers = [name for name in block_sig if name.endswith(("_ptr", "_stride")) or name in ("HV", "KEY_DIM", "CONV_DIM")]
 out = {}
 for kept in (False, True):
     constexprs = dict(T=16, T_P=16, SCRATCH_ROWS=16, REP=2, KW=4, DK=128, DV=128, BLOCK_V=gd.STEP_BLOCK_V, STORE_STATES=True,

@@ -294,6 +294,7 @@ if triton is not None:
         scale pairs and activations (rows g and, HIGH, g + 8), the last three by asm loads of their own, a lane's 4
         words at once (LOAD_B32_X4, LOAD_B64_X4; no tl.load: it would set the layout); without HIGH the second
         activations are the first."""
+        tl.static_assert(GROUP_WORDS % 4 == 0, "LOAD_B32_X4 reads one scale pair for a lane's 4 words")
         cols = (first + step + rw)[None, :]
         words = tl.load(words_at + step, mask=p_ok, other=0)
         s_in = tl.inline_asm_elementwise(_LOAD_B32_X4, "=r,=r,=r,=r,l,l,l,l", [row_scales + cols // GROUP_WORDS],
@@ -454,7 +455,7 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: 
             block_p: int, block_w: int, split_k: int, num_warps: int, prefetch: bool) -> torch.Tensor:
     m, k = x.shape[0], words.shape[1] * 4
     x = x.contiguous()
-    if x.storage_offset() % (4 if m == 1 else 8):  # read 4 activations at a time (8-byte aligned), 16 (16-byte) for 2-16 rows
+    if x.data_ptr() % (8 if m == 1 else 16):  # 4 activations a load (8 bytes); 2-16 rows, 16 bytes (LOAD_B64_X4)
         x = x.clone()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32) if split_k > 1 else y  # the splits' partial sums
