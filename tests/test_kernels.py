@@ -284,16 +284,15 @@ def test_w4_mma_asm_gives_one_row_of_the_dequantized_product(scales_given):
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("given", [False, True])
 @pytest.mark.parametrize("m", [16, 5])
-def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m, given):
+def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m):
     """The 2-16-row kernel's PTX (w4_mma.rows_asm: 16 rows two mmas, up to 8 one) on `pack`'s words, one warp of its
     layout (lanes: 8 row pairs x 4 along 16-word tiles, 4 words a lane), run by `run_warp`: quad g feeds activation
     rows g and g + 8 (past m: row m - 1, as the kernel clamps), and lane t of quad g ends with row pair g times
     activation rows 2t, 2t + 1 (+ 8): with the 4 registers summed, X @ the weight dequantized and rounded to bf16.
-    `given` (the kernel's form): each lane's scale pairs and activations for its 4 words loaded first, by
-    LOAD_B32_X4 / LOAD_B64_X4 (one scale load, two 16-byte loads an activation row; the memory byte-addressed for
-    those); else the asm loads them a word at a time."""
+    Each lane's scale pairs and activations for its 4 words are loaded first, as the kernel loads them, by
+    LOAD_B32_X4 / LOAD_B64_X4 (one scale load, two 16-byte loads an activation row; the activations' memory
+    byte-addressed and aligned)."""
     from qdflash.kernels import w4_mma
 
     n, k, group = 16, 128, 32
@@ -304,39 +303,30 @@ def test_w4_mma_rows_asm_gives_every_row_of_the_dequantized_product(m, given):
     mma_words, pairs = w4_mma.pack_words(words), w4_mma.pack_scales(scale)
     xs = x.view(torch.int64)  # [m, k / 4]
     memory = {i: int(v) & 0xFFFFFFFF for i, v in enumerate(pairs.flatten())}
-    # activations from 1024 on: a 64-bit cell an address, or (given: 16-byte loads, aligned) 8 bytes apart
-    stride, start = (8, 1024) if given else (1, 1000)
-    memory.update({start + stride * i: int(v) & 0xFFFFFFFFFFFFFFFF for i, v in enumerate(xs.flatten())})
+    memory.update({1024 + 8 * i: int(v) & 0xFFFFFFFFFFFFFFFF for i, v in enumerate(xs.flatten())})  # activations' bytes
     high = m > 8
-    asm, outs = w4_mma.rows_asm(high, given), 8 if high else 4
+    asm, outs = w4_mma.rows_asm(high), 8 if high else 4
     first_acc = outs + (4 if high else 3)
     accs = [[[0] * outs for _ in range(32)] for _ in range(4)]
+    run = lambda load, address: run_ptx(load, {"$4": address, "memory": memory})  # noqa: E731
     for tile in range(k // 4 // 16):
-        loaded = []  # given: per lane, its 4 words' scale pairs and activations (rows a, b), loaded first
+        loaded = []  # per lane, its 4 words' scale pairs and activations (rows a, b), loaded first
         for lane in range(32):
             pair, word = lane // 4, tile * 16 + 4 * (lane % 4)  # the lane's first word (LOAD_*_X4 read the first address)
             row_a, row_b = min(pair, m - 1), min(pair + 8, m - 1)
-            if given:
-                run = lambda load, address: run_ptx(load, {"$4": address, "memory": memory})  # noqa: E731
-                s4 = run(w4_mma.LOAD_B32_X4, pair * pairs.shape[1] + word * 4 // group)
-                xa4 = run(w4_mma.LOAD_B64_X4, start + stride * (row_a * xs.shape[1] + word))
-                xb4 = run(w4_mma.LOAD_B64_X4, start + stride * (row_b * xs.shape[1] + word))
-                loaded.append([(s4[f"${j}"], xa4[f"${j}"], xb4[f"${j}"]) for j in range(4)])
+            s4 = run(w4_mma.LOAD_B32_X4, pair * pairs.shape[1] + word * 4 // group)
+            xa4 = run(w4_mma.LOAD_B64_X4, 1024 + 8 * (row_a * xs.shape[1] + word))
+            xb4 = run(w4_mma.LOAD_B64_X4, 1024 + 8 * (row_b * xs.shape[1] + word))
+            loaded.append([(s4[f"${j}"], xa4[f"${j}"], xb4[f"${j}"]) for j in range(4)])
         for j in range(4):
             operands = []
             for lane in range(32):
-                pair, word = lane // 4, tile * 16 + 4 * (lane % 4) + j
-                row_a, row_b = min(pair, m - 1), min(pair + 8, m - 1)
-                regs = {f"${outs}": int(mma_words[pair, word]) & 0xFFFFFFFF,
-                        f"${outs + 1}": pair * pairs.shape[1] + word * 4 // group,
-                        f"${outs + 2}": 1000 + row_a * xs.shape[1] + word, "memory": memory,
+                scale_pair, xa, xb = loaded[lane][j]
+                regs = {f"${outs}": int(mma_words[lane // 4, tile * 16 + 4 * (lane % 4) + j]) & 0xFFFFFFFF,
+                        f"${outs + 1}": scale_pair, f"${outs + 2}": xa,
                         **{f"${first_acc + i}": accs[j][lane][i] for i in range(outs)}}
                 if high:
-                    regs[f"${outs + 3}"] = 1000 + row_b * xs.shape[1] + word
-                if given:
-                    regs[f"${outs + 1}"], regs[f"${outs + 2}"], xb = loaded[lane][j]
-                    if high:
-                        regs[f"${outs + 3}"] = xb
+                    regs[f"${outs + 3}"] = xb
                 operands.append(regs)
             accs[j] = [[regs[f"${i}"] for i in range(outs)] for regs in run_warp(asm, operands)]
     got = np.zeros((m, n))

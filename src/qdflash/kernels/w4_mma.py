@@ -103,18 +103,17 @@ LOAD_B64_X4 = ("{\n.reg .b32 a0, a1, a2, a3, a4, a5, a6, a7;\nld.global.nc.v4.b3
                "mov.b64 $2, {a4, a5};\nmov.b64 $3, {a6, a7};\n}")
 
 
-def rows_asm(high: bool, given: bool = True) -> str:
+def rows_asm(high: bool) -> str:
     """2-16 rows (`_w4_mma_rows_kernel`): the word, its scale pair, the 4 activations at its columns in activation row g
     and (`high`) g + 8 (each loaded before, LOAD_B32_X4 / LOAD_B64_X4), the accumulators -> the accumulators after one
-    mma per 8 activation rows, the word's A fragment made once. `given=False`: the scales' and activations' addresses
-    instead, loaded here a word at a time (the kernel's form before the 4-word loads; kept as the reference the tests
-    run the fragments against). Operands: 8 outputs with `high`, else 4, then the inputs."""
+    mma per 8 activation rows, the word's A fragment made once. Operands: 8 outputs with `high`, else 4, then the
+    inputs."""
     outs = 8 if high else 4
     word, scales, xa, xb = (f"${i}" for i in range(outs, outs + 4))
     acc = outs + (4 if high else 3)
-    load = "mov.b64 {{{0}0, {0}1}}, {1};" if given else "ld.global.nc.v2.b32 {{{0}0, {0}1}}, [{1}];"
+    load = "mov.b64 {{{0}0, {0}1}}, {1};"
     lines = ["{", ".reg .b32 r0, r1, r2, r3, sp, s1, s2, one, bias, nz, xa0, xa1, xb0, xb1;",
-             dequant(given).format(word=word, scales=scales).strip(), load.format("xa", xa),
+             dequant(True).format(word=word, scales=scales).strip(), load.format("xa", xa),
              f"{MMA} {{$0, $1, $2, $3}}, {{r0, r1, r2, r3}}, {{xa0, xa1}}, {{${acc}, ${acc + 1}, ${acc + 2}, ${acc + 3}}};"]
     if high:
         lines += [load.format("xb", xb),
@@ -122,7 +121,7 @@ def rows_asm(high: bool, given: bool = True) -> str:
     return "\n".join(lines + ["}"])
 
 
-MMA_ROWS8_GIVEN, MMA_ROWS16_GIVEN = rows_asm(False), rows_asm(True)
+MMA_ROWS8, MMA_ROWS16 = rows_asm(False), rows_asm(True)
 
 # The accumulators ($2-$5) -> row n1's and n2's sums ($0, $1) in the lane that holds C[g][g] and C[g + 8][g]
 # (lane 4g + g / 2: c0 / c2 for even g, c1 / c3 for odd), 0 in every other lane.
@@ -148,8 +147,8 @@ if triton is not None:
     _MMA_WORD_GIVEN = tl.constexpr(MMA_WORD_GIVEN)
     _LOAD_B32 = tl.constexpr(LOAD_B32)
     _DIAGONAL = tl.constexpr(DIAGONAL)
-    _MMA_ROWS8_GIVEN = tl.constexpr(MMA_ROWS8_GIVEN)
-    _MMA_ROWS16_GIVEN = tl.constexpr(MMA_ROWS16_GIVEN)
+    _MMA_ROWS8 = tl.constexpr(MMA_ROWS8)
+    _MMA_ROWS16 = tl.constexpr(MMA_ROWS16)
     _LOAD_B32_X4 = tl.constexpr(LOAD_B32_X4)
     _LOAD_B64_X4 = tl.constexpr(LOAD_B64_X4)
 
@@ -259,12 +258,12 @@ if triton is not None:
                                                         GROUP_WORDS, HIGH)
             if HIGH:
                 a0, a1, a2, a3, b0, b1, b2, b3 = tl.inline_asm_elementwise(
-                    _MMA_ROWS16_GIVEN, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,l,l,f,f,f,f,f,f,f,f",
+                    _MMA_ROWS16, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,l,l,f,f,f,f,f,f,f,f",
                     [words, s_in, xa_in, xb_in, a0, a1, a2, a3, b0, b1, b2, b3], dtype=(tl.float32,) * 8,
                     is_pure=True, pack=1)
             else:
                 a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                    _MMA_ROWS8_GIVEN, "=f,=f,=f,=f,r,r,l,f,f,f,f", [words, s_in, xa_in, a0, a1, a2, a3],
+                    _MMA_ROWS8, "=f,=f,=f,=f,r,r,l,f,f,f,f", [words, s_in, xa_in, a0, a1, a2, a3],
                     dtype=(tl.float32,) * 4, is_pure=True, pack=1)
         base = out_ptr + pid_k * stride_os + 2 * rp[:, None]
         lane_rows = 2 * tl.arange(0, 4)[None, :]  # lane t's accumulators c0 / c1: activation rows 2t / 2t + 1
