@@ -500,6 +500,30 @@ def test_tuning_drops_fast_configs_that_fail_or_are_off(monkeypatch):
     assert kept == [plain, fast] and len(problems) == 1 and "off the dequantized product" in problems[0]
 
 
+def test_tuning_checks_a_verify_tile_at_2_to_8_rows_too(monkeypatch):
+    """A tile tuned at 16 rows also runs 2-8 rows (w4_mma's one-mma form): one wrong only there is dropped, and the
+    problem names the row count it was checked at."""
+    from qdflash.kernels import w4a16 as w4_module
+
+    q, scale, _ = quantized(32, 256, 32)
+    words, scale = pack_int4(q), scale.to(torch.bfloat16)
+    x = torch.randn(16, 256).to(torch.bfloat16)
+    good, low_wrong = Config(32, 16, fast=True), Config(16, 16, fast=True)
+    reference = w4_module._rounded_product(x, words, scale, 32)
+    matmul = w4_module.w4a16_matmul
+    seen = []
+
+    def fake(x, words, scale, group, config=None):  # low_wrong is off at <= 8 rows only
+        seen.append(x.shape[0])
+        out = matmul(x.float(), words, scale, group, Config(config.block_n, config.block_k8, config.split_k))
+        return out * 1.5 if config.block_n == 16 and x.shape[0] <= 8 else out
+
+    monkeypatch.setattr(w4_module, "w4a16_matmul", fake)
+    kept, problems = w4_module._check_fast(x, words, scale, 32, [good, low_wrong], reference)
+    assert kept == [good] and len(problems) == 1 and f"at {w4_module.ONE_MMA_CHECK} rows" in problems[0]
+    assert sorted(set(seen)) == [w4_module.ONE_MMA_CHECK, 16] and 2 <= w4_module.ONE_MMA_CHECK <= 8
+
+
 def test_w4a16_matmul_refuses_what_it_cannot_do():
     q, scale, _ = quantized(32, 128, 32)
     words = pack_int4(q)

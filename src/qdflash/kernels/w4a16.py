@@ -426,11 +426,21 @@ def _external_tiles(module, x, state, reference, n: int, k: int, group: int) -> 
     return _matching(module.configs(n, k, group, x.shape[0]), lambda c: module.matmul(x, *state, group, config=c), reference)
 
 
+ONE_MMA_CHECK = 5  # rows of the 2-8-row form checked: odd, so its padded half is exercised too
+
+
 def _check_fast(x, words, scale, group: int, configs: list[Config], reference) -> tuple[list[Config], list[str]]:
     """`configs` without the fast ones whose product is off `reference` (`_rounded_product`: each weight rounded to
     bf16, as that path rounds it) or that fail to run, and what was wrong with each dropped: inline PTX the interpreter
-    cannot run, checked on the device before any timing or use."""
-    return _matching(configs, lambda c: w4a16_matmul(x, words, scale, group, c), reference, check=lambda c: c.fast)
+    cannot run, checked on the device before any timing or use. Tuned at 9-16 rows, a tile also runs a verify
+    block's 2-8 (`w4_mma`'s one-mma form, another code path), so those are checked too, on x's first ONE_MMA_CHECK rows."""
+    kept, problems = _matching(configs, lambda c: w4a16_matmul(x, words, scale, group, c), reference, check=lambda c: c.fast)
+    if x.shape[0] > ONE_MMA_CHECK:
+        head = x[:ONE_MMA_CHECK]
+        kept, more = _matching(kept, lambda c: w4a16_matmul(head, words, scale, group, c), reference[:ONE_MMA_CHECK],
+                               check=lambda c: c.fast)
+        problems += [f"{problem} at {ONE_MMA_CHECK} rows" for problem in more]
+    return kept, problems
 
 
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
