@@ -572,9 +572,7 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
                                f"got {tuple(kept.shape)} {kept.dtype}")
     if two_phase and not chunked and block_v % 4:  # its scratch rows are 2 dk + block_v + 4 floats, read 16-byte aligned
         raise QdflashError(f"gated_delta_step: a two-phase block needs a value block of a multiple of 4, got {block_v}")
-    # (not while dynamo traces a compiled step: it cannot take an address's remainder; the engine's kept buffers are its
-    # own allocations, checked when its eager steps run)
-    if kept is not None and not torch.compiler.is_compiling() and kept.data_ptr() % 16:
+    if kept is not None and kept.data_ptr() % 16:
         raise QdflashError("gated_delta_step: kept must start 16-byte aligned (its rows are read in 16-byte loads)")
     if chunked and (block_v < 16 or dk < 16):
         raise QdflashError(f"gated_delta_step: chunked multiplies [16, dk] x [dk, value block] tiles: dk={dk} and the value "
