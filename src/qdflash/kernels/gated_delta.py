@@ -570,10 +570,6 @@ def gated_delta_step(qkvz, conv_in, conv_weight, positions, x, ba, decay, dt_bia
                 or kept.shape[0] != shape[0] or kept.shape[1] < shape[1] or kept.shape[2] != shape[2]):
             raise QdflashError(f"gated_delta_step: kept must be contiguous fp32 [{shape[0]}, >= {shape[1]}, {shape[2]}], "
                                f"got {tuple(kept.shape)} {kept.dtype}")
-    if two_phase and not chunked and block_v % 4:  # its scratch rows are 2 dk + block_v + 4 floats, read 16-byte aligned
-        raise QdflashError(f"gated_delta_step: a two-phase block needs a value block of a multiple of 4, got {block_v}")
-    if kept is not None and kept.data_ptr() % 16:
-        raise QdflashError("gated_delta_step: kept must start 16-byte aligned (its rows are read in 16-byte loads)")
     if chunked and (block_v < 16 or dk < 16):
         raise QdflashError(f"gated_delta_step: chunked multiplies [16, dk] x [dk, value block] tiles: dk={dk} and the value "
                            f"block {block_v} must be >= 16")
@@ -636,8 +632,6 @@ def replay_tables(states0: list[torch.Tensor], kept: list[torch.Tensor], state: 
         raise QdflashError(f"replay_tables: {len(states0)} states0, {len(kept)} kept and {layers} states; one of each a layer")
     heads, dk, dv = state[0].shape
     block_v = _value_block("replay_tables", dk, dv, block_v, None, 0)
-    if block_v % 4:  # as the block kernel's: rows of 2 dk + block_v + 4 floats, read 16-byte aligned
-        raise QdflashError(f"replay_tables: the value block must be a multiple of 4, got {block_v}")
     shape = replay_scratch(heads, dk, dv, 1, block_v)
     for name, group in (("states0", states0), ("kept", kept), ("state", state)):
         for x in group:
