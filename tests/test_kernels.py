@@ -1077,10 +1077,9 @@ def test_kernels_compile_for_the_h200_without_spilling(case):
     else:
         module, name, signature, constexprs = (rows_gemv_case(int(arg)) if kind.startswith("gemv") else
                                                attention_case(int(arg) if "tree" in kind else 0, "block" in kind))
-    # the GEMV's and the GDN block kernel's launches at the engine's shapes: torch's pointers and these strides are
-    # multiples of 16 (the chunked block spilled only so; the two-phase block keeping its inputs, since its token loop
-    # reads q and k in the layout of 16-byte rows, spilled 8 bytes under Triton 3.9 only without it)
-    aligned = aligned_args(signature) if kind.startswith("gemv") or "block" in kind else []
+    # the GEMV's and the chunked GDN block's launches at the engine's shapes: torch's pointers and these strides are
+    # multiples of 16 (the chunked block spilled only so)
+    aligned = aligned_args(signature) if kind.startswith("gemv") or "chunked" in kind else []
     used = sm90_resources(module, name, signature, constexprs, num_warps, aligned)
     assert used["STACK"] == 0 and 0 < used["REG"] <= 255, used
     assert used["ATOMS"] == 0, used

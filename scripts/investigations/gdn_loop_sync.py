@@ -10,9 +10,7 @@ across warps, or a vector Triton moves to another layout through shared memory) 
     git worktree add /tmp/before 50e4fdc
     python scripts/investigations/gdn_loop_sync.py /tmp/before/src src
 
-(50e4fdc: 9 barriers a token in the block kernel; 110a81e stores a token's output from the reduction's layout: 7; the
-scratch rows 16-byte aligned and q / k read as [dk, value block] tiles, so the loop's state has its lanes along dk and
-its warps along the value columns: 2 keeping its inputs, 4 keeping every state, the replay none, with Triton 3.6.)
+(50e4fdc: 9 barriers a token in the block kernel; 110a81e stores a token's output from the reduction's layout: 7.)
 It also prints the registers and stack per thread: at the engine's launch (the b / a dot in the kernel, gdn_ba="dot";
 the pointers, strides and head sizes multiples of 16, as a launch at Qwen3.5-4B's shapes specializes them; before
 4c5776a only the pointers were marked) the block kernel spills with Triton 3.9 (8 bytes keeping every state, 24

@@ -99,11 +99,11 @@ if triton is not None:
             nq, nk, nv, nkq, ng, nbeta = _step_inputs(start, t + 1, qkvz_ptr, qkvz_stride, conv_in_ptr, conv_w_ptr, x_ptr, ba_ptr,
                                                       ba_stride, decay_ptr, dt_bias_ptr, qc, kc, vc, rk, rv, h, vb, HV, CONV_DIM,
                                                       SCALE, dt, REP, KW, HIDDEN, H_CHUNKS, BLOCK_H, BA_DOT)
-            s = _step_state(s, qq[:, None], kk[:, None], vv, kq, g, beta, out_ptr + (t * HV + h) * DV + rv)
+            s = _step_state(s, qq, kk, vv, kq, g, beta, out_ptr + (t * HV + h) * DV + rv)
             if STORE_STATES:
                 tl.store(states_ptr + (t + 1) * HV * DK * DV + tile, s)
             qq, kk, vv, kq, g, beta = nq, nk, nv, nkq, ng, nbeta
-        s = _step_state(s, qq[:, None], kk[:, None], vv, kq, g, beta, out_ptr + ((T - 1) * HV + h) * DV + rv)
+        s = _step_state(s, qq, kk, vv, kq, g, beta, out_ptr + ((T - 1) * HV + h) * DV + rv)
         if STORE_STATES:
             tl.store(states_ptr + T * HV * DK * DV + tile, s)
         tl.store(state_ptr + tile, s)
@@ -203,7 +203,7 @@ if triton is not None:
             _chunk_state(base, state_ptr, states_ptr, out_ptr + (rt[:, None] * HV + h) * DV + rv[None, :], vv, g, beta, t_ok,
                          rt, rv, h * DK * DV, HV * DK * DV, T, DK, DV, CHUNK_K, STORE_STATES)
         else:  # phase 2: the tokens' inputs through this program's scratch rows, token by token
-            SCR: tl.constexpr = 2 * DK + BLOCK_V + 4  # (its last float unused: rows 16-byte aligned, see _scratch_row)
+            SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
             base = scratch_ptr + (h * tl.num_programs(1) + vb) * (SCRATCH_ROWS * SCR)
             tl.store(base + rt[:, None] * SCR + rk[None, :], qq)
             tl.store(base + rt[:, None] * SCR + DK + rk[None, :], kk)
@@ -245,7 +245,7 @@ if triton is not None:
         rk = tl.arange(0, DK)
         tile = h * DK * DV + rk[:, None] * DV + rv[None, :]
         s = tl.load(states0_ptr + tile)
-        SCR: tl.constexpr = 2 * DK + BLOCK_V + 4
+        SCR: tl.constexpr = 2 * DK + BLOCK_V + 3
         base = scratch_ptr + (h * tl.num_programs(1) + vb) * (SCRATCH_ROWS * SCR)
         if LEAN:
             kk, vv, g, beta = _scratch_row_state(base, rk, rb, DK, BLOCK_V)
@@ -262,15 +262,8 @@ if triton is not None:
     @triton.jit
     def _scratch_row(row, rk, rb, DK: tl.constexpr, BLOCK_V: tl.constexpr):
         """One token's row of a two-phase block's scratch, as its phase 1 stored it: q, k, this program's v, k . q, g
-        and beta (what `_step_update` takes after the state). q and k come as [dk, value block] tiles, each column the
-        same vector, loaded from rows known 16-byte aligned (the scratch's rows are a multiple of 4 floats): Triton then
-        lays them, and the token loop's state with them, out with the lanes along dk and the warps along the value
-        columns, so the state's reductions over dk stay inside a warp. Loaded as [dk] vectors they took the state's
-        load's layout (warps along dk): 7 CTA barriers a token in the block kernel's loop (sm_90, Triton 3.6), 2 now
-        (`scripts/investigations/gdn_loop_sync.py`); the state moves to that layout once, before the loop."""
-        row = tl.multiple_of(row, 16)
-        cols = rk[:, None] + rb[None, :] * 0
-        return (tl.load(row + cols), tl.load(row + DK + cols), tl.load(row + 2 * DK + rb), tl.load(row + 2 * DK + BLOCK_V),
+        and beta (what `_step_update` takes after the state)."""
+        return (tl.load(row + rk), tl.load(row + DK + rk), tl.load(row + 2 * DK + rb), tl.load(row + 2 * DK + BLOCK_V),
                 tl.load(row + 2 * DK + BLOCK_V + 1), tl.load(row + 2 * DK + BLOCK_V + 2))
 
     @triton.jit
@@ -465,12 +458,12 @@ if triton is not None:
         (qq and kq unread)."""
         decay = tl.exp(g)
         if OUTPUT:
-            sk, sq = tl.reduce((s * kk, s * qq), 0, _add2)
+            sk, sq = tl.reduce((s * kk[:, None], s * qq[:, None]), 0, _add2)
         else:
-            sk = tl.reduce(s * kk, 0, _add)
+            sk = tl.reduce(s * kk[:, None], 0, _add)
             sq = sk
         delta = (vv - decay * sk) * beta
-        return s * decay + kk * delta[None, :], decay * sq + kq * delta
+        return s * decay + kk[:, None] * delta[None, :], decay * sq + kq * delta
 
 
 CHUNK = 16  # tokens per launch: T is a compile-time constant, so longer inputs (a prefill) go in chunks
@@ -602,8 +595,7 @@ def replay_scratch(heads: int, dk: int, dv: int, max_block: int, block_v: int = 
     """The shape of a layer's kept two-phase scratch (`gated_delta_step(kept=)`) for blocks of up to `max_block`
     tokens: [programs, rows, one token's q, k, this program's v, k . q, g, beta]."""
     block_v = min(block_v, dv)
-    # rows: T_P of the longest; a row 4 floats longer than its contents, so every row starts 16-byte aligned
-    return heads * (dv // block_v), 1 << (max_block - 1).bit_length(), 2 * dk + block_v + 4
+    return heads * (dv // block_v), 1 << (max_block - 1).bit_length(), 2 * dk + block_v + 3  # rows: T_P of the longest
 
 
 class ReplayTables(NamedTuple):
