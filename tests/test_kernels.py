@@ -5,6 +5,7 @@ recurrence kernel equals the engine's torch loop, per-position states included."
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -756,6 +757,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 module, name, signature, constexprs, num_warps, aligned = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
+# a constexpr the case leaves out takes its default, as at a launch (ASTSource does not fill it in)
+constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
 sig = {**signature, **{key: "constexpr" for key in constexprs}}
 # arguments divisible by 16 (pointers: bytes), as Triton specializes them at a launch where they are
 attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(sig) if arg in aligned}
@@ -957,6 +960,33 @@ def test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes(tile):
     assert lanes[0] * warps[0] <= block_p and per_thread[1] * lanes[1] * warps[1] <= block_w, layout
 
 
+@pytest.mark.parametrize("case", ["gemv 1", "gemv rows", "w4 mma 1", "w4 mma rows 8", "w4 mma rows 16"])
+def test_swiglu_epilogues_compile_for_the_h200(case):
+    """The kernels that make silu(gate) * up in their epilogue (SWIGLU: the 16-bit GEMV at 1 and 2-16 rows, both int4
+    mma kernels) lower for sm_90 without a spill, at tiles tuning picks for Qwen3.5-4B's 18,432 x 2,560 gate / up
+    (one K split), the mma kernels still with their mmas."""
+    ptrs = {"x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*i32", "out_ptr": "*bf16"}
+    tail = {"stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "W_PER_SPLIT": "i32", "y_ptr": "*bf16",
+            "counts_ptr": "*i32"}
+    if case == "gemv 1":
+        module, name, signature = "qdflash.kernels.gemv", "_gemv_kernel", matmul_cases()["gemv 1"][2]
+        constexprs, extra = dict(BLOCK_N=8, BLOCK_K=512, TILES=0), []
+    elif case == "gemv rows":
+        module, name, signature, constexprs = rows_gemv_case(0)
+        constexprs, extra = {**constexprs, "BLOCK_N": 32, "BLOCK_K": 128}, []
+    elif case == "w4 mma 1":
+        module, name, signature = "qdflash.kernels.w4_mma", "_w4_mma_kernel", {**ptrs, "N2": "i32", **tail}
+        constexprs, extra = dict(GROUP_WORDS=8, BLOCK_P=8, BLOCK_W=64, SPLITS=1, PREFETCH=False, PDL=False), ["W_PER_SPLIT"]
+    else:
+        module, name = "qdflash.kernels.w4_mma", "_w4_mma_rows_kernel"
+        signature = {**ptrs, "M": "i32", "N2": "i32", "stride_xm": "i32", **tail}
+        constexprs = dict(GROUP_WORDS=8, BLOCK_P=64, HIGH=case.endswith("16"), SPLITS=1, PREFETCH=True, PDL=False)
+        extra = ["W_PER_SPLIT"]
+    used = sm90_resources(module, name, signature, {**constexprs, "SWIGLU": True}, 4, aligned_args(signature) + extra)
+    assert used["STACK"] == 0 and 0 < used["REG"] <= 255 and used["ATOMS"] == 0, used
+    assert used["MMAS"] > 0 or case == "gemv 1", used  # (the 2-16-row GEMV's dot is an mma too)
+
+
 @pytest.mark.parametrize("rows", [1, 16])
 def test_w4_mma_kernels_under_pdl_wait_then_let_the_next_launch(rows):
     """PDL=True (kernels.pdl): both int4 mma kernels compile for sm_90 with one griddepcontrol.wait and one
@@ -1155,6 +1185,33 @@ def test_gemv_rows_equals_linear(dtype, rows):
 
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gemv_swiglu_epilogue(dtype, rows):
+    """gemv(swiglu=True) on a weight of (gate, up) row pairs is silu(gate) * up of the two matmuls, [rows, N / 2], with
+    pairs (48) not a multiple of a program's; a K split (its sums not final in any program) is refused."""
+    from qdflash.kernels import gemv as gemv_module
+
+    half, k = 48, 512
+    g = torch.Generator().manual_seed(rows)
+    gate, up = (torch.randn(half, k, generator=g).to(DEVICE, dtype) / 8 for _ in range(2))
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    w = gemv_module.swiglu_pairs(gate, up)
+    assert torch.equal(w[0::2], gate) and torch.equal(w[1::2], up)
+    ref = (F.silu((x.float() @ gate.float().T).to(dtype)) * (x.float() @ up.float().T).to(dtype)).float()
+    configs = [c for c in gemv_module.candidate_configs(4096, k, rows) if gemv_module.swiglu_fits(c, 2 * half)]
+    assert configs and any(c.unrolled for c in configs)
+    for config in configs[:: max(1, len(configs) // 4)]:
+        y = gemv_module.gemv(x, w, config, swiglu=True)
+        assert y.dtype == dtype and y.shape == (rows, half)
+        torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-5, rtol=1e-3)
+    split = next(c for c in gemv_module.candidate_configs(4096, k, rows) if c.split_k > 1)
+    with pytest.raises(QdflashError, match="one K split"):
+        gemv_module.gemv(x, w, split, swiglu=True)
+    with pytest.raises(QdflashError, match="differ"):
+        gemv_module.swiglu_pairs(gate, up[:-1])
+
+
 def test_tuning_keeps_the_fastest_and_the_gemv_only_where_it_beats_cublas(monkeypatch):
     """The tuners' bookkeeping, with a stand-in for the CUDA-graph timer: each timed call runs once
     (under Triton's interpreter) and is charged the next made-up time. l2_bytes=1: two weight copies."""
@@ -1288,6 +1345,44 @@ def test_a_packed_projection_runs_dense_only_where_tuning_said_so(monkeypatch):
     long = torch.randn(20, k, generator=torch.Generator().manual_seed(2))  # a prefill: the kept copy, no kernel
     monkeypatch.setattr(projection, "dequantized", lambda: pytest.fail("dequantized again although a 16-bit copy is kept"))
     assert torch.equal(projection(long), torch.nn.functional.linear(long, deq)) and calls == [1]
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_a_packed_gate_up_makes_swiglu_in_the_mma_epilogue_at_one_split(monkeypatch, split):
+    """An MLP's packed gate / up (`Projection.of(..., swiglu=True)`) keeps (gate, up) row pairs, ints and scales alike;
+    where tuning chose w4_mma and its tile has one K split, `swiglu` asks the kernel for silu(gate) * up (its epilogue),
+    else it makes it from the kernel's output: both silu(gate) * up of the two layers (w4_mma stood in for by the
+    dequantized product: the kernel itself is PTX, compiled by the sm_90 tests and checked on the GPU by tuning)."""
+    from qdflash.engine import linear
+    from qdflash.kernels import w4_mma
+    from qdflash.kernels.w4a16 import dequantize_words
+    from qdflash.quant.quantlinear import QuantizedWeight, QuantLinear
+
+    n, k, group = 32, 256, 32
+    layers, deqs = [], []
+    for seed in (0, 1):
+        q, scale, deq = quantized(n, k, group, seed)
+        layers.append(QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False),
+                                                 QuantizedWeight(q, scale, None, GridSpec(4, group, True))))
+        deqs.append(deq)
+    projection = linear.Projection.of(layers, torch.bfloat16, kernels=True, swiglu=True)
+    assert projection.fast and projection.pairs and projection.out_features == 2 * n
+    calls = []
+
+    def matmul(x, words, scale, group, config=None, swiglu=False):  # w4_mma.matmul on `pack`'s state (here: untouched)
+        calls.append(swiglu)
+        out = (x.float() @ dequantize_words(words, scale, group).to(x.dtype).float().T).to(x.dtype)
+        return torch.nn.functional.silu(out[:, 0::2]) * out[:, 1::2] if swiglu else out
+
+    monkeypatch.setattr(linear, "backend", lambda *a: "mma")
+    monkeypatch.setattr(w4_mma, "default_config", lambda n, k, group, rows: w4_mma.Config(8, 64, split))
+    monkeypatch.setattr(w4_mma, "pack", lambda words, scale, group, dtype: (words, scale))
+    monkeypatch.setattr(w4_mma, "matmul", matmul)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    gate, up = ((x.float() @ d.to(torch.bfloat16).float().T).to(torch.bfloat16) for d in deqs)
+    for rows in (1, 3):
+        assert torch.equal(linear.swiglu(projection, x[:rows]), torch.nn.functional.silu(gate[:rows]) * up[:rows])
+    assert calls == [split == 1] * 2
 
 
 def test_a_packed_projection_runs_tinygemm_only_where_tuning_chose_it(monkeypatch):
@@ -1542,10 +1637,11 @@ def test_w4_mma_is_one_node_a_compiled_step_traces_through(monkeypatch):
     weight = deq.to(torch.bfloat16).float()
     tiles = []
 
-    def reference(x, words, scales, counts, n_out, group_, block_p, block_w, split_k, num_warps, prefetch):
+    def reference(x, words, scales, counts, n_out, group_, block_p, block_w, split_k, num_warps, prefetch, swiglu=False):
         tiles.append(w4_mma.Config(block_p, block_w, split_k, num_warps, prefetch))
         assert n_out == n and group_ == group and words.shape == (n // 2, k // 4)
-        return (x.float() @ weight.t()).to(x.dtype)
+        out = (x.float() @ weight.t()).to(x.dtype)
+        return torch.nn.functional.silu(out[:, 0::2]) * out[:, 1::2] if swiglu else out
 
     monkeypatch.setattr(w4_mma, "_launch", reference)
     monkeypatch.setattr(w4_mma, "_TUNED", {})
@@ -1555,6 +1651,8 @@ def test_w4_mma_is_one_node_a_compiled_step_traces_through(monkeypatch):
     torch.library.opcheck(w4_mma._mma_mm, (x, words, pairs, counts, n, group, 8, 32, 2, 4, True))
     block = torch.randn(16, k).to(torch.bfloat16)  # a verify block: the rows kernel, [16, N] out
     torch.library.opcheck(w4_mma._mma_mm, (block, words, pairs, counts, n, group, 32, 16, 1, 4, False))
+    # silu(gate) * up in the epilogue (rows as (gate, up) pairs): [rows, N / 2] out, the fake's shape too
+    torch.library.opcheck(w4_mma._mma_mm, (block, words, pairs, counts, n, group, 32, 16, 1, 4, False, True))
     tile = w4_mma.Config(4, 32, 2, prefetch=True)
     w4_mma.remember(n, k, group, 1, tile)
     backend = GraphRecorder()

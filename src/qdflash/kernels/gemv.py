@@ -33,6 +33,8 @@ from . import MAX_ROWS, copies_past_l2, fastest, graph_ms, row_bucket
 try:
     import triton
     import triton.language as tl
+
+    from .jit import swiglu_rounded
 except ImportError:  # the CPU install
     triton = tl = None
 
@@ -53,11 +55,13 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, stride_os,
-                     K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
+                     K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
+                     SWIGLU: tl.constexpr = False):
         """TILES = 0: a runtime loop over K_PER_SPLIT (one compile serves every K). TILES > 0: K_PER_SPLIT
         is TILES * BLOCK_K and the loop is unrolled, so the compiler issues every tile's loads before the
         arithmetic: a program's whole slice of the weight in flight, where the runtime loop waits on memory
-        once per tile (one compile per K and split)."""
+        once per tile (one compile per K and split). SWIGLU: the weight's rows are (gate, up) pairs
+        (`swiglu_pairs`) and the program stores silu(gate) * up of its pairs (`jit.swiglu_rounded`), N / 2 outputs."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,13 +74,19 @@ if triton is not None:
         else:
             for step in range(0, K_PER_SPLIT, BLOCK_K):
                 acc += _gemv_tile(x_ptr, w_ptr, rn, n_ok, pid_k * K_PER_SPLIT + step + rk, stride_wn)
-        tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
+        if SWIGLU:
+            gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N // 2, 2)))
+            half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out_ptr + half, swiglu_rounded(gate, up, out_ptr.dtype.element_ty), mask=half < N // 2)
+        else:
+            tl.store(out_ptr + pid_k * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
 
     @triton.jit
     def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_os, stride_om, K_PER_SPLIT,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, IEEE: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, IEEE: tl.constexpr,
+                          SWIGLU: tl.constexpr = False):
         """2-16 rows: the [BN, BK] weight tile read once and multiplied with all rows by one dot (rows
-        padded to 16 with zeros, never stored). TILES as in `_gemv_kernel`."""
+        padded to 16 with zeros, never stored). TILES and SWIGLU as in `_gemv_kernel`."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, 16)
@@ -92,7 +102,13 @@ if triton is not None:
         else:
             for step in range(0, K_PER_SPLIT, BLOCK_K):
                 acc += _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, pid_k * K_PER_SPLIT + step + rk, stride_xm, stride_wn, IEEE)
-        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
+        if SWIGLU:
+            gate, up = tl.split(tl.reshape(acc, (16, BLOCK_N // 2, 2)))
+            half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out_ptr + rm[:, None] * stride_om + half[None, :], swiglu_rounded(gate, up, out_ptr.dtype.element_ty),
+                     mask=m_ok & (half[None, :] < N // 2))
+        else:
+            tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok & (rn[None, :] < N))
 
     @triton.jit
     def _rows_tile(x_ptr, w_ptr, rm, rn, m_ok, n_ok, col, stride_xm, stride_wn, IEEE: tl.constexpr):
@@ -112,8 +128,10 @@ def fits(config: GemvConfig, k: int) -> bool:
     return k % (config.split_k * config.block_k) == 0
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Tensor:
-    """x [M <= 16, K] @ weight [N, K].T -> [M, N] in x's dtype (fp32 accumulation)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, swiglu: bool = False) -> torch.Tensor:
+    """x [M <= 16, K] @ weight [N, K].T -> [M, N] in x's dtype (fp32 accumulation). swiglu: weight's rows are
+    (gate, up) pairs (`swiglu_pairs`) and the result is silu(gate) * up, [M, N / 2], made in the kernel's epilogue
+    (`swiglu_fits`: one K split)."""
     if triton is None:
         raise QdflashError("gemv needs triton (installed with torch on CUDA machines)")
     n, k = weight.shape
@@ -123,20 +141,37 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Ten
                            f"weight {tuple(weight.shape)}")
     if not fits(config, k):
         raise QdflashError(f"gemv: {config} does not tile K={k}")
+    if swiglu and not swiglu_fits(config, n):
+        raise QdflashError(f"gemv: silu(gate) * up of a {n}-row weight needs one K split and whole pairs, got {config}")
     x = x.contiguous()
-    out = torch.empty(config.split_k, m, n, device=x.device, dtype=x.dtype if config.split_k == 1 else torch.float32)
+    out = torch.empty(config.split_k, m, n // 2 if swiglu else n, device=x.device,
+                      dtype=x.dtype if config.split_k == 1 else torch.float32)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     # K_PER_SPLIT is a runtime argument (one compile per tile serves every shape: tuning is compile-bound),
     # except where the config unrolls the K loop
     tiles = k // (config.split_k * config.block_k) if config.unrolled else 0
     if m == 1:
         _gemv_kernel[grid](x, weight, out, n, weight.stride(0), out.stride(0), k // config.split_k, BLOCK_N=config.block_n,
-                           BLOCK_K=config.block_k, TILES=tiles, num_warps=config.num_warps)
+                           BLOCK_K=config.block_k, TILES=tiles, SWIGLU=swiglu, num_warps=config.num_warps)
     else:
         _gemv_rows_kernel[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
                                 k // config.split_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILES=tiles,
-                                IEEE=x.dtype == torch.float32, num_warps=config.num_warps)
+                                IEEE=x.dtype == torch.float32, SWIGLU=swiglu, num_warps=config.num_warps)
     return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
+
+
+def swiglu_fits(config: GemvConfig, n: int) -> bool:
+    """Whether `gemv(..., swiglu=True)` takes the config for an n-row weight: each program holds whole (gate, up) pairs
+    and its final sums (no K split to reduce after it)."""
+    return config.split_k == 1 and n % 2 == 0 and config.block_n % 2 == 0
+
+
+def swiglu_pairs(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The rows (or scales, biases: anything with a row per output) of gate and up interleaved, gate 0, up 0, gate 1,
+    up 1, ...: the order in which a matmul's epilogue finds each output's (gate, up) pair side by side."""
+    if gate.shape != up.shape:
+        raise QdflashError(f"swiglu_pairs: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    return torch.stack([gate, up], dim=1).flatten(0, 1)
 
 
 def candidate_configs(n: int, k: int, rows: int = 1) -> list[GemvConfig]:

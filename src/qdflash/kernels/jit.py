@@ -65,3 +65,9 @@ if triton is not None:
         output), silu in fp32 (torch's: x / (1 + e^-x)), rounded to `dt` again; returned in fp32."""
         x = x.to(dt).to(tl.float32)
         return (x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32)
+
+    @triton.jit
+    def swiglu_rounded(gate, up, dt: tl.constexpr):
+        """silu(gate) * up as a 16-bit model's unfused ops give it (a matmul's gate and up outputs rounded to `dt`,
+        `silu_rounded`, the product in fp32 rounded to `dt`), in `dt`: a matmul's epilogue on its (gate, up) pairs."""
+        return (silu_rounded(gate, dt) * up.to(dt).to(tl.float32)).to(dt)

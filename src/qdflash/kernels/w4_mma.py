@@ -46,7 +46,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .jit import pdl_start, reduce_splits_last
+    from .jit import pdl_start, reduce_splits_last, swiglu_rounded
 except ImportError:  # the CPU install
     triton = tl = None
 
@@ -155,7 +155,7 @@ if triton is not None:
     @triton.jit
     def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N2, stride_wn, stride_sn, stride_os, W_PER_SPLIT, y_ptr, counts_ptr,
                        GROUP_WORDS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr,
-                       PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+                       PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False):
         """x_ptr: the row's activations as int64 (4 bf16 each); w_ptr / s_ptr: `pack`'s words and scale pairs; out_ptr
         [SPLITS, 2 * N2]: for one split the output (x's dtype), else fp32 partial sums, reduced in this launch into y_ptr
         by the last program of a column block (`reduce_splits_last`, counted on counts_ptr). PREFETCH: every load of a
@@ -164,7 +164,8 @@ if triton is not None:
         one step ahead were still waited on at the top of the next step (`scripts/investigations/w4_sass.py`), as
         without prefetch. The last steps load the split's last tile again (nothing past the split is read). On an H100
         it decided nothing (results/published/2026-12-06-h100-prefetch2-gdn); tuning times it beside the plain tiles.
-        PDL: launched with programmatic dependent launch (`kernels.pdl`, `jit.pdl_start`)."""
+        PDL: launched with programmatic dependent launch (`kernels.pdl`, `jit.pdl_start`). SWIGLU (one split): each row
+        pair is a (gate, up) pair (`gemv.swiglu_pairs`) and out_ptr [N2] gets silu(gate) * up (`jit.swiglu_rounded`)."""
         pdl_start(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -200,9 +201,13 @@ if triton is not None:
         y1, y2 = tl.inline_asm_elementwise(_DIAGONAL, "=f,=f,f,f,f,f", [c0, c1, c2, c3], dtype=(tl.float32,) * 2,
                                            is_pure=True, pack=1)
         ok = rp < N2
-        out = out_ptr + pid_k * stride_os + 2 * rp
-        tl.store(out, tl.sum(y1, axis=1).to(out_ptr.dtype.element_ty), mask=ok)
-        tl.store(out + 1, tl.sum(y2, axis=1).to(out_ptr.dtype.element_ty), mask=ok)
+        if SWIGLU:
+            tl.static_assert(SPLITS == 1, "silu(gate) * up needs the pairs' final sums")
+            tl.store(out_ptr + rp, swiglu_rounded(tl.sum(y1, axis=1), tl.sum(y2, axis=1), out_ptr.dtype.element_ty), mask=ok)
+        else:
+            out = out_ptr + pid_k * stride_os + 2 * rp
+            tl.store(out, tl.sum(y1, axis=1).to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out + 1, tl.sum(y2, axis=1).to(out_ptr.dtype.element_ty), mask=ok)
         if SPLITS > 1:
             reduce_splits_last(out_ptr, y_ptr, counts_ptr, pid_n, pid_n * 2 * BLOCK_P + tl.arange(0, 2 * BLOCK_P), 2 * N2,
                                stride_os, SPLITS)
@@ -210,7 +215,8 @@ if triton is not None:
     @triton.jit
     def _w4_mma_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N2, stride_xm, stride_wn, stride_sn, stride_os, W_PER_SPLIT,
                             y_ptr, counts_ptr, GROUP_WORDS: tl.constexpr, BLOCK_P: tl.constexpr, HIGH: tl.constexpr,
-                            SPLITS: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+                            SPLITS: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+                            SWIGLU: tl.constexpr = False):
         """2-16 rows of x (x_ptr: int64, 4 bf16 each, rows stride_xm apart), the same words as the one-row kernel, in
         tiles of 16 words: Triton lays a [pairs, 16] int32 tile out with 4 lanes along the words and 8 along the
         pairs, so at each register the warp's 8 quads hold 8 row pairs at the same columns. Quad g then feeds the
@@ -218,7 +224,8 @@ if triton is not None:
         pair g times activation row n: every lane's accumulators are outputs (lane t of a quad: rows 2t, 2t + 1).
         out_ptr [SPLITS, M, 2 * N2] (the output for one split; else fp32 partial sums reduced in this launch).
         A tile's scales and activations are loaded 4 words a lane (`_rows_loads`) before its mmas; PREFETCH: two steps
-        ahead, as the one-row kernel's. PDL: as the one-row kernel's. x_ptr 16-byte aligned (`_launch`)."""
+        ahead, as the one-row kernel's. PDL, SWIGLU: as the one-row kernel's (out_ptr [M, N2]). x_ptr 16-byte aligned
+        (`_launch`)."""
         pdl_start(PDL)
         BLOCK_W: tl.constexpr = 16
         pid_n = tl.program_id(0)
@@ -265,8 +272,14 @@ if triton is not None:
                 a0, a1, a2, a3 = tl.inline_asm_elementwise(
                     _MMA_ROWS8, "=f,=f,=f,=f,r,r,l,f,f,f,f", [words, s_in, xa_in, a0, a1, a2, a3],
                     dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-        base = out_ptr + pid_k * stride_os + 2 * rp[:, None]
         lane_rows = 2 * tl.arange(0, 4)[None, :]  # lane t's accumulators c0 / c1: activation rows 2t / 2t + 1
+        if SWIGLU:  # a pair's first row (a0, a1) is its gate, its second (a2, a3) its up
+            tl.static_assert(SPLITS == 1, "silu(gate) * up needs the pairs' final sums")
+            _store_swiglu(out_ptr + rp[:, None], a0, a1, a2, a3, lane_rows, 0, M, N2, p_ok, BLOCK_P)
+            if HIGH:
+                _store_swiglu(out_ptr + rp[:, None], b0, b1, b2, b3, lane_rows, 8, M, N2, p_ok, BLOCK_P)
+            return
+        base = out_ptr + pid_k * stride_os + 2 * rp[:, None]
         _store_rows(base, a0, a1, lane_rows, 0, M, N2, p_ok, BLOCK_P)
         _store_rows(base + 1, a2, a3, lane_rows, 0, M, N2, p_ok, BLOCK_P)
         if HIGH:
@@ -305,6 +318,19 @@ if triton is not None:
             xb_in = tl.inline_asm_elementwise(_LOAD_B64_X4, "=l,=l,=l,=l,l,l,l,l", [xb + cols], dtype=tl.int64,
                                               is_pure=True, pack=4)
         return words, s_in, xa_in, xb_in
+
+    @triton.jit
+    def _store_swiglu(base, gate_even, gate_odd, up_even, up_odd, lane_rows, first, M, N2, ok, BLOCK_P: tl.constexpr):
+        """`_store_rows` of a (gate, up) pair's two rows as the one output silu(gate) * up (base: the pair's column of
+        an [M, N2] output)."""
+        m = first + lane_rows
+        dt = base.dtype.element_ty
+        even = swiglu_rounded(tl.sum(tl.reshape(gate_even, (BLOCK_P, 4, 4)), axis=2),
+                              tl.sum(tl.reshape(up_even, (BLOCK_P, 4, 4)), axis=2), dt)
+        odd = swiglu_rounded(tl.sum(tl.reshape(gate_odd, (BLOCK_P, 4, 4)), axis=2),
+                             tl.sum(tl.reshape(up_odd, (BLOCK_P, 4, 4)), axis=2), dt)
+        tl.store(base + m * N2, even, mask=ok & (m < M))
+        tl.store(base + (m + 1) * N2, odd, mask=ok & (m + 1 < M))
 
     @triton.jit
     def _store_rows(base, c_even, c_odd, lane_rows, first, M, N2, ok, BLOCK_P: tl.constexpr):
@@ -423,8 +449,9 @@ def default_config(n: int, k: int, group: int, rows: int = 1) -> Config:
 
 
 def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, n: int, group: int,
-           config: Config | None = None) -> torch.Tensor:
-    """x [1..16, K] bf16 @ dequant(W).T -> [rows, N] bf16."""
+           config: Config | None = None, swiglu: bool = False) -> torch.Tensor:
+    """x [1..16, K] bf16 @ dequant(W).T -> [rows, N] bf16. swiglu: W's rows are (gate, up) pairs (`gemv.swiglu_pairs`)
+    and the result is silu(gate) * up, [rows, N / 2], made in the kernel (`swiglu_fits`: one K split)."""
     k = words.shape[1] * 4
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != k or x.dtype != torch.bfloat16:
         raise QdflashError(f"w4_mma: 1-{MAX_ROWS} bf16 rows of {k} expected, got {tuple(x.shape)} {x.dtype}")
@@ -432,8 +459,15 @@ def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: t
     config = config or default_config(n, k, group, rows)
     if not fits(config, n, k, rows):
         raise QdflashError(f"w4_mma: {config} does not tile a {n}x{k} weight at {rows} rows")
+    if swiglu and not swiglu_fits(config):
+        raise QdflashError(f"w4_mma: silu(gate) * up needs one K split, got {config}")
     return _mma_mm(x, words, scales, counts, n, group, config.block_p, config.block_w, config.split_k, config.num_warps,
-                   config.prefetch)
+                   config.prefetch, swiglu)
+
+
+def swiglu_fits(config: Config) -> bool:
+    """Whether `matmul(..., swiglu=True)` takes the tile: its programs hold their pairs' final sums (one K split)."""
+    return config.split_k == 1
 
 
 # A custom op, as marlin_w4's: a compiled decode step holds it as one opaque node instead of tracing the launch (the
@@ -441,25 +475,27 @@ def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: t
 # no state changes between calls, and declaring them mutated would make a compiled graph clone them before each call.
 @torch.library.custom_op("qdflash::w4_mma_mm", mutates_args=())
 def _mma_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, n: int, group: int,
-            block_p: int, block_w: int, split_k: int, num_warps: int, prefetch: bool) -> torch.Tensor:
-    return _launch(x, words, scales, counts, n, group, block_p, block_w, split_k, num_warps, prefetch)
+            block_p: int, block_w: int, split_k: int, num_warps: int, prefetch: bool, swiglu: bool = False) -> torch.Tensor:
+    return _launch(x, words, scales, counts, n, group, block_p, block_w, split_k, num_warps, prefetch, swiglu)
 
 
 @_mma_mm.register_fake
-def _(x, words, scales, counts, n, group, block_p, block_w, split_k, num_warps, prefetch):
-    return x.new_empty((x.shape[0], n))
+def _(x, words, scales, counts, n, group, block_p, block_w, split_k, num_warps, prefetch, swiglu=False):
+    return x.new_empty((x.shape[0], n // 2 if swiglu else n))
 
 
 def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, n: int, group: int,
-            block_p: int, block_w: int, split_k: int, num_warps: int, prefetch: bool) -> torch.Tensor:
+            block_p: int, block_w: int, split_k: int, num_warps: int, prefetch: bool, swiglu: bool = False) -> torch.Tensor:
     m, k = x.shape[0], words.shape[1] * 4
     x = x.contiguous()
     if x.data_ptr() % (8 if m == 1 else 16):  # 4 activations a load (8 bytes); 2-16 rows, 16 bytes (LOAD_B64_X4)
         x = x.clone()
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    y = torch.empty(m, n // 2 if swiglu else n, device=x.device, dtype=x.dtype)
     out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32) if split_k > 1 else y  # the splits' partial sums
     grid = (triton.cdiv(n // 2, block_p), split_k)
     common = dict(GROUP_WORDS=group // 4, BLOCK_P=block_p, SPLITS=split_k, PREFETCH=prefetch, num_warps=num_warps)
+    if swiglu:
+        common.update(SWIGLU=True)
     if pdl_enabled():  # (a captured graph keeps the launch as it was)
         common.update(PDL=True, launch_pdl=True)
     xs = x.view(torch.int64)
