@@ -667,3 +667,38 @@ def test_the_prefill_never_runs_cudnn_attention_on_cuda():
         assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
         assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_swiglu_is_made_in_the_gate_up_gemv_where_it_runs(fixture, request, monkeypatch):
+    """kernels=True: the gate / up projection keeps (gate, up) row pairs, and where its GEMV is tuned at one K split
+    (here for 1 and 2-16 rows, Triton's interpreter) the kernel's epilogue makes silu(gate) * up: the logits stay
+    transformers' at 1 and 4 rows; with the tuned config split over K it falls back to the matmul's output, the same
+    logits. Without kernels the rows keep the modules' order (the matmul bit for bit the model's)."""
+    pytest.importorskip("triton")
+    from qdflash.kernels import gemv as gemv_module
+
+    target = request.getfixturevalue(fixture)
+    assert not build_engine(target, max_len=64).layers[0]["w13"].pairs
+    engine = build_engine(target, max_len=64, kernels=True)
+    w13 = engine.layers[0]["w13"]
+    assert w13.pairs and w13.weight is not None
+    n, k = w13.weight.shape
+    calls, real = [], gemv_module.gemv
+    monkeypatch.setattr("qdflash.engine.linear.gemv", lambda *a, **kw: calls.append(kw.get("swiglu", False)) or real(*a, **kw))
+    x = ids(5, 24) % target.config.vocab_size
+    ref = target.model(input_ids=x[None]).logits[0]
+    for split in (False, True):
+        for rows, block_n in ((1, 4), (16, 16)):  # (a 2-16-row tile is a dot's operand: >= 16 weight rows)
+            config = gemv_module.GemvConfig(block_n, k // 2 if split else k, split_k=2 if split else 1)
+            monkeypatch.setitem(gemv_module._TUNED, (n, k, w13.weight.dtype, rows), config)
+        calls.clear()
+        engine.reset()
+        prefill, _ = engine.forward(x[:20], 0)  # 20 rows: F.linear, silu(gate) * up from its pairs
+        block, _ = engine.forward(x[20:24], 20)  # 4 rows: the 2-16-row GEMV
+        torch.testing.assert_close(torch.cat([prefill, block]), ref, atol=1e-5, rtol=1e-5)
+        engine.reset()
+        step, _ = engine.forward(x[:1], 0)  # 1 row: the one-row GEMV
+        torch.testing.assert_close(step[0], ref[0], atol=1e-5, rtol=1e-5)
+        layers = len(engine.layers)
+        assert calls.count(True) == (0 if split else 2 * layers) and calls.count(False) == (2 * layers if split else 0)

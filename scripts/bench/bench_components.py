@@ -299,13 +299,13 @@ def compiled_steps(engine, args, layer_ids, label, result) -> dict:
     return {f"{label}.decode": lambda: decode(one, args.context), f"{label}.verify": lambda: verify(block, args.context)}
 
 
-SIDE_BY_SIDE_ARMS = ("_pdl", "_kept_states")  # engine arms whose compiled steps `side_by_side` times beside the targets'
+SIDE_BY_SIDE_ARMS = ("_pdl", "_kept_states", "_unfused_swiglu")  # engine arms whose compiled steps `side_by_side` times beside the targets'
 
 
 def side_by_side_ratios(names) -> list[tuple[str, str, str]]:
     """(ratio, numerator step, denominator step) of `side_by_side` for the compiled steps `names` holds: issue 23's
     (the W4-head decode step's speedup over the 16-bit one, each target's verify over decode), for the targets' own
-    graphs and, with --pdl (--kept-states-arm), for those arms' too; and each arm's step against its target's (> 1:
+    graphs and, with --pdl (--kept-states-arm, --swiglu-arm), for those arms' too; and each arm's step against its target's (> 1:
     the arm faster)."""
     out = []
     for arm in ("", *SIDE_BY_SIDE_ARMS):
@@ -432,6 +432,14 @@ def kept_states_arm(engine, args, device, layer_ids, bandwidth, label, result, s
     (LeanQwen35.gdn_replay off), in `side_by_side` too: the A/B behind the replay's default, in one process."""
     if args.kept_states_arm and getattr(engine, "gdn_replay", False):
         engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "kept_states", {"gdn_replay": False}, steps)
+
+
+def swiglu_arm(engine, args, device, layer_ids, bandwidth, label, result, steps) -> None:
+    """`--swiglu-arm`: silu(gate) * up as a launch of its own after the gate / up matmul (EngineBase.swiglu_epilogue
+    off) instead of in its epilogue, in `side_by_side` too: the A/B behind the epilogue's default, in one process."""
+    if args.swiglu_arm:
+        engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "unfused_swiglu", {"swiglu_epilogue": False},
+                   steps)
 
 
 def inductor_default_arm(engine, args, device, layer_ids, bandwidth, label, result) -> None:
@@ -913,6 +921,10 @@ def main() -> None:
                         help="the targets' verify blocks keep every position's GDN state, where by default "
                              "(LeanQwen35.gdn_replay) they keep their inputs and the state before them and a rollback "
                              "replays the accepted tokens, checked against kept states before timing (gdn_replay_check)")
+    parser.add_argument("--swiglu-arm", action="store_true",
+                        help="each target again with silu(gate) * up a launch of its own (EngineBase.swiglu_epilogue "
+                             "off), same tuning, same process (<target>_unfused_swiglu, vs_unfused_swiglu.*; in "
+                             "side_by_side)")
     parser.add_argument("--kept-states-arm", action="store_true",
                         help="each target again with its verify blocks keeping every position's GDN state (gdn_replay "
                              "off), same process (<target>_kept_states, vs_kept_states.*; in side_by_side with --compile)")
@@ -987,6 +999,7 @@ def main() -> None:
     inductor_default_arm(engine16, args, device, layer_ids, bandwidth, "target16", result)
     pdl_arm(engine16, args, device, layer_ids, bandwidth, "target16", result, steps)
     kept_states_arm(engine16, args, device, layer_ids, bandwidth, "target16", result, steps)
+    swiglu_arm(engine16, args, device, layer_ids, bandwidth, "target16", result, steps)
     if args.hf_generate:  # transformers' static compiled generate on the same 16-bit model, this process
         try:
             result.update(hf_static_generate(target.model, args, device))
@@ -1034,6 +1047,7 @@ def main() -> None:
         steps |= compiled_steps(engine4h, args, layer_ids, "target_w4_head", result)
         pdl_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result, steps)
         kept_states_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result, steps)
+        swiglu_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result, steps)
         result.update(side_by_side(steps, result, args, timer(device)))
         report(result, "side_by_side", args.out)
         inductor_default_arm(engine4h, args, device, layer_ids, bandwidth, "target_w4_head", result)

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import gemv as gemv_kernel
-from ..kernels.gemv import gemv, gemv_config
+from ..kernels import w4_mma
+from ..kernels.gemv import gemv, gemv_config, swiglu_pairs
 from ..kernels.w4a16 import (EXTERNAL, MAX_ROWS, backend, dense_faster, dequantize_words, external_tiles, pack_int4, split_counts,
                              tune, w4a16_matmul)
 from ..quant.grid import dequantize
@@ -37,8 +38,9 @@ def _packable(m: nn.Module) -> bool:
 class Projection:
     def __init__(self, weight: torch.Tensor | None = None, words: torch.Tensor | None = None,
                  scale: torch.Tensor | None = None, group: int = 0, dtype: torch.dtype | None = None, kernels: bool = False,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, pairs: bool = False):
         self.weight, self.words, self.scale, self.group, self.bias = weight, words, scale, group, bias
+        self.pairs = pairs  # rows of (gate, up) pairs (`of(..., swiglu=True)`): an output row is not a module's row
         self.dtype = dtype or (weight.dtype if weight is not None else scale.dtype)
         self.out_features = (weight if weight is not None else words).shape[0]
         self.fast = words is not None and kernels
@@ -53,21 +55,31 @@ class Projection:
         self.counts = split_counts(self.out_features, words.device) if self.fast else None
 
     @classmethod
-    def of(cls, modules: list[nn.Module], dtype: torch.dtype, kernels: bool = False) -> "Projection | Concat":
-        """`kernels`: run packed 4-bit weights through the Triton kernel (else their dequantized weight)."""
-        bias = _biases(modules, dtype)
+    def of(cls, modules: list[nn.Module], dtype: torch.dtype, kernels: bool = False,
+           swiglu: bool = False) -> "Projection | Concat":
+        """`kernels`: run packed 4-bit weights through the Triton kernel (else their dequantized weight). `swiglu`:
+        `modules` are an MLP's gate and up projections, for `swiglu`; one Projection keeps their rows as (gate, up)
+        pairs (`swiglu_pairs`), the order in which a matmul's epilogue can make silu(gate) * up."""
+        if swiglu and len(modules) != 2:
+            raise ValueError(f"Projection.of(swiglu=True) takes a gate and an up projection, got {len(modules)} modules")
+        # without kernels no epilogue runs: the rows keep the modules' order, so the matmul is the model's (a CPU
+        # BLAS blocks permuted rows differently: SmolLM2's fp32 logits moved by 3e-5)
+        swiglu = swiglu and kernels
+        join = (lambda parts: swiglu_pairs(*parts)) if swiglu else torch.cat
+        bias = _biases(modules, dtype, join)
         if kernels and all(_packable(m) for m in modules) and len({m.spec.group_size for m in modules}) == 1:
-            words = torch.cat([pack_int4(m.weight_int) for m in modules])
-            scale = torch.cat([m.weight_scale for m in modules])
-            return cls(words=words, scale=scale, group=modules[0].spec.group_size, dtype=dtype, kernels=kernels, bias=bias)
+            words = join([pack_int4(m.weight_int) for m in modules])
+            scale = join([m.weight_scale for m in modules])
+            return cls(words=words, scale=scale, group=modules[0].spec.group_size, dtype=dtype, kernels=kernels, bias=bias,
+                       pairs=swiglu)
         if all(type(m) is nn.Linear for m in modules):
-            return cls(weight=torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach(),
-                       kernels=kernels, bias=bias)
+            return cls(weight=join([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach(),
+                       kernels=kernels, bias=bias, pairs=swiglu)
         if all(isinstance(m, QuantLinear) and m.latent is None for m in modules):
             # no kernel (the CPU) or another grid: the exact dequantized weights, computed once
-            return cls(weight=torch.cat([dequantize(m.weight_int, m.weight_scale, m.weight_zero_point, m.spec).to(dtype)
-                                         for m in modules]), kernels=kernels, bias=bias)
-        if len(modules) > 1:
+            return cls(weight=join([dequantize(m.weight_int, m.weight_scale, m.weight_zero_point, m.spec).to(dtype)
+                                    for m in modules]), kernels=kernels, bias=bias, pairs=swiglu)
+        if len(modules) > 1:  # (gate, then up, for swiglu)
             return Concat([cls.of([m], dtype, kernels) for m in modules])
         raise TypeError(f"the engine cannot run a {type(modules[0]).__name__} projection (fake-quant mode)")
 
@@ -105,6 +117,40 @@ class Projection:
     def dequantized(self) -> torch.Tensor:
         return dequantize_words(self.words, self.scale, self.group).to(self.dtype)
 
+    def swiglu(self, x: torch.Tensor, epilogue: bool = True) -> torch.Tensor:
+        """silu(gate) * up of a (gate, up)-pairs projection (`of(..., swiglu=True)`): in the matmul's epilogue where the
+        kernel that runs this shape and row count (`_matmul`'s choice) takes one (the 16-bit GEMV, w4_mma; one K
+        split), which saves the launch of its own that it otherwise is; else from the matmul's output."""
+        fused = self._fused_swiglu(x) if epilogue else None
+        if fused is not None:
+            return fused
+        pairs = self(x).unflatten(-1, (-1, 2))
+        return F.silu(pairs[..., 0]) * pairs[..., 1]
+
+    def _fused_swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        rows = x.reshape(-1, x.shape[-1])
+        if not self.pairs or self.bias is not None or not self.kernels or rows.shape[0] > MAX_ROWS:
+            return None
+        weight = self.weight
+        if self.fast:
+            use = backend(self.out_features, self.in_features, self.group, rows.shape[0], x.dtype)
+            if use == "mma":
+                tile = w4_mma.default_config(self.out_features, self.in_features, self.group, rows.shape[0])
+                if not w4_mma.swiglu_fits(tile):
+                    return None
+                if use not in self._external:
+                    self._external[use] = w4_mma.pack(self.words, self.scale, self.group, x.dtype)
+                return w4_mma.matmul(rows, *self._external[use], self.group, config=tile, swiglu=True).view(*x.shape[:-1], -1)
+            if use != "dense":
+                return None
+            if self._dense is None:
+                self._dense = self.dequantized()
+            weight = self._dense
+        config = gemv_config(*weight.shape, weight.dtype, rows.shape[0])
+        if config is None or not gemv_kernel.swiglu_fits(config, weight.shape[0]):
+            return None
+        return gemv(rows, weight, config, swiglu=True).view(*x.shape[:-1], -1)
+
 
 def head_projection(model: nn.Module, dense: torch.Tensor, dtype: torch.dtype, kernels: bool) -> Projection:
     """The LM head as a Projection. A quantized head that packs (symmetric 4-bit) runs 1-16 rows on the
@@ -118,12 +164,13 @@ def head_projection(model: nn.Module, dense: torch.Tensor, dtype: torch.dtype, k
     return Projection(weight=dense, kernels=kernels)
 
 
-def _biases(modules: list[nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
-    """The fused projection's bias (zeros for parts without one), or None when no part has one."""
+def _biases(modules: list[nn.Module], dtype: torch.dtype, join=torch.cat) -> torch.Tensor | None:
+    """The fused projection's bias (zeros for parts without one), or None when no part has one; `join`: how the
+    weights' rows are joined (concatenated, or `swiglu_pairs`)."""
     present = [m.bias for m in modules if m.bias is not None]
     if not present:
         return None
-    return torch.cat([m.bias.detach().to(dtype) if m.bias is not None else present[0].new_zeros(m.out_features, dtype=dtype)
+    return join([m.bias.detach().to(dtype) if m.bias is not None else present[0].new_zeros(m.out_features, dtype=dtype)
                       for m in modules])
 
 
@@ -137,8 +184,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, kernels: bool) -> torch.
     return gemv(x.reshape(rows, -1), weight, config).view(*x.shape[:-1], -1)
 
 
-def swiglu(w13: "Projection | Concat", x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a gate / up projection `w13` (gate rows, then up rows) of x."""
+def swiglu(w13: "Projection | Concat", x: torch.Tensor, epilogue: bool = True) -> torch.Tensor:
+    """silu(gate) * up of a gate / up projection `w13` of x: (gate, up) row pairs (`Projection.of(..., swiglu=True)`;
+    made in the matmul's epilogue where it can be, unless `epilogue` is False), or gate rows then up rows."""
+    if isinstance(w13, Projection) and w13.pairs:
+        return w13.swiglu(x, epilogue)
     gate, up = w13(x).chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -27,7 +27,7 @@ class LeanLlama(EngineBase):
             self.layers.append({
                 "wqkv": Projection.of([attn.q_proj, attn.k_proj, attn.v_proj], self.dtype, self.kernels),
                 "wo": Projection.of([attn.o_proj], self.dtype, self.kernels),
-                "w13": Projection.of([mlp.gate_proj, mlp.up_proj], self.dtype, self.kernels),
+                "w13": Projection.of([mlp.gate_proj, mlp.up_proj], self.dtype, self.kernels, swiglu=True),
                 "w2": Projection.of([mlp.down_proj], self.dtype, self.kernels),
                 "norm1": self._norm(layer.input_layernorm.weight),
                 "norm2": self._norm(layer.post_attention_layernorm.weight),
@@ -74,7 +74,7 @@ class LeanLlama(EngineBase):
             # each residual add and the norm after it (the next layer's input norm after the MLP)
             h, x = residual_norm(w["wo"], attend(i, q, k, v), h, w["norm2"])
             after = self.layers[i + 1]["norm1"] if i + 1 < len(self.layers) else None
-            h, x = residual_norm(w["w2"], swiglu(w["w13"], x), h, after)
+            h, x = residual_norm(w["w2"], swiglu(w["w13"], x, self.swiglu_epilogue), h, after)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
         return h, (tap_features(features, layer_ids) if layer_ids is not None else None)

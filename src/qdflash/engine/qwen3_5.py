@@ -111,7 +111,7 @@ class LeanQwen35(EngineBase):
         self._replay_last = False  # whether the last block fed kept its inputs (rollback replays) or its states
         for i, layer in enumerate(model.model.layers):
             w = {"norm1": self._norm(layer.input_layernorm), "norm2": self._norm(layer.post_attention_layernorm),
-                 "w13": Projection.of([layer.mlp.gate_proj, layer.mlp.up_proj], dtype, self.kernels),
+                 "w13": Projection.of([layer.mlp.gate_proj, layer.mlp.up_proj], dtype, self.kernels, swiglu=True),
                  "w2": Projection.of([layer.mlp.down_proj], dtype, self.kernels)}
             if self.types[i] == "full_attention":
                 a = layer.self_attn
@@ -364,7 +364,7 @@ class LeanQwen35(EngineBase):
             # each residual add and the norm after it (the next layer's input norm after the MLP)
             h, x = residual_norm(out, mixed, h, w["norm2"])
             after = self.layers[i + 1]["norm1"] if i + 1 < len(self.layers) else None
-            h, x = residual_norm(w["w2"], swiglu(w["w13"], x), h, after)
+            h, x = residual_norm(w["w2"], swiglu(w["w13"], x, self.swiglu_epilogue), h, after)
             if layer_ids is not None and i in layer_ids:
                 features[i] = h.to(dtype)
         return h, (tap_features(features, layer_ids) if layer_ids is not None else None)
