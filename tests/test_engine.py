@@ -671,16 +671,18 @@ def test_the_prefill_never_runs_cudnn_attention_on_cuda():
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
 def test_swiglu_is_made_in_the_gate_up_gemv_where_it_runs(fixture, request, monkeypatch):
-    """kernels=True: the gate / up projection keeps (gate, up) row pairs, and where its GEMV is tuned at one K split
-    (here for 1 and 2-16 rows, Triton's interpreter) the kernel's epilogue makes silu(gate) * up: the logits stay
-    transformers' at 1 and 4 rows; with the tuned config split over K it falls back to the matmul's output, the same
-    logits. Without kernels the rows keep the modules' order (the matmul bit for bit the model's)."""
+    """kernels=True: the gate / up projection keeps (gate, up) row pairs, and with `swiglu_epilogue` on, where its GEMV
+    is tuned at one K split (here for 1 and 2-16 rows, Triton's interpreter), the kernel's epilogue makes
+    silu(gate) * up: the logits stay transformers' at 1 and 4 rows; with the tuned config split over K, or the
+    epilogue off (the default until timed), silu(gate) * up comes from the matmul's output, the same logits. Without
+    kernels the rows keep the modules' order (the matmul bit for bit the model's)."""
     pytest.importorskip("triton")
     from qdflash.kernels import gemv as gemv_module
 
     target = request.getfixturevalue(fixture)
     assert not build_engine(target, max_len=64).layers[0]["w13"].pairs
     engine = build_engine(target, max_len=64, kernels=True)
+    assert not engine.swiglu_epilogue  # off until timed
     w13 = engine.layers[0]["w13"]
     assert w13.pairs and w13.weight is not None
     n, k = w13.weight.shape
@@ -688,10 +690,11 @@ def test_swiglu_is_made_in_the_gate_up_gemv_where_it_runs(fixture, request, monk
     monkeypatch.setattr("qdflash.engine.linear.gemv", lambda *a, **kw: calls.append(kw.get("swiglu", False)) or real(*a, **kw))
     x = ids(5, 24) % target.config.vocab_size
     ref = target.model(input_ids=x[None]).logits[0]
-    for split in (False, True):
+    for split, epilogue in ((False, True), (True, True), (False, False)):
         for rows, block_n in ((1, 4), (16, 16)):  # (a 2-16-row tile is a dot's operand: >= 16 weight rows)
             config = gemv_module.GemvConfig(block_n, k // 2 if split else k, split_k=2 if split else 1)
             monkeypatch.setitem(gemv_module._TUNED, (n, k, w13.weight.dtype, rows), config)
+        engine.swiglu_epilogue = epilogue
         calls.clear()
         engine.reset()
         prefill, _ = engine.forward(x[:20], 0)  # 20 rows: F.linear, silu(gate) * up from its pairs
@@ -701,4 +704,5 @@ def test_swiglu_is_made_in_the_gate_up_gemv_where_it_runs(fixture, request, monk
         step, _ = engine.forward(x[:1], 0)  # 1 row: the one-row GEMV
         torch.testing.assert_close(step[0], ref[0], atol=1e-5, rtol=1e-5)
         layers = len(engine.layers)
-        assert calls.count(True) == (0 if split else 2 * layers) and calls.count(False) == (2 * layers if split else 0)
+        fused = epilogue and not split
+        assert calls.count(True) == (2 * layers if fused else 0) and calls.count(False) == (0 if fused else 2 * layers)

@@ -299,7 +299,7 @@ def compiled_steps(engine, args, layer_ids, label, result) -> dict:
     return {f"{label}.decode": lambda: decode(one, args.context), f"{label}.verify": lambda: verify(block, args.context)}
 
 
-SIDE_BY_SIDE_ARMS = ("_pdl", "_kept_states", "_unfused_swiglu")  # engine arms whose compiled steps `side_by_side` times beside the targets'
+SIDE_BY_SIDE_ARMS = ("_pdl", "_kept_states", "_swiglu_epilogue")  # engine arms whose compiled steps `side_by_side` times beside the targets'
 
 
 def side_by_side_ratios(names) -> list[tuple[str, str, str]]:
@@ -435,10 +435,10 @@ def kept_states_arm(engine, args, device, layer_ids, bandwidth, label, result, s
 
 
 def swiglu_arm(engine, args, device, layer_ids, bandwidth, label, result, steps) -> None:
-    """`--swiglu-arm`: silu(gate) * up as a launch of its own after the gate / up matmul (EngineBase.swiglu_epilogue
-    off) instead of in its epilogue, in `side_by_side` too: the A/B behind the epilogue's default, in one process."""
+    """`--swiglu-arm`: silu(gate) * up made in the gate / up matmul's epilogue (EngineBase.swiglu_epilogue on) instead
+    of by a launch of its own, in `side_by_side` too: the A/B that decides the epilogue's default, in one process."""
     if args.swiglu_arm:
-        engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "unfused_swiglu", {"swiglu_epilogue": False},
+        engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "swiglu_epilogue", {"swiglu_epilogue": True},
                    steps)
 
 
@@ -922,9 +922,9 @@ def main() -> None:
                              "(LeanQwen35.gdn_replay) they keep their inputs and the state before them and a rollback "
                              "replays the accepted tokens, checked against kept states before timing (gdn_replay_check)")
     parser.add_argument("--swiglu-arm", action="store_true",
-                        help="each target again with silu(gate) * up a launch of its own (EngineBase.swiglu_epilogue "
-                             "off), same tuning, same process (<target>_unfused_swiglu, vs_unfused_swiglu.*; in "
-                             "side_by_side)")
+                        help="each target again with silu(gate) * up in the gate / up matmul's epilogue "
+                             "(EngineBase.swiglu_epilogue, off by default), same tuning, same process "
+                             "(<target>_swiglu_epilogue, vs_swiglu_epilogue.*; in side_by_side)")
     parser.add_argument("--kept-states-arm", action="store_true",
                         help="each target again with its verify blocks keeping every position's GDN state (gdn_replay "
                              "off), same process (<target>_kept_states, vs_kept_states.*; in side_by_side with --compile)")

@@ -176,9 +176,9 @@ class EngineBase:
         # capture's steps with programmatic dependent launch (kernels.pdl: the int4 mma kernels' launches, and with
         # compile inductor's own kernels, `triton.enable_pdl`): off until timed in a whole step. Set before capture
         self.pdl = False
-        # silu(gate) * up made in the gate / up matmul's epilogue where its kernel takes one (`linear.swiglu`); False:
-        # always from the matmul's output (bench_components --swiglu-arm's A/B). Set before capture
-        self.swiglu_epilogue = True
+        # silu(gate) * up made in the gate / up matmul's epilogue where its kernel takes one (`linear.swiglu`), else from
+        # the matmul's output: off until timed in a whole step on a GPU (bench_components --swiglu-arm). Set before capture
+        self.swiglu_epilogue = False
 
     def set_attention(self, attention: str) -> None:
         """How decode steps and verify blocks attend over the cache: "sdpa" (torch's attention over
