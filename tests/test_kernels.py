@@ -501,28 +501,43 @@ def test_tuning_drops_fast_configs_that_fail_or_are_off(monkeypatch):
     assert kept == [plain, fast] and len(problems) == 1 and "off the dequantized product" in problems[0]
 
 
-def test_tuning_checks_a_verify_tile_at_2_to_8_rows_too(monkeypatch):
-    """A tile tuned at 16 rows also runs 2-8 rows (w4_mma's one-mma form): one wrong only there is dropped, and the
-    problem names the row count it was checked at."""
+def test_tuning_checks_an_external_tile_at_2_to_8_rows_and_in_its_swiglu_epilogue():
+    """An EXTERNAL kernel's tile tuned at 16 rows also runs 2-8 rows (w4_mma's one-mma form): one wrong only there is
+    dropped, the problem naming the rows it was checked at. For an MLP's gate / up (swiglu), a tile the epilogue takes
+    (`swiglu_fits`) is checked in it too, against the product's (gate, up) pairs; a tile it does not take is not."""
+    from types import SimpleNamespace
+
+    from qdflash.kernels import w4_mma
     from qdflash.kernels import w4a16 as w4_module
 
     q, scale, _ = quantized(32, 256, 32)
     words, scale = pack_int4(q), scale.to(torch.bfloat16)
     x = torch.randn(16, 256).to(torch.bfloat16)
-    good, low_wrong = Config(32, 16, fast=True), Config(16, 16, fast=True)
     reference = w4_module._rounded_product(x, words, scale, 32)
-    matmul = w4_module.w4a16_matmul
+    good, low_wrong, epilogue_wrong, split = (w4_mma.Config(8, 64), w4_mma.Config(16, 64), w4_mma.Config(32, 64),
+                                              w4_mma.Config(8, 64, 2))
     seen = []
 
-    def fake(x, words, scale, group, config=None):  # low_wrong is off at <= 8 rows only
-        seen.append(x.shape[0])
-        out = matmul(x.float(), words, scale, group, Config(config.block_n, config.block_k8, config.split_k))
-        return out * 1.5 if config.block_n == 16 and x.shape[0] <= 8 else out
+    def matmul(x, words, scale, group, config=None, swiglu=False):  # the dequantized product, wrong where named
+        seen.append((x.shape[0], swiglu))
+        out = reference[:x.shape[0]].to(x.dtype)
+        if config == low_wrong and x.shape[0] <= 8:
+            out = out * 1.5
+        if swiglu:
+            out = w4_module._swiglu_reference(out.float(), x.dtype).to(x.dtype)
+            return out * 1.5 if config in (epilogue_wrong, split) else out
+        return out
 
-    monkeypatch.setattr(w4_module, "w4a16_matmul", fake)
-    kept, problems = w4_module._check_fast(x, words, scale, 32, [good, low_wrong], reference)
-    assert kept == [good] and len(problems) == 1 and f"at {w4_module.ONE_MMA_CHECK} rows" in problems[0]
-    assert sorted(set(seen)) == [w4_module.ONE_MMA_CHECK, 16] and 2 <= w4_module.ONE_MMA_CHECK <= 8
+    module = SimpleNamespace(configs=lambda n, k, group, rows: [good, low_wrong, epilogue_wrong, split], matmul=matmul,
+                             swiglu_fits=w4_mma.swiglu_fits)
+    kept, problems = w4_module._external_tiles(module, x, (words, scale), reference, 32, 256, 32)
+    assert kept == [good, epilogue_wrong, split] and len(problems) == 1 and f"at {w4_module.ONE_MMA_CHECK} rows" in problems[0]
+    assert {rows for rows, _ in seen} == {16, w4_module.ONE_MMA_CHECK} and not any(s for _, s in seen)
+    seen.clear()
+    kept, problems = w4_module._external_tiles(module, x, (words, scale), reference, 32, 256, 32, swiglu=True)
+    assert kept == [good, split] and len(problems) == 2 and "silu(gate) * up epilogue" in problems[1]
+    assert sorted({(rows, s) for rows, s in seen}) == [(w4_module.ONE_MMA_CHECK, False), (16, False), (16, True)]
+    assert sum(s for _, s in seen) == 2  # good and epilogue_wrong: the split tile is not run in the epilogue
 
 
 def test_w4a16_matmul_refuses_what_it_cannot_do():
@@ -963,8 +978,8 @@ def test_w4_mma_compiles_for_the_h200_in_the_layout_it_assumes(tile):
 @pytest.mark.parametrize("case", ["gemv 1", "gemv rows", "w4 mma 1", "w4 mma rows 8", "w4 mma rows 16"])
 def test_swiglu_epilogues_compile_for_the_h200(case):
     """The kernels that make silu(gate) * up in their epilogue (SWIGLU: the 16-bit GEMV at 1 and 2-16 rows, both int4
-    mma kernels) lower for sm_90 without a spill, at tiles tuning picks for Qwen3.5-4B's 18,432 x 2,560 gate / up
-    (one K split), the mma kernels still with their mmas."""
+    mma kernels) lower for sm_90 without a spill, at one K split and tiles of the sizes tuning picks for Qwen3.5-4B's
+    18,432 x 2,560 gate / up, the mma kernels still with their mmas."""
     ptrs = {"x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*i32", "out_ptr": "*bf16"}
     tail = {"stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "W_PER_SPLIT": "i32", "y_ptr": "*bf16",
             "counts_ptr": "*i32"}
@@ -1189,10 +1204,11 @@ def test_gemv_rows_equals_linear(dtype, rows):
 @pytest.mark.parametrize("rows", [1, 5])
 def test_gemv_swiglu_epilogue(dtype, rows):
     """gemv(swiglu=True) on a weight of (gate, up) row pairs is silu(gate) * up of the two matmuls, [rows, N / 2], with
-    pairs (48) not a multiple of a program's; a K split (its sums not final in any program) is refused."""
+    pairs (50) not a multiple of some tiles' (their last program's pairs past N / 2 masked); a K split (its sums not
+    final in any program) is refused."""
     from qdflash.kernels import gemv as gemv_module
 
-    half, k = 48, 512
+    half, k = 50, 512
     g = torch.Generator().manual_seed(rows)
     gate, up = (torch.randn(half, k, generator=g).to(DEVICE, dtype) / 8 for _ in range(2))
     x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
@@ -1200,8 +1216,9 @@ def test_gemv_swiglu_epilogue(dtype, rows):
     assert torch.equal(w[0::2], gate) and torch.equal(w[1::2], up)
     ref = (F.silu((x.float() @ gate.float().T).to(dtype)) * (x.float() @ up.float().T).to(dtype)).float()
     configs = [c for c in gemv_module.candidate_configs(4096, k, rows) if gemv_module.swiglu_fits(c, 2 * half)]
-    assert configs and any(c.unrolled for c in configs)
-    for config in configs[:: max(1, len(configs) // 4)]:
+    configs = configs[:: max(1, len(configs) // 4)]
+    assert any(c.unrolled for c in configs) and any(half % (c.block_n // 2) for c in configs)
+    for config in configs:
         y = gemv_module.gemv(x, w, config, swiglu=True)
         assert y.dtype == dtype and y.shape == (rows, half)
         torch.testing.assert_close(y.float(), ref, atol=2e-2 if dtype == torch.float16 else 1e-5, rtol=1e-3)

@@ -10,14 +10,15 @@ across warps, or a vector Triton moves to another layout through shared memory) 
     git worktree add /tmp/before 50e4fdc
     python scripts/investigations/gdn_loop_sync.py /tmp/before/src src
 
-(50e4fdc: 9 barriers a token in the block kernel; 110a81e stores a token's output from the reduction's layout: 7.)
+(50e4fdc: 9 barriers a token in the block kernel; 110a81e stores a token's output from the reduction's layout: 7.
+4c5776a laid the loop out with its lanes along dk, 2 barriers a token keeping inputs; on an H100 that block was 3.5%
+slower and it was reverted: results/published/2026-12-07-h100-gdn-layout-reverted.)
 It also prints the registers and stack per thread: at the engine's launch (the b / a dot in the kernel, gdn_ba="dot";
-the pointers, strides and head sizes multiples of 16, as a launch at Qwen3.5-4B's shapes specializes them; before
-4c5776a only the pointers were marked) the block kernel spills with Triton 3.9 (8 bytes keeping every state, 24
-keeping its inputs at 4c5776a), where tests/test_kernels.py's no-spill case, the product given, does not.
-Run it with the device's Triton (3.6 on the H200 image) for the device's code: other versions schedule differently
-(with triton 3.6.0 on PYTHONPATH, e.g. `pip install --no-deps --target /tmp/tr36 triton==3.6.0`, the block kernel
-has 254 registers and no stack in both forms at 4c5776a: the spill is Triton 3.9's).
+the pointers, strides and head sizes multiples of 16, as a launch at Qwen3.5-4B's shapes specializes them) the block
+kernel spills 16 bytes with Triton 3.9 in both forms (at 6fe1803), where tests/test_kernels.py's no-spill case, the
+product given, does not. Run it with the device's Triton (3.6 on the H200 image) for the device's code: other
+versions schedule differently (with triton 3.6.0 on PYTHONPATH, e.g. `pip install --no-deps --target /tmp/tr36
+triton==3.6.0`, the block kernel has 254 registers and no stack in both forms at 6fe1803: the spill is Triton 3.9's).
 Each tree compiles in a process of its own (the trees' modules share a name).
 """
 

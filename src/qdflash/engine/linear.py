@@ -239,9 +239,11 @@ def tune_projections(projections, dense_shapes=(), dtype: torch.dtype = torch.bf
     projections = list(projections)
     tuned = {}
     packed = {(p.out_features, p.in_features, p.group) for p in projections if p.words is not None and p.fast}
+    # an MLP's gate / up kept as (gate, up) pairs: its tiles are checked in their silu(gate) * up epilogue too
+    pairs = {(p.out_features, p.in_features, p.group) for p in projections if p.words is not None and p.fast and p.pairs}
     for n, k, group in sorted(packed):
         for rows in (1, MAX_ROWS):
-            config, ms, dense_ms, others = tune(n, k, group, rows=rows, dtype=dtype)
+            config, ms, dense_ms, others = tune(n, k, group, rows=rows, dtype=dtype, swiglu=(n, k, group) in pairs)
             tuned[tuning_key("w4a16", n, k, rows, group)] = {"config": config.__dict__, "ms": round(ms, 4), "dense_ms": round(dense_ms, 4),
                                                       **{f"{name}_ms": None if t is None else round(t, 4) for name, t in others.items()},
                                                       "used": backend(n, k, group, rows, dtype),

@@ -68,6 +68,7 @@ if triton is not None:
 
     @triton.jit
     def swiglu_rounded(gate, up, dt: tl.constexpr):
-        """silu(gate) * up as a 16-bit model's unfused ops give it (a matmul's gate and up outputs rounded to `dt`,
-        `silu_rounded`, the product in fp32 rounded to `dt`), in `dt`: a matmul's epilogue on its (gate, up) pairs."""
+        """silu(gate) * up as a 16-bit model's unfused eager ops give it (a matmul's gate and up outputs rounded to
+        `dt`, `silu_rounded`, the product in fp32 rounded to `dt`), in `dt`: a matmul's epilogue on its (gate, up)
+        pairs. (A compiled step's inductor kernel does not round silu in between: its logits may differ slightly.)"""
         return (silu_rounded(gate, dt) * up.to(dt).to(tl.float32)).to(dt)

@@ -30,6 +30,10 @@ only (PTX); elsewhere `supported` is False and the other backends run.
 Layout (`pack`): rows 2r and 2r + 1 are pair r; words [N/2, K/4] int32, word w holding columns 4w..4w+3
 (nibble p at bits 4p: 0 (n1, slot 0), 1 (n2, 0), 2 (n1, 2), 3 (n2, 2), 4 (n1, 1), 5 (n2, 1), 6 (n1, 3),
 7 (n2, 3)); scales [N/2, K/group] int32, the bf16 pair (s_n1 low, s_n2 high).
+
+SWIGLU (`matmul(..., swiglu=True)`, one K split): an MLP's gate / up kept as (gate, up) row pairs
+(`gemv.swiglu_pairs`) makes each row pair a (gate, up) pair, so a program holds both sums of an output and its
+epilogue writes silu(gate) * up, [rows, N / 2] (`jit.swiglu_rounded`).
 """
 
 from __future__ import annotations

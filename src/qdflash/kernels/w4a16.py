@@ -418,40 +418,55 @@ def _rounded_product(x, words, scale, group: int) -> torch.Tensor:
     return F.linear(x.float(), dequantize_words(words, scale, group).to(x.dtype).float())
 
 
-def _external_tiles(module, x, state, reference, n: int, k: int, group: int) -> tuple[list, list[str]]:
+def _external_tiles(module, x, state, reference, n: int, k: int, group: int,
+                    swiglu: bool = False) -> tuple[list, list[str]]:
     """An EXTERNAL kernel's tiles for the shape and x's rows whose product matches `reference` (`_rounded_product`),
-    and what was wrong with each dropped; [None] for a kernel without tiles of its own."""
+    and what was wrong with each dropped; [None] for a kernel without tiles of its own. Tuned at 9-16 rows, a tile also
+    runs a verify block's 2-8 (w4_mma's one-mma form, another code path): checked too, on x's first ONE_MMA_CHECK rows.
+    `swiglu` (an MLP's gate / up, rows as (gate, up) pairs): a tile the kernel's silu(gate) * up epilogue takes
+    (`module.swiglu_fits`) is checked with it too, against the same product's pairs (`_swiglu_reference`)."""
     if not hasattr(module, "configs"):
         return [None], []
-    return _matching(module.configs(n, k, group, x.shape[0]), lambda c: module.matmul(x, *state, group, config=c), reference)
+    kept, problems = _matching(module.configs(n, k, group, x.shape[0]), lambda c: module.matmul(x, *state, group, config=c),
+                               reference)
+    if x.shape[0] > ONE_MMA_CHECK:
+        head = x[:ONE_MMA_CHECK]
+        kept, more = _matching(kept, lambda c: module.matmul(head, *state, group, config=c), reference[:ONE_MMA_CHECK])
+        problems += [f"{problem} at {ONE_MMA_CHECK} rows" for problem in more]
+    if swiglu and hasattr(module, "swiglu_fits"):
+        kept, more = _matching(kept, lambda c: module.matmul(x, *state, group, config=c, swiglu=True),
+                               _swiglu_reference(reference, x.dtype), check=module.swiglu_fits)
+        problems += [f"{problem} in its silu(gate) * up epilogue" for problem in more]
+    return kept, problems
 
 
-ONE_MMA_CHECK = 5  # rows of the 2-8-row form checked: odd, so its padded half is exercised too
+ONE_MMA_CHECK = 5  # rows of w4_mma's 2-8-row form checked: odd, so its padded half is exercised too
+
+
+def _swiglu_reference(product: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up of a product whose columns are (gate, up) pairs, each rounded to `dtype` as a matmul's output
+    and an eager silu's are (`jit.swiglu_rounded`'s rule), in fp32."""
+    gate, up = product[:, 0::2].to(dtype), product[:, 1::2].to(dtype)
+    return (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype).float()
 
 
 def _check_fast(x, words, scale, group: int, configs: list[Config], reference) -> tuple[list[Config], list[str]]:
     """`configs` without the fast ones whose product is off `reference` (`_rounded_product`: each weight rounded to
     bf16, as that path rounds it) or that fail to run, and what was wrong with each dropped: inline PTX the interpreter
-    cannot run, checked on the device before any timing or use. Tuned at 9-16 rows, a tile also runs a verify
-    block's 2-8 (`w4_mma`'s one-mma form, another code path), so those are checked too, on x's first ONE_MMA_CHECK rows."""
-    kept, problems = _matching(configs, lambda c: w4a16_matmul(x, words, scale, group, c), reference, check=lambda c: c.fast)
-    if x.shape[0] > ONE_MMA_CHECK:
-        head = x[:ONE_MMA_CHECK]
-        kept, more = _matching(kept, lambda c: w4a16_matmul(head, words, scale, group, c), reference[:ONE_MMA_CHECK],
-                               check=lambda c: c.fast)
-        problems += [f"{problem} at {ONE_MMA_CHECK} rows" for problem in more]
-    return kept, problems
+    cannot run, checked on the device before any timing or use."""
+    return _matching(configs, lambda c: w4a16_matmul(x, words, scale, group, c), reference, check=lambda c: c.fast)
 
 
 def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=torch.bfloat16,
-         l2_bytes: int = 64 << 20) -> tuple[Config, float, float, dict[str, float | None]]:
+         l2_bytes: int = 64 << 20, swiglu: bool = False) -> tuple[Config, float, float, dict[str, float | None]]:
     """Time every candidate for [rows, K] x [N, K] and remember the fastest for this shape and row
     bucket (later calls use it); then cuBLAS on a 16-bit [N, K] weight and, where they take the shape,
     the EXTERNAL int4 kernels on the same packed weights, and remember which won (`backend`). Each
     candidate runs once on each of several weight copies (together > 4x the L2 cache, so weights come
     from HBM; the 16-bit copies are 4x larger, so fewer are needed) inside one CUDA graph, as in a
     captured decode step: launch overhead is not what is measured. An external kernel is first checked
-    against the dequantized product: outside EXTERNAL_TOLERANCE it is not used, and this says so.
+    against the dequantized product: outside EXTERNAL_TOLERANCE it is not used, and this says so. `swiglu`: the shape
+    is an MLP's gate / up as (gate, up) row pairs, so tiles are checked in their silu(gate) * up epilogue too.
     Returns (config, its median ms per call, cuBLAS's, {external kernel: its ms, None where it did not run})."""
     copies = copies_past_l2(n * k // 2, l2_bytes)
     ws = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32) for _ in range(copies)]
@@ -476,7 +491,7 @@ def tune(n: int, k: int, group: int, rows: int = MAX_ROWS, device="cuda", dtype=
         if problem:
             warnings.warn(f"{name} on {n}x{k} (group {group}, {rows} rows) {problem}: not used", stacklevel=2)
             continue
-        tiles, problems = _external_tiles(module, x, states[0], rounded, n, k, group)
+        tiles, problems = _external_tiles(module, x, states[0], rounded, n, k, group, swiglu)
         if problems:
             warnings.warn(f"{name} on {n}x{k} (group {group}, {rows} rows), tiles not used: {'; '.join(problems)[:1000]}",
                           stacklevel=2)
