@@ -400,7 +400,7 @@ ROWS_TILE_W = 16  # the rows kernel's tile: 4 lanes x 4 words along K, so a warp
 def configs(n: int, k: int, group: int, rows: int = 1) -> list[Config]:
     """The tiles `w4a16.tune` times. One row: 4 warps, 4-16 words a thread (each its 4 fp32 accumulators in
     registers), at least as many words as the blocked layout covers (no word held twice). 2-16 rows: 16-word tiles of
-    8 row pairs per warp (1-8 warps, one or two such rows of quads). Both: each tile also with `prefetch`,
+    8 row pairs per warp (4 or 8 warps, one or two such rows of quads). Both: each tile also with `prefetch`,
     64..4096 programs, K split 1-8 ways (powers of two: the in-launch reduction's). Each tile and split is a compile
     of its own: tuning time."""
     out = []
@@ -410,14 +410,8 @@ def configs(n: int, k: int, group: int, rows: int = 1) -> list[Config]:
                 c = Config(block_p, ROWS_TILE_W, split_k, warps)
                 if fits(c, n, k, rows) and 64 <= n // (2 * block_p) * split_k <= 4096:
                     out += [c, replace(c, prefetch=True)]
-        # fewer pairs a program (2 warps, 1), so that wide shapes fill the GPU with K split at most twice: at 16 rows a
-        # split's fp32 partial sums are 16x the one-row kernel's (10,240 x 2,560 split 4 ways: 2.6 MB written and read
-        # back beside 13 MB of ints). Without prefetch, to keep tuning's compiles few
-        for block_p, warps in ((8, 1), (16, 2)):
-            for split_k in (1, 2):
-                c = Config(block_p, ROWS_TILE_W, split_k, warps)
-                if fits(c, n, k, rows) and 64 <= n // (2 * block_p) * split_k <= 4096:
-                    out.append(c)
+        # (tiles of fewer pairs, 16 x 2 warps and 8 x 1 with K split at most twice, were timed at every Qwen3.5-4B shape
+        # and never won: results/published/2026-12-07-h100-gdn-layout-reverted, `w4_rows16.json`)
         return out
     for block_p in (4, 8, 16, 32):
         for block_w in (32, 64, 128):
