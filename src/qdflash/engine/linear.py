@@ -104,18 +104,25 @@ class Projection:
             if use == "w4a16":
                 return w4a16_matmul(rows, self.words, self.scale, self.group, counts=self.counts).view(*x.shape[:-1], -1)
             if use in EXTERNAL:
-                kernel = EXTERNAL[use]
-                if use not in self._external:  # repacked once (the same ints and scales): a captured step reads it at every replay
-                    self._external[use] = kernel.pack(self.words, self.scale, self.group, x.dtype)
-                return kernel.matmul(rows, *self._external[use], self.group).view(*x.shape[:-1], -1)
-            if self._dense is None:  # computed once: a captured step reads it at every replay
-                self._dense = self.dequantized()
-            return dense_linear(x, self._dense, self.kernels)
+                return EXTERNAL[use].matmul(rows, *self._packed_for(use, x.dtype), self.group).view(*x.shape[:-1], -1)
+            return dense_linear(x, self._dense_weight(), self.kernels)
         # a prefill: the kept 16-bit copy where there is one (the same numbers), else dequantized for this call
         return F.linear(x, self._dense if self._dense is not None else self.dequantized())
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_words(self.words, self.scale, self.group).to(self.dtype)
+
+    def _packed_for(self, use: str, dtype: torch.dtype) -> tuple:
+        """EXTERNAL[use]'s repacking of the ints and scales, made once: a captured step reads it at every replay."""
+        if use not in self._external:
+            self._external[use] = EXTERNAL[use].pack(self.words, self.scale, self.group, dtype)
+        return self._external[use]
+
+    def _dense_weight(self) -> torch.Tensor:
+        """The dequantized 16-bit weight, computed once: a captured step reads it at every replay."""
+        if self._dense is None:
+            self._dense = self.dequantized()
+        return self._dense
 
     def swiglu(self, x: torch.Tensor, epilogue: bool = True) -> torch.Tensor:
         """silu(gate) * up of a (gate, up)-pairs projection (`of(..., swiglu=True)`): in the matmul's epilogue where the
@@ -138,14 +145,11 @@ class Projection:
                 tile = w4_mma.default_config(self.out_features, self.in_features, self.group, rows.shape[0])
                 if not w4_mma.swiglu_fits(tile):
                     return None
-                if use not in self._external:
-                    self._external[use] = w4_mma.pack(self.words, self.scale, self.group, x.dtype)
-                return w4_mma.matmul(rows, *self._external[use], self.group, config=tile, swiglu=True).view(*x.shape[:-1], -1)
+                return w4_mma.matmul(rows, *self._packed_for(use, x.dtype), self.group, config=tile,
+                                     swiglu=True).view(*x.shape[:-1], -1)
             if use != "dense":
                 return None
-            if self._dense is None:
-                self._dense = self.dequantized()
-            weight = self._dense
+            weight = self._dense_weight()
         config = gemv_config(*weight.shape, weight.dtype, rows.shape[0])
         if config is None or not gemv_kernel.swiglu_fits(config, weight.shape[0]):
             return None
