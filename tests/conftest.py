@@ -32,6 +32,22 @@ def tiny_qwen():
 
 
 @pytest.fixture(scope="session")
+def short_qwen(tiny_qwen):
+    """tiny-qwen3.5 cut to its first 4 layers: the hybrid's pattern once (3 Gated DeltaNet layers, then full
+    attention). For the tests whose subject is the GDN kernels through the engine: Triton's interpreter runs each GDN
+    layer's launches for seconds, and the second half of the model adds no path."""
+    import copy
+
+    target = copy.copy(tiny_qwen)
+    target.model = copy.deepcopy(tiny_qwen.model)
+    config = target.model.config
+    keep = config.layer_types.index("full_attention") + 1
+    target.model.model.layers = target.model.model.layers[:keep]
+    config.num_hidden_layers, config.layer_types = keep, config.layer_types[:keep]
+    return target
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_llama):
     return tiny_llama.tokenizer
 

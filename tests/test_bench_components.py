@@ -353,7 +353,7 @@ def test_drafter_step_block_variants_parse_or_name_the_bad_item():
             bench_drafter_step.block_variants(f"16x64,{bad}")
 
 
-def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_qwen, monkeypatch):
+def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(short_qwen, monkeypatch):
     """bench_components.gdn_check, before any timing: the fused GDN layer middle against the unfused one on the same
     prompt (the kernels under Triton's interpreter here), and where the fused path raises, the error recorded and
     the engine left unfused, so that one broken kernel does not cost the rest of a device run."""
@@ -363,8 +363,8 @@ def test_gdn_check_compares_the_fused_path_or_turns_it_off_where_it_fails(tiny_q
     import qdflash.engine.qwen3_5 as qwen3_5
     from qdflash.engine import build_engine
 
-    assert bench_components.gdn_check(build_engine(tiny_qwen, max_len=64), "cpu") == {"gdn_fused_check": "kernels off: one torch path"}
-    engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+    assert bench_components.gdn_check(build_engine(short_qwen, max_len=64), "cpu") == {"gdn_fused_check": "kernels off: one torch path"}
+    engine = build_engine(short_qwen, max_len=64, kernels=True)
     good = bench_components.gdn_check(engine, "cpu", tokens=24, block=4)
     assert good["gdn_fused_check.max_abs"] < 1e-4 * good["gdn_fused_check.logit_scale"] and engine.fuse_gdn
 
@@ -493,7 +493,7 @@ def test_layer_tails_bench_checks_both_launches_on_a_tiny_shape(monkeypatch):
         assert norm["max_abs"] < 1e-5 and 0 <= norm["equal_fraction"] <= 1 and norm["kernel_us"] == norm["inductor_us"] == 1e3 / 2
 
 
-def test_replay_check_sets_replayed_rollbacks_against_kept_states(tiny_qwen, monkeypatch):
+def test_replay_check_sets_replayed_rollbacks_against_kept_states(short_qwen, monkeypatch):
     """replay_check (before the GPU run's timings): with the two-phase block's replay on (--gdn-replay; here the fp32
     tiny model through the interpreter), rollbacks into a block replayed and with every state
     kept give the same states and logits; and the engine is left replaying. Off, there is nothing to check; a replay
@@ -504,7 +504,7 @@ def test_replay_check_sets_replayed_rollbacks_against_kept_states(tiny_qwen, mon
 
     from qdflash.engine import build_engine
 
-    engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+    engine = build_engine(short_qwen, max_len=64, kernels=True)
     engine.gdn_replay = True
     assert bench_components.replay_check(engine, "cpu")["gdn_replay_check"].startswith("no replay")  # fp32: no two-phase
     engine.gdn_two_phase = True
@@ -586,7 +586,7 @@ def test_drafter_qk_kernel_arm_times_the_step_with_the_kernel_and_keeps_its_fail
     assert r["d.qk_kernel_error"].startswith("ZeroDivisionError") and not engine.qk_norm_rope_kernel
 
 
-def test_replay_in_graph_checks_a_captured_block_left_what_a_rollback_replays(tiny_qwen, monkeypatch):
+def test_replay_in_graph_checks_a_captured_block_left_what_a_rollback_replays(short_qwen, monkeypatch):
     """replay_in_graph (after a verify block is captured, with the replay on): the captured block writes the state
     before it and its tokens' inputs to the engine's own buffers, so replaying none of its tokens gives the state before
     it and all of them the state it left, exactly; the states are restored after. A block that kept its inputs
@@ -599,7 +599,7 @@ def test_replay_in_graph_checks_a_captured_block_left_what_a_rollback_replays(ti
     from qdflash.engine import build_engine
     from qdflash.engine.graphs import stacked_states
 
-    engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+    engine = build_engine(short_qwen, max_len=64, kernels=True)
     engine.gdn_two_phase = engine.gdn_replay = True
     engine.forward(torch.arange(1, 9), 0)
     engine.capture([3], cuda_graphs=False, lengths=[64])

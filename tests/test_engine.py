@@ -243,7 +243,7 @@ def test_a_quantized_lm_head_runs_in_the_engine_the_drafter_and_the_loop(family,
 
 @pytest.mark.parametrize("gdn_ba,two_phase", [("dot", False), ("given", False), ("fused", False), ("fused", True),
                                               ("dot", True), ("given", "chunked"), ("dot", "chunked")])
-def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phase, monkeypatch):
+def test_hybrid_engine_through_the_recurrence_kernel(short_qwen, gdn_ba, two_phase, monkeypatch):
     """kernels=True: the Gated DeltaNet recurrence runs in the Triton kernels (their interpreter here): a
     20-token prompt through the unfused layer and the recurrence kernel, a verify block and a decode step
     through the fused layer middle (gated_delta_step). Both keep per-position states, and a rollback into
@@ -264,27 +264,27 @@ def test_hybrid_engine_through_the_recurrence_kernel(tiny_qwen, gdn_ba, two_phas
     monkeypatch.setattr(qwen3_5, "gated_delta_step", counted)
     norms = []
     monkeypatch.setattr(qwen3_5.gated_norm, "gated_rms_norm", lambda o, *a: norms.append(o.shape[0]) or gated_rms_norm(o, *a))
-    engine = build_engine(tiny_qwen, max_len=64, kernels=True, gdn_ba=gdn_ba)
+    engine = build_engine(short_qwen, max_len=64, kernels=True, gdn_ba=gdn_ba)
     engine.gdn_two_phase, engine.gdn_chunked = two_phase is True, two_phase == "chunked"
     assert engine.kernels and engine.fuse_gdn
     gdn = [w for w in engine.layers if "la" in w]
     assert all((w["ba"] is None) == (gdn_ba == "fused") for w in gdn)  # fused: one projection fewer a layer
     x = ids(6, 20)
     logits, _ = engine.forward(x, 0)
-    torch.testing.assert_close(logits, tiny_qwen.model(input_ids=x[None]).logits[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, short_qwen.model(input_ids=x[None]).logits[0], atol=1e-4, rtol=1e-4)
     engine.forward(torch.tensor([101, 202, 303, 404]), 20)
     engine.rollback(21)
     after, _ = engine.forward(torch.tensor([777]), 21)
-    expected = tiny_qwen.model(input_ids=torch.cat([x, torch.tensor([101, 777])])[None]).logits[0, -1]
+    expected = short_qwen.model(input_ids=torch.cat([x, torch.tensor([101, 777])])[None]).logits[0, -1]
     torch.testing.assert_close(after[-1], expected, atol=1e-4, rtol=1e-4)
-    layers = tiny_qwen.model.config.layer_types.count("linear_attention")
+    layers = short_qwen.model.config.layer_types.count("linear_attention")
     # two_phase asked for both: gated_delta_step runs one token through the step kernel whatever it says
     assert calls == [(4, two_phase)] * layers + [(1, two_phase)] * layers, \
         "the prompt unfused; the block (two-phase where asked) and the step fused, every GDN layer"
     assert norms == [20] * layers + [4] * layers + [1] * layers  # each GDN layer's gated norm in one launch (gated_norm)
 
 
-def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(tiny_qwen, monkeypatch):
+def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(short_qwen, monkeypatch):
     """gdn_replay (with the two-phase block): a verify block keeps its GDN inputs and the state before it,
     and a rollback into it recomputes every layer's state in one launch (gated_delta_replay). The engine then holds
     exactly the states, and predicts exactly the logits, that keeping every position's state gave; a rollback after a
@@ -299,7 +299,7 @@ def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(ti
     x = ids(6, 20)
     runs = {}
     for replay in (True, False):
-        engine = build_engine(tiny_qwen, max_len=64, kernels=True)
+        engine = build_engine(short_qwen, max_len=64, kernels=True)
         engine.gdn_two_phase, engine.gdn_replay = True, replay
         engine.forward(x, 0)
         out = []
@@ -330,7 +330,7 @@ def test_a_rollback_replays_a_two_phase_block_to_the_state_it_would_have_kept(ti
     assert engine.fuse_gdn and engine.gdn_two_phase and not engine.gdn_chunked and engine._replays(3)
     engine.graphs = {}
     engine.gdn_replay = False
-    plain = build_engine(tiny_qwen, max_len=64, kernels=False)  # no kernels, no kept scratch: nothing to replay
+    plain = build_engine(short_qwen, max_len=64, kernels=False)  # no kernels, no kept scratch: nothing to replay
     plain.gdn_two_phase = plain.gdn_replay = True
     assert not plain.kept and plain._replays(3) is False
 
@@ -528,10 +528,16 @@ def test_kernel_attention_is_the_sdpa_attention(fixture, request, monkeypatch):
 
         launches, fused = [], qwen3_5.qk_norm_rope.qk_norm_rope
         monkeypatch.setattr(qwen3_5.qk_norm_rope, "qk_norm_rope", lambda qkv, *a: launches.append(qkv.shape[0]) or fused(qkv, *a))
+        # its Gated DeltaNet layers through torch's recurrence: their kernels have tests of their own
+        # (test_hybrid_engine_through_the_recurrence_kernel), and in the interpreter they took most of this case's time
+        monkeypatch.setattr(qwen3_5, "gated_delta_recurrence", qwen3_5.recurrence_torch)
     layer_ids = init_drafter(target, block_size=4, seed=0).config.target_layer_ids
     sdpa = build_engine(target, max_len=96, kernels=True)
     kernel = build_engine(target, max_len=96, kernels=True, attention="kernel")
     static = build_engine(target, max_len=96, kernels=True, attention="kernel")
+    if fixture == "tiny_qwen":
+        for engine in (sdpa, kernel, static):
+            engine.fuse_gdn = False
     static.capture([1, 3], layer_ids, cuda_graphs=False)
     assert sorted(n for _, _, n, _ in static.graphs) == [96, 96]  # the kernel needs no cache-length buckets
     x = ids(5, 40)
