@@ -680,7 +680,7 @@ def test_swiglu_is_made_in_the_gate_up_gemv_where_it_runs(fixture, request, monk
     """kernels=True: the gate / up projection keeps (gate, up) row pairs, and with `swiglu_epilogue` on, where its GEMV
     is tuned at one K split (here for 1 and 2-16 rows, Triton's interpreter), the kernel's epilogue makes
     silu(gate) * up: the logits stay transformers' at 1 and 4 rows; with the tuned config split over K, or the
-    epilogue off (the default until timed), silu(gate) * up comes from the matmul's output, the same logits. Without
+    epilogue off (on by default), silu(gate) * up comes from the matmul's output, the same logits. Without
     kernels the rows keep the modules' order (the matmul bit for bit the model's)."""
     pytest.importorskip("triton")
     from qdflash.kernels import gemv as gemv_module
@@ -688,7 +688,7 @@ def test_swiglu_is_made_in_the_gate_up_gemv_where_it_runs(fixture, request, monk
     target = request.getfixturevalue(fixture)
     assert not build_engine(target, max_len=64).layers[0]["w13"].pairs
     engine = build_engine(target, max_len=64, kernels=True)
-    assert not engine.swiglu_epilogue  # off until timed
+    assert engine.swiglu_epilogue  # on by default
     w13 = engine.layers[0]["w13"]
     assert w13.pairs and w13.weight is not None
     n, k = w13.weight.shape

@@ -299,7 +299,7 @@ def compiled_steps(engine, args, layer_ids, label, result) -> dict:
     return {f"{label}.decode": lambda: decode(one, args.context), f"{label}.verify": lambda: verify(block, args.context)}
 
 
-SIDE_BY_SIDE_ARMS = ("_pdl", "_kept_states", "_swiglu_epilogue")  # engine arms whose compiled steps `side_by_side` times beside the targets'
+SIDE_BY_SIDE_ARMS = ("_pdl", "_kept_states", "_swiglu_unfused")  # engine arms whose compiled steps `side_by_side` times beside the targets'
 
 
 def side_by_side_ratios(names) -> list[tuple[str, str, str]]:
@@ -435,10 +435,11 @@ def kept_states_arm(engine, args, device, layer_ids, bandwidth, label, result, s
 
 
 def swiglu_arm(engine, args, device, layer_ids, bandwidth, label, result, steps) -> None:
-    """`--swiglu-arm`: silu(gate) * up made in the gate / up matmul's epilogue (EngineBase.swiglu_epilogue on) instead
-    of by a launch of its own, in `side_by_side` too: the A/B that decides the epilogue's default, in one process."""
+    """`--swiglu-arm`: silu(gate) * up by a launch of its own from the gate / up matmul's output (EngineBase.swiglu_epilogue
+    off) instead of in that matmul's epilogue, in `side_by_side` too: the A/B that set the epilogue's default, in one
+    process (> 1 where the unfused arm is faster)."""
     if args.swiglu_arm:
-        engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "swiglu_epilogue", {"swiglu_epilogue": True},
+        engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "swiglu_unfused", {"swiglu_epilogue": False},
                    steps)
 
 
@@ -922,9 +923,9 @@ def main() -> None:
                              "(LeanQwen35.gdn_replay) they keep their inputs and the state before them and a rollback "
                              "replays the accepted tokens, checked against kept states before timing (gdn_replay_check)")
     parser.add_argument("--swiglu-arm", action="store_true",
-                        help="each target again with silu(gate) * up in the gate / up matmul's epilogue "
-                             "(EngineBase.swiglu_epilogue, off by default), same tuning, same process "
-                             "(<target>_swiglu_epilogue, vs_swiglu_epilogue.*; in side_by_side)")
+                        help="each target again with silu(gate) * up by a launch of its own, not in the gate / up "
+                             "matmul's epilogue (EngineBase.swiglu_epilogue off; on by default), same tuning, same "
+                             "process (<target>_swiglu_unfused, vs_swiglu_unfused.*; in side_by_side)")
     parser.add_argument("--kept-states-arm", action="store_true",
                         help="each target again with its verify blocks keeping every position's GDN state (gdn_replay "
                              "off), same process (<target>_kept_states, vs_kept_states.*; in side_by_side with --compile)")

@@ -177,8 +177,10 @@ class EngineBase:
         # compile inductor's own kernels, `triton.enable_pdl`): off until timed in a whole step. Set before capture
         self.pdl = False
         # silu(gate) * up made in the gate / up matmul's epilogue where its kernel takes one (`linear.swiglu`), else from
-        # the matmul's output: off until timed in a whole step on a GPU (bench_components --swiglu-arm). Set before capture
-        self.swiglu_epilogue = False
+        # the matmul's output. On: a launch and a round trip of the gate / up product fewer a layer; side by side in one
+        # process the compiled decode steps were faster with it, 16-bit and W4 alike, and verify blocks no slower
+        # (results/published/2026-12-07-h100-swiglu-epilogue; bench_components --swiglu-arm times it off). Set before capture
+        self.swiglu_epilogue = True
 
     def set_attention(self, attention: str) -> None:
         """How decode steps and verify blocks attend over the cache: "sdpa" (torch's attention over
