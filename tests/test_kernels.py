@@ -84,7 +84,7 @@ def test_one_row_w4a16_reduces_its_k_splits_in_its_launch(dtype, monkeypatch):
     g = torch.Generator().manual_seed(7)
     sums = []
     monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, f=torch.Tensor.sum, **kw: sums.append(1) or f(self, *a, **kw))
-    for split in (2, 8):  # (every power-of-two split takes the same path: the smallest and the largest)
+    for split in (2, 8):  # (every power-of-two split takes the same path: two of them)
         config = Config(8, 16, split)
         for _ in range(2):
             x = torch.randn(1, k, generator=g).to(DEVICE, dtype)

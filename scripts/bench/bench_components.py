@@ -437,7 +437,8 @@ def kept_states_arm(engine, args, device, layer_ids, bandwidth, label, result, s
 def swiglu_arm(engine, args, device, layer_ids, bandwidth, label, result, steps) -> None:
     """`--swiglu-arm`: silu(gate) * up by a launch of its own from the gate / up matmul's output (EngineBase.swiglu_epilogue
     off) instead of in that matmul's epilogue, in `side_by_side` too: the A/B that set the epilogue's default, in one
-    process (> 1 where the unfused arm is faster)."""
+    process (`side_by_side.*_swiglu_unfused.*_speedup` > 1 where the unfused arm is faster; `vs_swiglu_unfused.*` is
+    the arm's time over the target's, > 1 where the epilogue is faster)."""
     if args.swiglu_arm:
         engine_arm(engine, args, device, layer_ids, bandwidth, label, result, "swiglu_unfused", {"swiglu_epilogue": False},
                    steps)
