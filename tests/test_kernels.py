@@ -663,7 +663,7 @@ def test_gated_delta_step_is_the_unfused_layer_middle(ba_weight, two_phase):
                          state0.clone(), key_heads=key_heads, key_dim=key_dim, two_phase=True, chunked=True)
 
 
-@pytest.mark.parametrize("tokens", [2, 16])  # a short block and the full one (5 too took 24 s of interpreter time more)
+@pytest.mark.parametrize("tokens", [2, 16])  # a short block and the full one (rollback tests cover other lengths)
 def test_a_replayed_block_state_is_the_one_the_block_kept(tokens):
     """gated_delta_step(kept=): a two-phase block that keeps its tokens' inputs writes the same outputs and state as one
     that keeps every position's state, but of the states only the first; gated_delta_replay then gives, for every
